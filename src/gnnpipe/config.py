@@ -1,0 +1,395 @@
+"""Typed configuration: nested dataclasses, built from YAML at exactly one boundary.
+
+Two shapes of config exist:
+
+* the **workflow config** (``config/config.yaml``): named datasets and models, shared
+  training settings and a list of runs. Snakemake validates it against
+  ``workflow/schemas/config.schema.yaml``; ``load_workflow_config`` checks it again
+  here, so that the CLI gives the same errors without Snakemake.
+* the **run config** (``results/runs/<run_id>/run.yaml``): one run, fully resolved
+  (``resolve_run``), which is what ``gnnpipe train`` and ``gnnpipe evaluate`` read.
+
+Any unknown key, wrong type or bad value raises ``ConfigError`` with the dotted path
+of the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from .io import GnnPipeError
+
+
+class ConfigError(GnnPipeError):
+    """A config key or value is wrong."""
+
+
+# --------------------------------------------------------------------------- datasets
+@dataclass
+class SyntheticConfig:
+    """Degree-corrected SBM with power-law degrees and a locality knob (see gnnpipe.data.synthetic).
+
+    Fields left ``None`` take the value of the named ``shape``.
+    """
+
+    shape: Literal["default", "reddit-like", "physics-like"] = "default"
+    num_nodes: Optional[int] = None
+    avg_degree: Optional[float] = None
+    num_features: Optional[int] = None
+    num_classes: Optional[int] = None
+    num_communities: Optional[int] = None
+    intra_fraction: Optional[float] = None  # share of edges inside a community
+    locality: Optional[float] = None  # share of intra edges kept near in a 1-D embedding (0..1)
+    degree_exponent: Optional[float] = None  # power-law exponent of expected degrees
+    feature_signal: Optional[float] = None  # class signal in features relative to noise
+    label_noise: Optional[float] = None  # share of nodes whose label is not their community's
+    train_fraction: float = 0.6
+    val_fraction: float = 0.2
+    seed: int = 0
+
+
+@dataclass
+class OgbConfig:
+    """An OGB node-property dataset read from OGB's raw on-disk files under ``root``."""
+
+    name: Literal["ogbn-arxiv", "ogbn-products", "ogbn-papers100M"] = "ogbn-arxiv"
+    root: str = "data/ogb"  # where <name with _>/ lies or is downloaded to
+    download: bool = True  # try to download when missing (needs the internet)
+
+
+@dataclass
+class FilesConfig:
+    """A user's own graph: an edge list and per-node arrays."""
+
+    edges: str = ""  # .csv (two int columns, optional header) or .npy/.npz (E, 2)
+    features: str = ""  # .npy (N, F)
+    labels: str = ""  # .npy (N,) integral
+    train_mask: Optional[str] = None  # .npy bool (N,); all three or none
+    val_mask: Optional[str] = None
+    test_mask: Optional[str] = None
+    train_fraction: float = 0.6  # random split when no masks are given
+    val_fraction: float = 0.2
+    seed: int = 0
+
+
+@dataclass
+class DatasetConfig:
+    kind: Literal["synthetic", "ogb", "files"] = "synthetic"
+    symmetrize: bool = True  # add the reverse of every edge
+    self_loops: Literal["remove", "add", "keep"] = "remove"  # layers add their own self term
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    ogb: OgbConfig = field(default_factory=OgbConfig)
+    files: FilesConfig = field(default_factory=FilesConfig)
+
+
+# --------------------------------------------------------------------------- model & training
+@dataclass
+class ModelConfig:
+    """A stack of ``layers`` graph layers (``mlp``: no graph, the baseline)."""
+
+    kind: Literal["gcn", "sage", "gat", "gcnii", "resgcn", "mlp"] = "gcn"
+    layers: int = 2
+    hidden: int = 64
+    dropout: float = 0.5
+    heads: int = 4  # gat: attention heads (hidden is split across them)
+    alpha: float = 0.1  # gcnii: initial-residual weight
+    lambda_: float = 0.5  # gcnii: identity-mapping strength (YAML key: lambda)
+    norm: Literal["none", "layer"] = "none"  # normalisation after each hidden layer (resgcn: always layer)
+
+
+@dataclass
+class TrainingConfig:
+    epochs: int = 100
+    lr: float = 0.01
+    weight_decay: float = 5e-4
+    seed: int = 0
+    dtype: Literal["float32", "float64"] = "float32"
+    eval_every: int = 10  # exact inference for val/test accuracy every N epochs (and the last)
+    checkpoint_every: int = 50  # 0: only the final model
+    warmup_epochs: int = 1  # epochs excluded from the timing median
+    threads_per_worker: int = 1
+
+
+@dataclass
+class PipelineConfig:
+    """GNNPipe chunk pipeline and its convergence techniques (DESIGN.md §4)."""
+
+    chunks_per_stage: int = 4  # C = chunks_per_stage * S unless a run sets chunks
+    shuffle_chunks: bool = True  # technique 1
+    grad_correction: bool = True  # technique 2: zero not-yet-backpropagated rows, scale fresh ones
+    grad_scale: float = 2.0
+    snapshot_every: int = 23  # technique 3: 0 disables
+    momentum: float = 0.0  # PipeGCN-style smoothing of stale rows; 0 disables (reference 0.95)
+    recompute: bool = False  # recompute activations in backward instead of storing them
+    balance: Literal["uniform", "estimate", "profile"] = "estimate"
+
+
+@dataclass
+class GraphParallelConfig:
+    overlap: bool = True  # aggregate inner rows while halo rows are in flight
+
+
+@dataclass
+class PartitionConfig:
+    method: Literal["metis", "random", "contiguous"] = "metis"
+    balance_edges: bool = True  # METIS vertex weights = degree + 1
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------- runs
+MODES = ("single", "graph", "pipeline", "hybrid")
+
+
+@dataclass
+class RunSpec:
+    """One entry of the workflow config's ``runs`` list."""
+
+    mode: Literal["single", "graph", "pipeline", "hybrid"]
+    dataset: str
+    model: str
+    workers: int = 1
+    stages: Optional[int] = None  # hybrid: S (ways = workers / S); pipeline: = workers
+    chunks: Optional[int] = None  # pipeline/hybrid: default chunks_per_stage * S
+    seed: Optional[int] = None  # overrides training.seed
+    epochs: Optional[int] = None  # overrides training.epochs
+    name: Optional[str] = None  # overrides the generated run id
+
+
+@dataclass
+class WorkflowConfig:
+    results: str = "results"
+    datasets: dict[str, DatasetConfig] = field(default_factory=dict)
+    models: dict[str, ModelConfig] = field(default_factory=dict)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    partitioning: PartitionConfig = field(default_factory=PartitionConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    graph_parallel: GraphParallelConfig = field(default_factory=GraphParallelConfig)
+    runs: list[RunSpec] = field(default_factory=list)
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs; written to ``results/runs/<run_id>/run.yaml``."""
+
+    run_id: str
+    mode: Literal["single", "graph", "pipeline", "hybrid"]
+    dataset_name: str
+    graph_path: str  # results/data/<dataset>/graph.h5
+    store_path: Optional[str]  # results/chunks/<dataset>/<method>-<k>.h5 (None for single)
+    out_dir: str  # results/runs/<run_id>
+    model: ModelConfig
+    training: TrainingConfig
+    partitioning: PartitionConfig
+    pipeline: PipelineConfig
+    graph_parallel: GraphParallelConfig
+    workers: int = 1
+    stages: int = 1
+    ways: int = 1
+    chunks: int = 1  # parts in the chunk store: P for graph, C for pipeline/hybrid
+
+
+# --------------------------------------------------------------------------- building
+_RENAMES = {"lambda": "lambda_"}  # YAML keys that are Python keywords
+
+
+def from_dict(cls, data: Any, path: str = "config"):
+    """Build dataclass ``cls`` from plain data, raising ``ConfigError`` on any mismatch."""
+    return _convert(cls, data, path)
+
+
+def _convert(tp, value, path):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp)}
+        kwargs = {}
+        for key, v in value.items():
+            attr = _RENAMES.get(key, key)
+            if attr not in names:
+                known = ", ".join(sorted(k if k != "lambda_" else "lambda" for k in names))
+                raise ConfigError(f"{path}: unknown key {key!r} (known: {known})")
+            kwargs[attr] = _convert(hints[attr], v, f"{path}.{key}")
+        missing = [f.name for f in dataclasses.fields(tp)
+                   if f.name not in kwargs and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(f"{path}: missing required key(s) {', '.join(missing)}")
+        obj = tp(**kwargs)
+        check = getattr(obj, "check", None)
+        if check:
+            check(path)
+        return obj
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, path)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return {str(k): _convert(args[1], v, f"{path}.{k}") for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
+        return [_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp} at {path}")
+
+
+def to_dict(obj) -> dict:
+    """Plain data for YAML/MLflow, with YAML key names (``lambda``)."""
+    def rename(d):
+        if isinstance(d, dict):
+            return {("lambda" if k == "lambda_" else k): rename(v) for k, v in d.items()}
+        if isinstance(d, list):
+            return [rename(v) for v in d]
+        return d
+    return rename(dataclasses.asdict(obj))
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (for MLflow params)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_yaml(path: str | Path) -> Any:
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+
+
+def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
+    if not isinstance(data, dict):
+        data = load_yaml(data)
+    wf = from_dict(WorkflowConfig, data)
+    for i, run in enumerate(wf.runs):
+        where = f"config.runs[{i}]"
+        if run.dataset not in wf.datasets:
+            raise ConfigError(f"{where}.dataset: {run.dataset!r} is not in datasets "
+                              f"({', '.join(wf.datasets) or 'none defined'})")
+        if run.model not in wf.models:
+            raise ConfigError(f"{where}.model: {run.model!r} is not in models "
+                              f"({', '.join(wf.models) or 'none defined'})")
+    ids = [run_id(wf, r) for r in wf.runs]
+    dup = {i for i in ids if ids.count(i) > 1}
+    if dup:
+        raise ConfigError(f"config.runs: run ids are not unique: {', '.join(sorted(dup))} "
+                          "(give the runs distinct seeds or names)")
+    return wf
+
+
+def run_layout(wf: WorkflowConfig, spec: RunSpec) -> tuple[int, int, int, int]:
+    """(workers, stages, ways, chunks) of a run, with the mode's defaults, validated."""
+    model = wf.models[spec.model]
+    p = spec.workers
+    if p < 1:
+        raise ConfigError(f"run {spec.mode}/{spec.dataset}/{spec.model}: workers must be >= 1")
+    if spec.mode == "single":
+        if p != 1:
+            raise ConfigError(f"run single/{spec.dataset}/{spec.model}: mode single takes workers: 1")
+        return 1, 1, 1, 1
+    if spec.mode == "graph":
+        return p, 1, p, p
+    stages = p if spec.mode == "pipeline" else (spec.stages or 1)
+    if p % stages:
+        raise ConfigError(f"run hybrid/{spec.dataset}/{spec.model}: workers ({p}) must be a "
+                          f"multiple of stages ({stages})")
+    ways = p // stages
+    chunks = spec.chunks or wf.pipeline.chunks_per_stage * stages
+    if stages > model.layers:
+        raise ConfigError(f"run {spec.mode}/{spec.dataset}/{spec.model}: {stages} stages but the "
+                          f"model has only {model.layers} layers (need stages <= layers)")
+    if chunks < stages:
+        raise ConfigError(f"run {spec.mode}/{spec.dataset}/{spec.model}: chunks ({chunks}) must "
+                          f"be >= stages ({stages})")
+    if chunks % ways:
+        raise ConfigError(f"run hybrid/{spec.dataset}/{spec.model}: chunks ({chunks}) must be a "
+                          f"multiple of ways ({ways})")
+    return p, stages, ways, chunks
+
+
+def run_id(wf: WorkflowConfig, spec: RunSpec) -> str:
+    if spec.name:
+        return spec.name
+    p, s, g, c = run_layout(wf, spec)
+    seed = spec.seed if spec.seed is not None else wf.training.seed
+    layout = {"single": "p1", "graph": f"p{p}", "pipeline": f"s{s}c{c}",
+              "hybrid": f"s{s}g{g}c{c}"}[spec.mode]
+    return f"{spec.dataset}-{spec.model}-{spec.mode}-{layout}-seed{seed}"
+
+
+def store_path(results: str, dataset: str, method: str, parts: int) -> str:
+    return f"{results}/chunks/{dataset}/{method}-{parts}.h5"
+
+
+def resolve_run(wf: WorkflowConfig, spec: RunSpec) -> RunConfig:
+    p, s, g, c = run_layout(wf, spec)
+    rid = run_id(wf, spec)
+    training = dataclasses.replace(
+        wf.training,
+        seed=spec.seed if spec.seed is not None else wf.training.seed,
+        epochs=spec.epochs if spec.epochs is not None else wf.training.epochs,
+    )
+    store = None if spec.mode == "single" else store_path(wf.results, spec.dataset,
+                                                           wf.partitioning.method, c)
+    return RunConfig(
+        run_id=rid, mode=spec.mode, dataset_name=spec.dataset,
+        graph_path=f"{wf.results}/data/{spec.dataset}/graph.h5", store_path=store,
+        out_dir=f"{wf.results}/runs/{rid}", model=wf.models[spec.model], training=training,
+        partitioning=wf.partitioning, pipeline=wf.pipeline, graph_parallel=wf.graph_parallel,
+        workers=p, stages=s, ways=g, chunks=c,
+    )
+
+
+def resolve_runs(wf: WorkflowConfig) -> dict[str, RunConfig]:
+    return {run_id(wf, r): resolve_run(wf, r) for r in wf.runs}
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    return from_dict(RunConfig, load_yaml(path), path=str(path))
+
+
+def dump_run_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
