@@ -1,0 +1,60 @@
+"""What every mode's engine provides to the trainer, and the pieces they share.
+
+The trainer (``gnnpipe.train``) branches once on the mode and builds one engine; the
+engine owns the model shard, the optimizer and the data it needs. See
+docs/ARCHITECTURE.md "Engines".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import TrainingConfig
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class EpochStats:
+    """One training epoch as seen by one rank."""
+
+    loss: float  # mean cross-entropy over all training nodes of the whole graph (same on all ranks)
+    compute_s: float = 0.0  # this rank's time computing
+    comm_s: float = 0.0  # this rank's time blocked in communication
+    bubble_s: float = 0.0  # this rank's pipeline idle time (0 outside pipeline/hybrid)
+
+
+class Engine(Protocol):
+    comm: Optional[object]  # gnnpipe.parallel.comm.Communicator, None for single
+
+    def train_epoch(self, epoch: int) -> EpochStats: ...
+
+    def evaluate(self) -> dict[str, float]: ...
+
+    def full_state_dict(self) -> Optional[dict[str, Tensor]]: ...
+
+    def predicted_bytes(self) -> int: ...
+
+
+def make_optimizer(params, cfg: TrainingConfig) -> torch.optim.Optimizer:
+    """Adam with L2 weight decay, the optimizer of every mode (so modes are comparable)."""
+    return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def ce_sum(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
+    """Sum of cross-entropy over the rows selected by ``mask`` (divide by the global count)."""
+    if not bool(mask.any()):
+        return logits.sum() * 0.0  # keeps the graph connected for backward
+    return F.cross_entropy(logits[mask], labels[mask], reduction="sum")
+
+
+def correct_counts(logits: Tensor, labels: Tensor, masks: dict[str, Tensor]) -> dict[str, tuple[int, int]]:
+    """(correct, total) per split, to be summed across workers before dividing."""
+    pred = logits.argmax(dim=-1)
+    hit = pred == labels
+    return {k: (int(hit[m].sum()), int(m.sum())) for k, m in masks.items()}
