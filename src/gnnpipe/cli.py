@@ -1,0 +1,180 @@
+"""``gnnpipe``: the command line of every pipeline stage (the Snakemake rules call it).
+
+    gnnpipe data        --spec dataset.yaml --name synth --out results/data/synth/graph.h5
+    gnnpipe partition   --graph graph.h5 --method metis --parts 4 --out metis-4.npy
+    gnnpipe materialize --graph graph.h5 --assignment metis-4.npy --out metis-4.h5
+    gnnpipe train       --run-config results/runs/<run_id>/run.yaml   (torchrun for P > 1)
+    gnnpipe evaluate    --run-config results/runs/<run_id>/run.yaml
+    gnnpipe report      --runs-dir results/runs --out results/report.md
+    gnnpipe runs        --config config/config.yaml   (list / resolve the configured runs)
+
+Every sub-command has its own ``--help``. Errors in the user's input print one line,
+``gnnpipe: error: ...``, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .io import GnnPipeError
+
+
+def _data(a):
+    from .config import DatasetConfig, from_dict, load_yaml
+    from .data import dataset_summary, load_dataset
+    from .graph import write_graph
+    from .io import write_json
+
+    cfg = from_dict(DatasetConfig, load_yaml(a.spec), path=f"{a.spec}")
+    graph = load_dataset(cfg, a.name, progress=True)
+    digest = write_graph(a.out, graph)
+    if a.stats:
+        write_json(a.stats, {**dataset_summary(graph), "content_hash": digest, "params": graph.params})
+    print(f"wrote {a.out}: {graph.num_nodes} nodes, {graph.num_edges} edges, "
+          f"{graph.num_features} features, {graph.num_classes} classes", file=sys.stderr)
+
+
+def _partition(a):
+    from .graph import read_graph
+    from .io import write_json
+    from .partition import partition_graph, partition_stats, write_partition
+
+    graph = read_graph(a.graph)
+    assignment = partition_graph(graph, a.method, a.parts, seed=a.seed, balance_edges=a.balance_edges)
+    write_partition(a.out, assignment)
+    if a.stats:
+        write_json(a.stats, {"method": a.method, "balance_edges": a.balance_edges, "seed": a.seed,
+                             **partition_stats(graph, assignment)})
+
+
+def _materialize(a):
+    from .graph import read_graph
+    from .partition import read_partition
+    from .store import materialize
+
+    graph = read_graph(a.graph)
+    assignment = read_partition(a.assignment, graph.num_nodes)
+    materialize(graph, assignment, a.out, graph_hash=graph.content_hash(),
+                method=Path(a.assignment).stem, progress=True)
+
+
+def _train(a):
+    from .config import load_run_config
+    from .train import run
+
+    run(load_run_config(a.run_config))
+
+
+def _evaluate(a):
+    from .config import load_run_config
+    from .evaluate import evaluate_run
+
+    res = evaluate_run(load_run_config(a.run_config), checkpoint=a.checkpoint, out=a.out)
+    print(" ".join(f"{k}={v:.4f}" for k, v in res.items() if isinstance(v, float)), file=sys.stderr)
+
+
+def _report(a):
+    from .report import build_report
+
+    runs = sorted(p.parent for p in Path(a.runs_dir).glob("*/metrics.json"))
+    if a.run:
+        runs = [Path(a.runs_dir) / r for r in a.run]
+    if not runs:
+        raise GnnPipeError(f"{a.runs_dir}: no run records (*/metrics.json); train some runs first")
+    build_report(runs, Path(a.out), Path(a.plots))
+
+
+def _runs(a):
+    from .config import dump_run_config, load_workflow_config, resolve_runs
+
+    runs = resolve_runs(load_workflow_config(a.config))
+    if a.resolve:
+        if a.resolve not in runs:
+            raise GnnPipeError(f"no run {a.resolve!r} in {a.config} (runs: {', '.join(runs)})")
+        print(dump_run_config(runs[a.resolve]), end="")
+        return
+    for rid, r in runs.items():
+        print(f"{rid}\t{r.mode}\tworkers={r.workers} stages={r.stages} ways={r.ways} chunks={r.chunks}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gnnpipe", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("data", help="build the canonical graph.h5 of a dataset",
+                       description="Generate (synthetic) or load (ogb, files) a dataset and write "
+                                   "its canonical graph file (HDF5, in-edge CSR + arrays).")
+    d.add_argument("--spec", required=True, help="YAML of the dataset's config (the datasets.<name> entry)")
+    d.add_argument("--name", required=True, help="dataset name, as in the config's datasets")
+    d.add_argument("--out", required=True, help="graph file to write (results/data/<name>/graph.h5)")
+    d.add_argument("--stats", help="also write a JSON summary (sizes, degrees, splits)")
+    d.set_defaults(func=_data)
+
+    q = sub.add_parser("partition", help="partition a graph (METIS, random, contiguous)",
+                       description="Partition the nodes into k parts and write the assignment (.npy) "
+                                   "and its statistics (edge cut, balance, mirrors per part).")
+    q.add_argument("--graph", required=True, help="graph.h5")
+    q.add_argument("--method", default="metis", choices=["metis", "random", "contiguous"])
+    q.add_argument("--parts", type=int, required=True, help="number of parts k")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--no-balance-edges", dest="balance_edges", action="store_false",
+                   help="METIS without degree vertex weights (balances nodes, not edges)")
+    q.add_argument("--out", required=True, help="assignment file (.npy, one part id per node)")
+    q.add_argument("--stats", help="statistics JSON")
+    q.set_defaults(func=_partition)
+
+    m = sub.add_parser("materialize", help="write the chunk store (HDF5) of a partition",
+                       description="Renumber nodes so each part is a contiguous id range and write, per "
+                                   "part, its in-edge CSR, features, labels, masks, halo and send lists.")
+    m.add_argument("--graph", required=True, help="graph.h5")
+    m.add_argument("--assignment", required=True, help="assignment .npy from `gnnpipe partition`")
+    m.add_argument("--out", required=True, help="chunk store to write (results/chunks/<d>/<method>-<k>.h5)")
+    m.set_defaults(func=_materialize)
+
+    t = sub.add_parser("train", help="train one run (under torchrun for parallel modes)",
+                       description="Train one run from its resolved config. Modes graph, pipeline and "
+                                   "hybrid run under torchrun: torchrun --standalone --nproc-per-node P "
+                                   "-m gnnpipe.cli train --run-config run.yaml")
+    t.add_argument("--run-config", required=True, help="results/runs/<run_id>/run.yaml")
+    t.set_defaults(func=_train)
+
+    e = sub.add_parser("evaluate", help="exact full-graph inference of a trained run",
+                       description="Load the run's checkpoint and compute train/val/test accuracy with "
+                                   "exact (non-stale) full-graph inference in one process.")
+    e.add_argument("--run-config", required=True, help="results/runs/<run_id>/run.yaml")
+    e.add_argument("--checkpoint", help="default: <out_dir>/model.pt")
+    e.add_argument("--out", help="default: <out_dir>/eval.json")
+    e.set_defaults(func=_evaluate)
+
+    r = sub.add_parser("report", help="table and plots over runs",
+                       description="Write a Markdown table over all run records and PNG plots.")
+    r.add_argument("--runs-dir", default="results/runs")
+    r.add_argument("--run", action="append", help="only these run ids (repeatable)")
+    r.add_argument("--out", default="results/report.md")
+    r.add_argument("--plots", default="results/plots")
+    r.set_defaults(func=_report)
+
+    s = sub.add_parser("runs", help="list the runs a workflow config defines",
+                       description="Validate a workflow config and list its runs, or print one run's "
+                                   "resolved config (what the train rule writes to run.yaml).")
+    s.add_argument("--config", default="config/config.yaml")
+    s.add_argument("--resolve", metavar="RUN_ID", help="print this run's resolved config as YAML")
+    s.set_defaults(func=_runs)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except GnnPipeError as e:
+        print(f"gnnpipe: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Exact full-graph inference: the accuracy every mode is judged by.
+
+Training in the pipeline mode reads stale embeddings; evaluation never does. This
+module runs the whole model on the whole graph in one process, from a checkpoint, so
+that ``evaluate`` gives the same numbers whichever mode trained the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .config import RunConfig
+from .engine import DTYPES, ce_sum, correct_counts
+from .graph import Graph, read_graph
+from .io import GnnPipeError, write_json
+from .models.block import Block
+from .models.model import GNN
+
+SPLITS = ("train", "val", "test")
+
+
+def graph_tensors(graph: Graph, dtype: torch.dtype, device) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Features, labels and split masks of ``graph`` as tensors on ``device``."""
+    x = torch.as_tensor(graph.features).to(device, dtype)
+    y = torch.as_tensor(graph.labels).to(device)
+    masks = {s: torch.as_tensor(getattr(graph, f"{s}_mask")).to(device) for s in SPLITS}
+    return x, y, masks
+
+
+@torch.no_grad()
+def exact_metrics(model: GNN, block: Block, x: Tensor, y: Tensor, masks: dict[str, Tensor]) -> dict[str, float]:
+    """Accuracy per split and the training loss, with dropout off, on one block."""
+    was_training = model.training
+    model.eval()
+    logits = model(x, block)
+    model.train(was_training)
+    out = {f"{k}_acc": (c / t if t else 0.0) for k, (c, t) in correct_counts(logits, y, masks).items()}
+    n_train = int(masks["train"].sum())
+    out["loss"] = float(ce_sum(logits, y, masks["train"]) / max(n_train, 1))
+    return out
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """A checkpoint written by the trainer, loaded safely (``weights_only=True``)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise GnnPipeError(f"{path}: no checkpoint; run the 'train' rule for this run first") from None
+    except Exception as e:  # unpickling errors, truncated zip
+        raise GnnPipeError(f"{path}: not a readable checkpoint ({e}); delete it and re-run 'train'") from None
+
+
+def evaluate_run(cfg: RunConfig, checkpoint: str | Path | None = None, out: str | Path | None = None) -> dict:
+    """Exact inference of a trained run on its graph; writes ``eval.json`` and logs to MLflow."""
+    checkpoint = Path(checkpoint or Path(cfg.out_dir) / "model.pt")
+    out = Path(out or Path(cfg.out_dir) / "eval.json")
+    dtype = DTYPES[cfg.training.dtype]
+    graph = read_graph(cfg.graph_path)
+    state = load_checkpoint(checkpoint)
+    model = GNN(cfg.model, graph.num_features, graph.num_classes).to(dtype)
+    try:
+        model.load_state_dict(state["model"])
+    except (RuntimeError, KeyError) as e:
+        raise GnnPipeError(f"{checkpoint}: does not fit model {cfg.model.kind} "
+                           f"(layers {cfg.model.layers}, hidden {cfg.model.hidden}): {e}") from None
+    x, y, masks = graph_tensors(graph, dtype, "cpu")
+    result = exact_metrics(model, Block.full(graph.indptr, graph.indices, dtype), x, y, masks)
+    result = {"run_id": cfg.run_id, "checkpoint_epoch": int(state.get("epoch", -1)), **result}
+    write_json(out, result)
+    metrics_path = Path(cfg.out_dir) / "metrics.json"
+    mlflow_id = json.loads(metrics_path.read_text()).get("mlflow_run_id") if metrics_path.exists() else None
+    if mlflow_id:
+        from .tracking import log_evaluation
+        log_evaluation(cfg, mlflow_id, result, out)
+    return result
