@@ -1,0 +1,75 @@
+"""The canonical graph file: round trip, and refusal of stale, damaged or foreign files."""
+
+import h5py
+import numpy as np
+import pytest
+
+from gnnpipe.graph import FORMAT_VERSION, Graph, csr_from_edges, read_graph, write_graph
+from gnnpipe.io import GnnPipeError
+
+
+def tiny_graph(n=6):
+    src = np.array([0, 1, 2, 3, 4, 0])
+    dst = np.array([1, 2, 3, 4, 5, 0])  # one self loop
+    indptr, indices = csr_from_edges(src, dst, n)
+    rng = np.random.default_rng(0)
+    return Graph(indptr, indices, rng.normal(size=(n, 3)).astype(np.float32),
+                 np.arange(n) % 2, np.arange(n) < 3, np.arange(n) == 3, np.arange(n) > 3,
+                 num_classes=2, name="tiny")
+
+
+def test_csr_symmetrises_dedups_and_drops_self_loops():
+    indptr, indices = csr_from_edges(np.array([0, 0, 1, 2]), np.array([1, 1, 1, 0]), 3)
+    edges = {(int(s), int(d)) for d in range(3) for s in indices[indptr[d]:indptr[d + 1]]}
+    assert edges == {(0, 1), (1, 0), (2, 0), (0, 2)}
+    assert indptr[-1] == 4
+    indptr, indices = csr_from_edges(np.array([0]), np.array([1]), 3, symmetrize=False, self_loops="add")
+    edges = {(int(s), int(d)) for d in range(3) for s in indices[indptr[d]:indptr[d + 1]]}
+    assert edges == {(0, 1), (0, 0), (1, 1), (2, 2)}
+
+
+def test_round_trip(tmp_path):
+    g = tiny_graph()
+    digest = write_graph(tmp_path / "g.h5", g)
+    back = read_graph(tmp_path / "g.h5")
+    for name, arr in g.arrays().items():
+        np.testing.assert_array_equal(getattr(back, name), arr)
+    assert back.content_hash() == digest and back.num_classes == 2 and back.name == "tiny"
+    assert not list(tmp_path.glob(".g.h5.*"))  # no temp file left behind
+
+
+def test_refuses_other_version(tmp_path):
+    write_graph(tmp_path / "g.h5", tiny_graph())
+    with h5py.File(tmp_path / "g.h5", "a") as f:
+        f.attrs["format_version"] = FORMAT_VERSION + 1
+    with pytest.raises(GnnPipeError, match=r"g\.h5: graph format version .* 'download' rule"):
+        read_graph(tmp_path / "g.h5")
+
+
+def test_refuses_edited_content(tmp_path):
+    write_graph(tmp_path / "g.h5", tiny_graph())
+    with h5py.File(tmp_path / "g.h5", "a") as f:
+        f["labels"][0] = 1 - f["labels"][0]
+    with pytest.raises(GnnPipeError, match="content hash does not match"):
+        read_graph(tmp_path / "g.h5")
+
+
+def test_refuses_truncated_file(tmp_path):
+    write_graph(tmp_path / "g.h5", tiny_graph())
+    data = (tmp_path / "g.h5").read_bytes()
+    (tmp_path / "g.h5").write_bytes(data[: len(data) // 2])
+    with pytest.raises(GnnPipeError, match="g.h5: .*(not a readable HDF5|damaged or truncated)"):
+        read_graph(tmp_path / "g.h5")
+
+
+def test_missing_file_names_the_rule(tmp_path):
+    with pytest.raises(GnnPipeError, match="no such graph file; build it with the 'download' rule"):
+        read_graph(tmp_path / "absent.h5")
+
+
+def test_invalid_graph_is_not_written(tmp_path):
+    g = tiny_graph()
+    g.labels[0] = 7
+    with pytest.raises(GnnPipeError, match="labels must lie in"):
+        write_graph(tmp_path / "g.h5", g)
+    assert not list(tmp_path.iterdir())
