@@ -143,6 +143,17 @@ class PartitionConfig:
     seed: int = 0
 
 
+@dataclass
+class ResourcesConfig:
+    """Cluster resources of the train and evaluate jobs (Snakemake ``resources:``; the
+    Slurm profile turns them into ``sbatch`` flags). Local runs only use ``threads``."""
+
+    mem_mb_per_worker: int = 4096  # a job asks for workers_on_a_node * this
+    runtime_min: int = 120  # wall-clock limit of one train job, minutes
+    gpus_per_worker: int = 0  # 0: CPU workers (gloo); 1: one GPU per worker (NCCL)
+    workers_per_node: Optional[int] = None  # None: all of a run's workers on one node
+
+
 # --------------------------------------------------------------------------- runs
 MODES = ("single", "graph", "pipeline", "hybrid")
 
@@ -171,6 +182,7 @@ class WorkflowConfig:
     partitioning: PartitionConfig = field(default_factory=PartitionConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     graph_parallel: GraphParallelConfig = field(default_factory=GraphParallelConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     runs: list[RunSpec] = field(default_factory=list)
 
 
