@@ -1,0 +1,284 @@
+"""Aggregation primitives on PyTorch sparse CSR kernels (MKL on CPU, cuSPARSE on CUDA).
+
+Every layer aggregates a bipartite :class:`~gnnpipe.models.block.Block`. Two kinds of
+aggregation exist:
+
+* **fixed edge weights** (GCN, GCNII, SAGE): ``out = A @ x`` with ``A`` the block's
+  ``(n_dst, n_src)`` in-edge CSR carrying weights computed from whole-graph degrees.
+  :class:`SpMM` runs it as a custom autograd Function whose backward is
+  ``grad_x = A^T @ grad_out``, with ``A^T`` a transposed CSR built once and cached on the
+  block (``block.cached``). The weights are constants: no gradient flows to them.
+* **learned edge weights** (GAT): per-edge, per-head scores, an edge softmax over each
+  destination's in-edges (:class:`EdgeSoftmax`) and a weighted aggregation
+  (:class:`EdgeSpMM`) differentiable in both the features and the edge weights; the
+  weight gradient ``<grad_out[i], x[j]>`` on every edge is a sampled dense-dense product
+  (SDDMM, ``torch.sparse.sampled_addmm``).
+
+Why CSR SpMM: ``benchmarks/bench_layers.py`` times the candidates (CSR SpMM, COO
+``torch.sparse.mm``, gather + ``index_add_``, gather + ``segment_reduce``) forward and
+backward; the CSR kernel is the fastest by a factor of 3-10 on CPU and never
+materialises an ``(nnz, d)`` message tensor, so it also uses the least memory. CSR
+index tensors are int32 when every dimension fits (MKL's native index width, a little
+faster and half the memory), int64 otherwise.
+
+Self loops: :func:`self_loop_csr` appends one entry per destination row ``i`` pointing
+at its own source row ``dst_offset + i`` (GCN's self term and GAT's self edge). The
+graph data itself is stored without self loops (docs/ARCHITECTURE.md); a self loop
+that *is* in the data is an ordinary edge and is counted on top.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .block import Block
+
+# torch warns once per process that sparse CSR is "beta"; the kernels we use are stable.
+warnings.filterwarnings("ignore", message=r"Sparse CSR tensor support is in beta state")
+
+_INT32_MAX = 2**31 - 1
+
+
+# --------------------------------------------------------------------------- structures
+@dataclass(eq=False)
+class CSR:
+    """A CSR sparsity pattern with its transpose.
+
+    ``indptr``/``indices`` describe ``(n_rows, n_cols)``; ``t_indptr``/``t_indices`` the
+    transpose ``(n_cols, n_rows)``, whose ``k``-th entry is entry ``perm[k]`` of the
+    original (so values ``v`` of the original become ``v[perm]`` in the transpose).
+    ``row`` is the row of every entry. Index tensors already have the kernel's width.
+    """
+
+    indptr: Tensor
+    indices: Tensor
+    row: Tensor  # int64 (nnz,)
+    t_indptr: Tensor
+    t_indices: Tensor
+    perm: Tensor  # int64 (nnz,)
+    n_rows: int
+    n_cols: int
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indices.shape[0])
+
+    def matrix(self, values: Tensor) -> Tensor:
+        """The sparse ``(n_rows, n_cols)`` matrix with these entry values."""
+        return torch.sparse_csr_tensor(self.indptr, self.indices, values, (self.n_rows, self.n_cols),
+                                       check_invariants=False)
+
+    def matrix_t(self, values: Tensor) -> Tensor:
+        """The transposed ``(n_cols, n_rows)`` matrix (``values`` in the original order)."""
+        return torch.sparse_csr_tensor(self.t_indptr, self.t_indices, values[self.perm],
+                                       (self.n_cols, self.n_rows), check_invariants=False)
+
+
+def _index_dtype(*sizes: int) -> torch.dtype:
+    return torch.int32 if max(sizes, default=0) <= _INT32_MAX else torch.int64
+
+
+def make_csr(indptr: Tensor, indices: Tensor, n_cols: int) -> CSR:
+    """Build a :class:`CSR` (and its transpose) from an int64 row pointer and column ids.
+
+    Pure tensor ops (stable sort, bincount, cumsum): runs on the device of ``indptr``.
+    """
+    n_rows = int(indptr.shape[0] - 1)
+    nnz = int(indices.shape[0])
+    counts = indptr[1:] - indptr[:-1]
+    row = torch.repeat_interleave(torch.arange(n_rows, device=indptr.device), counts,
+                                  output_size=nnz)
+    perm = torch.sort(indices, stable=True).indices  # edges grouped by column, rows ascending
+    t_indptr = torch.zeros(n_cols + 1, dtype=torch.int64, device=indptr.device)
+    if nnz:
+        torch.cumsum(torch.bincount(indices, minlength=n_cols), 0, out=t_indptr[1:])
+    itype = _index_dtype(n_rows, n_cols, nnz)
+    return CSR(indptr.to(itype), indices.to(itype), row, t_indptr.to(itype),
+               row[perm].to(itype), perm, n_rows, n_cols)
+
+
+def block_csr(block: Block) -> CSR:
+    """The block's in-edges as a :class:`CSR` ``(n_dst, n_src)`` (cached on the block)."""
+    return block.cached(("csr", block.indptr.device),
+                        lambda: make_csr(block.indptr, block.indices, block.n_src))
+
+
+def self_loop_csr(block: Block) -> CSR:
+    """The block's in-edges plus one self entry per destination (cached on the block).
+
+    Destination ``i`` gets the extra entry ``dst_offset + i`` appended after its edges;
+    the entry of edge ``e`` (row ``r``) moves to position ``e + r``.
+    """
+    def make() -> CSR:
+        device = block.indptr.device
+        n_dst, nnz = block.n_dst, block.nnz
+        indptr = block.indptr + torch.arange(n_dst + 1, device=device)
+        indices = torch.empty(nnz + n_dst, dtype=torch.int64, device=device)
+        indices[torch.arange(nnz, device=device) + block.dst_of_edge()] = block.indices
+        indices[indptr[1:] - 1] = torch.arange(block.dst_offset, block.dst_offset + n_dst,
+                                               device=device)
+        return make_csr(indptr, indices, block.n_src)
+    return block.cached(("csr_self", block.indptr.device), make)
+
+
+def cached_values(block: Block, key: str, dtype: torch.dtype, make: Callable[[], Tensor]) -> Tensor:
+    """Per-entry weights derived from the block's degrees, memoised per ``key`` and dtype."""
+    return block.cached((key, dtype, block.indptr.device), lambda: make().to(dtype).contiguous())
+
+
+# --------------------------------------------------------------------------- fixed weights
+class SpMM(torch.autograd.Function):
+    """``out = A @ x`` for a sparse ``A`` with constant values; ``grad_x = A^T @ grad_out``.
+
+    Shapes: ``x`` ``(n_cols, d)`` -> ``out`` ``(n_rows, d)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, csr: CSR, values: Tensor) -> Tensor:
+        ctx.csr = csr
+        ctx.save_for_backward(values)
+        return csr.matrix(values) @ x.contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (values,) = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = ctx.csr.matrix_t(values) @ grad_out.contiguous()
+        return grad_x, None, None
+
+
+def spmm(x: Tensor, csr: CSR, values: Tensor) -> Tensor:
+    """``A @ x`` with ``A = csr`` carrying ``values``; differentiable in ``x`` only.
+
+    ``x`` ``(n_cols, d)`` or ``(n_cols,)`` -> ``(n_rows, d)`` / ``(n_rows,)``.
+    """
+    if values.dtype != x.dtype:
+        raise TypeError(f"spmm: edge values are {values.dtype} but features are {x.dtype}")
+    if x.dim() == 1:
+        return SpMM.apply(x[:, None], csr, values)[:, 0]
+    return SpMM.apply(x, csr, values)
+
+
+def gcn_values(block: Block, dtype: torch.dtype) -> Tensor:
+    """GCN weights on :func:`self_loop_csr`: ``1 / sqrt((d_i + 1)(d_j + 1))`` per entry.
+
+    ``d_i = deg_dst[i]``, ``d_j = deg_src[j]`` (whole-graph degrees); the self entry of
+    ``i`` uses ``deg_src[dst_offset + i]``.
+    """
+    def make() -> Tensor:
+        csr = self_loop_csr(block)
+        col = csr.indices.long()
+        deg_dst = block.deg_dst.to(torch.float64)
+        deg_src = block.deg_src.to(torch.float64)
+        return torch.rsqrt((deg_dst[csr.row] + 1.0) * (deg_src[col] + 1.0))
+    return cached_values(block, "gcn", dtype, make)
+
+
+def mean_values(block: Block, dtype: torch.dtype) -> Tensor:
+    """Mean-aggregation weights on :func:`block_csr`: ``1 / deg_dst[i]`` per in-edge of ``i``."""
+    def make() -> Tensor:
+        deg = block.deg_dst.to(torch.float64).clamp(min=1.0)
+        return (1.0 / deg)[block_csr(block).row]
+    return cached_values(block, "mean", dtype, make)
+
+
+def gcn_aggregate(x: Tensor, block: Block) -> Tensor:
+    """``P~ x``: the symmetric-normalised aggregation with self loops, ``(n_src, d) -> (n_dst, d)``."""
+    return spmm(x, self_loop_csr(block), gcn_values(block, x.dtype))
+
+
+def mean_aggregate(x: Tensor, block: Block) -> Tensor:
+    """Mean over in-neighbours (0 for a row without in-edges), ``(n_src, d) -> (n_dst, d)``."""
+    return spmm(x, block_csr(block), mean_values(block, x.dtype))
+
+
+# --------------------------------------------------------------------------- learned weights
+def segment_sum(values: Tensor, csr: CSR) -> Tensor:
+    """Sum of entry values over each row: ``(nnz, ...) -> (n_rows, ...)``."""
+    out = values.new_zeros((csr.n_rows,) + tuple(values.shape[1:]))
+    return out.index_add_(0, csr.row, values)
+
+
+class EdgeSoftmax(torch.autograd.Function):
+    """Softmax of entry scores over each row's entries (each destination's in-edges).
+
+    ``scores`` ``(nnz, H)`` -> ``alpha`` ``(nnz, H)`` with ``sum_{e in row i} alpha[e] = 1``.
+    Backward: ``grad_s = alpha * (grad_alpha - sum_row(alpha * grad_alpha))``. A row
+    without entries contributes nothing (GAT rows always hold their self entry).
+    """
+
+    @staticmethod
+    def forward(ctx, scores: Tensor, csr: CSR) -> Tensor:
+        offsets = csr.indptr.long()
+        row_max = torch.segment_reduce(scores, "max", offsets=offsets, axis=0)  # (n_rows, H)
+        ex = torch.exp(scores - row_max[csr.row])
+        alpha = ex / segment_sum(ex, csr)[csr.row]
+        ctx.csr = csr
+        ctx.save_for_backward(alpha)
+        return alpha
+
+    @staticmethod
+    def backward(ctx, grad_alpha: Tensor):
+        (alpha,) = ctx.saved_tensors
+        csr = ctx.csr
+        weighted = alpha * grad_alpha
+        return weighted - alpha * segment_sum(weighted, csr)[csr.row], None
+
+
+def edge_softmax(scores: Tensor, csr: CSR) -> Tensor:
+    return EdgeSoftmax.apply(scores, csr)
+
+
+class EdgeSpMM(torch.autograd.Function):
+    """Per-head aggregation with learned entry weights.
+
+    ``out[i, h] = sum_{e=(i, j)} alpha[e, h] * x[j, h]``; ``alpha`` ``(nnz, H)``,
+    ``x`` ``(n_cols, H, D)`` or ``(n_cols, 1, D)`` (one feature row shared by every head)
+    -> ``out`` ``(n_rows, H, D)``.
+    Backward: ``grad_x[:, h] = A_h^T @ grad_out[:, h]`` (summed over heads for shared
+    features) and ``grad_alpha[e, h] = <grad_out[i, h], x[j, h]>`` (SDDMM on the pattern).
+    """
+
+    @staticmethod
+    def forward(ctx, alpha: Tensor, x: Tensor, csr: CSR) -> Tensor:
+        heads = alpha.shape[1]
+        if x.shape[1] not in (1, heads):
+            raise ValueError(f"edge_spmm: x has {x.shape[1]} heads, alpha {heads}")
+        xh = x.transpose(0, 1).contiguous()  # (H or 1, n_cols, D)
+        ah = alpha.t().contiguous()  # (H, nnz)
+        out = torch.stack([csr.matrix(ah[h]) @ xh[h % xh.shape[0]] for h in range(heads)], dim=1)
+        ctx.csr = csr
+        ctx.save_for_backward(ah, xh)
+        return out  # (n_rows, H, D)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        ah, xh = ctx.saved_tensors
+        csr = ctx.csr
+        heads, shared = ah.shape[0], xh.shape[0] == 1
+        gh = grad_out.transpose(0, 1).contiguous()  # (H, n_rows, D)
+        grad_alpha = grad_x = None
+        if ctx.needs_input_grad[0]:
+            pattern = csr.matrix(torch.zeros_like(ah[0]))
+            grad_alpha = torch.stack(
+                [torch.sparse.sampled_addmm(pattern, gh[h], xh[h % xh.shape[0]].t(),
+                                            beta=0.0).values()
+                 for h in range(heads)], dim=1)  # (nnz, H)
+        if ctx.needs_input_grad[1]:
+            parts = [csr.matrix_t(ah[h]) @ gh[h] for h in range(heads)]  # (n_cols, D) each
+            if shared:
+                grad_x = torch.stack(parts).sum(0)[:, None]  # (n_cols, 1, D)
+            else:
+                grad_x = torch.stack(parts, dim=1)  # (n_cols, H, D)
+        return grad_alpha, grad_x, None
+
+
+def edge_spmm(alpha: Tensor, x: Tensor, csr: CSR) -> Tensor:
+    """See :class:`EdgeSpMM`."""
+    return EdgeSpMM.apply(alpha, x, csr)
