@@ -84,6 +84,7 @@ def test_gcn_beats_mlp_when_the_graph_carries_the_signal(tmp_path):
     assert gcn["test_acc"] > mlp["test_acc"] + 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gcnii", "resgcn"])
 def test_deep_models_train(tmp_path, kind):
     from gnnpipe.train import run

@@ -67,7 +67,7 @@ class SingleEngine:
         loss = ce_sum(logits, self.y, self.masks["train"]) / self.n_train
         loss.backward()
         self.opt.step()
-        return EpochStats(loss=float(loss), compute_s=time.perf_counter() - t0)
+        return EpochStats(loss=float(loss.detach()), compute_s=time.perf_counter() - t0)
 
     def evaluate(self) -> dict[str, float]:
         return exact_metrics(self.model, self.block, self.x, self.y, self.masks)
