@@ -118,7 +118,9 @@ def csr_from_edges(src: np.ndarray, dst: np.ndarray, num_nodes: int, *, symmetri
         src, dst = np.concatenate([src[keep], loops]), np.concatenate([dst[keep], loops])
     elif self_loops != "keep":
         raise GnnPipeError(f"self_loops must be 'remove', 'add' or 'keep', got {self_loops!r}")
-    key = np.unique(dst * num_nodes + src)  # sorted by (dst, src), duplicates merged
+    key = np.sort(dst * num_nodes + src)  # sorted by (dst, src)
+    # merge duplicates (np.unique is hash-based in numpy >= 2.3 and ~10x slower at 10^7 keys)
+    key = key[np.concatenate(([True], key[1:] != key[:-1]))] if key.size else key
     dst, src = np.divmod(key, num_nodes)
     indptr = np.zeros(num_nodes + 1, dtype=np.int64)
     np.cumsum(np.bincount(dst, minlength=num_nodes), out=indptr[1:])
