@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import scipy.sparse as sp
 
 from .graph import Graph
 from .io import GnnPipeError, atomic_path
@@ -65,17 +66,19 @@ def partition_graph(graph: Graph, method: str, parts: int, *, seed: int = 0,
 
 
 def symmetric_adjacency(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
-    """CSR ``(xadj, adjncy)`` of the undirected graph: both directions, no self loops, no duplicates."""
+    """CSR ``(xadj, adjncy)`` of the undirected graph: both directions, no self loops, no duplicates.
+
+    Built with scipy's CSR addition ``A + A^T`` (linear time; a sort of 2E keys is ~20x slower).
+    """
     n = graph.num_nodes
-    dst = np.repeat(np.arange(n, dtype=np.int64), graph.in_degrees())
-    src = graph.indices.astype(np.int64, copy=False)
-    keep = src != dst
-    src, dst = src[keep], dst[keep]
-    key = np.unique(np.concatenate([dst * n + src, src * n + dst]))  # sorted by (row, col)
-    rows, cols = np.divmod(key, n)
-    xadj = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(rows, minlength=n), out=xadj[1:])
-    return xadj, cols
+    row = np.repeat(np.arange(n, dtype=np.int64), graph.in_degrees())
+    keep = graph.indices != row
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(row[keep], minlength=n), out=indptr[1:])
+    a = sp.csr_array((np.ones(int(indptr[-1]), dtype=bool), graph.indices[keep], indptr), shape=(n, n))
+    s = (a + a.T).tocsr()  # boolean: duplicates and both directions merge to one entry
+    s.sort_indices()
+    return s.indptr.astype(np.int64, copy=False), s.indices.astype(np.int64, copy=False)
 
 
 def _metis(graph: Graph, parts: int, seed: int, balance_edges: bool) -> np.ndarray:
