@@ -1,0 +1,171 @@
+# Validation of the config, the resolved runs, input functions and wildcard constraints.
+# What the rules need to know about a run comes from gnnpipe.config (RunConfig);
+# nothing about layouts, store paths or run ids is re-derived here.
+import os
+import re
+
+import yaml
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+from gnnpipe.config import (
+    ConfigError,
+    dump_run_config,
+    load_workflow_config,
+    resolve_runs,
+    store_path,
+    to_dict,
+)
+from gnnpipe.io import write_text
+
+
+def _where(path) -> str:
+    """``deque(['runs', 0, 'mode'])`` -> ``config.runs[0].mode``."""
+    out = "config"
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def schema_error_line(err: WorkflowError) -> str:
+    """One line naming the offending key, from the jsonschema error inside ``err``."""
+    cause = err.__cause__ or err.__context__  # validate() raises from the ValidationError
+    if not hasattr(cause, "absolute_path"):
+        return str(err)
+    where = _where(cause.absolute_path)
+    if cause.validator == "additionalProperties" and isinstance(cause.instance, dict):
+        known = sorted(cause.schema.get("properties", {}))
+        extra = sorted(set(cause.instance) - set(known))
+        return (f"{where}.{extra[0]}: unknown key (known: {', '.join(known)})"
+                if extra else f"{where}: {cause.message}")
+    if cause.validator == "required":
+        return f"{where}: missing required key ({cause.message})"
+    return f"{where}: {cause.message}"
+
+
+# ----------------------------------------------------------------------------- config
+try:
+    validate(config, schema="../schemas/config.schema.yaml")
+except WorkflowError as e:
+    raise WorkflowError(f"invalid config: {schema_error_line(e)}") from None
+
+try:
+    WF = load_workflow_config(config)
+    RUNS = resolve_runs(WF)  # {run_id: RunConfig}
+except ConfigError as e:
+    raise WorkflowError(f"invalid config: {e}") from None
+
+RESULTS = WF.results
+DATASETS = sorted({run.dataset_name for run in RUNS.values()})
+# conda users: envs/gnnpipe.yaml installs this checkout (pip `-e ${GNNPIPE_ROOT}`).
+os.environ.setdefault("GNNPIPE_ROOT", workflow.basedir)
+
+
+def _train_layout(run) -> dict:
+    """Slurm shape of one train job: nodes, workers per node, CPUs, memory, GPUs."""
+    res = WF.resources
+    per_node = min(run.workers, res.workers_per_node or run.workers)
+    if run.workers % per_node:
+        raise WorkflowError(
+            f"invalid config: config.resources.workers_per_node: run {run.run_id} has "
+            f"{run.workers} workers, not a multiple of {per_node}")
+    nodes = run.workers // per_node
+    gpus = per_node * res.gpus_per_worker
+    return {
+        "nodes": nodes,
+        "per_node": per_node,
+        "resources": {
+            "nodes": nodes,
+            "tasks": nodes,  # one torchrun per node; torchrun starts the workers
+            "cpus_per_task": per_node * WF.training.threads_per_worker,
+            "mem_mb": per_node * res.mem_mb_per_worker,
+            "runtime": res.runtime_min,
+            "gres": f"gpu:{gpus}" if gpus else None,  # per node
+            "tasks_per_gpu": 0 if gpus else None,  # not --ntasks-per-gpu: torchrun places them
+            "mpi": "srun" if nodes > 1 else None,  # the rule calls srun itself
+        },
+    }
+
+
+LAYOUT = {rid: _train_layout(run) for rid, run in RUNS.items()}
+
+
+wildcard_constraints:
+    dataset="|".join(re.escape(d) for d in WF.datasets),
+    run_id="|".join(re.escape(r) for r in RUNS),
+    method="metis|random|contiguous",
+    parts=r"[1-9][0-9]*",
+
+
+# ----------------------------------------------------------------------------- targets
+def final_outputs():
+    return [f"{RESULTS}/report.md"] + [f"{RESULTS}/runs/{rid}/eval.json" for rid in RUNS]
+
+
+def run_records(wildcards):
+    return {
+        "metrics": [f"{RESULTS}/runs/{rid}/metrics.json" for rid in RUNS],
+        "evals": [f"{RESULTS}/runs/{rid}/eval.json" for rid in RUNS],
+    }
+
+
+def report_run_args(wildcards) -> str:
+    return " ".join(f"--run {rid}" for rid in RUNS)
+
+
+# ----------------------------------------------------------------------------- data
+def dataset_spec_text(wildcards) -> str:
+    """The dataset's config as YAML: what dataset.yaml holds (and its rerun trigger)."""
+    return yaml.safe_dump(to_dict(WF.datasets[wildcards.dataset]), sort_keys=False)
+
+
+def dataset_inputs(wildcards) -> dict:
+    """dataset.yaml, and for ``files`` datasets the user's files, so edits rebuild the graph."""
+    ds = WF.datasets[wildcards.dataset]
+    inputs = {"spec": f"{RESULTS}/data/{wildcards.dataset}/dataset.yaml"}
+    if ds.kind == "files":
+        f = ds.files
+        named = {"edges": f.edges, "features": f.features, "labels": f.labels,
+                 "train_mask": f.train_mask, "val_mask": f.val_mask, "test_mask": f.test_mask}
+        inputs.update({k: v for k, v in named.items() if v})
+    return inputs
+
+
+# ----------------------------------------------------------------------------- runs
+def run_config_text(wildcards) -> str:
+    return dump_run_config(RUNS[wildcards.run_id])
+
+
+def run_inputs(wildcards) -> dict:
+    """run.yaml, the graph and (parallel modes) the chunk store of a run."""
+    run = RUNS[wildcards.run_id]
+    inputs = {"run_config": f"{RESULTS}/runs/{run.run_id}/run.yaml", "graph": run.graph_path}
+    if run.store_path:
+        inputs["store"] = run.store_path
+    return inputs
+
+
+def train_threads(wildcards) -> int:
+    return LAYOUT[wildcards.run_id]["resources"]["cpus_per_task"]
+
+
+def train_resource(name):
+    return lambda wildcards: LAYOUT[wildcards.run_id]["resources"][name]
+
+
+def train_launcher(wildcards) -> str:
+    """How ``gnnpipe train`` is started: one process, torchrun on a node, or srun + torchrun."""
+    run, layout = RUNS[wildcards.run_id], LAYOUT[wildcards.run_id]
+    if run.mode == "single":
+        return "gnnpipe"
+    torchrun = f"torchrun --nnodes {layout['nodes']} --nproc-per-node {layout['per_node']}"
+    if layout["nodes"] == 1:
+        return f"{torchrun} --standalone -m gnnpipe.cli"
+    head = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+    return (f"srun --nodes {layout['nodes']} --ntasks-per-node 1 {torchrun} "
+            f"--rdzv-id $SLURM_JOB_ID --rdzv-backend c10d --rdzv-endpoint {head}:29500 -m gnnpipe.cli")
+
+
+def mlflow_db(wildcards) -> str:
+    """Relative path of the default SQLite store; MLFLOW_TRACKING_URI overrides it."""
+    return f"{RESULTS}/mlflow.db"

@@ -1,0 +1,34 @@
+rule partition:
+    """Split the nodes into k parts (METIS, random or contiguous) with cut/halo statistics."""
+    input:
+        graph=f"{RESULTS}/data/{{dataset}}/graph.h5",
+    output:
+        assignment=f"{RESULTS}/partitions/{{dataset}}/{{method}}-{{parts}}.npy",
+        stats=f"{RESULTS}/partitions/{{dataset}}/{{method}}-{{parts}}.json",
+    log:
+        "logs/partition/{dataset}/{method}-{parts}.log",
+    params:
+        seed=WF.partitioning.seed,
+        balance="" if WF.partitioning.balance_edges else "--no-balance-edges",
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        "gnnpipe partition --graph {input.graph} --method {wildcards.method}"
+        " --parts {wildcards.parts} --seed {params.seed} {params.balance}"
+        " --out {output.assignment} --stats {output.stats} > {log} 2>&1"
+
+
+rule materialize:
+    """The chunk store: parts renumbered to contiguous id ranges, halos and send lists."""
+    input:
+        graph=f"{RESULTS}/data/{{dataset}}/graph.h5",
+        assignment=f"{RESULTS}/partitions/{{dataset}}/{{method}}-{{parts}}.npy",
+    output:
+        store=store_path(RESULTS, "{dataset}", "{method}", "{parts}"),
+    log:
+        "logs/materialize/{dataset}/{method}-{parts}.log",
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        "gnnpipe materialize --graph {input.graph} --assignment {input.assignment}"
+        " --out {output.store} > {log} 2>&1"

@@ -1,0 +1,65 @@
+rule run_config:
+    """One run's resolved config (RunConfig) as YAML: what train and evaluate read."""
+    output:
+        run_config=f"{RESULTS}/runs/{{run_id}}/run.yaml",
+    log:
+        "logs/runs/{run_id}.run_config.log",
+    params:
+        text=run_config_text,
+    run:
+        write_text(output.run_config, params.text)
+        write_text(log[0], f"wrote {output.run_config}\n")
+
+
+rule train:
+    """Train one run: one process (single) or torchrun over the run's workers."""
+    input:
+        unpack(run_inputs),
+    output:
+        metrics=f"{RESULTS}/runs/{{run_id}}/metrics.json",
+        model=f"{RESULTS}/runs/{{run_id}}/model.pt",
+    log:
+        "logs/train/{run_id}.log",
+    threads: train_threads
+    resources:
+        nodes=train_resource("nodes"),
+        tasks=train_resource("tasks"),
+        cpus_per_task=train_resource("cpus_per_task"),
+        mem_mb=train_resource("mem_mb"),
+        runtime=train_resource("runtime"),
+        gres=train_resource("gres"),
+        tasks_per_gpu=train_resource("tasks_per_gpu"),
+        mpi=train_resource("mpi"),
+    params:
+        launch=train_launcher,
+        omp=WF.training.threads_per_worker,
+        mlflow_db=mlflow_db,
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        "export OMP_NUM_THREADS={params.omp}"
+        ' MLFLOW_TRACKING_URI="${{MLFLOW_TRACKING_URI:-sqlite:///$PWD/{params.mlflow_db}}}";'
+        " {params.launch} train --run-config {input.run_config} > {log} 2>&1"
+
+
+rule evaluate:
+    """Exact (non-stale) full-graph inference from the trained model, in one process."""
+    input:
+        unpack(run_inputs),
+        model=f"{RESULTS}/runs/{{run_id}}/model.pt",
+        metrics=f"{RESULTS}/runs/{{run_id}}/metrics.json",
+    output:
+        evaluation=f"{RESULTS}/runs/{{run_id}}/eval.json",
+    log:
+        "logs/evaluate/{run_id}.log",
+    threads: train_threads
+    resources:
+        mem_mb=train_resource("mem_mb"),
+        runtime=train_resource("runtime"),
+    params:
+        mlflow_db=mlflow_db,
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        'export OMP_NUM_THREADS={threads} MLFLOW_TRACKING_URI="${{MLFLOW_TRACKING_URI:-sqlite:///$PWD/{params.mlflow_db}}}";'
+        " gnnpipe evaluate --run-config {input.run_config} --out {output.evaluation} > {log} 2>&1"
