@@ -103,28 +103,32 @@ class GNN(nn.Module):
         self.kind = cfg.kind
         self.in_features, self.num_classes, self.hidden = in_features, num_classes, cfg.hidden
         self.needs_x0 = cfg.kind == "gcnii"
-        self.encoder: nn.Module | None = None
-        self.decoder: nn.Module | None = None
-        self.convs = nn.ModuleList()
         L, H, C, p = cfg.layers, cfg.hidden, num_classes, cfg.dropout
+        encoder: nn.Module | None = None
+        decoder: nn.Module | None = None
+        convs: list[nn.Module] = []
         if cfg.kind in ("gcn", "sage", "gat"):
             dims = [in_features] + [H] * (L - 1) + [C]
             for i in range(L):
                 last = i == L - 1
                 conv = self._plain_conv(cfg, dims[i], dims[i + 1], last)
-                self.convs.append(GraphLayer(conv, norm=cfg.norm == "layer" and not last,
-                                             act=not last, dropout=0.0 if last else p))
+                convs.append(GraphLayer(conv, norm=cfg.norm == "layer" and not last,
+                                        act=not last, dropout=0.0 if last else p))
         elif cfg.kind == "gcnii":
-            self.encoder = nn.Sequential(nn.Linear(in_features, H), nn.ReLU(), nn.Dropout(p))
-            self.convs.extend(GCNIIConv(H, layer=l, alpha=cfg.alpha, lambda_=cfg.lambda_, dropout=p)
-                              for l in range(1, L + 1))
-            self.decoder = nn.Linear(H, C)
+            encoder = nn.Sequential(nn.Linear(in_features, H), nn.ReLU(), nn.Dropout(p))
+            convs = [GCNIIConv(H, layer=l, alpha=cfg.alpha, lambda_=cfg.lambda_, dropout=p)
+                     for l in range(1, L + 1)]
+            decoder = nn.Linear(H, C)
         elif cfg.kind == "resgcn":
-            self.encoder = nn.Linear(in_features, H)
-            self.convs.extend(ResGCNLayer(H, dropout=p) for _ in range(L))
-            self.decoder = nn.Sequential(nn.LayerNorm(H), nn.ReLU(), nn.Linear(H, C))
+            encoder = nn.Linear(in_features, H)
+            convs = [ResGCNLayer(H, dropout=p) for _ in range(L)]
+            decoder = nn.Sequential(nn.LayerNorm(H), nn.ReLU(), nn.Linear(H, C))
         else:  # mlp
-            self.encoder = mlp_encoder(in_features, H, C, L, p)
+            encoder = mlp_encoder(in_features, H, C, L, p)
+        # registered in construction order, so reset_parameters() draws the same numbers
+        self.encoder = encoder
+        self.convs = nn.ModuleList(convs)
+        self.decoder = decoder
 
     @staticmethod
     def _plain_conv(cfg: ModelConfig, d_in: int, d_out: int, last: bool) -> nn.Module:
@@ -168,8 +172,10 @@ class GNN(nn.Module):
         return self.decode(h)
 
     def reset_parameters(self) -> None:
+        """Re-initialise every parameter, in construction order (same seed, same weights)."""
         for m in self.modules():
-            if m is not self and hasattr(m, "reset_parameters"):
+            if m is not self and hasattr(m, "reset_parameters") and any(
+                    True for _ in m.parameters(recurse=False)):
                 m.reset_parameters()
 
     # ------------------------------------------------------------------ shapes and costs

@@ -38,10 +38,9 @@ from torch import Tensor
 
 from .block import Block
 
-# torch warns once per process that sparse CSR is "beta"; the kernels we use are stable.
-warnings.filterwarnings("ignore", message=r"Sparse CSR tensor support is in beta state")
 
 _INT32_MAX = 2**31 - 1
+_SMALL = 1 << 15  # nnz * width below which CPU products avoid MKL (see CSR.mm)
 
 
 # --------------------------------------------------------------------------- structures
@@ -77,6 +76,41 @@ class CSR:
         """The transposed ``(n_cols, n_rows)`` matrix (``values`` in the original order)."""
         return torch.sparse_csr_tensor(self.t_indptr, self.t_indices, values[self.perm],
                                        (self.n_cols, self.n_rows), check_invariants=False)
+
+    def mm(self, values: Tensor, x: Tensor, *, transpose: bool = False) -> Tensor:
+        """``A @ x`` (or ``A^T @ x``) for ``x`` ``(n_cols, d)`` (``(n_rows, d)``), dense out.
+
+        Small products on CPU take a gather + ``index_add_`` path instead of the sparse
+        kernel: MKL's sparse kernels always fork their OpenMP team, which costs a few
+        microseconds on an idle machine but milliseconds when the cores are oversubscribed
+        (several workers per core, as in tests), while torch's own kernels stay serial
+        below their grain size. Both paths are exact; only the summation order differs.
+        """
+        x = x.contiguous()
+        if x.device.type == "cpu" and self.nnz * x.shape[1] <= _SMALL:
+            src, dst = (self.row, self.indices.long()) if transpose else (self.indices.long(), self.row)
+            out = x.new_zeros(self.n_cols if transpose else self.n_rows, x.shape[1])
+            return out.index_add_(0, dst, x[src] * values[:, None])
+        return (self.matrix_t(values) if transpose else self.matrix(values)) @ x
+
+    def sddmm(self, a: Tensor, b: Tensor) -> Tensor:
+        """``<a[i], b[j]>`` for every entry ``(i, j)``: ``a`` ``(n_rows, d)``, ``b`` ``(n_cols, d)``
+        -> ``(nnz,)`` (small products gather, as in :meth:`mm`)."""
+        if a.device.type == "cpu" and self.nnz * a.shape[1] <= _SMALL:
+            return (a[self.row] * b[self.indices.long()]).sum(-1)
+        pattern = self.matrix(a.new_zeros(self.nnz))
+        return torch.sparse.sampled_addmm(pattern, a.contiguous(), b.t(), beta=0.0).values()
+
+
+def _silence_beta_warning() -> None:
+    """torch warns once per process that sparse CSR is "beta"; spend that warning here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.sparse_csr_tensor(torch.zeros(2, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                                torch.zeros(0), (1, 1), check_invariants=False)
+
+
+_silence_beta_warning()
 
 
 def _index_dtype(*sizes: int) -> torch.dtype:
@@ -142,14 +176,14 @@ class SpMM(torch.autograd.Function):
     def forward(ctx, x: Tensor, csr: CSR, values: Tensor) -> Tensor:
         ctx.csr = csr
         ctx.save_for_backward(values)
-        return csr.matrix(values) @ x.contiguous()
+        return csr.mm(values, x)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         (values,) = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = ctx.csr.matrix_t(values) @ grad_out.contiguous()
+            grad_x = ctx.csr.mm(values, grad_out, transpose=True)
         return grad_x, None, None
 
 
@@ -252,7 +286,7 @@ class EdgeSpMM(torch.autograd.Function):
             raise ValueError(f"edge_spmm: x has {x.shape[1]} heads, alpha {heads}")
         xh = x.transpose(0, 1).contiguous()  # (H or 1, n_cols, D)
         ah = alpha.t().contiguous()  # (H, nnz)
-        out = torch.stack([csr.matrix(ah[h]) @ xh[h % xh.shape[0]] for h in range(heads)], dim=1)
+        out = torch.stack([csr.mm(ah[h], xh[h % xh.shape[0]]) for h in range(heads)], dim=1)
         ctx.csr = csr
         ctx.save_for_backward(ah, xh)
         return out  # (n_rows, H, D)
@@ -265,17 +299,17 @@ class EdgeSpMM(torch.autograd.Function):
         gh = grad_out.transpose(0, 1).contiguous()  # (H, n_rows, D)
         grad_alpha = grad_x = None
         if ctx.needs_input_grad[0]:
-            pattern = csr.matrix(torch.zeros_like(ah[0]))
-            grad_alpha = torch.stack(
-                [torch.sparse.sampled_addmm(pattern, gh[h], xh[h % xh.shape[0]].t(),
-                                            beta=0.0).values()
-                 for h in range(heads)], dim=1)  # (nnz, H)
+            grad_alpha = torch.stack([csr.sddmm(gh[h], xh[h % xh.shape[0]]) for h in range(heads)],
+                                     dim=1)  # (nnz, H)
         if ctx.needs_input_grad[1]:
-            parts = [csr.matrix_t(ah[h]) @ gh[h] for h in range(heads)]  # (n_cols, D) each
-            if shared:
-                grad_x = torch.stack(parts).sum(0)[:, None]  # (n_cols, 1, D)
+            if shared:  # one feature row feeds every head: sum the heads' gradients
+                grad_x = csr.mm(ah[0], gh[0], transpose=True)
+                for h in range(1, heads):
+                    grad_x += csr.mm(ah[h], gh[h], transpose=True)
+                grad_x = grad_x[:, None]  # (n_cols, 1, D)
             else:
-                grad_x = torch.stack(parts, dim=1)  # (n_cols, H, D)
+                grad_x = torch.stack([csr.mm(ah[h], gh[h], transpose=True) for h in range(heads)],
+                                     dim=1)  # (n_cols, H, D)
         return grad_alpha, grad_x, None
 
 
