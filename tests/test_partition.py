@@ -78,6 +78,18 @@ def test_metis_cuts_fewer_edges_than_random(graph):
     assert metis["mirrors_total"] < 0.5 * rnd["mirrors_total"]
 
 
+def test_metis_finds_the_obvious_cut():
+    # two 10-cliques joined by one edge, given in one direction only: METIS must see it undirected
+    i, j = np.triu_indices(10, 1)
+    src = np.concatenate([i, i + 10, [9]])
+    dst = np.concatenate([j, j + 10, [10]])
+    g = make_graph(src, dst, 20, symmetrize=False)
+    a = partition_graph(g, "metis", 2, balance_edges=False)
+    assert len(set(a[:10])) == 1 and len(set(a[10:])) == 1 and a[0] != a[10]
+    s = partition_stats(g, a)
+    assert s["edge_cut"] == 1 and sorted(s["mirrors"]) == [0, 1]  # only 9 -> 10 is stored
+
+
 def test_seeds_are_reproducible(graph):
     for method in ("metis", "random"):
         assert np.array_equal(partition_graph(graph, method, 3, seed=7),

@@ -189,8 +189,9 @@ def test_hand_example(tmp_path):
         assert block.deg_src.tolist() == [2, 1, 2, 2]
 
 
-def test_one_part(tmp_path, directed):
-    materialize(directed, np.zeros(directed.num_nodes, dtype=np.int64), tmp_path / "one.h5")
+def test_one_part(tmp_path, directed, capsys):
+    materialize(directed, np.zeros(directed.num_nodes, dtype=np.int64), tmp_path / "one.h5", progress=True)
+    assert "materialize one.h5" in capsys.readouterr().err  # the tqdm bar
     with ChunkStore(tmp_path / "one.h5", expect_parts=1) as s:
         assert np.array_equal(s.perm, np.arange(directed.num_nodes))
         assert s.part(0).n_inner == directed.num_nodes and len(s.part(0).halo) == 0
@@ -220,7 +221,7 @@ RULE = r"'materialize' rule .*`gnnpipe materialize`"
 
 
 def test_refuses_missing_and_non_hdf5(tmp_path):
-    with pytest.raises(GnnPipeError, match=r"missing\.h5: no such chunk store; build it with the 'materialize'"):
+    with pytest.raises(GnnPipeError, match=r"missing\.h5: no such chunk store; build it with the 'materi"):
         ChunkStore(tmp_path / "missing.h5")
     (tmp_path / "junk.h5").write_bytes(b"this is not HDF5" * 10)
     with pytest.raises(GnnPipeError, match=r"junk\.h5: not a readable HDF5 file.*" + RULE):
