@@ -25,6 +25,16 @@ F64 = torch.float64
 TOL = dict(atol=1e-12, rtol=1e-12)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny problems on one thread: an OpenMP region on two oversubscribed cores (other
+    test processes running) costs milliseconds per op, for no gain at these sizes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # --------------------------------------------------------------------------- graphs and blocks
 def random_graph(n: int, p: float, seed: int, *, symmetric: bool = False, isolated: int = 0):
     """A random in-edge CSR without self loops; the last ``isolated`` nodes have no in-edges."""
@@ -180,17 +190,9 @@ def run(conv, kind, x, block, x0=None):
 # --------------------------------------------------------------------------- primitives
 @pytest.fixture(params=["sparse", "gather"])
 def kernel(request, monkeypatch):
-    """Run a test through the sparse-kernel path and the small-product gather path.
-
-    The sparse path runs on one thread: MKL forks its OpenMP team on every call, which
-    takes milliseconds when other test processes load the cores (see ``CSR.mm``).
-    """
+    """Run a test through the sparse-kernel path and the small-product gather path."""
     monkeypatch.setattr(ops, "_SMALL", 0 if request.param == "sparse" else 1 << 40)
-    threads = torch.get_num_threads()
-    if request.param == "sparse":
-        torch.set_num_threads(1)
-    yield request.param
-    torch.set_num_threads(threads)
+    return request.param
 
 
 def tiny_csr(seed=0, n_rows=4, n_cols=6, p=0.5):
