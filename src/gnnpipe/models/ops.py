@@ -72,12 +72,16 @@ class CSR:
         return torch.sparse_csr_tensor(self.indptr, self.indices, values, (self.n_rows, self.n_cols),
                                        check_invariants=False)
 
-    def matrix_t(self, values: Tensor) -> Tensor:
-        """The transposed ``(n_cols, n_rows)`` matrix (``values`` in the original order)."""
-        return torch.sparse_csr_tensor(self.t_indptr, self.t_indices, values[self.perm],
+    def matrix_t(self, values: Tensor, values_t: Tensor | None = None) -> Tensor:
+        """The transposed ``(n_cols, n_rows)`` matrix (``values`` in the original order, or
+        ``values_t = values[perm]`` already in the transposed order)."""
+        if values_t is None:
+            values_t = values[self.perm]
+        return torch.sparse_csr_tensor(self.t_indptr, self.t_indices, values_t,
                                        (self.n_cols, self.n_rows), check_invariants=False)
 
-    def mm(self, values: Tensor, x: Tensor, *, transpose: bool = False) -> Tensor:
+    def mm(self, values: Tensor, x: Tensor, *, transpose: bool = False,
+           values_t: Tensor | None = None) -> Tensor:
         """``A @ x`` (or ``A^T @ x``) for ``x`` ``(n_cols, d)`` (``(n_rows, d)``), dense out.
 
         Small products on CPU take a gather + ``index_add_`` path instead of the sparse
@@ -91,7 +95,7 @@ class CSR:
             src, dst = (self.row, self.indices.long()) if transpose else (self.indices.long(), self.row)
             out = x.new_zeros(self.n_cols if transpose else self.n_rows, x.shape[1])
             return out.index_add_(0, dst, x[src] * values[:, None])
-        return (self.matrix_t(values) if transpose else self.matrix(values)) @ x
+        return (self.matrix_t(values, values_t) if transpose else self.matrix(values)) @ x
 
     def sddmm(self, a: Tensor, b: Tensor) -> Tensor:
         """``<a[i], b[j]>`` for every entry ``(i, j)``: ``a`` ``(n_rows, d)``, ``b`` ``(n_cols, d)``
@@ -160,9 +164,36 @@ def self_loop_csr(block: Block) -> CSR:
     return block.cached(("csr_self", block.indptr.device), make)
 
 
-def cached_values(block: Block, key: str, dtype: torch.dtype, make: Callable[[], Tensor]) -> Tensor:
-    """Per-entry weights derived from the block's degrees, memoised per ``key`` and dtype."""
-    return block.cached((key, dtype, block.indptr.device), lambda: make().to(dtype).contiguous())
+@dataclass(eq=False)
+class FixedOp:
+    """A sparse operator with constant entry values, in both orders.
+
+    ``values`` follow ``csr``'s entries, ``values_t = values[csr.perm]`` its transpose's,
+    so that a backward pass does not permute them again.
+    """
+
+    csr: CSR
+    values: Tensor
+    values_t: Tensor
+
+    @classmethod
+    def make(cls, csr: CSR, values: Tensor) -> "FixedOp":
+        values = values.contiguous()
+        return cls(csr, values, values[csr.perm].contiguous())
+
+    def mm(self, x: Tensor) -> Tensor:
+        return self.csr.mm(self.values, x)
+
+    def mm_t(self, g: Tensor) -> Tensor:
+        return self.csr.mm(self.values, g, transpose=True, values_t=self.values_t)
+
+
+def cached_op(block: Block, key: str, dtype: torch.dtype, csr: CSR,
+              make: Callable[[], Tensor]) -> FixedOp:
+    """A :class:`FixedOp` on ``csr`` with values ``make()`` (float64, cast to ``dtype``),
+    memoised on the block per ``key`` and dtype."""
+    return block.cached((key, dtype, block.indptr.device),
+                        lambda: FixedOp.make(csr, make().to(dtype)))
 
 
 # --------------------------------------------------------------------------- fixed weights
@@ -173,63 +204,65 @@ class SpMM(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, csr: CSR, values: Tensor) -> Tensor:
-        ctx.csr = csr
-        ctx.save_for_backward(values)
-        return csr.mm(values, x)
+    def forward(ctx, x: Tensor, op: FixedOp) -> Tensor:
+        ctx.op = op
+        return op.mm(x)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        (values,) = ctx.saved_tensors
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = ctx.csr.mm(values, grad_out, transpose=True)
-        return grad_x, None, None
+        grad_x = ctx.op.mm_t(grad_out) if ctx.needs_input_grad[0] else None
+        return grad_x, None
 
 
-def spmm(x: Tensor, csr: CSR, values: Tensor) -> Tensor:
-    """``A @ x`` with ``A = csr`` carrying ``values``; differentiable in ``x`` only.
+def apply_op(x: Tensor, op: FixedOp) -> Tensor:
+    """``A @ x`` for a :class:`FixedOp`; differentiable in ``x`` only.
 
     ``x`` ``(n_cols, d)`` or ``(n_cols,)`` -> ``(n_rows, d)`` / ``(n_rows,)``.
     """
-    if values.dtype != x.dtype:
-        raise TypeError(f"spmm: edge values are {values.dtype} but features are {x.dtype}")
+    if op.values.dtype != x.dtype:
+        raise TypeError(f"spmm: edge values are {op.values.dtype} but features are {x.dtype}")
     if x.dim() == 1:
-        return SpMM.apply(x[:, None], csr, values)[:, 0]
-    return SpMM.apply(x, csr, values)
+        return SpMM.apply(x[:, None], op)[:, 0]
+    return SpMM.apply(x, op)
 
 
-def gcn_values(block: Block, dtype: torch.dtype) -> Tensor:
-    """GCN weights on :func:`self_loop_csr`: ``1 / sqrt((d_i + 1)(d_j + 1))`` per entry.
+def spmm(x: Tensor, csr: CSR, values: Tensor) -> Tensor:
+    """``A @ x`` with ``A = csr`` carrying constant ``values``; differentiable in ``x`` only."""
+    return apply_op(x, FixedOp.make(csr, values))
+
+
+def gcn_op(block: Block, dtype: torch.dtype) -> FixedOp:
+    """``P~``: :func:`self_loop_csr` with GCN weights ``1 / sqrt((d_i + 1)(d_j + 1))``.
 
     ``d_i = deg_dst[i]``, ``d_j = deg_src[j]`` (whole-graph degrees); the self entry of
-    ``i`` uses ``deg_src[dst_offset + i]``.
+    ``i`` uses ``deg_src[dst_offset + i]``. Cached on the block per dtype.
     """
+    csr = self_loop_csr(block)
+
     def make() -> Tensor:
-        csr = self_loop_csr(block)
-        col = csr.indices.long()
         deg_dst = block.deg_dst.to(torch.float64)
         deg_src = block.deg_src.to(torch.float64)
-        return torch.rsqrt((deg_dst[csr.row] + 1.0) * (deg_src[col] + 1.0))
-    return cached_values(block, "gcn", dtype, make)
+        return torch.rsqrt((deg_dst[csr.row] + 1.0) * (deg_src[csr.indices.long()] + 1.0))
+    return cached_op(block, "gcn", dtype, csr, make)
 
 
-def mean_values(block: Block, dtype: torch.dtype) -> Tensor:
-    """Mean-aggregation weights on :func:`block_csr`: ``1 / deg_dst[i]`` per in-edge of ``i``."""
+def mean_op(block: Block, dtype: torch.dtype) -> FixedOp:
+    """Mean over in-neighbours: :func:`block_csr` with weights ``1 / deg_dst[i]``."""
+    csr = block_csr(block)
+
     def make() -> Tensor:
-        deg = block.deg_dst.to(torch.float64).clamp(min=1.0)
-        return (1.0 / deg)[block_csr(block).row]
-    return cached_values(block, "mean", dtype, make)
+        return (1.0 / block.deg_dst.to(torch.float64).clamp(min=1.0))[csr.row]
+    return cached_op(block, "mean", dtype, csr, make)
 
 
 def gcn_aggregate(x: Tensor, block: Block) -> Tensor:
     """``P~ x``: the symmetric-normalised aggregation with self loops, ``(n_src, d) -> (n_dst, d)``."""
-    return spmm(x, self_loop_csr(block), gcn_values(block, x.dtype))
+    return apply_op(x, gcn_op(block, x.dtype))
 
 
 def mean_aggregate(x: Tensor, block: Block) -> Tensor:
     """Mean over in-neighbours (0 for a row without in-edges), ``(n_src, d) -> (n_dst, d)``."""
-    return spmm(x, block_csr(block), mean_values(block, x.dtype))
+    return apply_op(x, mean_op(block, x.dtype))
 
 
 # --------------------------------------------------------------------------- learned weights

@@ -1,0 +1,196 @@
+"""Aggregation kernels and layers, forward + backward, on one CPU graph.
+
+    .venv/bin/python benchmarks/bench_layers.py --out results/bench/layers.json
+    .venv/bin/python benchmarks/bench_layers.py --quick --out /tmp/layers.json
+
+Part 1, **kernels**: ``out = A @ X`` and ``grad_X = A^T @ G`` for the GCN-normalised
+adjacency (self loops included) of a synthetic graph (the project's DC-SBM, power-law
+degrees), at each ``--widths`` and ``--threads``, for every candidate:
+
+* ``csr_spmm``: ours (``gnnpipe.models.ops.spmm``): a custom Function, MKL CSR SpMM with
+  int32 indices, backward on a transposed CSR cached on the block;
+* ``csr_spmm_int64``: the same with int64 indices;
+* ``torch_csr_autograd``: ``torch.sparse_csr_tensor @ X`` with torch's own backward;
+* ``coo_sparse_mm``: ``torch.sparse.mm`` on a coalesced COO matrix (autograd);
+* ``gather_index_add``: ``out.index_add_(0, dst, X[src] * w)`` (autograd);
+* ``gather_segment_reduce``: ``segment_reduce(X[src] * w, "sum", lengths)`` (autograd).
+
+Every candidate's result is checked against ours (``max_abs_diff``). Part 2, **layers**:
+each conv (``H -> H``) forward + backward on the whole graph, and GCN on one chunk of
+``1/--chunks`` of the nodes against the whole graph (GNNPipe's block). Times are medians
+over ``--reps`` runs after one warm-up; the JSON also holds the minimum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from gnnpipe.config import SyntheticConfig
+from gnnpipe.data.synthetic import generate
+from gnnpipe.io import write_json
+from gnnpipe.models import GATConv, GCNConv, GCNIIConv, ResGCNLayer, SAGEConv, ops
+from gnnpipe.models.block import Block
+
+
+def timeit(fn, reps: int) -> dict:
+    fn()  # warm-up (and caches: transposed CSR, weights)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times)}
+
+
+def kernel_candidates(block: Block):
+    """name -> (setup(X) -> state, fwd_bwd(state, X, G) -> (out, grad_X))."""
+    csr = ops.self_loop_csr(block)
+    w = ops.gcn_op(block, torch.float32).values
+    n_dst, n_src = csr.n_rows, csr.n_cols
+    dst, src = csr.row, csr.indices.long()
+    indptr64 = csr.indptr.long()
+    lengths = indptr64[1:] - indptr64[:-1]
+    csr64 = ops.CSR(indptr64, src, dst, csr.t_indptr.long(), csr.t_indices.long(), csr.perm,
+                    n_dst, n_src)
+    a_csr = torch.sparse_csr_tensor(csr.indptr, csr.indices, w, (n_dst, n_src))
+    a_coo = torch.sparse_coo_tensor(torch.stack([dst, src]), w, (n_dst, n_src)).coalesce()
+
+    def autograd_run(f):
+        def run(x, g):
+            x = x.detach().requires_grad_()
+            out = f(x)
+            (gx,) = torch.autograd.grad(out, x, g)
+            return out, gx
+        return run
+
+    return {
+        "csr_spmm": autograd_run(lambda x: ops.spmm(x, csr, w)),
+        "csr_spmm_int64": autograd_run(lambda x: ops.spmm(x, csr64, w)),
+        "torch_csr_autograd": autograd_run(lambda x: a_csr @ x),
+        "coo_sparse_mm": autograd_run(lambda x: torch.sparse.mm(a_coo, x)),
+        "gather_index_add": autograd_run(
+            lambda x: x.new_zeros(n_dst, x.shape[1]).index_add_(0, dst, x[src] * w[:, None])),
+        "gather_segment_reduce": autograd_run(
+            lambda x: torch.segment_reduce(x[src] * w[:, None], "sum", lengths=lengths)),
+    }
+
+
+def bench_kernels(block: Block, widths, threads, reps: int, skip: set[str]) -> list[dict]:
+    rows = []
+    cands = kernel_candidates(block)
+    gen = torch.Generator().manual_seed(0)
+    for d in widths:
+        x = torch.randn(block.n_src, d, generator=gen)
+        g = torch.randn(block.n_dst, d, generator=gen)
+        ref_out, ref_gx = cands["csr_spmm"](x, g)
+        for t in threads:
+            torch.set_num_threads(t)
+            for name, run in cands.items():
+                if name in skip:
+                    continue
+                out, gx = run(x, g)
+                diff = max(float((out - ref_out).abs().max()), float((gx - ref_gx).abs().max()))
+                row = {"kernel": name, "width": d, "threads": t, "max_abs_diff": diff,
+                       **timeit(lambda: run(x, g), reps)}
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def bench_layers(block: Block, chunk: Block, hidden: int, threads, reps: int) -> list[dict]:
+    rows = []
+    torch.manual_seed(0)
+    convs = {
+        "GCNConv": GCNConv(hidden, hidden),
+        "SAGEConv": SAGEConv(hidden, hidden),
+        "GATConv(heads=4)": GATConv(hidden, hidden // 4, heads=4),
+        "GCNIIConv": GCNIIConv(hidden, layer=1),
+        "ResGCNLayer": ResGCNLayer(hidden),
+    }
+    x = torch.randn(block.n_src, hidden)
+    x0 = torch.randn(block.n_dst, hidden)
+    cases = [(name, conv, block) for name, conv in convs.items()]
+    cases.append(("GCNConv chunk", convs["GCNConv"], chunk))
+    for t in threads:
+        torch.set_num_threads(t)
+        for name, conv, blk in cases:
+            def run():
+                h = x.detach().requires_grad_()
+                out = conv(h, blk, blk.dst_rows(x0) if blk is block else x0[:blk.n_dst])
+                out.backward(torch.ones_like(out))
+            row = {"layer": name, "width": hidden, "threads": t, "n_dst": blk.n_dst, "n_src": blk.n_src,
+                   "nnz": blk.nnz, **timeit(run, reps)}
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def chunk_block(indptr: np.ndarray, indices: np.ndarray, chunks: int) -> Block:
+    n = len(indptr) - 1
+    e = n // chunks
+    deg_in, deg_out = np.diff(indptr), np.bincount(indices, minlength=n)
+    return Block.from_numpy(indptr[:e + 1], indices[:indptr[e]], n, 0, deg_in[:e], deg_out)
+
+
+def summary(rows: list[dict]) -> dict:
+    """Per (width, threads): the fastest kernel and every kernel's time relative to ours."""
+    out = {}
+    for key in sorted({(r["width"], r["threads"]) for r in rows}):
+        sel = {r["kernel"]: r["median_s"] for r in rows if (r["width"], r["threads"]) == key}
+        ours = sel["csr_spmm"]
+        out[f"width={key[0]},threads={key[1]}"] = {
+            "fastest": min(sel, key=sel.get),
+            "time_over_ours": {k: v / ours for k, v in sel.items()},
+        }
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results/bench/layers.json")
+    ap.add_argument("--nodes", type=int, default=500_000)
+    ap.add_argument("--avg-degree", type=float, default=16.0, help="stored CSR entries per node")
+    ap.add_argument("--widths", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--hidden", type=int, default=64, help="width of the layer benchmark")
+    ap.add_argument("--chunks", type=int, default=8, help="the chunk block holds 1/chunks of the nodes")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--skip", nargs="*", default=[], help="kernel candidates to leave out")
+    ap.add_argument("--quick", action="store_true", help="100k nodes, width 64, 2 repetitions")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.nodes, a.widths, a.reps = 100_000, [64], 2
+
+    graph = generate(SyntheticConfig(shape="default", num_nodes=a.nodes, avg_degree=a.avg_degree,
+                                     num_features=8))
+    block = Block.full(graph.indptr, graph.indices)
+    chunk = chunk_block(graph.indptr, graph.indices, a.chunks)
+    res = {
+        "benchmark": "layers",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": sys.version.split()[0], "torch": torch.__version__,
+                    "mkl": torch.backends.mkl.is_available()},
+        "graph": {"generator": "synthetic default shape", "num_nodes": graph.num_nodes,
+                  "num_edges": graph.num_edges, "nnz_with_self_loops": graph.num_edges + graph.num_nodes},
+        "dtype": "float32",
+        "op": "forward A@X + backward A^T@G, A = GCN-normalised adjacency with self loops",
+    }
+    del graph
+    res["kernels"] = bench_kernels(block, a.widths, a.threads, a.reps, set(a.skip))
+    res["kernel_summary"] = summary(res["kernels"])
+    res["layers"] = bench_layers(block, chunk, a.hidden, a.threads, a.reps)
+    write_json(a.out, res)
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
