@@ -225,6 +225,20 @@ def test_self_loop_csr_matches_dense(kernel):
     assert csr is ops.self_loop_csr(blk)  # cached on the block
 
 
+def test_compact_block_reads_only_used_rows():
+    indptr, indices = random_graph(12, 0.15, 2, isolated=3)
+    (blk, dst, _), _ = chunk_splits(indptr, indices, [4, 7, 12])
+    sub, used = ops.compact(blk)
+    expect = np.union1d(indices[indptr[4]:indptr[7]], dst)
+    assert used.tolist() == expect.tolist()
+    assert sub.n_src == len(expect) and sub.n_dst == 3
+    assert used[sub.dst_offset:sub.dst_offset + 3].tolist() == dst.tolist()
+    assert torch.equal(used[sub.indices], blk.indices)
+    assert torch.equal(sub.deg_src, blk.deg_src[used])
+    full = Block.full(indptr, indices, F64)
+    assert ops.compact(full) == (full, None)
+
+
 def test_spmm_gradcheck(kernel):
     csr, _ = tiny_csr()
     vals = torch.rand(csr.nnz, dtype=F64)

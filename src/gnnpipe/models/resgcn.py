@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from .block import Block
 from .gcn import GCNConv
+from .ops import compact
 
 
 class ResGCNLayer(nn.Module):
@@ -17,7 +18,9 @@ class ResGCNLayer(nn.Module):
 
     The pre-activation (LayerNorm, ReLU, dropout) acts on the *source* rows, before the
     aggregation; the residual adds the destination rows ``block.dst_rows(h_src)``.
-    LayerNorm is per row, so the result is the same however the graph is cut.
+    LayerNorm is per row, so the result is the same however the graph is cut; it runs on
+    the source rows the block reads only (:func:`~gnnpipe.models.ops.compact`), not on
+    all ``N`` rows of a chunk's whole-graph buffer.
 
     Shapes: ``h_src`` ``(n_src, C)`` -> ``(n_dst, C)``.
     """
@@ -34,8 +37,10 @@ class ResGCNLayer(nn.Module):
         self.conv.reset_parameters()
 
     def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None) -> Tensor:
-        z = F.dropout(F.relu(self.norm(h_src)), self.dropout, self.training)  # (n_src, C)
-        return block.dst_rows(h_src) + self.conv(z, block)
+        sub, used = compact(block)
+        h_used = h_src if used is None else h_src[used]  # (n_used, C)
+        z = F.dropout(F.relu(self.norm(h_used)), self.dropout, self.training)
+        return block.dst_rows(h_src) + self.conv(z, sub)
 
     def cost(self, num_nodes: int, num_edges: int) -> float:
         """Forward FLOPs on a whole graph of ``num_nodes`` nodes and ``num_edges`` edges."""
