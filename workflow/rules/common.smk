@@ -16,7 +16,6 @@ from gnnpipe.config import (
     store_path,
     to_dict,
 )
-from gnnpipe.io import write_text
 
 
 def _where(path) -> str:

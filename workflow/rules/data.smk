@@ -6,9 +6,10 @@ rule dataset_spec:
         "logs/data/{dataset}.spec.log",
     params:
         text=dataset_spec_text,
-    run:
-        write_text(output.spec, params.text)
-        write_text(log[0], f"wrote {output.spec}\n")
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        "printf '%s' {params.text:q} > {output.spec} 2> {log}"
 
 
 rule download:

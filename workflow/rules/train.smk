@@ -6,9 +6,10 @@ rule run_config:
         "logs/runs/{run_id}.run_config.log",
     params:
         text=run_config_text,
-    run:
-        write_text(output.run_config, params.text)
-        write_text(log[0], f"wrote {output.run_config}\n")
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        "printf '%s' {params.text:q} > {output.run_config} 2> {log}"
 
 
 rule train:

@@ -1,0 +1,257 @@
+"""The Snakemake workflow: lint, the DAG of the default config, config errors, Slurm
+resources, the schema against the config dataclasses, and (slow) the tiny config end to end.
+
+Snakemake always runs in a temporary working directory (``--directory``), never in the
+repository's results/.
+"""
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+import typing
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from gnnpipe.config import WorkflowConfig, load_workflow_config, resolve_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = ROOT / "config" / "config.yaml"
+TINY = ROOT / ".test" / "config.yaml"
+SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
+
+
+def snakemake(workdir: Path, configfile: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for var in ("MLFLOW_TRACKING_URI", "GNNPIPE_EXPERIMENT"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir),
+           "--configfile", str(configfile), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def job_counts(output: str) -> dict[str, int]:
+    table = output[output.index("Job stats:"):]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "total"}
+
+
+def write_config(tmp_path: Path, edit) -> Path:
+    cfg = yaml.safe_load(TINY.read_text())
+    edit(cfg)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+# ----------------------------------------------------------------------------- static checks
+def test_lint_is_clean(tmp_path):
+    res = snakemake(tmp_path, DEFAULT, "--lint")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Lints for" not in res.stdout + res.stderr
+
+
+def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
+    runs = resolve_runs(load_workflow_config(yaml.safe_load(DEFAULT.read_text())))
+    stores = {r.store_path for r in runs.values() if r.store_path}
+    assert {r.mode for r in runs.values()} >= {"single", "graph", "pipeline"}
+    res = snakemake(tmp_path, DEFAULT, "-n", "-p")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout + res.stderr
+    assert job_counts(out) == {
+        "all": 1, "dataset_spec": 1, "download": 1, "partition": len(stores), "materialize": len(stores),
+        "run_config": len(runs), "train": len(runs), "evaluate": len(runs), "report": 1}
+    for store in stores:  # exactly the stores the runs read, at k = P (graph) or C (pipeline)
+        assert f"output: {store}" in out
+    for rid, run in runs.items():
+        cmd = next(l for l in out.splitlines() if l.startswith("Shell command:") and f"runs/{rid}/run.yaml >" in l
+                   and " train " in l)
+        if run.mode == "single":
+            assert "gnnpipe train --run-config" in cmd and "torchrun" not in cmd
+        else:
+            assert f"torchrun --nnodes 1 --nproc-per-node {run.workers} --standalone -m gnnpipe.cli train" in cmd
+        assert f"OMP_NUM_THREADS={run.training.threads_per_worker}" in cmd
+        assert "MLFLOW_TRACKING_URI:-sqlite:///$PWD/results/mlflow.db" in cmd
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["training"].update(epochz=3),
+     "config.training.epochz: unknown key (known: checkpoint_every, dtype, epochs,"),
+    (lambda c: c.update(trainig={}), "config.trainig: unknown key"),
+    (lambda c: c["runs"][0].update(mode="sharded"),
+     "config.runs[0].mode: 'sharded' is not one of ['single', 'graph', 'pipeline', 'hybrid']"),
+    (lambda c: c["models"]["gcn2"].update(layers=0), "config.models.gcn2.layers: 0 is less than the minimum of 1"),
+    (lambda c: c["runs"][1].update(dataset="nope"), "config.runs[1].dataset: 'nope' is not in datasets (tiny)"),
+    (lambda c: (c.update(resources={"workers_per_node": 3}),
+                c["runs"].append({"mode": "graph", "dataset": "tiny", "model": "gcn2", "workers": 4})),
+     "config.resources.workers_per_node: run tiny-gcn2-graph-p4-seed0 has 4 workers, not a multiple of 3"),
+], ids=["unknown-key", "unknown-section", "bad-enum", "bad-number", "unknown-dataset", "workers-per-node"])
+def test_config_errors_are_one_line_before_any_job(tmp_path, edit, message):
+    work = tmp_path / "work"
+    res = snakemake(work, write_config(tmp_path, edit), "--cores", "1", timeout=120)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0
+    line = next((l for l in out.splitlines() if message in l), None)
+    assert line is not None and line.startswith("invalid config: config."), out
+    assert "Traceback" not in out and "Failed validating" not in out
+    assert not (work / "results").exists() and not (work / "logs").exists()
+
+
+def test_slurm_profile_places_a_multi_node_gpu_run(tmp_path):
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    def edit(c):
+        c["resources"] = {"gpus_per_worker": 1, "workers_per_node": 2, "mem_mb_per_worker": 3000, "runtime_min": 45}
+        c["runs"] = [{"mode": "graph", "dataset": "tiny", "model": "gcn2", "workers": 4},
+                     {"mode": "pipeline", "dataset": "tiny", "model": "gcnii4", "workers": 2}]
+
+    res = snakemake(tmp_path, write_config(tmp_path, edit), "-n", "-p", "--profile", str(ROOT / "profiles" / "slurm"))
+    assert res.returncode == 0, res.stderr
+    jobs = {}
+    for block in res.stdout.split("\nrule ")[1:]:
+        if block.startswith("train:"):
+            rid = re.search(r"wildcards: run_id=(\S+)", block)[1]
+            resources = dict(kv.split("=", 1) for kv in re.search(r"resources: (.*)", block)[1].split(", "))
+            jobs[rid] = (resources, re.search(r"Shell command: (.*)", block)[1])
+    res4, cmd4 = jobs["tiny-gcn2-graph-p4-seed0"]
+    assert {k: res4[k] for k in ("nodes", "tasks", "cpus_per_task", "gres", "mpi", "mem_mb", "runtime",
+                                 "slurm_account")} == {
+        "nodes": "2", "tasks": "2", "cpus_per_task": "2", "gres": "gpu:2", "mpi": "srun", "mem_mb": "6000",
+        "runtime": "45", "slurm_account": "<your_account>"}
+    assert cmd4.startswith("export OMP_NUM_THREADS=1 ")
+    assert ("srun --nodes 2 --ntasks-per-node 1 torchrun --nnodes 2 --nproc-per-node 2 --rdzv-id $SLURM_JOB_ID "
+            "--rdzv-backend c10d --rdzv-endpoint") in cmd4
+    res2, cmd2 = jobs["tiny-gcnii4-pipeline-s2c8-seed0"]
+    assert res2["nodes"] == "1" and res2["gres"] == "gpu:2" and "mpi" not in res2
+    assert "torchrun --nnodes 1 --nproc-per-node 2 --standalone" in cmd2 and "srun" not in cmd2
+
+    # what the Slurm plugin makes of these resources
+    class Resources(dict):
+        __getattr__ = dict.__getitem__
+
+    def sbatch(resources):
+        typed = Resources({k: int(v) if v.isdigit() else v for k, v in resources.items()})
+        job = SimpleNamespace(resources=typed, threads=typed["cpus_per_task"])
+        params = {"run_uuid": "u", "slurm_logfile": "l", "comment_str": "c", "account": "-A a",
+                  "partition": "-p p", "workdir": "w"}
+        return get_submit_command(job, params) + set_gres_string(job)
+
+    line4 = sbatch(res4)
+    assert "--nodes=2" in line4 and "--ntasks=2" in line4 and "--cpus-per-task=2" in line4
+    assert "--gres=gpu:2" in line4 and "--mem 6000" in line4 and "ntasks-per-gpu" not in line4
+    line2 = sbatch(res2)
+    assert "--nodes=1" in line2 and "--gres=gpu:2" in line2 and "--ntasks" not in line2
+
+
+# ----------------------------------------------------------------------------- schema == dataclasses
+def _resolve(schema: dict, node: dict) -> dict:
+    while "$ref" in node:
+        target = schema
+        for part in node["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        node = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+    return node
+
+
+def _types(node: dict) -> set:
+    t = node.get("type", [])
+    return set([t] if isinstance(t, str) else t)
+
+
+def _check(schema: dict, node: dict, tp, where: str) -> None:
+    node = _resolve(schema, node)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        fields = {("lambda" if f.name == "lambda_" else f.name): f for f in dataclasses.fields(tp)}
+        assert node["additionalProperties"] is False, where
+        assert set(node["properties"]) == set(fields), where
+        required = {k for k, f in fields.items()
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        assert set(node.get("required", [])) >= required, where
+        for key, f in fields.items():
+            sub = _resolve(schema, node["properties"][key])
+            if f.default is dataclasses.MISSING or f.default is None:  # required, a section, or null
+                assert "default" not in sub, f"{where}.{key}: a schema default the dataclass lacks"
+            else:
+                assert sub.get("default") == f.default and isinstance(sub["default"], bool) == \
+                    isinstance(f.default, bool), f"{where}.{key}: default {sub.get('default')!r} != {f.default!r}"
+            _check(schema, sub, hints[f.name], f"{where}.{key}")
+    elif origin is typing.Literal:
+        assert node.get("enum") == list(args), where
+    elif origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        assert "null" in _types(node), where
+        _check(schema, {**node, "type": sorted(_types(node) - {"null"})}, inner[0], where)
+    elif origin is dict:
+        assert _types(node) == {"object"}, where
+        _check(schema, node["additionalProperties"], args[1], f"{where}.<name>")
+    elif origin is list:
+        assert _types(node) == {"array"}, where
+        _check(schema, node["items"], args[0], f"{where}[]")
+    else:
+        expected = {bool: {"boolean"}, int: {"integer"}, float: {"number"}, str: {"string"}}[tp]
+        assert _types(node) == expected, where
+
+
+def test_schema_mirrors_the_config_dataclasses():
+    schema = yaml.safe_load(SCHEMA.read_text())
+    _check(schema, schema, WorkflowConfig, "config")
+
+
+def test_shipped_configs_are_valid():
+    for path in (DEFAULT, TINY):
+        wf = load_workflow_config(yaml.safe_load(path.read_text()))
+        assert resolve_runs(wf)
+
+
+# ----------------------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_tiny_config_end_to_end(tmp_path):
+    wf = load_workflow_config(yaml.safe_load(TINY.read_text()))
+    runs = resolve_runs(wf)
+    res = snakemake(tmp_path, TINY, "--cores", "2", timeout=900)
+    logs = "\n".join(f"== {p}\n{p.read_text()[-3000:]}" for p in sorted((tmp_path / "logs").rglob("*.log")))
+    assert res.returncode == 0, res.stderr[-5000:] + logs
+
+    results = tmp_path / "results"
+    report = (results / "report.md").read_text()
+    groups = {(r.dataset_name, r.model.kind, r.model.layers, r.model.hidden) for r in runs.values()}
+    pngs = sorted(p.name for p in (results / "plots").glob("*.png"))
+    assert len(pngs) == len(groups) + 2 and {"comm_bytes.png", "epoch_time.png"} <= set(pngs)
+    for link in re.findall(r"!\[[^]]*\]\(([^)]+)\)", report):
+        assert (results / link).is_file()
+
+    records = {}
+    for rid, run in runs.items():
+        assert f"`{rid}`" in report
+        rec = json.loads((results / "runs" / rid / "metrics.json").read_text())
+        ev = json.loads((results / "runs" / rid / "eval.json").read_text())
+        assert (rec["run_id"], rec["mode"], rec["world_size"], rec["stages"], rec["ways"]) == \
+            (rid, run.mode, run.workers, run.stages, run.ways)
+        assert len(rec["history"]) == run.training.epochs and rec["mlflow_run_id"]
+        if run.mode == "single":
+            assert rec["comm_bytes_per_epoch"] == 0 and ev["test_acc"] == pytest.approx(rec["test_acc"])
+        else:  # halo / chunk traffic crossed the wire, and the ledger agrees with the closed form
+            assert rec["comm_bytes_per_epoch"] > 0 and rec["comm_bytes_predicted"] > 0
+            assert ev["test_acc"] == pytest.approx(rec["test_acc"], abs=0.02)
+        assert (tmp_path / "logs" / "train" / f"{rid}.log").is_file()
+        records[rid] = rec
+    if any(r.mode == "graph" for r in runs.values()) and any(r.mode == "pipeline" for r in runs.values()):
+        assert "graph ÷ pipeline" in report or "No graph ÷ pipeline ratio" in report
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{results / 'mlflow.db'}")
+    found = mlflow.search_runs(experiment_names=["gnnpipe"])
+    assert sorted(found["run_id"]) == sorted(r["mlflow_run_id"] for r in records.values())
+
+    again = snakemake(tmp_path, TINY, "-n")
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
