@@ -1,0 +1,391 @@
+"""Synthetic node-classification graphs: a degree-corrected SBM with locality.
+
+The model, for ``N`` nodes in ``K`` communities (``C <= K`` classes):
+
+* **Communities.** Nodes are laid out in a hidden order in which each community is a
+  contiguous block; block sizes vary (Dirichlet proportions). The hidden order is
+  also a *ring* inside each community: the 1-D embedding the locality knob uses.
+* **Degrees.** Every node draws a weight ``theta`` from a power law
+  ``P(theta > x) ~ x^-(gamma-1)`` (``degree_exponent = gamma``), capped at the
+  structural cut-off ``sqrt(N / avg_degree)`` and normalised to mean 1. Every edge
+  endpoint is chosen with probability proportional to ``theta`` (Chung-Lu) within
+  the set its edge type allows, so that the expected degree of node ``i`` is
+  ``avg_degree * theta_i`` whatever the mixture below.
+* **Edges.** One endpoint ``u`` is drawn over all nodes; the other, ``v``:
+  - with probability ``(1 - intra_fraction)`` outside ``u``'s community (inter);
+  - with probability ``intra_fraction * locality`` inside ``u``'s community and
+    within ``LOCAL_WINDOW * avg_degree`` ring positions of ``u`` (local);
+  - otherwise anywhere in ``u``'s community (intra).
+  Local edges are what real graphs have and a plain SBM lacks: they let METIS cut a
+  community along its ring instead of through all its edges.
+  Self loops and duplicates are rejected and re-drawn until exactly the requested
+  number of distinct edges exists.
+* **Labels and features.** Community ``k`` has class ``k mod C``; a share
+  ``label_noise`` of the nodes is relabelled to a uniformly chosen *other* class.
+  Features are ``mu[class of the community] + N(0, I_F)``, where the class means
+  ``mu`` are random directions of norm ``feature_signal`` (in units of the noise
+  standard deviation), so separability does not depend on ``F``.
+* **Ids and split.** Node ids are a random permutation of the hidden order (so that
+  a contiguous partition is not accidentally good); train/val/test is a uniform
+  random split with the configured fractions (test takes the rest).
+
+``avg_degree`` counts *stored* CSR entries per node: a symmetrised graph has
+``num_edges = N * avg_degree`` (rounded to even) directed entries, i.e. half as many
+undirected edges; an unsymmetrised one ``N * avg_degree`` distinct directed edges.
+
+Everything is a function of the resolved parameters and ``seed``: the structure, the
+features, the labels and the split use independent child streams of one
+``numpy.random.SeedSequence(seed)``, so e.g. changing ``num_features`` leaves the
+edges unchanged. Vectorised numpy throughout (no loop over nodes or edges): 10^6
+nodes with 2*10^7 stored edges take well under a minute on one core.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from ..config import ConfigError, SyntheticConfig
+from ..graph import Graph, csr_from_edges
+from ..io import GnnPipeError
+
+#: Bump when the same parameters and seed would give a different graph.
+GENERATOR_VERSION = 1
+
+#: Half-width of a node's local window on its community ring, in units of its expected
+#: degree (avg_degree * theta): a hub's local neighbourhood is wider, so that locality
+#: does not cap its degree.
+LOCAL_WINDOW = 2.0
+
+#: Dirichlet concentration of the community sizes (larger: more equal sizes).
+COMMUNITY_SIZE_CONCENTRATION = 8.0
+
+#: The parameters of each named shape; ``SyntheticConfig`` fields left ``None`` take
+#: these. ``num_nodes`` is free: every shape is meant to be scaled.
+SHAPES: dict[str, dict[str, Any]] = {
+    # The embedded default: small enough for a 32-layer model on 2 CPU cores, and
+    # learnable but not trivially (2-layer GCN well above an MLP, both below 100 %).
+    "default": dict(
+        num_nodes=10_000, avg_degree=16.0, num_features=128, num_classes=8,
+        num_communities=16, intra_fraction=0.75, locality=0.5, degree_exponent=2.5,
+        feature_signal=1.0, label_noise=0.15,
+    ),
+    # Reddit (232,965 nodes, 492 stored edges per node, 602 features, 41 classes);
+    # sum of METIS mirrors at 8 parts ~ 2 N (Reddit itself ~ 2.1 N).
+    "reddit-like": dict(
+        num_nodes=232_965, avg_degree=492.0, num_features=602, num_classes=41,
+        num_communities=41, intra_fraction=0.993, locality=0.9, degree_exponent=2.3,
+        feature_signal=1.5, label_noise=0.05,
+    ),
+    # Coauthor-Physics (34,493 nodes, 14.4 stored edges per node, 8,415 features,
+    # 5 classes); sum of METIS mirrors at 8 parts ~ 0.3 N.
+    "physics-like": dict(
+        num_nodes=34_493, avg_degree=14.4, num_features=8415, num_classes=5,
+        num_communities=30, intra_fraction=0.98, locality=0.9, degree_exponent=2.8,
+        feature_signal=1.5, label_noise=0.05,
+    ),
+}
+
+_SHAPE_KEYS = tuple(SHAPES["default"])
+
+
+def resolve_shape(cfg: SyntheticConfig, path: str = "synthetic") -> dict[str, Any]:
+    """The effective parameters of ``cfg``: its shape's values, overridden by every
+    field that is not ``None``; validated (``ConfigError`` naming ``path.<key>``)."""
+    if cfg.shape not in SHAPES:
+        raise ConfigError(f"{path}.shape: {cfg.shape!r} is not one of {', '.join(map(repr, SHAPES))}")
+    p: dict[str, Any] = {"shape": cfg.shape}
+    for key in _SHAPE_KEYS:
+        value = getattr(cfg, key)
+        p[key] = SHAPES[cfg.shape][key] if value is None else value
+    p.update(train_fraction=cfg.train_fraction, val_fraction=cfg.val_fraction, seed=cfg.seed)
+    _check(p, path)
+    for key in ("num_nodes", "num_features", "num_classes", "num_communities", "seed"):
+        p[key] = int(p[key])
+    for key in ("avg_degree", "intra_fraction", "locality", "degree_exponent", "feature_signal",
+                "label_noise", "train_fraction", "val_fraction"):
+        p[key] = float(p[key])
+    p["generator_version"] = GENERATOR_VERSION
+    return p
+
+
+def _check(p: dict[str, Any], path: str) -> None:
+    def fail(key: str, what: str):
+        raise ConfigError(f"{path}.{key}: {what}, got {p[key]!r}")
+
+    def integer(key: str, lo: int):
+        v = p[key]
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            fail(key, "must be an integer")
+        if v < lo:
+            fail(key, f"must be >= {lo}")
+
+    def number(key: str):
+        v = p[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(v):
+            fail(key, "must be a finite number")
+        return float(v)
+
+    def fraction(key: str):
+        if not 0.0 <= number(key) <= 1.0:
+            fail(key, "must lie in [0, 1]")
+
+    integer("num_nodes", 2)
+    integer("num_features", 1)
+    integer("num_classes", 2)
+    integer("num_communities", 1)
+    integer("seed", 0)
+    n = p["num_nodes"]
+    if number("avg_degree") <= 0:
+        fail("avg_degree", "must be > 0")
+    if p["avg_degree"] > (n - 1) / 2:
+        fail("avg_degree", f"must be <= (num_nodes - 1) / 2 = {(n - 1) / 2:g} for {n} nodes "
+                           "(raise num_nodes or lower avg_degree)")
+    if p["num_communities"] < p["num_classes"]:
+        fail("num_communities", f"must be >= num_classes ({p['num_classes']}): every class "
+                                "needs a community")
+    if 2 * p["num_communities"] > n:
+        fail("num_communities", f"must be <= num_nodes / 2 = {n // 2} (a community needs two nodes)")
+    for key in ("intra_fraction", "locality", "label_noise", "train_fraction", "val_fraction"):
+        fraction(key)
+    if p["num_communities"] == 1 and p["intra_fraction"] < 1:
+        fail("intra_fraction", "must be 1 when num_communities is 1 (no other community to link to)")
+    if number("degree_exponent") <= 2:
+        fail("degree_exponent", "must be > 2 (the mean degree is infinite otherwise)")
+    if number("feature_signal") < 0:
+        fail("feature_signal", "must be >= 0")
+    if p["train_fraction"] + p["val_fraction"] > 1:
+        raise ConfigError(f"{path}: train_fraction + val_fraction must be <= 1 (the test set takes "
+                          f"the rest), got {p['train_fraction']} + {p['val_fraction']}")
+
+
+class _Progress:
+    def __init__(self, enabled: bool, name: str):
+        self.enabled, self.name, self.t0 = enabled, name, time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if self.enabled:
+            print(f"[{self.name}] {time.perf_counter() - self.t0:7.2f}s {msg}", file=sys.stderr, flush=True)
+
+
+def generate(cfg: SyntheticConfig, *, symmetrize: bool = True, self_loops: str = "remove",
+             name: str = "synthetic", progress: bool = False) -> Graph:
+    """Generate the synthetic graph of ``cfg`` (see the module docstring for the model).
+
+    ``symmetrize``: store every edge in both directions (``num_edges`` = N * avg_degree
+    stored CSR entries either way). ``self_loops``: the sampler never draws one, so
+    ``"remove"`` and ``"keep"`` are the same; ``"add"`` adds one per node.
+    ``Graph.params`` holds ``resolve_shape(cfg)`` plus a few realised statistics.
+    """
+    p = resolve_shape(cfg, path=f"config.datasets.{name}.synthetic")
+    if self_loops not in ("remove", "add", "keep"):
+        raise GnnPipeError(f"self_loops must be 'remove', 'add' or 'keep', got {self_loops!r}")
+    log = _Progress(progress, name)
+    n, k, c = p["num_nodes"], p["num_communities"], p["num_classes"]
+    rng_struct, rng_feat, rng_label, rng_split, rng_perm = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(p["seed"]).spawn(5))
+
+    # ---- structure, in hidden order (communities contiguous, rings inside them)
+    sizes = _community_sizes(rng_struct, n, k)  # (K,)
+    start = np.zeros(k + 1, dtype=np.int64)
+    np.cumsum(sizes, out=start[1:])
+    community = np.repeat(np.arange(k, dtype=np.int64), sizes)  # (N,) hidden order
+    theta = _power_law_weights(rng_struct, n, p["degree_exponent"], math.sqrt(n / p["avg_degree"]))
+    target = int(round(n * p["avg_degree"]))
+    if symmetrize:
+        target -= target % 2
+    num_pairs = target // 2 if symmetrize else target
+    sampler = _EdgeSampler(theta, start, community, window=LOCAL_WINDOW * p["avg_degree"])
+    n_local = int(round(num_pairs * p["intra_fraction"] * p["locality"]))
+    n_intra = int(round(num_pairs * p["intra_fraction"])) - n_local
+    quotas = {"local": n_local, "intra": n_intra, "inter": num_pairs - n_local - n_intra}
+    a, b = _distinct_edges(rng_struct, sampler, n, quotas, undirected=symmetrize, log=log)
+    log(f"sampled {num_pairs:,} distinct {'undirected' if symmetrize else 'directed'} edges")
+    intra_share = float(np.mean(community[a] == community[b])) if num_pairs else 0.0
+
+    # ---- random ids: node id of hidden position h is perm[h]
+    perm = rng_perm.permutation(n).astype(np.int64)
+    indptr, indices = csr_from_edges(perm[a], perm[b], n, symmetrize=symmetrize, self_loops=self_loops)
+    del a, b
+    log(f"built CSR with {indices.shape[0]:,} stored edges")
+
+    # ---- labels and features (rows in node-id order)
+    comm_of = np.empty(n, dtype=np.int64)
+    comm_of[perm] = community
+    true_class = comm_of % c
+    labels = true_class.copy()
+    noisy = rng_label.permutation(n)[:int(round(p["label_noise"] * n))]
+    labels[noisy] = (labels[noisy] + rng_label.integers(1, c, size=noisy.shape[0])) % c
+    features = _features(rng_feat, true_class, c, p["num_features"], p["feature_signal"])
+    log(f"features ({n:,} x {p['num_features']:,})")
+
+    order = rng_split.permutation(n)
+    n_train = int(round(p["train_fraction"] * n))
+    n_val = min(int(round(p["val_fraction"] * n)), n - n_train)
+    masks = [np.zeros(n, dtype=bool) for _ in range(3)]
+    masks[0][order[:n_train]] = True
+    masks[1][order[n_train:n_train + n_val]] = True
+    masks[2][order[n_train + n_val:]] = True
+
+    deg = np.diff(indptr)
+    params = dict(p, realized=dict(intra_fraction=intra_share, max_degree=int(deg.max()),
+                                   isolated_nodes=int(np.count_nonzero(deg == 0))))
+    graph = Graph(indptr=indptr, indices=indices, features=features, labels=labels,
+                  train_mask=masks[0], val_mask=masks[1], test_mask=masks[2], num_classes=c,
+                  name=name, source="synthetic", symmetric=symmetrize,
+                  self_loops=self_loops == "add", params=params)
+    log("done")
+    return graph
+
+
+# --------------------------------------------------------------------------- pieces
+def _community_sizes(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """``k`` sizes >= 2 summing to ``n``, proportions ~ Dirichlet(concentration)."""
+    share = rng.dirichlet(np.full(k, COMMUNITY_SIZE_CONCENTRATION))
+    return 2 + rng.multinomial(n - 2 * k, share).astype(np.int64)
+
+
+def _power_law_weights(rng: np.random.Generator, n: int, gamma: float, cap: float) -> np.ndarray:
+    """Pareto weights with tail exponent ``gamma - 1``, clipped to ``cap`` times the
+    mean, normalised to mean 1 (float64, (n,))."""
+    theta = (1.0 - rng.random(n)) ** (-1.0 / (gamma - 1.0))  # >= 1
+    theta /= theta.mean()
+    if cap > 1:
+        np.minimum(theta, cap, out=theta)
+    return theta / theta.mean()
+
+
+class _EdgeSampler:
+    """Draws candidate edges ``(u, v)`` of the DC-SBM with locality (hidden order)."""
+
+    def __init__(self, theta, start, community, window: float):
+        self.community, self.start = community, start
+        self.cum = np.concatenate([[0.0], np.cumsum(theta)])  # (N+1,) prefix sums of theta
+        self.total = self.cum[-1]
+        self.wcomm = self.cum[start[1:]] - self.cum[start[:-1]]  # (K,) community weights
+        self.sizes = np.diff(start)
+        self.theta, self.window = theta, window
+        # guide table (Chen & Asau): guide[j] is the node whose interval holds j * total / L.
+        # A query starts there and steps forward over the few nodes of its bucket: O(1)
+        # gathers per query instead of a ~20-step binary search of random memory.
+        self.buckets = 2 * theta.shape[0]
+        self.guide = self._search(np.arange(self.buckets + 1) * (self.total / self.buckets))
+
+    def _search(self, t: np.ndarray) -> np.ndarray:
+        pos = np.searchsorted(self.cum, t, side="right") - 1
+        return np.clip(pos, 0, self.cum.shape[0] - 2)
+
+    def _invert(self, t: np.ndarray) -> np.ndarray:
+        """Hidden position ``i`` with ``cum[i] <= t < cum[i + 1]`` (clipped to the nodes)."""
+        j = np.clip((t * (self.buckets / self.total)).astype(np.int64), 0, self.buckets)
+        pos = self.guide[j]
+        last = self.cum.shape[0] - 2
+        todo = np.flatnonzero((self.cum[pos + 1] <= t) & (pos < last))
+        while todo.size:  # at most the number of nodes in one bucket (a handful)
+            pos[todo] += 1
+            p = pos[todo]
+            todo = todo[(self.cum[p + 1] <= t[todo]) & (p < last)]
+        return pos
+
+    def __call__(self, rng: np.random.Generator, kind: str, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """``m`` candidate edges of one ``kind``: ``"local"``, ``"intra"`` or ``"inter"``."""
+        u = self._invert(_sorted_uniform(rng, m) * self.total)  # sorted: later steps run near-sorted
+        x = rng.random(m)
+        cu = self.community[u]
+        s0, wc = self.start[cu], self.wcomm[cu]
+        base = self.cum[s0]  # prefix sum at the community's first node
+        if kind == "inter":  # outside u's community: skip its theta-interval
+            t = x * (self.total - wc)
+            t += np.where(t >= base, wc, 0.0)
+            return u, self._invert(t)
+        if kind == "local":
+            v = self._local(u, cu, x)
+        else:  # anywhere in u's community
+            v = self._invert(base + x * wc)
+        # keep every draw inside its community despite floating-point rounding
+        return u, np.clip(v, s0, self.start[cu + 1] - 1)
+
+    def _local(self, u, cu, x):
+        """``v`` within ``w = ceil(window * theta_u)`` ring positions of ``u`` in its
+        community, with probability proportional to theta.
+
+        The window ``[u - w, u + w]`` may wrap around the ring once (``w < size / 2``);
+        on the unwrapped ring the theta prefix sum of a position past the end is
+        ``cum[position - size] + W_c`` (before the start: ``cum[position + size] - W_c``).
+        """
+        s, size, wc = self.start[cu], self.sizes[cu], self.wcomm[cu]
+        w = np.minimum(np.ceil(self.window * self.theta[u]).astype(np.int64), (size - 1) // 2)
+        lo, hi = u - w, u + w + 1  # window [lo, hi) in hidden positions, unwrapped
+        under, over = lo < s, hi > s + size
+        f_lo = self.cum[lo + under * size] - under * wc
+        f_hi = self.cum[hi - over * size] + over * wc
+        t = f_lo + x * (f_hi - f_lo)
+        base = self.cum[s]
+        t += np.where(t < base, wc, 0.0) - np.where(t >= base + wc, wc, 0.0)  # wrap back
+        return self._invert(t)
+
+
+def _distinct_edges(rng, sampler, n: int, quotas: dict[str, int], *, undirected: bool,
+                    max_rounds: int = 64, log=None) -> tuple[np.ndarray, np.ndarray]:
+    """Draw from ``sampler`` until each kind has its quota of distinct non-loop edges.
+
+    Keys ``a * n + b`` (``a < b`` when ``undirected``) are kept sorted; each round draws
+    the deficit (inflated by the last round's acceptance rate), drops loops, repeats and
+    edges already held (of any kind), and keeps a uniform subset of the new ones. Kinds are drawn one after the other, the most repetitive first, so
+    that the realised shares are exactly the quotas.
+    """
+    keys = np.empty(0, dtype=np.int64)
+    for kind, count in quotas.items():
+        goal, accept = keys.shape[0] + count, 1.0
+        for rounds in range(max_rounds):
+            deficit = goal - keys.shape[0]
+            if deficit <= 0:
+                if log:
+                    log(f"{count:,} {kind} edges in {rounds} round(s)")
+                break
+            draw = int(deficit / max(accept, 0.02) * 1.02) + 64
+            u, v = sampler(rng, kind, draw)
+            keep = u != v
+            u, v = u[keep], v[keep]
+            if undirected:
+                u, v = np.minimum(u, v), np.maximum(u, v)
+            # u comes sorted, so local keys are nearly sorted: timsort ("stable") wins there
+            new = np.sort(u * n + v, kind="stable" if kind == "local" else "quicksort")
+            new = new[np.concatenate(([True], new[1:] != new[:-1]))]
+            if keys.shape[0]:
+                at = np.minimum(np.searchsorted(keys, new), keys.shape[0] - 1)
+                new = new[keys[at] != new]
+            accept = new.shape[0] / draw
+            if new.shape[0] > deficit:  # a uniform subset of the surplus
+                new = new[np.sort(rng.permutation(new.shape[0])[:deficit])]
+            keys = np.sort(np.concatenate([keys, new]), kind="stable")  # merge of two sorted runs
+        else:
+            raise GnnPipeError(
+                f"synthetic: could place only {count - deficit:,} of {count:,} distinct {kind} edges; "
+                "the graph is too dense for its communities: lower avg_degree, intra_fraction or "
+                "locality, or raise num_nodes")
+    a, b = np.divmod(keys, n)
+    return a, b
+
+
+def _sorted_uniform(rng: np.random.Generator, m: int) -> np.ndarray:
+    """``m`` sorted U(0, 1) variates in O(m): normalised partial sums of exponentials."""
+    e = np.cumsum(rng.standard_exponential(m + 1))
+    return e[:-1] / e[-1]
+
+
+def _features(rng, true_class, num_classes: int, num_features: int, signal: float) -> np.ndarray:
+    """``mu[class] + N(0, I)`` with random class means of norm ``signal`` (float32)."""
+    mu = rng.standard_normal((num_classes, num_features))
+    mu *= signal / np.linalg.norm(mu, axis=1, keepdims=True)
+    mu = mu.astype(np.float32)
+    x = rng.standard_normal((true_class.shape[0], num_features), dtype=np.float32)
+    step = max(1, (1 << 24) // num_features)  # add the means in ~64 MiB slabs, not one N x F temporary
+    for i in range(0, x.shape[0], step):
+        x[i:i + step] += mu[true_class[i:i + step]]
+    return x
