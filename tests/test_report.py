@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gnnpipe.io import GnnPipeError
-from gnnpipe.report import build_report, fmt_bytes, fmt_ratio, load_run, plot_curves, ratio
+from gnnpipe.report import build_report, fmt_bytes, fmt_ratio, fmt_s, load_run, plot_curves, ratio
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -85,6 +85,7 @@ def test_report_table_ratios_and_plots(tmp_path, runs):
     pipe = row_of(all_runs, "deep-pipe")
     assert pipe[1:8] == ["pipeline", "synth", "gcnii", "32", "2", "2×1", "8"]
     assert pipe[8:12] == ["100 ms", "60 ms", "10 ms", "30 ms"]  # epoch and its split
+    assert row_of(all_runs, "deep-single")[11] == "0"  # no bubble without a pipeline
     assert pipe[12:15] == ["4 MB", "5 MB", "0.8×"]  # measured, predicted, measured ÷ predicted
     graph = row_of(all_runs, "deep-graph")
     assert graph[6:8] == ["1×2", "—"]  # S×G; graph parallelism has no chunks
@@ -121,7 +122,7 @@ def test_curves_have_a_line_per_run_and_skip_unevaluated_epochs(tmp_path, runs):
     assert len(loss.get_lines()) == len(val.get_lines()) == 3
     assert list(loss.get_lines()[0].get_xdata()) == [0, 1, 2, 3, 4, 5]
     assert list(test.get_lines()[0].get_xdata()) == [1, 3, 5]  # null on non-eval epochs
-    assert loss.get_yscale() == "log"
+    assert loss.get_yscale() == "linear"  # 2.0 -> 0.33 spans less than a decade
 
 
 def test_bad_run_records_are_refused_with_the_file_named(tmp_path, runs):
@@ -142,7 +143,8 @@ def test_bad_run_records_are_refused_with_the_file_named(tmp_path, runs):
     assert not (tmp_path / "r.md").exists()
 
 
-def test_formatting_of_bytes_and_ratios():
+def test_formatting_of_bytes_times_and_ratios():
+    assert [fmt_s(x) for x in (None, 0, 4.65e-5, 0.0123, 2.5)] == ["—", "0", "46.5 µs", "12.3 ms", "2.5 s"]
     assert [fmt_bytes(n) for n in (0, 512, 1_500, 2_000_000, 3.2e9)] == ["0", "512 B", "1.5 kB", "2 MB", "3.2 GB"]
     assert ratio(0, 0) is None and ratio(None, 1) is None and math.isinf(ratio(5, 0))
     assert [fmt_ratio(x) for x in (None, math.inf, 2.0, 0.125)] == ["—", "∞", "2×", "0.125×"]

@@ -121,6 +121,10 @@ def fmt_bytes(n: Optional[float]) -> str:
 def fmt_s(x: Optional[float]) -> str:
     if x is None:
         return DASH
+    if x == 0:
+        return "0"
+    if x < 1e-3:
+        return f"{x * 1e6:.3g} µs"
     return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
 
 
@@ -286,8 +290,9 @@ def plot_curves(group: tuple, runs: list[Run], path: Path):
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
         losses = [h.get("loss") for r in runs for h in r["history"]]
-        if key == "loss" and losses and all(v is not None and v > 0 for v in losses):
-            ax.set_yscale("log")
+        if key == "loss" and losses and all(v is not None and v > 0 for v in losses) \
+                and max(losses) > 10 * min(losses):
+            ax.set_yscale("log")  # only when the loss spans more than a decade
     axes.flat[0].legend(fontsize=7)
     fig.suptitle(group_title(group))
     _save(fig, path)

@@ -166,5 +166,7 @@ def train_launcher(wildcards) -> str:
 
 
 def mlflow_db(wildcards) -> str:
-    """Relative path of the default SQLite store; MLFLOW_TRACKING_URI overrides it."""
-    return f"{RESULTS}/mlflow.db"
+    """Absolute path of the default SQLite store, as the job's shell expands it (the same
+    file gnnpipe.tracking defaults to); MLFLOW_TRACKING_URI overrides it."""
+    db = f"{RESULTS}/mlflow.db"
+    return db if os.path.isabs(db) else f"$PWD/{db}"

@@ -39,7 +39,7 @@ rule train:
         "../../envs/gnnpipe.yaml"
     shell:
         "export OMP_NUM_THREADS={params.omp}"
-        ' MLFLOW_TRACKING_URI="${{MLFLOW_TRACKING_URI:-sqlite:///$PWD/{params.mlflow_db}}}";'
+        ' MLFLOW_TRACKING_URI="${{MLFLOW_TRACKING_URI:-sqlite:///{params.mlflow_db}}}";'
         " {params.launch} train --run-config {input.run_config} > {log} 2>&1"
 
 
@@ -62,5 +62,5 @@ rule evaluate:
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
-        'export OMP_NUM_THREADS={threads} MLFLOW_TRACKING_URI="${{MLFLOW_TRACKING_URI:-sqlite:///$PWD/{params.mlflow_db}}}";'
+        'export OMP_NUM_THREADS={threads} MLFLOW_TRACKING_URI="${{MLFLOW_TRACKING_URI:-sqlite:///{params.mlflow_db}}}";'
         " gnnpipe evaluate --run-config {input.run_config} --out {output.evaluation} > {log} 2>&1"
