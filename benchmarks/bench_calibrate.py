@@ -1,0 +1,313 @@
+"""Measure this machine for the cost model: kernels, concurrency, gloo links; check predictions.
+
+    python benchmarks/bench_calibrate.py --out results/benchmarks/calibrate.json \\
+        --write-profile config/hardware/cpu-2core.yaml
+    python benchmarks/bench_calibrate.py --check results/data/synth/graph.h5 --layers 8 \\
+        --hidden 64 --epochs 5 --runs-dir results/runs --out results/benchmarks/check.json
+
+Measurements (medians of ``--reps``, after a warm-up):
+
+* dense: ``torch.mm`` of the shapes a GNN layer runs (``(n, d_in) @ (d_in, d_out)``) with
+  1 and 2 threads, and with 2 processes of 1 thread each running at the same time (the
+  per-worker rate when both cores compute: ``shared_node_efficiency``);
+* sparse: CSR SpMM (``gnnpipe.models.ops.spmm``) of a synthetic graph at several widths,
+  counted in stored entries x width per second; likewise 1 / 2 threads / 2 processes;
+* elementwise: ReLU then an in-place add, values per second (and dropout apart: its
+  random mask makes it several times dearer per value);
+* per-call overhead: a GCN conv forward + backward on a 64-node block;
+* gloo over loopback between 2 processes: ping-pong ``send``/``recv`` of 4 B .. 64 MiB;
+  latency is half the round trip of the smallest message, bandwidth the slope of time
+  against size over the large ones.
+
+``--write-profile`` turns them into a hardware profile (1-thread rates per worker, since
+each worker runs one compute thread by default). ``--check`` fits the rates to a real
+graph and model (``gnnpipe.plan.calibrate``), trains ``single`` for a few epochs and
+compares measured with predicted epoch times, and does the same for every run record
+under ``--runs-dir`` (any mode) whose graph is the checked one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from gnnpipe.io import write_json, write_text  # noqa: E402
+from gnnpipe.plan import median_time as _median  # noqa: E402
+
+
+def _graph_csr(n: int, deg: int, seed: int = 0):
+    from gnnpipe.config import SyntheticConfig
+    from gnnpipe.data.synthetic import generate
+    from gnnpipe.models.block import Block
+
+    g = generate(SyntheticConfig(shape="default", num_nodes=n, avg_degree=float(deg), num_features=8,
+                                 seed=seed), name="bench")
+    return Block.full(g.indptr, g.indices)
+
+
+DENSE_SHAPES = [(20000, 128, 128), (20000, 602, 100), (20000, 100, 100)]
+WIDTHS = [16, 64, 128]
+
+
+def kernel_rates(reps: int, threads: int, n: int = 20000, deg: int = 16) -> dict:
+    """Dense GFLOP/s, SpMM G values/s and elementwise G values/s with ``threads`` threads."""
+    from gnnpipe.models.ops import gcn_aggregate, self_loop_csr
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        dense = {}
+        for m, k, d in DENSE_SHAPES:
+            a, b = torch.randn(m, k, generator=gen), torch.randn(k, d, generator=gen)
+            dense[f"{m}x{k}x{d}"] = 2.0 * m * k * d / _median(lambda: a @ b, reps) / 1e9
+        block = _graph_csr(n, deg)
+        entries = self_loop_csr(block).nnz
+        sparse = {}
+        for d in WIDTHS:
+            x = torch.randn(n, d, generator=gen)
+            sparse[str(d)] = entries * d / _median(lambda: gcn_aggregate(x, block), reps) / 1e9
+        x = torch.randn(4_000_000, generator=gen)
+        elem = 2.0 * x.numel() / _median(lambda: torch.relu(x).add_(1.0), reps) / 1e9
+        drop = x.numel() / _median(lambda: torch.nn.functional.dropout(x, 0.5), reps) / 1e9
+        return {"threads": threads, "dense_gflops": dense, "sparse_gvalues": sparse,
+                "elementwise_gvalues": elem, "dropout_gvalues": drop,
+                "spmm_graph": {"nodes": n, "entries": entries}}
+    finally:
+        torch.set_num_threads(old)
+
+
+def layer_overhead_us(reps: int) -> float:
+    """Forward + backward of a GCN conv on a 64-node block: nearly all fixed cost."""
+    from gnnpipe.models.gcn import GCNConv
+
+    block = _graph_csr(64, 4)
+    conv = GCNConv(16, 16)
+    x = torch.randn(64, 16, requires_grad=True)
+    return _median(lambda: conv(x, block).sum().backward(), reps * 20) * 1e6
+
+
+def _concurrent(rank: int, world: int, reps: int) -> dict:
+    import torch.distributed as dist
+
+    dist.barrier()
+    return kernel_rates(reps, 1)
+
+
+def _pingpong(rank: int, world: int, sizes: list[int], reps: int) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    for size in sizes:
+        t = torch.zeros(max(1, size // 4), dtype=torch.float32)
+        times = []
+        for i in range(reps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(t, 1)
+                dist.recv(t, 1)
+            else:
+                dist.recv(t, 0)
+                dist.send(t, 0)
+            if i:
+                times.append(time.perf_counter() - t0)
+        out[size] = float(statistics.median(times)) / 2  # one way
+    return out
+
+
+def gloo_link(reps: int) -> dict:
+    from gnnpipe.parallel.testing import spawn_multi_process
+
+    sizes = [4, 1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26]
+    one_way = spawn_multi_process(_pingpong, 2, sizes, reps, timeout=300)[0]
+    big = [s for s in sizes if s >= 1 << 20]
+    slope, intercept = np.polyfit(big, [one_way[s] for s in big], 1)
+    return {"one_way_s": {str(k): v for k, v in one_way.items()}, "latency_us": one_way[4] * 1e6,
+            "bandwidth_gbs": 1.0 / slope / 1e9, "large_message_intercept_us": intercept * 1e6}
+
+
+def measure(reps: int) -> dict:
+    from gnnpipe.parallel.testing import spawn_multi_process
+
+    solo1, solo2 = kernel_rates(reps, 1), kernel_rates(reps, 2)
+    conc = spawn_multi_process(_concurrent, 2, reps, timeout=600)
+    return {"cpu_count": os.cpu_count(), "torch": torch.__version__, "solo_1_thread": solo1,
+            "solo_2_threads": solo2, "concurrent_2x1": conc, "layer_overhead_us": layer_overhead_us(reps),
+            "gloo_loopback": gloo_link(reps), "mem_total_gib": _mem_total_gib()}
+
+
+def _mem_total_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 / 2**30
+    return 0.0
+
+
+def profile_yaml(m: dict, name: str = "cpu-2core") -> str:
+    """The hardware profile of this machine from ``measure``'s results."""
+    s1, s2 = m["solo_1_thread"], m["solo_2_threads"]
+    dense1 = statistics.median(s1["dense_gflops"].values())
+    sparse1 = statistics.median(s1["sparse_gvalues"].values())
+    conc_dense = statistics.mean(statistics.median(c["dense_gflops"].values()) for c in m["concurrent_2x1"])
+    conc_sparse = statistics.mean(statistics.median(c["sparse_gvalues"].values()) for c in m["concurrent_2x1"])
+    eff = min(1.0, 0.5 * (conc_dense / dense1 + conc_sparse / sparse1))
+    link = m["gloo_loopback"]
+    workers = int(m["cpu_count"] or 1)
+    mem = m["mem_total_gib"] * 0.8 / workers
+    compact = {k: v for k, v in m.items() if k != "gloo_loopback"}
+    compact["gloo_loopback"] = {k: v for k, v in link.items() if k != "one_way_s"}
+    lines = [
+        f"# This machine ({workers} cores), measured by benchmarks/bench_calibrate.py",
+        f"# (torch {m['torch']}, medians). Rates are per worker with one compute thread; two",
+        "# workers computing at once each get shared_node_efficiency of them. Links: gloo over",
+        "# loopback between two processes (ping-pong). Re-measure with",
+        "#   python benchmarks/bench_calibrate.py --write-profile config/hardware/cpu-2core.yaml",
+        "# and fit the compute rates to a given graph and model with `gnnpipe plan --calibrate`.",
+        f"name: {name}",
+        f"description: this {workers}-core CPU machine, workers are processes over gloo (loopback)",
+        "source: measured by benchmarks/bench_calibrate.py",
+        f"workers_per_node: {workers}",
+        "nodes: 1",
+        "oversubscribe: true      # more workers than cores time-share them",
+        f"memory_gib: {mem:.1f}         # 80 % of {m['mem_total_gib']:.1f} GiB over {workers} workers",
+        f"dense_gflops: {dense1:.2f}       # 1 thread; 2 threads: "
+        f"{statistics.median(s2['dense_gflops'].values()):.2f}",
+        f"sparse_gvalues: {sparse1:.3f}     # CSR SpMM, 1 thread; 2 threads: "
+        f"{statistics.median(s2['sparse_gvalues'].values()):.3f}",
+        f"elementwise_gvalues: {s1['elementwise_gvalues']:.3f}",
+        f"layer_overhead_us: {m['layer_overhead_us']:.0f}",
+        f"shared_node_efficiency: {eff:.3f}",
+        f"intra_bandwidth_gbs: {link['bandwidth_gbs']:.3f}",
+        f"intra_latency_us: {link['latency_us']:.0f}",
+        "measured:",
+    ]
+    body = json.dumps(compact, indent=2, sort_keys=True, default=float)
+    lines += ["  " + ln for ln in _yaml_block(json.loads(body))]
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_block(obj) -> list[str]:
+    import yaml
+
+    return yaml.safe_dump(obj, sort_keys=True, default_flow_style=False).splitlines()
+
+
+# --------------------------------------------------------------------------- --check
+def _single_epochs(graph_path: str, model_cfg, epochs: int, threads: int) -> list[float]:
+    from gnnpipe.config import (GraphParallelConfig, PartitionConfig, PipelineConfig, RunConfig,
+                                TrainingConfig)
+    from gnnpipe.train import SingleEngine
+
+    torch.set_num_threads(threads)
+    cfg = RunConfig(run_id="bench", mode="single", dataset_name="bench", graph_path=graph_path,
+                    store_path=None, out_dir="/tmp", model=model_cfg,
+                    training=TrainingConfig(epochs=epochs, threads_per_worker=threads),
+                    partitioning=PartitionConfig(), pipeline=PipelineConfig(),
+                    graph_parallel=GraphParallelConfig())
+    eng = SingleEngine(cfg, torch.device("cpu"))
+    times = []
+    for e in range(epochs + 1):
+        t0 = time.perf_counter()
+        eng.train_epoch(e)
+        if e:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def check(graph_path: str, model_cfg, hw_name: str, epochs: int, threads: int,
+          runs_dir: str | None) -> dict:
+    from gnnpipe import costmodel as cm
+    from gnnpipe.graph import read_graph
+    from gnnpipe.plan import build_model, calibrate, cached_graph_stats, model_shape, plan, predict_layout
+
+    graph = read_graph(graph_path)
+    hw = cm.load_hardware(hw_name)
+    t0 = time.perf_counter()
+    fitted = calibrate(graph, model_cfg, hw, threads=threads)
+    cal_s = time.perf_counter() - t0
+    measured = _single_epochs(graph_path, model_cfg, epochs, threads)
+    stats = {"num_nodes": graph.num_nodes, "num_edges": graph.num_edges, "partitions": {}}
+    one = plan(stats, model_cfg, graph.num_features, graph.num_classes, fitted, 1)
+    rows = [{"mode": "single", "workers": 1, "measured_s": statistics.median(measured),
+             "predicted_s": one.rows[0].epoch_s, "profile_predicted_s":
+             plan(stats, model_cfg, graph.num_features, graph.num_classes, hw, 1).rows[0].epoch_s}]
+    for rec in sorted(Path(runs_dir).glob("*/metrics.json")) if runs_dir else []:
+        m = json.loads(rec.read_text())
+        run_yaml = rec.parent / "run.yaml"
+        if m.get("mode") == "single" or not run_yaml.exists():
+            continue
+        from gnnpipe.config import load_run_config
+
+        cfg = load_run_config(run_yaml)
+        if Path(cfg.graph_path).resolve() != Path(graph_path).resolve() or cfg.model != model_cfg:
+            continue
+        st = cached_graph_stats(graph_path, sorted({k for k in (cfg.ways, cfg.chunks) if k > 1}),
+                                method=cfg.partitioning.method, seed=cfg.partitioning.seed,
+                                balance_edges=cfg.partitioning.balance_edges)
+        gnn = build_model(cfg.model, graph.num_features, graph.num_classes)
+        est = predict_layout(st, gnn, model_shape(gnn), fitted, cfg.mode, cfg.stages, cfg.ways, cfg.chunks,
+                             dtype_bytes=m.get("dtype_bytes", 4), overlap=cfg.graph_parallel.overlap,
+                             balance=cfg.pipeline.balance, pipeline_cfg=cfg.pipeline)
+        rows.append({"run_id": m["run_id"], "mode": cfg.mode, "workers": cfg.workers,
+                     "stages": cfg.stages, "ways": cfg.ways, "chunks": cfg.chunks,
+                     "measured_s": m["epoch_time_s"], "predicted_s": est.epoch_s,
+                     "measured_breakdown_s": m.get("epoch_time_breakdown_s"),
+                     "predicted_breakdown_s": {"compute": est.compute_s, "comm": est.comm_s,
+                                               "bubble": est.bubble_s},
+                     "measured_bytes": m.get("comm_bytes_per_epoch"),
+                     "predicted_bytes": est.bytes["total"]})
+    for r in rows:
+        r["rel_error"] = (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+    return {"graph": graph_path, "num_nodes": graph.num_nodes, "num_edges": graph.num_edges,
+            "model": model_cfg.__dict__, "threads": threads, "calibration_s": cal_s,
+            "calibration": fitted.measured["calibration"], "single_epochs_s": measured, "rows": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default="results/benchmarks/calibrate.json")
+    ap.add_argument("--write-profile", help="write the measured hardware profile (YAML) here")
+    ap.add_argument("--check", metavar="GRAPH", help="fit on this graph and compare predicted epochs")
+    ap.add_argument("--hardware", default="cpu-2core")
+    ap.add_argument("--kind", default="gcn")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--runs-dir", help="also compare these run records (metrics.json + run.yaml)")
+    a = ap.parse_args(argv)
+    if a.check:
+        from gnnpipe.config import ModelConfig
+
+        res = check(a.check, ModelConfig(kind=a.kind, layers=a.layers, hidden=a.hidden), a.hardware,
+                    a.epochs, a.threads, a.runs_dir)
+        for r in res["rows"]:
+            print(f"{r.get('run_id', r['mode']):40s} measured {r['measured_s']:.4f} s  predicted "
+                  f"{r['predicted_s']:.4f} s  ({r['rel_error']:+.1%})")
+        print(f"calibration fit: median |rel err| {res['calibration']['median_abs_rel_error']:.1%} "
+              f"over {len(res['calibration']['measurements'])} measurements")
+    else:
+        res = measure(a.reps)
+        if a.write_profile:
+            write_text(a.write_profile, profile_yaml(res))
+            print(f"wrote {a.write_profile}")
+    write_json(a.out, res)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
