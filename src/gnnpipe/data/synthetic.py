@@ -153,8 +153,6 @@ def _check(p: dict[str, Any], path: str) -> None:
         fail("num_communities", f"must be <= num_nodes / 2 = {n // 2} (a community needs two nodes)")
     for key in ("intra_fraction", "locality", "label_noise", "train_fraction", "val_fraction"):
         fraction(key)
-    if p["num_communities"] == 1 and p["intra_fraction"] < 1:
-        fail("intra_fraction", "must be 1 when num_communities is 1 (no other community to link to)")
     if number("degree_exponent") <= 2:
         fail("degree_exponent", "must be > 2 (the mean degree is infinite otherwise)")
     if number("feature_signal") < 0:
