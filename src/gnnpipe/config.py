@@ -171,6 +171,8 @@ class RunSpec:
     seed: Optional[int] = None  # overrides training.seed
     epochs: Optional[int] = None  # overrides training.epochs
     name: Optional[str] = None  # overrides the generated run id
+    # keys of ``pipeline`` to override for this run only (ablations), e.g. {momentum: 0.95}
+    pipeline: Optional[dict[str, Any]] = None
 
 
 @dataclass
@@ -217,6 +219,8 @@ def from_dict(cls, data: Any, path: str = "config"):
 
 
 def _convert(tp, value, path):
+    if tp is Any:  # checked where it is used (e.g. RunSpec.pipeline in run_pipeline)
+        return value
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
@@ -324,12 +328,20 @@ def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
         if run.model not in wf.models:
             raise ConfigError(f"{where}.model: {run.model!r} is not in models "
                               f"({', '.join(wf.models) or 'none defined'})")
+        run_pipeline(wf, run, where=f"{where}.pipeline")
     ids = [run_id(wf, r) for r in wf.runs]
     dup = {i for i in ids if ids.count(i) > 1}
     if dup:
         raise ConfigError(f"config.runs: run ids are not unique: {', '.join(sorted(dup))} "
                           "(give the runs distinct seeds or names)")
     return wf
+
+
+def run_pipeline(wf: WorkflowConfig, spec: RunSpec, where: str = "run.pipeline") -> PipelineConfig:
+    """The workflow's pipeline settings with the run's own overrides merged over them."""
+    if not spec.pipeline:
+        return wf.pipeline
+    return from_dict(PipelineConfig, {**to_dict(wf.pipeline), **spec.pipeline}, path=where)
 
 
 def run_layout(wf: WorkflowConfig, spec: RunSpec) -> tuple[int, int, int, int]:
@@ -349,7 +361,7 @@ def run_layout(wf: WorkflowConfig, spec: RunSpec) -> tuple[int, int, int, int]:
         raise ConfigError(f"run hybrid/{spec.dataset}/{spec.model}: workers ({p}) must be a "
                           f"multiple of stages ({stages})")
     ways = p // stages
-    chunks = spec.chunks or wf.pipeline.chunks_per_stage * stages
+    chunks = spec.chunks or run_pipeline(wf, spec).chunks_per_stage * stages
     if stages > model.layers:
         raise ConfigError(f"run {spec.mode}/{spec.dataset}/{spec.model}: {stages} stages but the "
                           f"model has only {model.layers} layers (need stages <= layers)")
@@ -390,7 +402,7 @@ def resolve_run(wf: WorkflowConfig, spec: RunSpec) -> RunConfig:
         run_id=rid, mode=spec.mode, dataset_name=spec.dataset,
         graph_path=f"{wf.results}/data/{spec.dataset}/graph.h5", store_path=store,
         out_dir=f"{wf.results}/runs/{rid}", model=wf.models[spec.model], training=training,
-        partitioning=wf.partitioning, pipeline=wf.pipeline, graph_parallel=wf.graph_parallel,
+        partitioning=wf.partitioning, pipeline=run_pipeline(wf, spec), graph_parallel=wf.graph_parallel,
         workers=p, stages=s, ways=g, chunks=c,
     )
 
