@@ -7,18 +7,24 @@ Part 1, **kernels**: ``out = A @ X`` and ``grad_X = A^T @ G`` for the GCN-normal
 adjacency (self loops included) of a synthetic graph (the project's DC-SBM, power-law
 degrees), at each ``--widths`` and ``--threads``, for every candidate:
 
-* ``csr_spmm``: ours (``gnnpipe.models.ops.spmm``): a custom Function, MKL CSR SpMM with
-  int32 indices, backward on a transposed CSR cached on the block;
-* ``csr_spmm_int64``: the same with int64 indices;
+* ``ours_embedding_bag``: ours (``gnnpipe.models.ops.apply_op``): a custom Function whose
+  forward is ``embedding_bag(sum, per_sample_weights)`` over the CSR (FBGEMM) and whose
+  backward is the same on a transposed CSR cached on the block; int32 indices
+  (``..._int64``: int64);
+* ``ours_mkl_csr``: the same Function on ``torch.sparse_csr_tensor @ X`` (MKL; CUDA's path);
 * ``torch_csr_autograd``: ``torch.sparse_csr_tensor @ X`` with torch's own backward;
+* ``torch_spmm_reduce_sum``: ``torch.sparse.mm(A, X, "sum")`` (torch's spmm_reduce kernel);
 * ``coo_sparse_mm``: ``torch.sparse.mm`` on a coalesced COO matrix (autograd);
+* ``embedding_bag_autograd``: ``F.embedding_bag`` with torch's own backward;
 * ``gather_index_add``: ``out.index_add_(0, dst, X[src] * w)`` (autograd);
 * ``gather_segment_reduce``: ``segment_reduce(X[src] * w, "sum", lengths)`` (autograd).
 
 Every candidate's result is checked against ours (``max_abs_diff``). Part 2, **layers**:
 each conv (``H -> H``) forward + backward on the whole graph, and GCN on one chunk of
 ``1/--chunks`` of the nodes against the whole graph (GNNPipe's block). Times are medians
-over ``--reps`` runs after one warm-up; the JSON also holds the minimum.
+over ``--reps`` interleaved runs after one warm-up; the JSON also holds the minimum and
+the median CPU time of the process (all threads), the fairer figure on a machine shared
+with other jobs.
 """
 
 from __future__ import annotations
@@ -41,42 +47,60 @@ from gnnpipe.models import GATConv, GCNConv, GCNIIConv, ResGCNLayer, SAGEConv, o
 from gnnpipe.models.block import Block
 
 
-def timeit(fn, reps: int) -> dict:
-    fn()  # warm-up (and caches: transposed CSR, weights)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def timeit_interleaved(fns: dict, reps: int) -> dict[str, dict]:
+    """Median and minimum time of every function, run in turn ``reps`` times after one
+    warm-up each (caches: transposed CSR, weights); interleaving spreads any load from
+    other processes over all candidates alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "min_s": min(times)}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return {name: {"median_s": statistics.median(t), "min_s": min(t),
+                   "cpu_median_s": statistics.median(cpu[name])} for name, t in times.items()}
 
 
 def kernel_candidates(block: Block):
-    """name -> (setup(X) -> state, fwd_bwd(state, X, G) -> (out, grad_X))."""
+    """name -> run(X, G) -> (A @ X, A^T @ G computed by backward)."""
     csr = ops.self_loop_csr(block)
-    w = ops.gcn_op(block, torch.float32).values
+    op = ops.gcn_op(block, torch.float32)
+    w = op.values
     n_dst, n_src = csr.n_rows, csr.n_cols
     dst, src = csr.row, csr.indices.long()
     indptr64 = csr.indptr.long()
     lengths = indptr64[1:] - indptr64[:-1]
-    csr64 = ops.CSR(indptr64, src, dst, csr.t_indptr.long(), csr.t_indices.long(), csr.perm,
-                    n_dst, n_src)
+    op64 = ops.FixedOp(ops.CSR(indptr64, src, dst, csr.t_indptr.long(), csr.t_indices.long(),
+                               csr.perm, n_dst, n_src), w, op.values_t)
     a_csr = torch.sparse_csr_tensor(csr.indptr, csr.indices, w, (n_dst, n_src))
+    a_csr64 = torch.sparse_csr_tensor(indptr64, src, w, (n_dst, n_src))
     a_coo = torch.sparse_coo_tensor(torch.stack([dst, src]), w, (n_dst, n_src)).coalesce()
 
-    def autograd_run(f):
+    def autograd_run(f, kernel="embedding_bag"):
         def run(x, g):
-            x = x.detach().requires_grad_()
-            out = f(x)
-            (gx,) = torch.autograd.grad(out, x, g)
+            old, ops.CPU_KERNEL = ops.CPU_KERNEL, kernel
+            try:
+                x = x.detach().requires_grad_()
+                out = f(x)
+                (gx,) = torch.autograd.grad(out, x, g)
+            finally:
+                ops.CPU_KERNEL = old
             return out, gx
         return run
 
     return {
-        "csr_spmm": autograd_run(lambda x: ops.spmm(x, csr, w)),
-        "csr_spmm_int64": autograd_run(lambda x: ops.spmm(x, csr64, w)),
+        "ours_embedding_bag": autograd_run(lambda x: ops.apply_op(x, op)),
+        "ours_embedding_bag_int64": autograd_run(lambda x: ops.apply_op(x, op64)),
+        "ours_mkl_csr": autograd_run(lambda x: ops.apply_op(x, op), kernel="sparse"),
         "torch_csr_autograd": autograd_run(lambda x: a_csr @ x),
+        "torch_spmm_reduce_sum": autograd_run(lambda x: torch.sparse.mm(a_csr64, x, "sum")),
         "coo_sparse_mm": autograd_run(lambda x: torch.sparse.mm(a_coo, x)),
+        "embedding_bag_autograd": autograd_run(lambda x: torch.nn.functional.embedding_bag(
+            csr.indices, x, csr.indptr, mode="sum", per_sample_weights=w, include_last_offset=True)),
         "gather_index_add": autograd_run(
             lambda x: x.new_zeros(n_dst, x.shape[1]).index_add_(0, dst, x[src] * w[:, None])),
         "gather_segment_reduce": autograd_run(
@@ -91,16 +115,15 @@ def bench_kernels(block: Block, widths, threads, reps: int, skip: set[str]) -> l
     for d in widths:
         x = torch.randn(block.n_src, d, generator=gen)
         g = torch.randn(block.n_dst, d, generator=gen)
-        ref_out, ref_gx = cands["csr_spmm"](x, g)
+        ref_out, ref_gx = cands["ours_embedding_bag"](x, g)
         for t in threads:
             torch.set_num_threads(t)
-            for name, run in cands.items():
-                if name in skip:
-                    continue
-                out, gx = run(x, g)
+            fns = {name: (lambda run=run: run(x, g)) for name, run in cands.items() if name not in skip}
+            timed = timeit_interleaved(fns, reps)
+            for name in fns:
+                out, gx = cands[name](x, g)
                 diff = max(float((out - ref_out).abs().max()), float((gx - ref_gx).abs().max()))
-                row = {"kernel": name, "width": d, "threads": t, "max_abs_diff": diff,
-                       **timeit(lambda: run(x, g), reps)}
+                row = {"kernel": name, "width": d, "threads": t, "max_abs_diff": diff, **timed[name]}
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
@@ -120,15 +143,18 @@ def bench_layers(block: Block, chunk: Block, hidden: int, threads, reps: int) ->
     x0 = torch.randn(block.n_dst, hidden)
     cases = [(name, conv, block) for name, conv in convs.items()]
     cases.append(("GCNConv chunk", convs["GCNConv"], chunk))
+    def run(conv, blk):
+        h = x.detach().requires_grad_()
+        out = conv(h, blk, blk.dst_rows(x0) if blk is block else x0[:blk.n_dst])
+        out.backward(torch.ones_like(out))
+
     for t in threads:
         torch.set_num_threads(t)
+        timed = timeit_interleaved({name: (lambda c=conv, b=blk: run(c, b)) for name, conv, blk in cases},
+                                   reps)
         for name, conv, blk in cases:
-            def run():
-                h = x.detach().requires_grad_()
-                out = conv(h, blk, blk.dst_rows(x0) if blk is block else x0[:blk.n_dst])
-                out.backward(torch.ones_like(out))
             row = {"layer": name, "width": hidden, "threads": t, "n_dst": blk.n_dst, "n_src": blk.n_src,
-                   "nnz": blk.nnz, **timeit(run, reps)}
+                   "nnz": blk.nnz, **timed[name]}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
@@ -146,7 +172,7 @@ def summary(rows: list[dict]) -> dict:
     out = {}
     for key in sorted({(r["width"], r["threads"]) for r in rows}):
         sel = {r["kernel"]: r["median_s"] for r in rows if (r["width"], r["threads"]) == key}
-        ours = sel["csr_spmm"]
+        ours = sel["ours_embedding_bag"]
         out[f"width={key[0]},threads={key[1]}"] = {
             "fastest": min(sel, key=sel.get),
             "time_over_ours": {k: v / ours for k, v in sel.items()},

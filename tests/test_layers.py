@@ -188,10 +188,14 @@ def run(conv, kind, x, block, x0=None):
 
 
 # --------------------------------------------------------------------------- primitives
-@pytest.fixture(params=["sparse", "gather"])
+@pytest.fixture(params=["embedding_bag", "sparse", "gather"])
 def kernel(request, monkeypatch):
-    """Run a test through the sparse-kernel path and the small-product gather path."""
-    monkeypatch.setattr(ops, "_SMALL", 0 if request.param == "sparse" else 1 << 40)
+    """Run a test through each CPU kernel of ``CSR.mm``: embedding_bag (the default for
+    large products), the sparse CSR tensor product (what CUDA runs) and the
+    small-product gather + index_add_ path."""
+    monkeypatch.setattr(ops, "_SMALL", 1 << 40 if request.param == "gather" else 0)
+    if request.param != "gather":
+        monkeypatch.setattr(ops, "CPU_KERNEL", request.param)
     return request.param
 
 

@@ -34,13 +34,17 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .block import Block
 
 
 _INT32_MAX = 2**31 - 1
-_SMALL = 1 << 15  # nnz * width below which CPU products avoid MKL (see CSR.mm)
+_SMALL = 1 << 15  # nnz * width below which CPU products gather + index_add_ (see CSR.mm)
+#: The CPU kernel of large products: "embedding_bag" (FBGEMM, the fastest) or "sparse"
+#: (the sparse CSR tensor product, MKL; what CUDA runs, kept selectable for tests/benchmarks).
+CPU_KERNEL = "embedding_bag"
 
 
 # --------------------------------------------------------------------------- structures
@@ -84,17 +88,31 @@ class CSR:
            values_t: Tensor | None = None) -> Tensor:
         """``A @ x`` (or ``A^T @ x``) for ``x`` ``(n_cols, d)`` (``(n_rows, d)``), dense out.
 
-        Small products on CPU take a gather + ``index_add_`` path instead of the sparse
-        kernel: MKL's sparse kernels always fork their OpenMP team, which costs a few
-        microseconds on an idle machine but milliseconds when the cores are oversubscribed
-        (several workers per core, as in tests), while torch's own kernels stay serial
-        below their grain size. Both paths are exact; only the summation order differs.
+        The kernel, by device and size (all exact; only the summation order differs):
+
+        * CPU: ``embedding_bag(mode="sum", per_sample_weights=values)`` over the CSR, which
+          *is* a weighted CSR SpMM; its FBGEMM kernel is ~2.5x faster than MKL's sparse
+          ``A @ x`` here (``benchmarks/bench_layers.py``);
+        * CPU, small products (``nnz * d <= _SMALL``): gather + ``index_add_``. Both kernels
+          above fork an OpenMP team on every call, which costs milliseconds when the cores
+          are oversubscribed (several workers per core, as in tests), while torch's
+          elementwise kernels stay serial below their grain size;
+        * CUDA and other devices: the sparse CSR tensor product (cuSPARSE).
         """
         x = x.contiguous()
-        if x.device.type == "cpu" and self.nnz * x.shape[1] <= _SMALL:
-            src, dst = (self.row, self.indices.long()) if transpose else (self.indices.long(), self.row)
-            out = x.new_zeros(self.n_cols if transpose else self.n_rows, x.shape[1])
-            return out.index_add_(0, dst, x[src] * values[:, None])
+        if x.device.type == "cpu":
+            if self.nnz * x.shape[1] <= _SMALL:
+                src, dst = ((self.row, self.indices.long()) if transpose
+                            else (self.indices.long(), self.row))
+                out = x.new_zeros(self.n_cols if transpose else self.n_rows, x.shape[1])
+                return out.index_add_(0, dst, x[src] * values[:, None])
+            if CPU_KERNEL == "embedding_bag":
+                if transpose:
+                    values = values[self.perm] if values_t is None else values_t
+                    return F.embedding_bag(self.t_indices, x, self.t_indptr, mode="sum",
+                                           per_sample_weights=values, include_last_offset=True)
+                return F.embedding_bag(self.indices, x, self.indptr, mode="sum",
+                                       per_sample_weights=values, include_last_offset=True)
         return (self.matrix_t(values, values_t) if transpose else self.matrix(values)) @ x
 
     def sddmm(self, a: Tensor, b: Tensor) -> Tensor:
