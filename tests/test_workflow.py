@@ -83,7 +83,6 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c["training"].update(epochz=3),
      "config.training.epochz: unknown key (known: checkpoint_every, dtype, epochs,"),
-    (lambda c: c.update(trainig={}), "config.trainig: unknown key"),
     (lambda c: c["runs"][0].update(mode="sharded"),
      "config.runs[0].mode: 'sharded' is not one of ['single', 'graph', 'pipeline', 'hybrid']"),
     (lambda c: c["models"]["gcn2"].update(layers=0), "config.models.gcn2.layers: 0 is less than the minimum of 1"),
@@ -91,7 +90,7 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
     (lambda c: (c.update(resources={"workers_per_node": 3}),
                 c["runs"].append({"mode": "graph", "dataset": "tiny", "model": "gcn2", "workers": 4})),
      "config.resources.workers_per_node: run tiny-gcn2-graph-p4-seed0 has 4 workers, not a multiple of 3"),
-], ids=["unknown-key", "unknown-section", "bad-enum", "bad-number", "unknown-dataset", "workers-per-node"])
+], ids=["unknown-key", "bad-enum", "bad-number", "unknown-dataset", "workers-per-node"])
 def test_config_errors_are_one_line_before_any_job(tmp_path, edit, message):
     work = tmp_path / "work"
     res = snakemake(work, write_config(tmp_path, edit), "--cores", "1", timeout=120)
@@ -168,6 +167,8 @@ def _types(node: dict) -> set:
 def _check(schema: dict, node: dict, tp, where: str) -> None:
     node = _resolve(schema, node)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is typing.Any:  # checked by the code that uses it (e.g. config.run_pipeline)
+        return
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
         fields = {("lambda" if f.name == "lambda_" else f.name): f for f in dataclasses.fields(tp)}
@@ -192,7 +193,7 @@ def _check(schema: dict, node: dict, tp, where: str) -> None:
         _check(schema, {**node, "type": sorted(_types(node) - {"null"})}, inner[0], where)
     elif origin is dict:
         assert _types(node) == {"object"}, where
-        _check(schema, node["additionalProperties"], args[1], f"{where}.<name>")
+        _check(schema, node.get("additionalProperties", {}), args[1], f"{where}.<name>")
     elif origin is list:
         assert _types(node) == {"array"}, where
         _check(schema, node["items"], args[0], f"{where}[]")
@@ -240,12 +241,15 @@ def test_tiny_config_end_to_end(tmp_path):
         if run.mode == "single":
             assert rec["comm_bytes_per_epoch"] == 0 and ev["test_acc"] == pytest.approx(rec["test_acc"])
         else:  # halo / chunk traffic crossed the wire, and the ledger agrees with the closed form
-            assert rec["comm_bytes_per_epoch"] > 0 and rec["comm_bytes_predicted"] > 0
+            assert rec["comm_bytes_per_epoch"] == rec["comm_bytes_predicted"] > 0
             assert ev["test_acc"] == pytest.approx(rec["test_acc"], abs=0.02)
         assert (tmp_path / "logs" / "train" / f"{rid}.log").is_file()
         records[rid] = rec
-    if any(r.mode == "graph" for r in runs.values()) and any(r.mode == "pipeline" for r in runs.values()):
-        assert "graph ÷ pipeline" in report or "No graph ÷ pipeline ratio" in report
+    graph = next(rid for rid, r in runs.items() if r.mode == "graph")
+    pipe = next(rid for rid, r in runs.items() if r.mode == "pipeline" and r.model == runs[graph].model)
+    ratio_row = next(l for l in report.splitlines() if f"| `{graph}` | `{pipe}` | graph ÷ pipeline |" in l)
+    bytes_ratio = records[graph]["comm_bytes_per_epoch"] / records[pipe]["comm_bytes_per_epoch"]
+    assert f"| {bytes_ratio:.3g}× |" in ratio_row
 
     import mlflow
 
