@@ -68,11 +68,11 @@ class GATConv(nn.Module):
         H, D = self.heads, self.out_dim_head
         w = self.weight.view(H, D, self.in_dim)
         csr = self_loop_csr(block)
-        col, row = csr.indices.long(), csr.row
         # attention scores: x . (W^h^T a^h), (n, H)
         el = h_src @ torch.einsum("hdi,hd->ih", w, self.att_src)  # (n_src, H)
         er = block.dst_rows(h_src) @ torch.einsum("hdi,hd->ih", w, self.att_dst)  # (n_dst, H)
-        scores = F.leaky_relu(el[col] + er[row], self.negative_slope)  # (nnz + n_dst, H)
+        scores = F.leaky_relu(el.index_select(0, csr.indices) + er.index_select(0, csr.row),
+                              self.negative_slope)  # (nnz + n_dst, H)
         alpha = edge_softmax(scores, csr)
         alpha = F.dropout(alpha, self.attn_dropout, self.training)
         if _aggregate_first(block.n_src, block.n_dst, csr.nnz, self.in_dim, H, D):

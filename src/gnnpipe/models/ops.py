@@ -80,7 +80,7 @@ class CSR:
         """The transposed ``(n_cols, n_rows)`` matrix (``values`` in the original order, or
         ``values_t = values[perm]`` already in the transposed order)."""
         if values_t is None:
-            values_t = values[self.perm]
+            values_t = values.index_select(0, self.perm)
         return torch.sparse_csr_tensor(self.t_indptr, self.t_indices, values_t,
                                        (self.n_cols, self.n_rows), check_invariants=False)
 
@@ -102,13 +102,12 @@ class CSR:
         x = x.contiguous()
         if x.device.type == "cpu":
             if self.nnz * x.shape[1] <= _SMALL:
-                src, dst = ((self.row, self.indices.long()) if transpose
-                            else (self.indices.long(), self.row))
+                src, dst = (self.row, self.indices) if transpose else (self.indices, self.row)
                 out = x.new_zeros(self.n_cols if transpose else self.n_rows, x.shape[1])
-                return out.index_add_(0, dst, x[src] * values[:, None])
+                return out.index_add_(0, dst, x.index_select(0, src) * values[:, None])
             if CPU_KERNEL == "embedding_bag":
                 if transpose:
-                    values = values[self.perm] if values_t is None else values_t
+                    values = values.index_select(0, self.perm) if values_t is None else values_t
                     return F.embedding_bag(self.t_indices, x, self.t_indptr, mode="sum",
                                            per_sample_weights=values, include_last_offset=True)
                 return F.embedding_bag(self.indices, x, self.indptr, mode="sum",
@@ -119,7 +118,7 @@ class CSR:
         """``<a[i], b[j]>`` for every entry ``(i, j)``: ``a`` ``(n_rows, d)``, ``b`` ``(n_cols, d)``
         -> ``(nnz,)`` (small products gather, as in :meth:`mm`)."""
         if a.device.type == "cpu" and self.nnz * a.shape[1] <= _SMALL:
-            return (a[self.row] * b[self.indices.long()]).sum(-1)
+            return (a.index_select(0, self.row) * b.index_select(0, self.indices)).sum(-1)
         pattern = self.matrix(a.new_zeros(self.nnz))
         return torch.sparse.sampled_addmm(pattern, a.contiguous(), b.t(), beta=0.0).values()
 
@@ -309,9 +308,8 @@ def mean_aggregate(x: Tensor, block: Block) -> Tensor:
 
 # --------------------------------------------------------------------------- learned weights
 def segment_sum(values: Tensor, csr: CSR) -> Tensor:
-    """Sum of entry values over each row: ``(nnz, ...) -> (n_rows, ...)``."""
-    out = values.new_zeros((csr.n_rows,) + tuple(values.shape[1:]))
-    return out.index_add_(0, csr.row, values)
+    """Sum of entry values over each row: ``(nnz, ...) -> (n_rows, ...)`` (0 for an empty row)."""
+    return torch.segment_reduce(values, "sum", offsets=csr.indptr, axis=0)
 
 
 class EdgeSoftmax(torch.autograd.Function):
@@ -324,10 +322,9 @@ class EdgeSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores: Tensor, csr: CSR) -> Tensor:
-        offsets = csr.indptr.long()
-        row_max = torch.segment_reduce(scores, "max", offsets=offsets, axis=0)  # (n_rows, H)
-        ex = torch.exp(scores - row_max[csr.row])
-        alpha = ex / segment_sum(ex, csr)[csr.row]
+        row_max = torch.segment_reduce(scores, "max", offsets=csr.indptr, axis=0)  # (n_rows, H)
+        ex = torch.exp(scores - row_max.index_select(0, csr.row))
+        alpha = ex / segment_sum(ex, csr).index_select(0, csr.row)
         ctx.csr = csr
         ctx.save_for_backward(alpha)
         return alpha
@@ -337,7 +334,7 @@ class EdgeSoftmax(torch.autograd.Function):
         (alpha,) = ctx.saved_tensors
         csr = ctx.csr
         weighted = alpha * grad_alpha
-        return weighted - alpha * segment_sum(weighted, csr)[csr.row], None
+        return weighted - alpha * segment_sum(weighted, csr).index_select(0, csr.row), None
 
 
 def edge_softmax(scores: Tensor, csr: CSR) -> Tensor:
@@ -377,14 +374,17 @@ class EdgeSpMM(torch.autograd.Function):
             grad_alpha = torch.stack([csr.sddmm(gh[h], xh[h % xh.shape[0]]) for h in range(heads)],
                                      dim=1)  # (nnz, H)
         if ctx.needs_input_grad[1]:
+            at = ah.index_select(1, csr.perm)  # (H, nnz) in the transpose's order
+
+            def mm_t(h: int) -> Tensor:
+                return csr.mm(ah[h], gh[h], transpose=True, values_t=at[h])  # (n_cols, D)
             if shared:  # one feature row feeds every head: sum the heads' gradients
-                grad_x = csr.mm(ah[0], gh[0], transpose=True)
+                grad_x = mm_t(0)
                 for h in range(1, heads):
-                    grad_x += csr.mm(ah[h], gh[h], transpose=True)
+                    grad_x += mm_t(h)
                 grad_x = grad_x[:, None]  # (n_cols, 1, D)
             else:
-                grad_x = torch.stack([csr.mm(ah[h], gh[h], transpose=True) for h in range(heads)],
-                                     dim=1)  # (n_cols, H, D)
+                grad_x = torch.stack([mm_t(h) for h in range(heads)], dim=1)  # (n_cols, H, D)
         return grad_alpha, grad_x, None
 
 
