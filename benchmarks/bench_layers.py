@@ -21,7 +21,10 @@ degrees), at each ``--widths`` and ``--threads``, for every candidate:
 
 Every candidate's result is checked against ours (``max_abs_diff``). Part 2, **layers**:
 each conv (``H -> H``) forward + backward on the whole graph, and GCN on one chunk of
-``1/--chunks`` of the nodes against the whole graph (GNNPipe's block). Times are medians
+``1/--chunks`` of the nodes against the whole graph (GNNPipe's block). Part 3, when the DGL
+environment exists (``make dgl-env``): DGL 2.1's ``GraphConv`` aggregation
+(``dgl_graphconv_aggregate``: norm "both", no weight, self loops added) and its
+``GraphConv``/``SAGEConv``/``GATConv`` layers on the same graph, in that environment. Times are medians
 over ``--reps`` interleaved runs after one warm-up; the JSON also holds the minimum and
 the median CPU time of the process (all threads), the fairer figure on a machine shared
 with other jobs.
@@ -34,8 +37,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -45,6 +51,8 @@ from gnnpipe.data.synthetic import generate
 from gnnpipe.io import write_json
 from gnnpipe.models import GATConv, GCNConv, GCNIIConv, ResGCNLayer, SAGEConv, ops
 from gnnpipe.models.block import Block
+
+DEFAULT_DGL = Path.home() / ".cache" / "gnnpipe" / "dgl-venv" / "bin" / "python"
 
 
 def timeit_interleaved(fns: dict, reps: int) -> dict[str, dict]:
@@ -160,6 +168,65 @@ def bench_layers(block: Block, chunk: Block, hidden: int, threads, reps: int) ->
     return rows
 
 
+DGL_SCRIPT = r"""
+import json, statistics, sys, time
+import numpy as np, torch, dgl, dgl.nn as dglnn
+path, widths, threads, reps, hidden = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+d = np.load(path)
+n = len(d["indptr"]) - 1
+dst = np.repeat(np.arange(n), np.diff(d["indptr"]))
+g = dgl.add_self_loop(dgl.graph((torch.from_numpy(d["indices"]), torch.from_numpy(dst)), num_nodes=n))
+g.create_formats_()
+g_plain = dgl.graph((torch.from_numpy(d["indices"]), torch.from_numpy(dst)), num_nodes=n)
+g_plain.create_formats_()
+def fb(conv, graph, x):
+    def run():
+        h = x.detach().requires_grad_()
+        out = conv(graph, h)
+        out.backward(torch.ones_like(out))
+    return run
+def timed(fns):
+    for f in fns.values():
+        f()
+    t = {k: [] for k in fns}; c = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time(); f()
+            t[k].append(time.perf_counter() - t0); c[k].append(time.process_time() - c0)
+    return {k: {"median_s": statistics.median(v), "min_s": min(v), "cpu_median_s": statistics.median(c[k])} for k, v in t.items()}
+rows = []
+torch.manual_seed(0)
+for th in threads:
+    torch.set_num_threads(th)
+    for w in widths:
+        x = torch.randn(n, w)
+        agg = dglnn.GraphConv(w, w, norm="both", weight=False, bias=False)
+        for k, v in timed({"dgl_graphconv_aggregate": fb(agg, g, x)}).items():
+            rows.append({"kernel": k, "width": w, "threads": th, **v})
+    x = torch.randn(n, hidden)
+    layers = {"dgl GraphConv": (dglnn.GraphConv(hidden, hidden, norm="both"), g),
+              "dgl SAGEConv": (dglnn.SAGEConv(hidden, hidden, "mean"), g_plain),
+              "dgl GATConv(heads=4)": (dglnn.GATConv(hidden, hidden // 4, num_heads=4), g)}
+    for k, v in timed({k: fb(c, gr, x) for k, (c, gr) in layers.items()}).items():
+        rows.append({"layer": k, "width": hidden, "threads": th, **v})
+print(json.dumps({"dgl_version": dgl.__version__, "torch_version": torch.__version__, "rows": rows}))
+"""
+
+
+def bench_dgl(python: Path, indptr, indices, widths, threads, reps: int, hidden: int) -> dict:
+    """The DGL 2.1 counterparts, run in the DGL environment on the same graph."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "graph.npz"
+        np.savez(path, indptr=indptr, indices=indices)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        out = subprocess.run([str(python), "-c", DGL_SCRIPT, str(path), json.dumps(widths),
+                              json.dumps(threads), str(reps), str(hidden)],
+                             capture_output=True, text=True, env=env, check=False)
+    if out.returncode:
+        return {"error": (out.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def chunk_block(indptr: np.ndarray, indices: np.ndarray, chunks: int) -> Block:
     n = len(indptr) - 1
     e = n // chunks
@@ -168,29 +235,30 @@ def chunk_block(indptr: np.ndarray, indices: np.ndarray, chunks: int) -> Block:
 
 
 def summary(rows: list[dict]) -> dict:
-    """Per (width, threads): the fastest kernel and every kernel's time relative to ours."""
+    """Per (width, threads): the fastest kernel, every kernel's wall and CPU time over ours."""
     out = {}
     for key in sorted({(r["width"], r["threads"]) for r in rows}):
-        sel = {r["kernel"]: r["median_s"] for r in rows if (r["width"], r["threads"]) == key}
-        ours = sel["ours_embedding_bag"]
+        sel = {r["kernel"]: r for r in rows if (r["width"], r["threads"]) == key}
+        wall = {k: r["median_s"] / sel["ours_embedding_bag"]["median_s"] for k, r in sel.items()}
+        cpu = {k: r["cpu_median_s"] / sel["ours_embedding_bag"]["cpu_median_s"] for k, r in sel.items()}
         out[f"width={key[0]},threads={key[1]}"] = {
-            "fastest": min(sel, key=sel.get),
-            "time_over_ours": {k: v / ours for k, v in sel.items()},
-        }
+            "fastest": min(wall, key=wall.get), "wall_over_ours": wall, "cpu_over_ours": cpu}
     return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/bench/layers.json")
-    ap.add_argument("--nodes", type=int, default=500_000)
-    ap.add_argument("--avg-degree", type=float, default=16.0, help="stored CSR entries per node")
+    ap.add_argument("--nodes", type=int, default=200_000)
+    ap.add_argument("--avg-degree", type=float, default=20.0, help="stored CSR entries per node")
     ap.add_argument("--widths", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--hidden", type=int, default=64, help="width of the layer benchmark")
     ap.add_argument("--chunks", type=int, default=8, help="the chunk block holds 1/chunks of the nodes")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip", nargs="*", default=[], help="kernel candidates to leave out")
+    ap.add_argument("--dgl-python", type=Path, default=DEFAULT_DGL,
+                    help="python of the DGL environment (make dgl-env); skipped when absent")
     ap.add_argument("--quick", action="store_true", help="100k nodes, width 64, 2 repetitions")
     a = ap.parse_args(argv)
     if a.quick:
@@ -200,6 +268,8 @@ def main(argv=None):
                                      num_features=8))
     block = Block.full(graph.indptr, graph.indices)
     chunk = chunk_block(graph.indptr, graph.indices, a.chunks)
+    dgl = (bench_dgl(a.dgl_python, graph.indptr, graph.indices, a.widths, a.threads, a.reps, a.hidden)
+           if a.dgl_python.exists() else {"error": f"skipped: no DGL environment at {a.dgl_python}"})
     res = {
         "benchmark": "layers",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
@@ -212,8 +282,11 @@ def main(argv=None):
     }
     del graph
     res["kernels"] = bench_kernels(block, a.widths, a.threads, a.reps, set(a.skip))
-    res["kernel_summary"] = summary(res["kernels"])
     res["layers"] = bench_layers(block, chunk, a.hidden, a.threads, a.reps)
+    res["dgl"] = {k: v for k, v in dgl.items() if k != "rows"}
+    for row in dgl.get("rows", []):
+        res["kernels" if "kernel" in row else "layers"].append(row)
+    res["kernel_summary"] = summary(res["kernels"])
     write_json(a.out, res)
     print(json.dumps(res, indent=2))
 
