@@ -93,7 +93,8 @@ def _collectives(rank, world):
     return seen
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"P{w}")
+@pytest.fixture(scope="module", ids=lambda w: f"P{w}",
+                params=[2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def world_results(request):
     """One spawned world per size; every test below reads what its ranks saw."""
     return request.param, spawn_multi_process(_collectives, request.param, timeout=90)

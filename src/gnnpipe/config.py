@@ -132,8 +132,26 @@ class PipelineConfig:
 
 
 @dataclass
+class PipelineOverride:
+    """A run's overrides of ``PipelineConfig`` (``runs[i].pipeline``); None keeps the workflow's."""
+
+    chunks_per_stage: Optional[int] = None
+    shuffle_chunks: Optional[bool] = None
+    grad_correction: Optional[bool] = None
+    grad_scale: Optional[float] = None
+    snapshot_every: Optional[int] = None
+    momentum: Optional[float] = None
+    recompute: Optional[bool] = None
+    balance: Optional[Literal["uniform", "estimate", "profile"]] = None
+
+
+@dataclass
 class GraphParallelConfig:
     overlap: bool = True  # aggregate inner rows while halo rows are in flight
+    # Input features never change: fetch the halo's features once at set-up and compute
+    # the first layer's sources locally (no layer-0 exchange per epoch). False: exchange
+    # them every epoch (the DESIGN.md §4 count, less the input gradients nobody needs).
+    cache_input_halo: bool = True
 
 
 @dataclass
@@ -171,8 +189,7 @@ class RunSpec:
     seed: Optional[int] = None  # overrides training.seed
     epochs: Optional[int] = None  # overrides training.epochs
     name: Optional[str] = None  # overrides the generated run id
-    # keys of ``pipeline`` to override for this run only (ablations), e.g. {momentum: 0.95}
-    pipeline: Optional[dict[str, Any]] = None
+    pipeline: Optional[PipelineOverride] = None  # this run's own pipeline settings (ablations)
 
 
 @dataclass
@@ -219,8 +236,6 @@ def from_dict(cls, data: Any, path: str = "config"):
 
 
 def _convert(tp, value, path):
-    if tp is Any:  # checked where it is used (e.g. RunSpec.pipeline in run_pipeline)
-        return value
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
@@ -328,7 +343,6 @@ def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
         if run.model not in wf.models:
             raise ConfigError(f"{where}.model: {run.model!r} is not in models "
                               f"({', '.join(wf.models) or 'none defined'})")
-        run_pipeline(wf, run, where=f"{where}.pipeline")
     ids = [run_id(wf, r) for r in wf.runs]
     dup = {i for i in ids if ids.count(i) > 1}
     if dup:
@@ -337,11 +351,12 @@ def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
     return wf
 
 
-def run_pipeline(wf: WorkflowConfig, spec: RunSpec, where: str = "run.pipeline") -> PipelineConfig:
+def run_pipeline(wf: WorkflowConfig, spec: RunSpec) -> PipelineConfig:
     """The workflow's pipeline settings with the run's own overrides merged over them."""
     if not spec.pipeline:
         return wf.pipeline
-    return from_dict(PipelineConfig, {**to_dict(wf.pipeline), **spec.pipeline}, path=where)
+    own = {k: v for k, v in dataclasses.asdict(spec.pipeline).items() if v is not None}
+    return dataclasses.replace(wf.pipeline, **own)
 
 
 def run_layout(wf: WorkflowConfig, spec: RunSpec) -> tuple[int, int, int, int]:

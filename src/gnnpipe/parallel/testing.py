@@ -87,7 +87,9 @@ def _context():
     exists); plain spawn where there is no fork server."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "gnnpipe.parallel.comm"])
+        # heavy third-party modules and our own leaf module; an ImportError is ignored
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "h5py", "scipy.sparse",
+                                    "gnnpipe.parallel.comm"])
         return ctx
     return mp.get_context("spawn")
 
