@@ -59,8 +59,14 @@ DENSE_SHAPES = [(20000, 128, 128), (20000, 602, 100), (20000, 100, 100)]
 WIDTHS = [16, 64, 128]
 
 
-def kernel_rates(reps: int, threads: int, n: int = 20000, deg: int = 16) -> dict:
-    """Dense GFLOP/s, SpMM G values/s and elementwise G values/s with ``threads`` threads."""
+def kernel_rates(reps: int, threads: int, n: int = 20000, deg: int = 16, clock: str = "wall") -> dict:
+    """Dense GFLOP/s, SpMM G values/s and elementwise G values/s with ``threads`` threads,
+    timed on ``clock`` (``cpu``: this thread's CPU time, one thread only)."""
+    from functools import partial
+
+    from gnnpipe.plan import median_time
+
+    _median = partial(median_time, clock=clock)  # noqa: N806
     from gnnpipe.models.ops import gcn_aggregate, self_loop_csr
 
     old = torch.get_num_threads()
@@ -80,7 +86,7 @@ def kernel_rates(reps: int, threads: int, n: int = 20000, deg: int = 16) -> dict
         x = torch.randn(4_000_000, generator=gen)
         elem = 2.0 * x.numel() / _median(lambda: torch.relu(x).add_(1.0), reps) / 1e9
         drop = x.numel() / _median(lambda: torch.nn.functional.dropout(x, 0.5), reps) / 1e9
-        return {"threads": threads, "dense_gflops": dense, "sparse_gvalues": sparse,
+        return {"threads": threads, "clock": clock, "dense_gflops": dense, "sparse_gvalues": sparse,
                 "elementwise_gvalues": elem, "dropout_gvalues": drop,
                 "spmm_graph": {"nodes": n, "entries": entries}}
     finally:
@@ -94,7 +100,7 @@ def layer_overhead_us(reps: int) -> float:
     block = _graph_csr(64, 4)
     conv = GCNConv(16, 16)
     x = torch.randn(64, 16, requires_grad=True)
-    return _median(lambda: conv(x, block).sum().backward(), reps * 20) * 1e6
+    return _median(lambda: conv(x, block).sum().backward(), reps * 20, clock="cpu") * 1e6
 
 
 def _concurrent(rank: int, world: int, reps: int) -> dict:
@@ -140,10 +146,13 @@ def gloo_link(reps: int) -> dict:
 def measure(reps: int) -> dict:
     from gnnpipe.parallel.testing import spawn_multi_process
 
-    solo1, solo2 = kernel_rates(reps, 1), kernel_rates(reps, 2)
+    load = os.getloadavg()[0]
+    solo1 = kernel_rates(reps, 1, clock="cpu")  # the core's own rate, blind to other jobs
+    solo1_wall, solo2 = kernel_rates(reps, 1), kernel_rates(reps, 2)
     conc = spawn_multi_process(_concurrent, 2, reps, timeout=600)
-    return {"cpu_count": os.cpu_count(), "torch": torch.__version__, "solo_1_thread": solo1,
-            "solo_2_threads": solo2, "concurrent_2x1": conc, "layer_overhead_us": layer_overhead_us(reps),
+    return {"cpu_count": os.cpu_count(), "torch": torch.__version__, "load_avg_1min": load,
+            "solo_1_thread": solo1, "solo_1_thread_wall": solo1_wall, "solo_2_threads": solo2,
+            "concurrent_2x1": conc, "layer_overhead_us": layer_overhead_us(reps),
             "gloo_loopback": gloo_link(reps), "mem_total_gib": _mem_total_gib()}
 
 
@@ -157,12 +166,14 @@ def _mem_total_gib() -> float:
 
 def profile_yaml(m: dict, name: str = "cpu-2core") -> str:
     """The hardware profile of this machine from ``measure``'s results."""
-    s1, s2 = m["solo_1_thread"], m["solo_2_threads"]
+    s1, s1w, s2 = m["solo_1_thread"], m["solo_1_thread_wall"], m["solo_2_threads"]
     dense1 = statistics.median(s1["dense_gflops"].values())
     sparse1 = statistics.median(s1["sparse_gvalues"].values())
+    # both cores busy against one: wall clock on both sides (other jobs weigh on both alike)
     conc_dense = statistics.mean(statistics.median(c["dense_gflops"].values()) for c in m["concurrent_2x1"])
     conc_sparse = statistics.mean(statistics.median(c["sparse_gvalues"].values()) for c in m["concurrent_2x1"])
-    eff = min(1.0, 0.5 * (conc_dense / dense1 + conc_sparse / sparse1))
+    eff = min(1.0, 0.5 * (conc_dense / statistics.median(s1w["dense_gflops"].values())
+                          + conc_sparse / statistics.median(s1w["sparse_gvalues"].values())))
     link = m["gloo_loopback"]
     workers = int(m["cpu_count"] or 1)
     mem = m["mem_total_gib"] * 0.8 / workers
@@ -170,9 +181,11 @@ def profile_yaml(m: dict, name: str = "cpu-2core") -> str:
     compact["gloo_loopback"] = {k: v for k, v in link.items() if k != "one_way_s"}
     lines = [
         f"# This machine ({workers} cores), measured by benchmarks/bench_calibrate.py",
-        f"# (torch {m['torch']}, medians). Rates are per worker with one compute thread; two",
-        "# workers computing at once each get shared_node_efficiency of them. Links: gloo over",
-        "# loopback between two processes (ping-pong). Re-measure with",
+        f"# (torch {m['torch']}, medians, 1-min load average {m['load_avg_1min']:.1f} while measuring).",
+        "# Rates are per worker with one compute thread, timed on the thread's CPU clock (what a",
+        "# core does, not what other jobs leave of it); two workers computing at once each get",
+        "# shared_node_efficiency of them. Links: gloo over loopback between two processes",
+        "# (ping-pong, wall clock: a loaded machine inflates the latency). Re-measure with",
         "#   python benchmarks/bench_calibrate.py --write-profile config/hardware/cpu-2core.yaml",
         "# and fit the compute rates to a given graph and model with `gnnpipe plan --calibrate`.",
         f"name: {name}",
@@ -182,11 +195,12 @@ def profile_yaml(m: dict, name: str = "cpu-2core") -> str:
         "nodes: 1",
         "oversubscribe: true      # more workers than cores time-share them",
         f"memory_gib: {mem:.1f}         # 80 % of {m['mem_total_gib']:.1f} GiB over {workers} workers",
-        f"dense_gflops: {dense1:.2f}       # 1 thread; 2 threads: "
+        f"dense_gflops: {dense1:.2f}       # 1 thread; 2 threads (wall clock): "
         f"{statistics.median(s2['dense_gflops'].values()):.2f}",
-        f"sparse_gvalues: {sparse1:.3f}     # CSR SpMM, 1 thread; 2 threads: "
+        f"sparse_gvalues: {sparse1:.3f}     # CSR SpMM, 1 thread; 2 threads (wall clock): "
         f"{statistics.median(s2['sparse_gvalues'].values()):.3f}",
         f"elementwise_gvalues: {s1['elementwise_gvalues']:.3f}",
+        f"random_gvalues: {s1['dropout_gvalues']:.4f}     # dropout masks (CPU bernoulli is slow)",
         f"layer_overhead_us: {m['layer_overhead_us']:.0f}",
         f"shared_node_efficiency: {eff:.3f}",
         f"intra_bandwidth_gbs: {link['bandwidth_gbs']:.3f}",
@@ -205,7 +219,7 @@ def _yaml_block(obj) -> list[str]:
 
 
 # --------------------------------------------------------------------------- --check
-def _single_epochs(graph_path: str, model_cfg, epochs: int, threads: int) -> list[float]:
+def _single_epochs(graph_path: str, model_cfg, epochs: int, threads: int, clock: str = "wall") -> list[float]:
     from gnnpipe.config import (GraphParallelConfig, PartitionConfig, PipelineConfig, RunConfig,
                                 TrainingConfig)
     from gnnpipe.train import SingleEngine
@@ -216,33 +230,56 @@ def _single_epochs(graph_path: str, model_cfg, epochs: int, threads: int) -> lis
                     training=TrainingConfig(epochs=epochs, threads_per_worker=threads),
                     partitioning=PartitionConfig(), pipeline=PipelineConfig(),
                     graph_parallel=GraphParallelConfig())
+    from gnnpipe.plan import CLOCKS
+
+    now = CLOCKS[clock]
     eng = SingleEngine(cfg, torch.device("cpu"))
     times = []
     for e in range(epochs + 1):
-        t0 = time.perf_counter()
+        t0 = now()
         eng.train_epoch(e)
         if e:
-            times.append(time.perf_counter() - t0)
+            times.append(now() - t0)
     return times
 
 
 def check(graph_path: str, model_cfg, hw_name: str, epochs: int, threads: int,
-          runs_dir: str | None) -> dict:
+          runs_dir: str | None, rounds: int = 3, clock: str = "wall") -> dict:
+    """Calibrate on the graph and predict single-process epochs, against measured ones.
+
+    On a shared machine the speed drifts with other jobs, so calibration and measurement
+    alternate in ``rounds``: each round fits the rates, then times ``epochs`` epochs; the
+    error of each round compares the two made at nearly the same time.
+    """
     from gnnpipe import costmodel as cm
     from gnnpipe.graph import read_graph
     from gnnpipe.plan import build_model, calibrate, cached_graph_stats, model_shape, plan, predict_layout
 
     graph = read_graph(graph_path)
     hw = cm.load_hardware(hw_name)
-    t0 = time.perf_counter()
-    fitted = calibrate(graph, model_cfg, hw, threads=threads)
-    cal_s = time.perf_counter() - t0
-    measured = _single_epochs(graph_path, model_cfg, epochs, threads)
     stats = {"num_nodes": graph.num_nodes, "num_edges": graph.num_edges, "partitions": {}}
-    one = plan(stats, model_cfg, graph.num_features, graph.num_classes, fitted, 1)
-    rows = [{"mode": "single", "workers": 1, "measured_s": statistics.median(measured),
-             "predicted_s": one.rows[0].epoch_s, "profile_predicted_s":
-             plan(stats, model_cfg, graph.num_features, graph.num_classes, hw, 1).rows[0].epoch_s}]
+    per_round = []
+    fitted = hw
+    for r in range(rounds):
+        load0 = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        fitted = calibrate(graph, model_cfg, hw, threads=threads, clock=clock)
+        cal_s = time.perf_counter() - t0
+        measured = _single_epochs(graph_path, model_cfg, epochs, threads, clock)
+        pred = plan(stats, model_cfg, graph.num_features, graph.num_classes, fitted, 1).rows[0].epoch_s
+        per_round.append({"round": r, "load_avg_1min": [load0, os.getloadavg()[0]], "calibration_s": cal_s,
+                          "rates": fitted.measured["calibration"]["rates"],
+                          "fit_median_abs_rel_error": fitted.measured["calibration"]["median_abs_rel_error"],
+                          "measured_epochs_s": measured, "measured_s": statistics.median(measured),
+                          "predicted_s": pred})
+    for pr in per_round:
+        pr["rel_error"] = (pr["predicted_s"] - pr["measured_s"]) / pr["measured_s"]
+    rows = [{"mode": "single", "workers": 1,
+             "measured_s": statistics.median(pr["measured_s"] for pr in per_round),
+             "predicted_s": statistics.median(pr["predicted_s"] for pr in per_round),
+             "round_errors": [pr["rel_error"] for pr in per_round],
+             "profile_predicted_s": plan(stats, model_cfg, graph.num_features, graph.num_classes, hw,
+                                         1).rows[0].epoch_s}]
     for rec in sorted(Path(runs_dir).glob("*/metrics.json")) if runs_dir else []:
         m = json.loads(rec.read_text())
         run_yaml = rec.parent / "run.yaml"
@@ -271,8 +308,8 @@ def check(graph_path: str, model_cfg, hw_name: str, epochs: int, threads: int,
     for r in rows:
         r["rel_error"] = (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
     return {"graph": graph_path, "num_nodes": graph.num_nodes, "num_edges": graph.num_edges,
-            "model": model_cfg.__dict__, "threads": threads, "calibration_s": cal_s,
-            "calibration": fitted.measured["calibration"], "single_epochs_s": measured, "rows": rows}
+            "model": model_cfg.__dict__, "threads": threads, "clock": clock, "rounds": per_round,
+            "calibration": fitted.measured["calibration"], "rows": rows}
 
 
 def main(argv=None) -> int:
@@ -287,13 +324,19 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="--check: calibrate/measure rounds")
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="--check: time with wall clock, or thread CPU time (a shared machine)")
     ap.add_argument("--runs-dir", help="also compare these run records (metrics.json + run.yaml)")
     a = ap.parse_args(argv)
     if a.check:
         from gnnpipe.config import ModelConfig
 
         res = check(a.check, ModelConfig(kind=a.kind, layers=a.layers, hidden=a.hidden), a.hardware,
-                    a.epochs, a.threads, a.runs_dir)
+                    a.epochs, a.threads, a.runs_dir, a.rounds, a.clock)
+        for pr in res["rounds"]:
+            print(f"round {pr['round']} (load {pr['load_avg_1min'][0]:.1f}): measured {pr['measured_s']:.4f} s  "
+                  f"predicted {pr['predicted_s']:.4f} s  ({pr['rel_error']:+.1%})")
         for r in res["rows"]:
             print(f"{r.get('run_id', r['mode']):40s} measured {r['measured_s']:.4f} s  predicted "
                   f"{r['predicted_s']:.4f} s  ({r['rel_error']:+.1%})")

@@ -179,6 +179,7 @@ class Hardware:
     intra_bandwidth_gbs: float  # per worker, per direction, to a worker on the same node
     intra_latency_us: float  # per message inside a node
     layer_overhead_us: float = 0.0  # fixed cost of one conv call (launches, autograd, Python)
+    random_gvalues: Optional[float] = None  # random numbers drawn (dropout masks), 10^9/s (None: elementwise)
     shared_node_efficiency: float = 1.0  # rate factor when every worker of a node computes at once
     intra_bisection_gbs: Optional[float] = None  # per direction between the two halves of a node (None: non-blocking)
     nodes: Optional[int] = None  # how many nodes exist (None: as many as a plan needs)
@@ -201,6 +202,8 @@ class Hardware:
         if not 0 < self.shared_node_efficiency <= 1:
             raise GnnPipeError(f"{path}.shared_node_efficiency: must lie in (0, 1], "
                                f"got {self.shared_node_efficiency!r}")
+        if self.random_gvalues is not None and not self.random_gvalues > 0:
+            raise GnnPipeError(f"{path}.random_gvalues: must be > 0 or null")
         if self.intra_bisection_gbs is not None and not self.intra_bisection_gbs > 0:
             raise GnnPipeError(f"{path}.intra_bisection_gbs: must be > 0 or null")
         if self.nodes is not None and self.nodes < 1:
@@ -223,6 +226,10 @@ class Hardware:
     @property
     def elementwise_rate(self) -> float:
         return self.elementwise_gvalues * 1e9
+
+    @property
+    def random_rate(self) -> float:
+        return (self.random_gvalues or self.elementwise_gvalues) * 1e9
 
     @property
     def memory_bytes(self) -> float:
@@ -301,6 +308,7 @@ class _HardwareFields:
     intra_bandwidth_gbs: float
     intra_latency_us: float
     layer_overhead_us: float = 0.0
+    random_gvalues: Optional[float] = None
     shared_node_efficiency: float = 1.0
     intra_bisection_gbs: Optional[float] = None
     nodes: Optional[int] = None
@@ -346,6 +354,7 @@ class ModelShape:
     decoder_params: int = 0
     carries_x0: bool = False  # GCNII: x0 crosses stage boundaries with h
     x0_dim: int = 0
+    encoder_dropout: int = 0  # values per row the encoder drops out (GCNII: H)
 
     @property
     def exchange_dims(self) -> list[int]:
@@ -364,23 +373,26 @@ class ModelShape:
 
 @dataclass
 class Work:
-    """Work of one pass: dense FLOPs, sparse entries × width, elementwise values, calls."""
+    """Work of one pass: dense FLOPs, sparse entries × width, elementwise values, random
+    values drawn (dropout masks), calls."""
 
     dense: float = 0.0
     sparse: float = 0.0
     elem: float = 0.0
     calls: float = 0.0
+    rng: float = 0.0
 
     def __add__(self, o: "Work") -> "Work":
         return Work(self.dense + o.dense, self.sparse + o.sparse, self.elem + o.elem,
-                    self.calls + o.calls)
+                    self.calls + o.calls, self.rng + o.rng)
 
     def scale(self, k: float) -> "Work":
-        return Work(self.dense * k, self.sparse * k, self.elem * k, self.calls * k)
+        return Work(self.dense * k, self.sparse * k, self.elem * k, self.calls * k, self.rng * k)
 
     def seconds(self, hw: Hardware, efficiency: float = 1.0) -> float:
         return ((self.dense / hw.dense_flops + self.sparse / hw.sparse_rate
-                 + self.elem / hw.elementwise_rate) / efficiency + self.calls * hw.layer_overhead)
+                 + self.elem / hw.elementwise_rate + self.rng / hw.random_rate) / efficiency
+                + self.calls * hw.layer_overhead)
 
 
 @dataclass
@@ -432,15 +444,17 @@ def layer_cost(spec: LayerSpec, n_dst: float, n_src: float, nnz: float) -> Layer
     elif k == "gcnii":
         m = nnz + n_dst
         mm = 2.0 * n_dst * d_in * d_in
-        c = LayerCost(Work(dense=mm, sparse=m * d_in, elem=7.0 * n_dst * d_in),
+        c = LayerCost(Work(dense=mm, sparse=m * d_in, elem=6.0 * n_dst * d_in,
+                           rng=n_dst * d_in if spec.dropout else 0.0),
                       Work(dense=2.0 * mm, sparse=m * d_in if spec.input_grad else 0.0,
-                           elem=9.0 * n_dst * d_in),
+                           elem=8.0 * n_dst * d_in),
                       saved_dst=2.25 * d_in, temp_src=0.0)
     elif k == "resgcn":
         # pre-activation (LayerNorm, ReLU, dropout) on every *source* row, then a GCN conv
         c = _linear_aggregate(n_dst, n_src, nnz + n_dst, d_in, d_out, True)
-        c.fwd.elem += 11.0 * n_src * d_in + n_dst * d_out
-        c.bwd.elem += 14.0 * n_src * d_in + n_dst * d_out
+        c.fwd.elem += 10.0 * n_src * d_in + n_dst * d_out
+        c.fwd.rng += n_src * d_in if spec.dropout else 0.0
+        c.bwd.elem += 13.0 * n_src * d_in + n_dst * d_out
         c.saved_src += 2.25 * d_in
         c.temp_src = max(c.temp_src, d_in)
     elif k == "gat":
@@ -461,9 +475,11 @@ def layer_cost(spec: LayerSpec, n_dst: float, n_src: float, nnz: float) -> Layer
         raise GnnPipeError(f"cost model: unknown conv kind {k!r}")
     # bias and the GraphLayer post-processing act on the destination rows
     post = n_dst * d_out * ((1.0 if k in ("gcn", "sage", "gat") else 0.0) + (8.0 if spec.norm else 0.0)
-                            + (1.0 if spec.act else 0.0) + (2.0 if spec.dropout else 0.0))
+                            + (1.0 if spec.act else 0.0) + (1.0 if spec.dropout else 0.0))
     c.fwd.elem += post
     c.bwd.elem += 1.5 * post
+    if spec.dropout and k in ("gcn", "sage", "gat"):
+        c.fwd.rng += n_dst * d_out  # the mask
     c.saved_dst += d_out * ((1.0 if spec.norm else 0.0) + (1.0 if spec.act else 0.0)
                             + (0.25 if spec.dropout else 0.0))
     c.fwd.calls += 1.0
@@ -471,10 +487,11 @@ def layer_cost(spec: LayerSpec, n_dst: float, n_src: float, nnz: float) -> Layer
     return c
 
 
-def rowwise_work(linears: Sequence[tuple[int, int]], rows: float, input_grad: bool) -> Work:
+def rowwise_work(linears: Sequence[tuple[int, int]], rows: float, input_grad: bool,
+                 dropout_per_row: float = 0.0) -> Work:
     """Training work (forward + backward) of a per-node stack of Linear maps (with an
-    activation after each) on ``rows`` rows."""
-    w = Work()
+    activation after each) on ``rows`` rows; ``dropout_per_row`` values get a dropout mask."""
+    w = Work(rng=rows * dropout_per_row)
     for i, (a, b) in enumerate(linears):
         mm = 2.0 * rows * a * b
         g = 2.0 if (input_grad or i > 0) else 1.0
@@ -710,7 +727,7 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
             enc = 0.0
             if s == 0 and shape.encoder:  # once per epoch on the way's rows and halo
                 enc = rowwise_work(shape.encoder, way_stats.nodes[g] + way_stats.mirrors[g],
-                                   False).seconds(hw, eff)
+                                   False, shape.encoder_dropout).seconds(hw, eff)
             n_row = way_stats.nodes[g] / cw  # rows per chunk crossing a stage boundary
             rank = s * G + g
             p2p_f = p2p_b = 0.0

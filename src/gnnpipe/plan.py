@@ -102,11 +102,23 @@ def model_shape(model) -> cm.ModelShape:
     def count(module):
         return 0 if module is None else sum(p.numel() for p in module.parameters())
 
+    def dropped(module):  # values per row behind a Dropout (after the Linear before it)
+        if module is None:
+            return 0
+        width, out = model.in_features, 0
+        for m in module.modules():
+            if isinstance(m, nn.Linear):
+                width = m.out_features
+            elif isinstance(m, nn.Dropout) and m.p > 0:
+                out += width
+        return out
+
     return cm.ModelShape(layers=tuple(specs), in_features=model.in_features,
                          num_classes=model.num_classes, encoder=linears(model.encoder),
                          decoder=linears(model.decoder), encoder_params=count(model.encoder),
                          decoder_params=count(model.decoder), carries_x0=model.needs_x0,
-                         x0_dim=model.hidden if model.needs_x0 else 0)
+                         x0_dim=model.hidden if model.needs_x0 else 0,
+                         encoder_dropout=dropped(model.encoder))
 
 
 def build_model(model_cfg: ModelConfig, in_features: int, num_classes: int):
@@ -343,7 +355,7 @@ def stage_bounds(model, stages: int, balance: str, num_nodes: int, num_edges: in
             lc = cm.layer_cost(spec, n, src, e)
             gf, gb = cm._gather_work(n, src, d, spec.input_grad)
             costs.append((lc.training() + gf + gb).seconds(hw))
-        first = cm.rowwise_work(shape.encoder, n, False).seconds(hw)
+        first = cm.rowwise_work(shape.encoder, n, False, shape.encoder_dropout).seconds(hw)
         last = (cm.rowwise_work(shape.decoder, n, True) + cm.loss_work(n, shape.num_classes)).seconds(hw)
     else:
         raise GnnPipeError(f"unknown stage balance {balance!r} (uniform, estimate, profile)")
@@ -592,14 +604,25 @@ def override_mirror_ratio(stats: dict, parts: int, ratio: float) -> dict:
 
 
 # ===================================================================== calibration
-def median_time(fn, reps: int) -> float:
-    """Median wall time of ``fn()`` over ``reps`` calls, after one warm-up call."""
+FLUSH_BYTES = 128 * 2**20
+#: Clocks for timing: wall time, or this thread's CPU time (blind to time spent
+#: descheduled on a shared machine; the same as wall time for one compute thread on an
+#: idle core).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def median_time(fn, reps: int, flush=None, clock: str = "wall") -> float:
+    """Median time of ``fn()`` over ``reps`` calls on ``clock``, after one warm-up call;
+    ``flush()`` (untimed) runs before each timed call."""
+    now = CLOCKS[clock]
     fn()
     ts = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        if flush is not None:
+            flush()
+        t0 = now()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(now() - t0)
     return float(statistics.median(ts))
 
 
@@ -624,25 +647,38 @@ def sample_blocks(graph, rows: int, dtype):
 
 
 def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = None, *,
-              rows: Sequence[int] = (2048, 8192), reps: int = 3, threads: int = 1,
-              dtype: str = "float32") -> cm.Hardware:
+              rows: Sequence[int] = (2048, 8192), reps: int = 5, threads: int = 1,
+              dtype: str = "float32", clock: str = "wall") -> cm.Hardware:
     """Fit the compute rates of ``hardware`` to this machine, on the real graph and model.
 
     Times (median of ``reps``), with ``threads`` compute threads: each distinct conv of
     the model forward and backward on a chunk block and a part block of ``rows``
     destination rows (:func:`sample_blocks`), the encoder/decoder, and the bare kernels
-    (a matmul, the CSR SpMM, an elementwise op). The cost model's work counts of every
+    (a matmul, the CSR SpMM, an elementwise op, dropout). The cost model's work counts of every
     measurement are fitted to its time by non-negative least squares on relative errors,
     giving seconds per dense FLOP, per sparse value, per elementwise value and per call.
     The result is ``hardware`` (or a one-node CPU profile) with those rates and the fit
-    in ``measured["calibration"]``.
+    in ``measured["calibration"]``. ``clock``: ``"wall"``, or ``"cpu"`` (this thread's CPU
+    time; only meaningful with ``threads=1``) to fit the rates of the work itself on a
+    machine that other jobs share.
     """
+    if clock not in CLOCKS:
+        raise GnnPipeError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    if clock == "cpu" and threads != 1:
+        raise GnnPipeError("calibrate: clock='cpu' times this thread only; use threads=1")
     import torch
     from scipy.optimize import nnls
 
     from .models.ops import gcn_aggregate
 
     tdtype = {"float32": torch.float32, "float64": torch.float64}[dtype]
+    # An epoch's tensors far exceed the caches, a sample's do not: evict them before each
+    # timed call (a write over twice a large L3), or the rates come out several times too fast.
+    evict = torch.zeros(FLUSH_BYTES // 4)
+
+    def cold():
+        evict.add_(1.0)
+
     old_threads = torch.get_num_threads()
     torch.set_num_threads(int(threads))
     try:
@@ -653,7 +689,7 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = N
         X, y, names = [], [], []
 
         def add(name, work: cm.Work, seconds: float):
-            X.append([work.dense, work.sparse, work.elem, work.calls])
+            X.append([work.dense, work.sparse, work.elem, work.rng, work.calls])
             y.append(seconds)
             names.append(name)
 
@@ -681,8 +717,8 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = N
                             out["y"] = conv(h, block, x0)
                             out["y"].sum().backward()
 
-                        tf = median_time(fwd, reps)
-                        tfb = median_time(bwd, reps)
+                        tf = median_time(fwd, reps, cold, clock)
+                        tfb = median_time(bwd, reps, cold, clock)
                         add(f"conv{l} {spec.kind} {spec.d_in}->{spec.d_out} {bname} {r} fwd", lc.fwd, tf)
                         add(f"conv{l} {spec.kind} {spec.d_in}->{spec.d_out} {bname} {r} fwd+bwd",
                             lc.training(), tfb)
@@ -690,21 +726,23 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = N
                     d = shape.layers[-1].d_in
                     xs = torch.randn(block.n_src, d, dtype=tdtype, generator=gen)
                     add(f"spmm {bname} {r} width {d}", cm.Work(sparse=(block.nnz + block.n_dst) * d),
-                        median_time(lambda: gcn_aggregate(xs, block), reps))
+                        median_time(lambda: gcn_aggregate(xs, block), reps, cold, clock))
                     w = torch.randn(d, d, dtype=tdtype, generator=gen)
                     add(f"matmul {block.n_src}x{d}x{d}", cm.Work(dense=2.0 * block.n_src * d * d),
-                        median_time(lambda: xs @ w, reps))
-                    add(f"relu+dropout {block.n_src}x{d}", cm.Work(elem=3.0 * block.n_src * d),
-                        median_time(lambda: torch.nn.functional.dropout(torch.relu(xs), 0.5), reps))
+                        median_time(lambda: xs @ w, reps, cold, clock))
+                    add(f"relu+add {block.n_src}x{d}", cm.Work(elem=2.0 * block.n_src * d),
+                        median_time(lambda: torch.relu(xs).add_(1.0), reps, cold, clock))
+                    add(f"dropout {block.n_src}x{d}", cm.Work(rng=block.n_src * d, elem=block.n_src * d),
+                        median_time(lambda: torch.nn.functional.dropout(xs, 0.5), reps, cold, clock))
                 n = min(r, graph.num_nodes)
                 if shape.encoder:
                     x = torch.randn(n, graph.num_features, dtype=tdtype, generator=gen)
-                    add(f"encoder {n} rows", cm.rowwise_work(shape.encoder, n, False),
-                        median_time(lambda: gnn.encode(x).sum().backward(), reps))
+                    add(f"encoder {n} rows", cm.rowwise_work(shape.encoder, n, False, shape.encoder_dropout),
+                        median_time(lambda: gnn.encode(x).sum().backward(), reps, cold, clock))
                 if shape.decoder:
                     hd = torch.randn(n, shape.decoder[0][0], dtype=tdtype, generator=gen).requires_grad_()
                     add(f"decoder {n} rows", cm.rowwise_work(shape.decoder, n, True),
-                        median_time(lambda: gnn.decode(hd).sum().backward(), reps))
+                        median_time(lambda: gnn.decode(hd).sum().backward(), reps, cold, clock))
     finally:
         torch.set_num_threads(old_threads)
 
@@ -720,13 +758,13 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = N
                                    elementwise_gvalues=1.0, intra_bandwidth_gbs=1.0,
                                    intra_latency_us=50.0, nodes=1)
     rates = {}
-    for key, c, unit in (("dense_gflops", coef[0], 1e9), ("sparse_gvalues", coef[1], 1e9),
-                         ("elementwise_gvalues", coef[2], 1e9)):
+    for key, c in (("dense_gflops", coef[0]), ("sparse_gvalues", coef[1]),
+                   ("elementwise_gvalues", coef[2]), ("random_gvalues", coef[3])):
         if c > 0:
-            rates[key] = float(1.0 / c / unit)
-    rates["layer_overhead_us"] = float(coef[3] * 1e6)
+            rates[key] = float(1.0 / c / 1e9)
+    rates["layer_overhead_us"] = float(coef[4] * 1e6)
     rel = (pred - t) / t
-    fit = {"threads": int(threads), "dtype": dtype, "graph": graph.name, "model": to_dict(model_cfg),
+    fit = {"threads": int(threads), "dtype": dtype, "clock": clock, "graph": graph.name, "model": to_dict(model_cfg),
            "rows": list(rows), "reps": reps,
            "rates": rates, "median_abs_rel_error": float(np.median(np.abs(rel))),
            "max_abs_rel_error": float(np.max(np.abs(rel))),
