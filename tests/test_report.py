@@ -148,3 +148,13 @@ def test_formatting_of_bytes_times_and_ratios():
     assert [fmt_bytes(n) for n in (0, 512, 1_500, 2_000_000, 3.2e9)] == ["0", "512 B", "1.5 kB", "2 MB", "3.2 GB"]
     assert ratio(0, 0) is None and ratio(None, 1) is None and math.isinf(ratio(5, 0))
     assert [fmt_ratio(x) for x in (None, math.inf, 2.0, 0.125)] == ["—", "∞", "2×", "0.125×"]
+
+
+def test_comparisons_pair_graph_with_model_parallel_runs_of_equal_workers():
+    from gnnpipe.report import Run, comparisons
+
+    runs = [Run(record(rid, mode, workers=p, stages=s, ways=g)) for rid, mode, p, s, g in [
+        ("g2", "graph", 2, 1, 2), ("g4", "graph", 4, 1, 4), ("p2", "pipeline", 2, 2, 1),
+        ("p4", "pipeline", 4, 4, 1), ("h4", "hybrid", 4, 2, 2), ("s", "single", 1, 1, 1)]]
+    pairs = [(c.graph.run_id, c.other.run_id) for c in comparisons(runs)]
+    assert pairs == [("g2", "p2"), ("g4", "p4"), ("g4", "h4")]
