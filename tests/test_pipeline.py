@@ -524,3 +524,20 @@ def test_bad_combinations(stores):
         PipelineEngine(run_cfg(stores["connected-4"], chunks=6), None, None, "cpu")
     with pytest.raises(GnnPipeError, match="no such chunk store"):
         PipelineEngine(run_cfg(stores["connected-4"].parent / "missing.h5", chunks=4), None, None, "cpu")
+
+
+def test_run_overrides_cover_every_pipeline_setting():
+    """``runs[i].pipeline`` (the ablations) can override every PipelineConfig key, and only those."""
+    from dataclasses import fields
+
+    from gnnpipe.config import PipelineOverride, load_workflow_config, resolve_runs
+    assert [f.name for f in fields(PipelineOverride)] == [f.name for f in fields(PipelineConfig)]
+    wf = load_workflow_config({
+        "datasets": {"d": {}}, "models": {"m": {"kind": "gcnii", "layers": 4}},
+        "pipeline": {"momentum": 0.5, "snapshot_every": 7},
+        "runs": [{"mode": "pipeline", "dataset": "d", "model": "m", "workers": 2, "name": "a",
+                  "pipeline": {"momentum": 0.0, "chunks_per_stage": 2}},
+                 {"mode": "pipeline", "dataset": "d", "model": "m", "workers": 2, "name": "b"}]})
+    runs = resolve_runs(wf)
+    assert (runs["a"].pipeline.momentum, runs["a"].pipeline.snapshot_every, runs["a"].chunks) == (0.0, 7, 4)
+    assert (runs["b"].pipeline.momentum, runs["b"].chunks) == (0.5, 8)
