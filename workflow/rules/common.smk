@@ -55,7 +55,6 @@ except ConfigError as e:
     raise WorkflowError(f"invalid config: {e}") from None
 
 RESULTS = WF.results
-DATASETS = sorted({run.dataset_name for run in RUNS.values()})
 # conda users: envs/gnnpipe.yaml installs this checkout (pip `-e ${GNNPIPE_ROOT}`).
 os.environ.setdefault("GNNPIPE_ROOT", workflow.basedir)
 
@@ -76,7 +75,7 @@ def _train_layout(run) -> dict:
         "resources": {
             "nodes": nodes,
             "tasks": nodes,  # one torchrun per node; torchrun starts the workers
-            "cpus_per_task": per_node * WF.training.threads_per_worker,
+            "cpus_per_task": per_node * run.training.threads_per_worker,
             "mem_mb": per_node * res.mem_mb_per_worker,
             "runtime": res.runtime_min,
             "gres": f"gpu:{gpus}" if gpus else None,  # per node
