@@ -14,7 +14,8 @@ the trainer's own (``gnnpipe.train.build_engine``), timed as the trainer times t
 barrier, then one ``train_epoch``; the epoch's time is the slowest rank's.
 
 Per layout the JSON has the median epoch time, the median split (compute, comm
-blocked, pipeline bubble; mean over ranks), the bytes all ranks sent per epoch (the
+blocked, pipeline bubble; mean over ranks; and ``cpu_main``, the CPU seconds of each rank's
+main thread, which other jobs on the machine do not inflate), the bytes all ranks sent per epoch (the
 communicator's ledger, training traffic only) beside the engine's closed form, peak
 memory per rank (``ru_maxrss`` on CPU: the whole process, interpreter and torch
 included; ``max_memory_allocated`` on CUDA), and the ratio to the single-process epoch.
@@ -93,12 +94,13 @@ def _worker(rank: int, world: int, cfg_dict: dict, epochs: int, warmup: int) -> 
             dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         s = engine.train_epoch(e)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
         rows.append({"wall": wall, "compute": s.compute_s, "comm": s.comm_s, "bubble": s.bubble_s,
+                     "cpu_main": time.thread_time() - c0,
                      "loss": s.loss, "sent": comm.epoch_bytes(e) if comm is not None else 0})
     peak, how = peak_memory()
     return {"rows": rows, "setup_s": setup_s, "peak": peak, "peak_how": how,
@@ -116,7 +118,7 @@ def run_layout(cfg: RunConfig, threads: int, epochs: int, warmup: int, timeout: 
     timed = range(warmup, warmup + epochs)
     wall = [max(r["rows"][e]["wall"] for r in res) for e in timed]
     split = {k: statistics.median(statistics.fmean(r["rows"][e][k] for r in res) for e in timed)
-             for k in ("compute", "comm", "bubble")}
+             for k in ("compute", "comm", "bubble", "cpu_main")}
     sent = [sum(r["rows"][e]["sent"] for r in res) for e in timed]
     predicted = res[0]["predicted"]
     return {
@@ -157,7 +159,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--quick", action="store_true", help="smaller graphs and fewer epochs (a smoke run)")
     ap.add_argument("--datasets", nargs="+", default=["reddit-like", "physics-like"], choices=list(SIZES["full"]))
-    ap.add_argument("--modes", nargs="+", default=["single", "graph"], choices=list(LAYOUTS))
+    ap.add_argument("--modes", nargs="+", default=["single", "graph", "pipeline"], choices=list(LAYOUTS))
     ap.add_argument("--workers", nargs="+", type=int, default=None,
                     help="worker counts of the parallel modes (default: each mode's LAYOUTS entry)")
     ap.add_argument("--nodes", type=int, default=None, help="override the number of nodes of every dataset")
@@ -219,7 +221,7 @@ def main(argv=None) -> dict:
                 r["ratio_to_single"] = r["epoch_time_s"] / single_time
             out["runs"].append(r)
             msg = (f"epoch {r['epoch_time_s']:.3f}s (compute {r['breakdown_s']['compute']:.3f}, comm "
-                   f"{r['breakdown_s']['comm']:.3f}), bytes {r['comm_bytes_per_epoch']:,} "
+                   f"{r['breakdown_s']['comm']:.3f}, bubble {r['breakdown_s']['bubble']:.3f}), bytes {r['comm_bytes_per_epoch']:,} "
                    f"(closed form {r['comm_bytes_predicted'] or 0:,}), x{r.get('ratio_to_single', 1):.2f} of single"
                    if "epoch_time_s" in r else r["error"].splitlines()[0])
             print(f"[modes] {shape} {mode} P={p} x{threads} thread(s): {msg}", file=sys.stderr, flush=True)
