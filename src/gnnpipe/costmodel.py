@@ -572,14 +572,15 @@ class Estimate:
 STRUCT_BYTES_PER_ENTRY = 44
 
 
-def _a2a_seconds(bytes_per_worker: float, group: int, busy_on_node: int, hw: Hardware) -> float:
+def _a2a_seconds(bytes_per_worker: float, group: int, busy_on_node: int, hw: Hardware,
+                 wpn: Optional[int] = None) -> float:
     """One all-to-all in which each of ``group`` workers (contiguous ranks) sends and
     receives about ``bytes_per_worker``, spread evenly over its peers. ``busy_on_node``
     workers of every node exchange at the same time: they share the node's NIC and, where
     the profile has one, the bisection between the node's two halves (e.g. CPU sockets)."""
     if group <= 1 or bytes_per_worker <= 0:
         return 0.0
-    wpn = hw.workers_per_node
+    wpn = wpn or hw.workers_per_node  # workers placed on one node
     peers = group - 1
     on_node = min(group, wpn)  # members of the group on each of its nodes
     local, remote = on_node - 1, peers - (on_node - 1)
@@ -682,6 +683,7 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
     slowdown = 1.0
     if hw.oversubscribe and hw.nodes is not None and P > hw.nodes * wpn:
         slowdown = P / (hw.nodes * wpn)  # time-sharing the cores
+        wpn = math.ceil(P / hw.nodes)  # ... of the nodes there are: all workers sit on them
     eff = (hw.shared_node_efficiency if P > 1 else 1.0) / slowdown
     dims = shape.exchange_dims
     params = shape.params_per_stage(bounds)
@@ -710,7 +712,7 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
                         tb += tf
                     th = 0.0
                     if G > 1 and not (l == 0 and first_input == "local"):
-                        th = _a2a_seconds(halo_rows * dims[l] * b, G, busy_on_node, hw)
+                        th = _a2a_seconds(halo_rows * dims[l] * b, G, busy_on_node, hw, wpn)
                     thb = 0.0 if (l == 0 and first_input != "exchanged") else th
                     # the halo is in flight while the inner rows aggregate (forward), and
                     # while the inner rows' backward runs (the engine overlaps both)

@@ -788,7 +788,7 @@ def run_plan(graph_path, model_cfg, hardware_path, workers: int, out_json=None, 
              seed: int = 0, overlap: bool = True, balance: str = "estimate",
              calibrate_rates: bool = False, threads: int = 1, progress: bool = True,
              mirror_ratio: Optional[tuple[int, float]] = None, first_input: str = "local",
-             quiet: bool = False) -> Plan:
+             clock: str = "wall", quiet: bool = False) -> Plan:
     """``gnnpipe plan``: statistics of the graph(s), the hardware profile, the plan; print
     the table and the reason, write the plan as JSON to ``out_json``.
 
@@ -829,7 +829,7 @@ def run_plan(graph_path, model_cfg, hardware_path, workers: int, out_json=None, 
             raise GnnPipeError("--calibrate times the model on a real graph: give --graph")
         from .graph import read_graph
 
-        hw = calibrate(read_graph(graphs[-1]), model, hw, threads=threads, dtype=dtype)
+        hw = calibrate(read_graph(graphs[-1]), model, hw, threads=threads, dtype=dtype, clock=clock)
     result = plan(stats, model, int(stats["num_features"]), int(stats["num_classes"]), hw, workers,
                   chunks_per_stage=chunks_per_stage, dtype_bytes=DTYPE_BYTES[dtype], overlap=overlap,
                   balance=balance, first_input=first_input)
@@ -888,6 +888,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="fit the compute rates to this machine on the (last) graph first")
     p.add_argument("--threads", type=int, default=1, help="compute threads per worker for --calibrate")
+    p.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                   help="--calibrate timing: wall clock, or the thread's CPU time (a shared machine)")
     p.add_argument("--out", help="write the plan as JSON here")
     p.set_defaults(func=_cli)
     return p
@@ -913,7 +915,7 @@ def _cli(a) -> None:
     run_plan(a.graph, data, a.hardware, a.workers, a.out, stats_path=a.stats, at_nodes=a.at_nodes,
              at_edges=a.at_edges, chunks_per_stage=a.chunks_per_stage, dtype=a.dtype, method=a.method,
              seed=a.seed, overlap=a.overlap, balance=a.balance, calibrate_rates=a.calibrate,
-             threads=a.threads, mirror_ratio=a.mirror_ratio, first_input=a.first_input)
+             threads=a.threads, mirror_ratio=a.mirror_ratio, first_input=a.first_input, clock=a.clock)
 
 
 def main(argv=None) -> int:
