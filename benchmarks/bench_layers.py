@@ -79,11 +79,11 @@ def kernel_candidates(block: Block):
     op = ops.gcn_op(block, torch.float32)
     w = op.values
     n_dst, n_src = csr.n_rows, csr.n_cols
-    dst, src = csr.row, csr.indices.long()
+    dst, src = csr.row.long(), csr.indices.long()
     indptr64 = csr.indptr.long()
     lengths = indptr64[1:] - indptr64[:-1]
     op64 = ops.FixedOp(ops.CSR(indptr64, src, dst, csr.t_indptr.long(), csr.t_indices.long(),
-                               csr.perm, n_dst, n_src), w, op.values_t)
+                               csr.perm.long(), n_dst, n_src), w, op.values_t)
     a_csr = torch.sparse_csr_tensor(csr.indptr, csr.indices, w, (n_dst, n_src))
     a_csr64 = torch.sparse_csr_tensor(indptr64, src, w, (n_dst, n_src))
     a_coo = torch.sparse_coo_tensor(torch.stack([dst, src]), w, (n_dst, n_src)).coalesce()

@@ -432,3 +432,16 @@ def test_cuda_matches_cpu(kind):
     (gxc,) = torch.autograd.grad(out_c.sum(), xc)
     torch.testing.assert_close(out_c.cpu(), out.detach(), atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(gxc.cpu(), gx, atol=1e-10, rtol=1e-10)
+
+
+def test_gat_attention_dropout_only_in_training():
+    indptr, indices = random_graph(15, 0.3, seed=10)
+    block = Block.full(indptr, indices, F64)
+    torch.manual_seed(0)
+    plain = GATConv(4, 3, heads=2).double()
+    dropped = GATConv(4, 3, heads=2, attn_dropout=0.5).double()
+    dropped.load_state_dict(plain.state_dict())
+    x = torch.randn(15, 4, dtype=F64)
+    torch.testing.assert_close(dropped.eval()(x, block), plain(x, block), **TOL)
+    torch.manual_seed(1)
+    assert not torch.allclose(dropped.train()(x, block), plain(x, block))

@@ -1,4 +1,4 @@
-"""Aggregation primitives on PyTorch sparse CSR kernels (MKL on CPU, cuSPARSE on CUDA).
+"""Aggregation primitives over CSR blocks: constant-weight SpMM, edge softmax, SDDMM.
 
 Every layer aggregates a bipartite :class:`~gnnpipe.models.block.Block`. Two kinds of
 aggregation exist:
@@ -6,20 +6,23 @@ aggregation exist:
 * **fixed edge weights** (GCN, GCNII, SAGE): ``out = A @ x`` with ``A`` the block's
   ``(n_dst, n_src)`` in-edge CSR carrying weights computed from whole-graph degrees.
   :class:`SpMM` runs it as a custom autograd Function whose backward is
-  ``grad_x = A^T @ grad_out``, with ``A^T`` a transposed CSR built once and cached on the
-  block (``block.cached``). The weights are constants: no gradient flows to them.
+  ``grad_x = A^T @ grad_out``, with ``A^T`` a transposed CSR (and the weights in its
+  order) built once and cached on the block (``block.cached``, :class:`FixedOp`). The
+  weights are constants: no gradient flows to them.
 * **learned edge weights** (GAT): per-edge, per-head scores, an edge softmax over each
   destination's in-edges (:class:`EdgeSoftmax`) and a weighted aggregation
   (:class:`EdgeSpMM`) differentiable in both the features and the edge weights; the
   weight gradient ``<grad_out[i], x[j]>`` on every edge is a sampled dense-dense product
   (SDDMM, ``torch.sparse.sampled_addmm``).
 
-Why CSR SpMM: ``benchmarks/bench_layers.py`` times the candidates (CSR SpMM, COO
-``torch.sparse.mm``, gather + ``index_add_``, gather + ``segment_reduce``) forward and
-backward; the CSR kernel is the fastest by a factor of 3-10 on CPU and never
-materialises an ``(nnz, d)`` message tensor, so it also uses the least memory. CSR
-index tensors are int32 when every dimension fits (MKL's native index width, a little
-faster and half the memory), int64 otherwise.
+The kernel (:meth:`CSR.mm`): on CPU, ``F.embedding_bag(mode="sum",
+per_sample_weights=w)`` over the CSR, which is exactly a weighted CSR SpMM and runs
+FBGEMM's vectorised kernel; ``benchmarks/bench_layers.py`` times it against MKL's sparse
+CSR product, torch's own CSR/COO autograd, ``spmm_reduce``, and gather + ``index_add_``
+/ ``segment_reduce``, forward and backward: it is the fastest (about 2-3x MKL's CSR
+product, 5-25x the gather variants, which also materialise an ``(nnz, d)`` message
+tensor). On CUDA the sparse CSR tensor product (cuSPARSE). Index tensors are int32 when
+every dimension fits (half the memory, and faster with FBGEMM), int64 otherwise.
 
 Self loops: :func:`self_loop_csr` appends one entry per destination row ``i`` pointing
 at its own source row ``dst_offset + i`` (GCN's self term and GAT's self edge). The
@@ -60,10 +63,10 @@ class CSR:
 
     indptr: Tensor
     indices: Tensor
-    row: Tensor  # int64 (nnz,)
+    row: Tensor  # (nnz,)
     t_indptr: Tensor
     t_indices: Tensor
-    perm: Tensor  # int64 (nnz,)
+    perm: Tensor  # (nnz,)
     n_rows: int
     n_cols: int
 
@@ -153,8 +156,8 @@ def make_csr(indptr: Tensor, indices: Tensor, n_cols: int) -> CSR:
     if nnz:
         torch.cumsum(torch.bincount(indices, minlength=n_cols), 0, out=t_indptr[1:])
     itype = _index_dtype(n_rows, n_cols, nnz)
-    return CSR(indptr.to(itype), indices.to(itype), row, t_indptr.to(itype),
-               row[perm].to(itype), perm, n_rows, n_cols)
+    return CSR(indptr.to(itype), indices.to(itype), row.to(itype), t_indptr.to(itype),
+               row[perm].to(itype), perm.to(itype), n_rows, n_cols)
 
 
 def block_csr(block: Block) -> CSR:
@@ -196,7 +199,7 @@ class FixedOp:
     @classmethod
     def make(cls, csr: CSR, values: Tensor) -> "FixedOp":
         values = values.contiguous()
-        return cls(csr, values, values[csr.perm].contiguous())
+        return cls(csr, values, values.index_select(0, csr.perm))
 
     def mm(self, x: Tensor) -> Tensor:
         return self.csr.mm(self.values, x)
@@ -283,7 +286,8 @@ def gcn_op(block: Block, dtype: torch.dtype) -> FixedOp:
     def make() -> Tensor:
         deg_dst = block.deg_dst.to(torch.float64)
         deg_src = block.deg_src.to(torch.float64)
-        return torch.rsqrt((deg_dst[csr.row] + 1.0) * (deg_src[csr.indices.long()] + 1.0))
+        return torch.rsqrt((deg_dst.index_select(0, csr.row) + 1.0)
+                           * (deg_src.index_select(0, csr.indices) + 1.0))
     return cached_op(block, "gcn", dtype, csr, make)
 
 
@@ -292,7 +296,7 @@ def mean_op(block: Block, dtype: torch.dtype) -> FixedOp:
     csr = block_csr(block)
 
     def make() -> Tensor:
-        return (1.0 / block.deg_dst.to(torch.float64).clamp(min=1.0))[csr.row]
+        return (1.0 / block.deg_dst.to(torch.float64).clamp(min=1.0)).index_select(0, csr.row)
     return cached_op(block, "mean", dtype, csr, make)
 
 
