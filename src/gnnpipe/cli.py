@@ -7,6 +7,8 @@
     gnnpipe evaluate    --run-config results/runs/<run_id>/run.yaml
     gnnpipe report      --runs-dir results/runs --out results/report.md
     gnnpipe runs        --config config/config.yaml   (list / resolve the configured runs)
+    gnnpipe plan        --graph graph.h5 --hardware 8xgpu-pcie --workers 8 --layers 32
+                                                      (predict and recommend a layout)
 
 Every sub-command has its own ``--help``. Errors in the user's input print one line,
 ``gnnpipe: error: ...``, and exit with status 2.
@@ -163,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default="config/config.yaml")
     s.add_argument("--resolve", metavar="RUN_ID", help="print this run's resolved config as YAML")
     s.set_defaults(func=_runs)
+
+    from .plan import add_plan_parser
+    add_plan_parser(sub)
     return p
 
 
