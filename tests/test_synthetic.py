@@ -129,7 +129,7 @@ def test_arrays_shapes_dtypes_and_ranges():
     assert masks.sum(axis=1).tolist() == [1000, 600, 400]
     assert (g.name, g.source, g.symmetric, g.self_loops) == ("toy", "synthetic", True, False)
     assert {k: v for k, v in g.params.items() if k != "realized"} == resolve_shape(cfg)
-    assert g.params["realized"]["intra_fraction"] == pytest.approx(0.75, abs=1e-3)
+    assert g.params["realized"]["intra_fraction"] == pytest.approx(SHAPES["default"]["intra_fraction"], abs=1e-3)
 
 
 def test_csr_is_symmetric_sorted_without_duplicates_or_self_loops():
@@ -317,7 +317,8 @@ def _normalised_adjacency(g) -> torch.Tensor:
 
 
 def _test_accuracy(g, graph_conv: bool, epochs=150, hidden=64) -> float:
-    """A 2-layer GCN (``graph_conv``) or the same 2-layer MLP, full batch, Adam."""
+    """A 2-layer GCN (``graph_conv``) or the same 2-layer MLP, full batch, Adam, dropout
+    on the hidden layer."""
     torch.manual_seed(0)
     x, y = torch.as_tensor(g.features), torch.as_tensor(g.labels)
     train, test = torch.as_tensor(g.train_mask), torch.as_tensor(g.test_mask)
@@ -326,7 +327,7 @@ def _test_accuracy(g, graph_conv: bool, epochs=150, hidden=64) -> float:
     opt = torch.optim.Adam([*lin1.parameters(), *lin2.parameters()], lr=0.01, weight_decay=5e-4)
 
     def forward(training):
-        h = lin1(F.dropout(x, 0.5, training))
+        h = lin1(x)
         h = torch.relu(a @ h if graph_conv else h)
         h = lin2(F.dropout(h, 0.5, training))
         return a @ h if graph_conv else h
@@ -342,8 +343,13 @@ def _test_accuracy(g, graph_conv: bool, epochs=150, hidden=64) -> float:
 @pytest.mark.slow
 def test_default_shape_is_learnable_but_not_trivial():
     g = generate(SyntheticConfig())
-    with torch.sparse.check_sparse_tensor_invariants(False):
-        gcn, mlp = _test_accuracy(g, True), _test_accuracy(g, False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small kernels: a second thread only adds contention here
+    try:
+        with torch.sparse.check_sparse_tensor_invariants(False):
+            gcn, mlp = _test_accuracy(g, True), _test_accuracy(g, False)
+    finally:
+        torch.set_num_threads(threads)
     assert gcn > mlp + 0.10  # the graph carries what the features alone do not
     assert mlp > 2 / g.num_classes  # the features are informative on their own
     assert 0.65 < gcn < 0.9  # and the task is not solved: label noise and mixing remain

@@ -61,6 +61,9 @@ GENERATOR_VERSION = 1
 #: does not cap its degree.
 LOCAL_WINDOW = 2.0
 
+#: Most candidate edges drawn at once (bounds the sampler's temporaries to ~1 GiB).
+MAX_DRAW = 1 << 23
+
 #: Dirichlet concentration of the community sizes (larger: more equal sizes).
 COMMUNITY_SIZE_CONCENTRATION = 8.0
 
@@ -71,8 +74,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     # learnable but not trivially (2-layer GCN well above an MLP, both below 100 %).
     "default": dict(
         num_nodes=10_000, avg_degree=16.0, num_features=128, num_classes=8,
-        num_communities=16, intra_fraction=0.75, locality=0.5, degree_exponent=2.5,
-        feature_signal=1.0, label_noise=0.15,
+        num_communities=16, intra_fraction=0.45, locality=0.5, degree_exponent=2.5,
+        feature_signal=2.0, label_noise=0.15,
     ),
     # Reddit (232,965 nodes, 492 stored edges per node, 602 features, 41 classes);
     # sum of METIS mirrors at 8 parts ~ 2 N (Reddit itself ~ 2.1 N).
@@ -329,24 +332,26 @@ class _EdgeSampler:
 
 
 def _distinct_edges(rng, sampler, n: int, quotas: dict[str, int], *, undirected: bool,
-                    max_rounds: int = 64, log=None) -> tuple[np.ndarray, np.ndarray]:
+                    log=None) -> tuple[np.ndarray, np.ndarray]:
     """Draw from ``sampler`` until each kind has its quota of distinct non-loop edges.
 
-    Keys ``a * n + b`` (``a < b`` when ``undirected``) are kept sorted; each round draws
-    the deficit (inflated by the last round's acceptance rate), drops loops, repeats and
-    edges already held (of any kind), and keeps a uniform subset of the new ones. Kinds are drawn one after the other, the most repetitive first, so
-    that the realised shares are exactly the quotas.
+    Keys ``a * n + b`` (``a < b`` when ``undirected``) are kept sorted. Each round draws
+    the deficit (inflated by the last round's acceptance rate, at most ``MAX_DRAW`` at
+    once to bound the temporaries), drops loops, repeats and edges already held (of any
+    kind), and keeps a uniform subset of the new ones. Kinds are drawn one after the
+    other, the most repetitive first, so that the realised shares are exactly the quotas.
+    A kind whose rounds stop finding new edges is too dense for its communities: error.
     """
     keys = np.empty(0, dtype=np.int64)
     for kind, count in quotas.items():
-        goal, accept = keys.shape[0] + count, 1.0
-        for rounds in range(max_rounds):
-            deficit = goal - keys.shape[0]
-            if deficit <= 0:
-                if log:
-                    log(f"{count:,} {kind} edges in {rounds} round(s)")
-                break
-            draw = int(deficit / max(accept, 0.02) * 1.02) + 64
+        goal, accept, rounds, stalled = keys.shape[0] + count, 1.0, 0, 0
+        while (deficit := goal - keys.shape[0]) > 0:
+            if stalled >= 8:
+                raise GnnPipeError(
+                    f"synthetic: could place only {count - deficit:,} of {count:,} distinct {kind} "
+                    "edges; the graph is too dense for its communities: lower avg_degree, "
+                    "intra_fraction or locality, or raise num_nodes")
+            draw = min(int(deficit / max(accept, 0.02) * 1.02) + 64, MAX_DRAW)
             u, v = sampler(rng, kind, draw)
             keep = u != v
             u, v = u[keep], v[keep]
@@ -354,19 +359,19 @@ def _distinct_edges(rng, sampler, n: int, quotas: dict[str, int], *, undirected:
                 u, v = np.minimum(u, v), np.maximum(u, v)
             # u comes sorted, so local keys are nearly sorted: timsort ("stable") wins there
             new = np.sort(u * n + v, kind="stable" if kind == "local" else "quicksort")
+            del u, v, keep
             new = new[np.concatenate(([True], new[1:] != new[:-1]))]
             if keys.shape[0]:
                 at = np.minimum(np.searchsorted(keys, new), keys.shape[0] - 1)
                 new = new[keys[at] != new]
             accept = new.shape[0] / draw
+            stalled = stalled + 1 if accept < 1e-3 else 0
             if new.shape[0] > deficit:  # a uniform subset of the surplus
                 new = new[np.sort(rng.permutation(new.shape[0])[:deficit])]
             keys = np.sort(np.concatenate([keys, new]), kind="stable")  # merge of two sorted runs
-        else:
-            raise GnnPipeError(
-                f"synthetic: could place only {count - deficit:,} of {count:,} distinct {kind} edges; "
-                "the graph is too dense for its communities: lower avg_degree, intra_fraction or "
-                "locality, or raise num_nodes")
+            rounds += 1
+        if log:
+            log(f"{count:,} {kind} edges in {rounds} round(s)")
     a, b = np.divmod(keys, n)
     return a, b
 
