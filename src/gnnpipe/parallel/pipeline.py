@@ -98,6 +98,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -221,6 +222,17 @@ class History:
             self.hist.mul_(self.momentum).add_(self.cur, alpha=1.0 - self.momentum)
         else:  # cur is rewritten row by row next epoch: recycle the old history's memory
             self.hist, self.cur = self.cur, self.hist
+
+
+@dataclass(eq=False)
+class _Epoch:
+    """What one epoch's phases share."""
+
+    order: list[int]  # forward order of the chunks
+    fresh: list[Tensor]  # per chunk: which halo rows are fresh (bool, (M_c,))
+    rng: dict = field(default_factory=dict)  # (conv, chunk) -> RNG state, for recompute
+    saved: dict = field(default_factory=dict)  # (conv, chunk) -> (h_src, x0, out) without recompute
+    h0_graph: Optional[Tensor] = None  # the encoder's output with its graph (stage 0)
 
 
 class _Clock:
@@ -420,11 +432,23 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ training
     def train_epoch(self, epoch: int) -> EpochStats:
+        """One GPipe epoch: all forwards, all backwards (reverse order), one optimizer step."""
         clock = _Clock(self.comm, self.device)
-        pc, C = self.pc, self.C
         self._train_mode(True)
         self.opt.zero_grad(set_to_none=True)
-        order = chunk_order(C, epoch, self.cfg.training.seed, pc.shuffle_chunks)
+        ep = self._begin_epoch(epoch)
+        loss_sum = self._forward_phase(ep, clock)
+        self._backward_phase(ep, clock)
+        for st in self.hist.values():
+            st.end_epoch()
+        self.opt.step()
+        # the loss is known on the last stage; every rank returns it (waiting here is the drain)
+        loss = float(self._all_reduce_timed(loss_sum.reshape(1), clock)[0])
+        return clock.stats(loss)
+
+    def _begin_epoch(self, epoch: int) -> "_Epoch":
+        C = self.C
+        order = chunk_order(C, epoch, self.cfg.training.seed, self.pc.shuffle_chunks)
         pos = np.empty(C, dtype=np.int64)
         pos[order] = np.arange(C)
         pos_t = torch.as_tensor(pos).to(self.device)
@@ -432,128 +456,128 @@ class PipelineEngine:
         fresh = [pos_t.index_select(0, self.halo_chunk[c]) < int(pos[c]) for c in range(C)]
         for st in self.hist.values():
             st.begin_epoch(epoch)
-        recompute = pc.recompute
-        rng: dict = {}
-
-        h0_graph = None
+        ep = _Epoch([int(c) for c in order], fresh)
         if self.first and self.has_encoder:  # the encoder on every row, once per epoch
-            if recompute:
-                rng["enc"] = self._rng_state()
+            if self.pc.recompute:
+                ep.rng["enc"] = self._rng_state()
                 with torch.no_grad():
                     self.h0.copy_(self.encoder(self.features))
             else:
-                h0_graph = self.encoder(self.features)
-                self.h0.copy_(h0_graph.detach())
+                ep.h0_graph = self.encoder(self.features)
+                self.h0.copy_(ep.h0_graph.detach())
             self.g0.zero_()
+        return ep
 
-        # ---- forward: all chunks, in order, through this stage
-        recvs = {}
-        if not self.first:
-            for c in order:
-                s, e = self._rows(int(c))
-                buf = torch.empty(e - s, self._stage_in_width(), device=self.device, dtype=self.dtype)
-                recvs[int(c)] = self.comm.irecv(buf, self.prev, op="pipeline_fwd", tag=int(c))
-        sends, saved, loss_sum = [], {}, 0.0
+    def _post_recvs(self, chunks: list[int], src: int, width: int, op: str, tag0: int) -> dict:
+        """Post every receive of a phase up front (into fresh buffers, not the embedding buffers:
+        a row must not turn fresh while an earlier chunk may still read its history)."""
+        works = {}
+        for c in chunks:
+            s, e = self._rows(c)
+            buf = torch.empty(e - s, width, device=self.device, dtype=self.dtype)
+            works[c] = self.comm.irecv(buf, src, op=op, tag=tag0 + c)
+        return works
+
+    def _forward_phase(self, ep: "_Epoch", clock: _Clock) -> Tensor:
+        """Every chunk through this stage's convs, in order; returns the last stage's loss sum."""
+        recompute = self.pc.recompute
+        recvs = {} if self.first else self._post_recvs(ep.order, self.prev, self._stage_in_width(),
+                                                       "pipeline_fwd", 0)
+        sends = []
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # no host sync per chunk
         a = self.layers[0]
-        for c in map(int, order):
+        for c in ep.order:
             s, e = self._rows(c)
             if not self.first:
-                payload = clock.wait(recvs.pop(c), "bubble")
+                payload = clock.wait(recvs.pop(c), "bubble")  # (n_c, d_a [+ d_x0])
                 self.hist[a].cur[s:e] = payload[:, :self.dims[a]]
                 if self.needs_x0:
                     self.x0buf[s:e] = payload[:, self.dims[a]:]
             with torch.set_grad_enabled(not recompute):
                 for l in self.layers:
                     if recompute:
-                        rng[(l, c)] = self._rng_state()
-                    h_src, x0, out = self._layer(l, c, fresh[c], grad=not recompute)
+                        ep.rng[(l, c)] = self._rng_state()
+                    h_src, x0, out = self._layer(l, c, ep.fresh[c], grad=not recompute)
                     if l + 1 in self.convs:
                         self.hist[l + 1].cur[s:e] = out.detach()
                     if not recompute:
-                        saved[(l, c)] = (h_src, x0, out)
+                        ep.saved[(l, c)] = (h_src, x0, out)
                 if self.last:
                     loss = self._chunk_loss(out, c)
-                    loss_sum += float(loss.detach())
+                    loss_sum += loss.detach()
                     if not recompute:
-                        saved[("loss", c)] = loss
+                        ep.saved[("loss", c)] = loss
             if not self.last:
                 parts = [out.detach()] + ([self._x0_rows(s, e)] if self.needs_x0 else [])
                 payload = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
                 sends.append(self.comm.isend(payload, self.next, op="pipeline_fwd", tag=c))
         for w in sends:
             clock.wait(w, "comm")
+        return loss_sum
 
-        # ---- backward: reverse order
-        grecvs = {}
-        if not self.last:
-            for c in order[::-1]:
-                s, e = self._rows(int(c))
-                buf = torch.empty(e - s, self._stage_out_width(), device=self.device, dtype=self.dtype)
-                grecvs[int(c)] = self.comm.irecv(buf, self.next, op="pipeline_bwd", tag=C + int(c))
+    def _backward_phase(self, ep: "_Epoch", clock: _Clock) -> None:
+        """Every chunk back through this stage's convs, in reverse order, conv by conv."""
+        C, top = self.C, self.layers[-1]
+        rev = ep.order[::-1]
+        grecvs = {} if self.last else self._post_recvs(rev, self.next, self._stage_out_width(),
+                                                       "pipeline_bwd", C)
         sends = []
-        top = self.layers[-1]
-        for c in map(int, order[::-1]):
+        for c in rev:
             s, e = self._rows(c)
-            n_c = e - s
-            g_out = gx0 = None
+            g_out = gx0 = None  # gradients of this stage's output rows of c (and of x0's rows)
             if not self.last:
                 g = clock.wait(grecvs.pop(c), "bubble")
                 d = self.out_dims[top]
-                g_out = g[:, :d]
-                gx0 = g[:, d:].clone() if self.needs_x0 else None
+                g_out, gx0 = g[:, :d], (g[:, d:].clone() if self.needs_x0 else None)
             for l in reversed(self.layers):
-                if recompute:
-                    with self._replay(rng.pop((l, c))):
-                        h_src, x0, out = self._layer(l, c, fresh[c], grad=True)
-                        if self.last and l == top:
-                            loss = self._chunk_loss(out, c)
+                if self.pc.recompute:
+                    with self._replay(ep.rng.pop((l, c))):
+                        h_src, x0, out = self._layer(l, c, ep.fresh[c], grad=True)
+                        loss = self._chunk_loss(out, c) if self.last and l == top else None
                 else:
-                    h_src, x0, out = saved.pop((l, c))
-                    if self.last and l == top:
-                        loss = saved.pop(("loss", c))
-                if self.last and l == top:
+                    h_src, x0, out = ep.saved.pop((l, c))
+                    loss = ep.saved.pop(("loss", c)) if self.last and l == top else None
+                if loss is not None:
                     loss.backward()
                 else:
                     out.backward(g_out)
                 if x0 is not None:
                     gx0 = x0.grad if gx0 is None else gx0.add_(x0.grad)
-                gsrc = h_src.grad
-                if l == 0:
-                    if gsrc is not None:  # encoder output: every contribution counts, now
-                        self.g0[s:e] += gsrc[:n_c]
-                        self.g0.index_add_(0, self.halo[c], gsrc[n_c:])
-                    g_out = None
-                    continue
-                st = self.hist[l]
-                g_out = gsrc[:n_c] + st.grad[s:e]  # own use + what other chunks delivered
-                st.grad[s:e] = 0
-                g_halo = gsrc[n_c:]
-                if pc.grad_correction:
-                    m = fresh[c]
-                    st.grad.index_add_(0, self.halo[c][m], g_halo[m] * pc.grad_scale)
-                else:
-                    st.grad.index_add_(0, self.halo[c], g_halo)
+                g_out = self._route(l, c, h_src.grad, ep.fresh[c])
             if not self.first:
                 parts = [g_out] + ([gx0] if self.needs_x0 else [])
                 payload = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
                 sends.append(self.comm.isend(payload, self.prev, op="pipeline_bwd", tag=C + c))
             elif self.needs_x0:
-                self.g0[s:e] += gx0
+                self.g0[s:e] += gx0  # x0 is the encoder's output too
         if self.first and self.has_encoder:
-            if recompute:
-                with self._replay(rng.pop("enc")):
-                    h0_graph = self.encoder(self.features)
-            h0_graph.backward(self.g0)
+            if self.pc.recompute:
+                with self._replay(ep.rng.pop("enc")):
+                    ep.h0_graph = self.encoder(self.features)
+            ep.h0_graph.backward(self.g0)
         for w in sends:
             clock.wait(w, "comm")
-        for st in self.hist.values():
-            st.end_epoch()
-        self.opt.step()
 
-        # the loss is known on the last stage; every rank returns it (waiting here is the drain)
-        t = torch.tensor([loss_sum], dtype=torch.float64, device=self.device)
-        loss_total = float(self._all_reduce_timed(t, clock)[0])
-        return clock.stats(loss_total)
+    def _route(self, l: int, c: int, gsrc: Optional[Tensor], fresh: Tensor) -> Optional[Tensor]:
+        """Split conv ``l``'s input gradient of chunk ``c`` (own rows, then halo rows): the halo
+        part goes to the gradient buffer for the chunks that own those rows; returns the
+        gradient of the chunk's own input rows, with what other chunks delivered to them."""
+        s, e = self._rows(c)
+        n_c, halo = e - s, self.halo[c]
+        if l == 0:  # the encoder's output, back-propagated at the end: every contribution counts
+            if gsrc is not None:
+                self.g0[s:e] += gsrc[:n_c]
+                self.g0.index_add_(0, halo, gsrc[n_c:])
+            return None
+        st = self.hist[l]
+        g_own = gsrc[:n_c] + st.grad[s:e]  # (n_c, d_l)
+        st.grad[s:e] = 0
+        g_halo = gsrc[n_c:]  # (M_c, d_l)
+        if self.pc.grad_correction:  # historical rows: dropped; fresh rows: scaled (see module doc)
+            st.grad.index_add_(0, halo[fresh], g_halo[fresh] * self.pc.grad_scale)
+        else:  # fresh rows: delivered this epoch; historical rows: next epoch
+            st.grad.index_add_(0, halo, g_halo)
+        return g_own
 
     def _all_reduce_timed(self, t: Tensor, clock: _Clock) -> Tensor:
         clock._sync()
