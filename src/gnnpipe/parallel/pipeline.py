@@ -34,7 +34,9 @@ output rows. Back-propagating chunk ``c`` through conv ``l`` gives gradients for
 chunk's own input rows and for its halo rows. The halo rows' gradients belong to other
 chunks: they are added to conv ``l``'s *gradient buffer* (``N`` rows) and delivered
 when that chunk is back-propagated through conv ``l`` (added to its own-row gradient).
-With ``C = 1`` there is no halo and the epoch is exactly single-process training.
+With ``C = 1`` there is no halo and the epoch is exactly single-process training
+(``C = 1`` is accepted for any ``S``: plain model parallelism, the exactness
+configuration; otherwise ``C >= S``, or some stage would idle all epoch).
 
 Why this order works: chunk ``c`` read chunk ``c'``'s row fresh iff ``c'`` came earlier
 in the forward order, and ``c'`` is back-propagated after ``c`` iff it came earlier in
@@ -88,8 +90,10 @@ result of storing.
 
 **Time split** (``EpochStats``, this rank): ``bubble_s`` is the time blocked waiting for
 a neighbour stage's rows or gradients (posted ahead, so it is idle time with nothing
-to do, plus the final drain before the loss is known everywhere); ``comm_s`` the time
-blocked completing this stage's own sends; ``compute_s`` the rest of the epoch.
+to do, plus the final drain before the loss is known everywhere; it includes the
+transfer of the awaited message itself, small next to a chunk's compute on loopback or
+NVLink); ``comm_s`` the time blocked completing this stage's own sends; ``compute_s``
+the rest of the epoch.
 """
 
 from __future__ import annotations
@@ -284,7 +288,7 @@ class PipelineEngine:
         self.prev = groups.prev_rank() if groups is not None else None
         self.next = groups.next_rank() if groups is not None else None
 
-        self.store = store = ChunkStore(cfg.store_path, expect_parts=self.C)
+        store = ChunkStore(cfg.store_path, expect_parts=self.C)
         self.N, self.E = store.num_nodes, store.num_edges
         self.in_features, self.num_classes = store.num_features, store.num_classes
         self.offsets = [int(o) for o in store.offsets]
@@ -351,7 +355,8 @@ class PipelineEngine:
                 self.h0 = self.features
         if self.needs_x0 and not self.first:
             self.x0buf = torch.zeros(self.N, self.x0_dim, device=self.device, dtype=self.dtype)
-        self._full_block: Optional[Block] = None
+        self.full_block = store.full_block(self.dtype).to(self.device)  # exact passes
+        store.close()
         self.warm_started = self.C > 1
         if self.warm_started:
             self._full_pass(fill=True)
@@ -587,11 +592,6 @@ class PipelineEngine:
         return t
 
     # ------------------------------------------------------------------ exact passes
-    def _full(self) -> Block:
-        if self._full_block is None:
-            self._full_block = self.store.full_block(self.dtype).to(self.device)
-        return self._full_block
-
     @torch.no_grad()
     def _full_pass(self, fill: bool) -> Optional[Tensor]:
         """The whole graph as one chunk through the stages, dropout off (op ``control``).
@@ -610,7 +610,7 @@ class PipelineEngine:
             buf = torch.empty(self.N, self._stage_in_width(), device=self.device, dtype=self.dtype)
             self.comm.recv(buf, self.prev, op="control", tag=tag)
             h, x0 = buf[:, :self.dims[a]], (buf[:, self.dims[a]:] if self.needs_x0 else None)
-        block = self._full()
+        block = self.full_block
         for l in self.layers:
             if fill and l in self.hist:
                 self.hist[l].fill(h)
