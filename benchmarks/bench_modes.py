@@ -6,9 +6,9 @@
 
 On the ``reddit-like`` and ``physics-like`` synthetic shapes (scaled down to this
 machine; ``--nodes`` and ``--degree`` override), a 32-layer GCN of hidden width 100 is
-trained for ``--warmup`` + ``--epochs`` epochs in every layout: ``single`` with
-``--single-threads`` threads (the reference), and each mode on P workers in
-``--workers`` with one thread each. Every worker is a real process (gloo on CPU, NCCL
+trained for ``--warmup`` + ``--epochs`` epochs in every layout: ``single`` with each of
+``--single-threads`` (default 2, the reference of ``ratio_to_single``, and 1), and each
+mode on P workers in ``--workers`` with one thread each. Every worker is a real process (gloo on CPU, NCCL
 on CUDA) started by ``gnnpipe.parallel.testing.spawn_multi_process``; the engines are
 the trainer's own (``gnnpipe.train.build_engine``), timed as the trainer times them: a
 barrier, then one ``train_epoch``; the epoch's time is the slowest rank's.
@@ -18,7 +18,10 @@ blocked, pipeline bubble; mean over ranks; and ``cpu_main``, the CPU seconds of 
 main thread, which other jobs on the machine do not inflate), the bytes all ranks sent per epoch (the
 communicator's ledger, training traffic only) beside the engine's closed form, peak
 memory per rank (``ru_maxrss`` on CPU: the whole process, interpreter and torch
-included; ``max_memory_allocated`` on CUDA), and the ratio to the single-process epoch.
+included; ``max_memory_allocated`` on CUDA), and the ratios to the single-process epochs.
+On an oversubscribed machine a 2-thread process suffers most (OpenMP teams wait for
+descheduled threads), which flatters every ratio to it: read ``ratio_to_single_1thread``
+and ``cpu_main`` beside it.
 A mode is one entry of ``LAYOUTS``: adding one (hybrid, another pipeline depth) is one
 line. The machine's load average before and after is recorded: other jobs on the same
 cores distort every timing here.
@@ -168,7 +171,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--hidden", type=int, default=100)
     ap.add_argument("--epochs", type=int, default=None, help="timed epochs (default 3, quick 2)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--single-threads", type=int, default=2)
+    ap.add_argument("--single-threads", type=int, nargs="+", default=[2, 1],
+                    help="thread counts of the single-process references; ratio_to_single is to the "
+                         "first, ratio_to_single_1thread to a 1-thread run when there is one")
     ap.add_argument("--no-overlap", action="store_true", help="graph parallelism without overlap")
     ap.add_argument("--no-cache-input-halo", action="store_true",
                     help="graph parallelism exchanging the input features every epoch")
@@ -183,7 +188,10 @@ def main(argv=None) -> dict:
     training = TrainingConfig(epochs=epochs + a.warmup, seed=a.seed, dtype="float32", warmup_epochs=a.warmup)
     gp = GraphParallelConfig(overlap=not a.no_overlap, cache_input_halo=not a.no_cache_input_halo)
     modes = ["single"] + [m for m in a.modes if m != "single"]
-    plan = [(m, p) for m in modes for p in ([1] if m == "single" else (a.workers or LAYOUTS[m]))]
+    # (mode, workers, threads per worker): single once per thread count, the others 1 thread each
+    plan = [(m, p, t) for m in modes
+            for p, t in ([(1, t) for t in a.single_threads] if m == "single"
+                         else [(p, 1) for p in (a.workers or LAYOUTS[m])])]
 
     out = {"benchmark": "modes", "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": a.quick,
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0],
@@ -195,20 +203,19 @@ def main(argv=None) -> dict:
     for shape in a.datasets:
         nodes, degree = SIZES[size][shape]
         nodes, degree = a.nodes or nodes, a.degree or degree
-        parts = {layout(m, p)["chunks"] for m, p in plan if m != "single"}
+        parts = {layout(m, p)["chunks"] for m, p, _ in plan if m != "single"}
         print(f"[modes] {shape}: generating {nodes} nodes, partitioning into {sorted(parts)}",
               file=sys.stderr, flush=True)
         info, stores = prepare(shape, nodes, degree, work, parts, a.seed)
         out["datasets"][shape] = info
-        single_time = None
-        for mode, p in plan:
+        single_time: dict[int, float] = {}  # threads -> single-process epoch time
+        for mode, p, threads in plan:
             lay = layout(mode, p)
-            cfg = RunConfig(run_id=f"bench-{shape}-{mode}-p{p}", mode=mode, dataset_name=shape,
+            cfg = RunConfig(run_id=f"bench-{shape}-{mode}-p{p}-t{threads}", mode=mode, dataset_name=shape,
                             graph_path=info["graph_path"], store_path=stores.get(lay["chunks"]) if mode != "single" else None,
                             out_dir=str(work / "runs"), model=model, training=training,
                             partitioning=PartitionConfig(), pipeline=PipelineConfig(), graph_parallel=gp,
                             workers=p, **lay)
-            threads = a.single_threads if mode == "single" else 1
             t0 = time.perf_counter()
             try:
                 r = run_layout(cfg, threads, epochs, a.warmup, a.timeout)
@@ -216,9 +223,12 @@ def main(argv=None) -> dict:
                 r = {"error": f"{type(e).__name__}: {e}"[:4000]}
             r.update({"dataset": shape, "mode": mode, "workers": p, **lay, "wall_s": time.perf_counter() - t0})
             if mode == "single" and "epoch_time_s" in r:
-                single_time = r["epoch_time_s"]
-            if single_time and "epoch_time_s" in r:
-                r["ratio_to_single"] = r["epoch_time_s"] / single_time
+                single_time[threads] = r["epoch_time_s"]
+            ref = single_time.get(a.single_threads[0])
+            if ref and "epoch_time_s" in r:
+                r["ratio_to_single"] = r["epoch_time_s"] / ref
+            if single_time.get(1) and "epoch_time_s" in r:
+                r["ratio_to_single_1thread"] = r["epoch_time_s"] / single_time[1]
             out["runs"].append(r)
             msg = (f"epoch {r['epoch_time_s']:.3f}s (compute {r['breakdown_s']['compute']:.3f}, comm "
                    f"{r['breakdown_s']['comm']:.3f}, bubble {r['breakdown_s']['bubble']:.3f}), bytes {r['comm_bytes_per_epoch']:,} "
