@@ -9,12 +9,16 @@ For tests and small benchmarks::
 
     results = spawn_multi_process(work, 3, 4)   # [[3.0]*4, [3.0]*4, [3.0]*4]
 
-Each worker joins a fresh process group on a free localhost port (gloo, the given
-timeout for every collective), runs ``fn(rank, world_size, *args)`` with one compute
-thread, and sends back its return value (it must pickle; tensors are copied). If a rank raises, the parent
-stops the others at once and raises ``SpawnError`` carrying that rank's traceback; a rank
-that dies without a word, or a world that does not finish within ``timeout``, is an
-error too. Nothing hangs for longer than ``timeout``.
+Each worker joins a fresh process group (gloo, the given timeout for every collective;
+the rendezvous store is held by the caller on a localhost port the OS picks, so
+concurrent test runs cannot race for a port), runs ``fn(rank, world_size, *args)`` with
+one compute thread, and sends back its return value (it must pickle; tensors are
+copied). If a rank raises, the parent stops the others at once and raises
+``SpawnError`` carrying that rank's traceback (the root cause, not a peer's "connection
+reset"); a rank that dies without a word, or a world that does not finish within
+``timeout``, is an error too. Nothing hangs for longer than ``timeout``. Workers are
+forked from a fork server that has imported torch once, so a world starts in well
+under a second after the first.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
-import socket
 import sys
 import time
 import traceback
@@ -33,13 +36,6 @@ from typing import Any, Callable
 
 class SpawnError(RuntimeError):
     """A rank of ``spawn_multi_process`` failed (the message holds its traceback)."""
-
-
-def free_port() -> int:
-    """A TCP port on localhost that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(fn, rank: int, world_size: int, port: int, args: tuple, results, timeout: float,
@@ -53,8 +49,9 @@ def _worker(fn, rank: int, world_size: int, port: int, args: tuple, results, tim
         torch.set_num_threads(threads)
         if sys.platform.startswith("linux"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        span = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=span)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=span)
         joined = True
         out = fn(rank, world_size, *args)
         # plain pickle, not the queue's ForkingPickler: torch would pass tensors as shared
@@ -104,9 +101,14 @@ def spawn_multi_process(fn: Callable[..., Any], world_size: int, *args, timeout:
     """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
+    import torch.distributed as dist
+
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
+    # the rendezvous store lives in this process, on a port the OS picks: no race for a port
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    port = store.port
     procs = [ctx.Process(target=_worker, name=f"rank{r}", daemon=True,
                          args=(fn, r, world_size, port, args, results, timeout, threads, backend,
                                dict(env or {})))
@@ -143,6 +145,7 @@ def spawn_multi_process(fn: Callable[..., Any], world_size: int, *args, timeout:
             out[rank] = pickle.loads(value)
     finally:
         _stop(procs)
+        del store
     return [out[r] for r in range(world_size)]
 
 
