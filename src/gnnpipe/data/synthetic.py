@@ -262,19 +262,33 @@ def _power_law_weights(rng: np.random.Generator, n: int, gamma: float, cap: floa
 
 
 class _EdgeSampler:
-    """Draws candidate edges ``(u, v)`` of the DC-SBM with locality (hidden order)."""
+    """Draws candidate edges ``(u, v)`` of the DC-SBM with locality, in hidden positions.
 
-    def __init__(self, theta, start, community, window: float):
-        self.community, self.start = community, start
+    Everything that depends on ``u`` alone (its community's bounds and weight, its local
+    window's theta prefix sums) is precomputed per node, so a draw costs a few gathers.
+    """
+
+    def __init__(self, theta: np.ndarray, start: np.ndarray, community: np.ndarray, window: float):
+        n = theta.shape[0]
         self.cum = np.concatenate([[0.0], np.cumsum(theta)])  # (N+1,) prefix sums of theta
-        self.total = self.cum[-1]
-        self.wcomm = self.cum[start[1:]] - self.cum[start[:-1]]  # (K,) community weights
-        self.sizes = np.diff(start)
-        self.theta, self.window = theta, window
+        self.total = float(self.cum[-1])
+        self.first = start[community]  # (N,) first position of each node's community
+        size = np.diff(start)[community]  # (N,)
+        self.last = self.first + size - 1
+        self.base = self.cum[self.first]  # (N,) prefix sum where the community starts
+        self.wc = self.cum[self.first + size] - self.base  # (N,) the community's theta mass
+        # local window [pos - w, pos + w] on the community ring, w = ceil(window * theta)
+        # (< size / 2, so it wraps at most once); prefix sums on the unwrapped ring: past
+        # the end, cum[pos - size] + W_c; before the start, cum[pos + size] - W_c
+        w = np.minimum(np.ceil(window * theta).astype(np.int64), (size - 1) // 2)
+        lo, hi = np.arange(n) - w, np.arange(n) + w + 1
+        under, over = lo < self.first, hi > self.first + size
+        self.f_lo = self.cum[lo + under * size] - under * self.wc
+        self.f_span = self.cum[hi - over * size] + over * self.wc - self.f_lo
         # guide table (Chen & Asau): guide[j] is the node whose interval holds j * total / L.
         # A query starts there and steps forward over the few nodes of its bucket: O(1)
         # gathers per query instead of a ~20-step binary search of random memory.
-        self.buckets = 2 * theta.shape[0]
+        self.buckets = 2 * n
         self.guide = self._search(np.arange(self.buckets + 1) * (self.total / self.buckets))
 
     def _search(self, t: np.ndarray) -> np.ndarray:
@@ -295,40 +309,23 @@ class _EdgeSampler:
 
     def __call__(self, rng: np.random.Generator, kind: str, m: int) -> tuple[np.ndarray, np.ndarray]:
         """``m`` candidate edges of one ``kind``: ``"local"``, ``"intra"`` or ``"inter"``."""
-        u = self._invert(_sorted_uniform(rng, m) * self.total)  # sorted: later steps run near-sorted
-        x = rng.random(m)
-        cu = self.community[u]
-        s0, wc = self.start[cu], self.wcomm[cu]
-        base = self.cum[s0]  # prefix sum at the community's first node
+        u = self._invert(_sorted_uniform(rng, m) * self.total)  # sorted: the gathers below stream
+        return u, self.second(kind, u, rng.random(m))
+
+    def second(self, kind: str, u: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """The other endpoint of each ``u``, prop. to theta where ``kind`` allows, from U(0,1) ``x``."""
+        base, wc = self.base[u], self.wc[u]
         if kind == "inter":  # outside u's community: skip its theta-interval
             t = x * (self.total - wc)
             t += np.where(t >= base, wc, 0.0)
-            return u, self._invert(t)
-        if kind == "local":
-            v = self._local(u, cu, x)
+            return self._invert(t)
+        if kind == "local":  # within u's ring window, wrapped back onto the ring
+            t = self.f_lo[u] + x * self.f_span[u]
+            t += np.where(t < base, wc, 0.0) - np.where(t >= base + wc, wc, 0.0)
         else:  # anywhere in u's community
-            v = self._invert(base + x * wc)
+            t = base + x * wc
         # keep every draw inside its community despite floating-point rounding
-        return u, np.clip(v, s0, self.start[cu + 1] - 1)
-
-    def _local(self, u, cu, x):
-        """``v`` within ``w = ceil(window * theta_u)`` ring positions of ``u`` in its
-        community, with probability proportional to theta.
-
-        The window ``[u - w, u + w]`` may wrap around the ring once (``w < size / 2``);
-        on the unwrapped ring the theta prefix sum of a position past the end is
-        ``cum[position - size] + W_c`` (before the start: ``cum[position + size] - W_c``).
-        """
-        s, size, wc = self.start[cu], self.sizes[cu], self.wcomm[cu]
-        w = np.minimum(np.ceil(self.window * self.theta[u]).astype(np.int64), (size - 1) // 2)
-        lo, hi = u - w, u + w + 1  # window [lo, hi) in hidden positions, unwrapped
-        under, over = lo < s, hi > s + size
-        f_lo = self.cum[lo + under * size] - under * wc
-        f_hi = self.cum[hi - over * size] + over * wc
-        t = f_lo + x * (f_hi - f_lo)
-        base = self.cum[s]
-        t += np.where(t < base, wc, 0.0) - np.where(t >= base + wc, wc, 0.0)  # wrap back
-        return self._invert(t)
+        return np.clip(self._invert(t), self.first[u], self.last[u])
 
 
 def _distinct_edges(rng, sampler, n: int, quotas: dict[str, int], *, undirected: bool,
