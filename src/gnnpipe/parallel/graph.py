@@ -170,6 +170,7 @@ class GraphEngine:
             halo = self.comm.all_to_all_rows(send, self.plan.send_rows, self.plan.recv_rows, self.group,
                                              op="halo_setup")
             self.x_src = torch.cat([self.x, halo])  # (n_own + n_halo, F): own rows, then halo rows
+            self.x = self.x_src[: self.n_own]  # a view: the features are held once
 
     # ------------------------------------------------------------------ the model, distributed
     def _conv(self, conv, h: Tensor, x0: Optional[Tensor], op: str) -> Tensor:
