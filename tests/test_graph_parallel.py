@@ -38,18 +38,23 @@ TOL = {"float64": dict(rtol=1e-10, atol=1e-10), "float32": dict(rtol=1e-5, atol=
 
 
 # --------------------------------------------------------------------------- the graph
-def community_graph(n: int = 210, k: int = 5, f: int = 12, seed: int = 0) -> Graph:
-    """``k`` communities, dense inside, sparse between: METIS parts have inner rows and halos."""
+def community_graph(n: int = 210, k: int = 5, f: int = 12, seed: int = 0, isolate_first: bool = False) -> Graph:
+    """``k`` communities, dense inside, sparse between: METIS parts have inner rows and halos.
+
+    Node ids are sorted by community; ``isolate_first`` drops every edge between
+    community 0 and the rest (a part that neither needs nor supplies a halo)."""
     rng = np.random.default_rng(seed)
     comm = np.sort(rng.integers(0, k, n))
     src, dst = rng.integers(0, n, 6 * n), rng.integers(0, n, 6 * n)
     keep = (comm[src] == comm[dst]) | (rng.random(src.shape[0]) < 0.08)
+    if isolate_first:
+        keep &= (comm[src] == 0) == (comm[dst] == 0)
     indptr, indices = csr_from_edges(src[keep], dst[keep], n)
     labels = np.where(rng.random(n) < 0.8, comm, rng.integers(0, k, n)).astype(np.int64)
     features = (rng.normal(size=(n, f)) + 0.8 * np.eye(k, f)[labels]).astype(np.float32)
     split = rng.random(n)
     return Graph(indptr, indices, features, labels, split < 0.6, (split >= 0.6) & (split < 0.8), split >= 0.8,
-                 num_classes=k, name="community")
+                 num_classes=k, name="community", params={"community_sizes": np.bincount(comm, minlength=k).tolist()})
 
 
 def mirrors_brute_force(graph: Graph, a: np.ndarray) -> list[int]:
@@ -256,6 +261,30 @@ def test_dropout_keeps_weights_replicated(stores):
         assert torch.equal(res[0][case]["weights"], res[1][case]["weights"])
         assert res[0][case]["losses"] == res[1][case]["losses"]
         assert all(np.isfinite(res[0][case]["losses"]))
+
+
+# --------------------------------------------------------------------------- a part with no halo
+@pytest.mark.slow
+def test_part_without_halo_takes_part_in_every_exchange(tmp_path):
+    """Part 0 is a connected component of its own: all its all-to-alls carry zero rows, its
+    boundary is empty (the halo is never used, so its gradient exchange runs on zeros),
+    while parts 1 and 2 exchange real rows; training is still exactly single-process."""
+    g = community_graph(isolate_first=True)
+    n, first = g.num_nodes, g.params["community_sizes"][0]  # community 0: ids [0, first)
+    a = np.where(np.arange(n) < first, 0, np.where(np.arange(n) < (first + n) // 2, 1, 2))
+    assert mirrors_brute_force(g, a)[0] == 0 and min(mirrors_brute_force(g, a)[1:]) > 0
+    path = tmp_path / "isolated-3.h5"
+    materialize(g, a, path, method="contiguous")
+    cases = [("gcn", "float64", True, True), ("gcn", "float64", False, True), ("gcnii", "float64", True, False),
+             ("gat", "float64", True, True)]
+    res = spawn_multi_process(_train_cases, 3, str(path), cases, timeout=90)
+    for case in cases:
+        ref_losses, ref_state, _ = reference(g, case[0], "float64")
+        np.testing.assert_allclose(res[0][case]["losses"], ref_losses, **TOL["float64"], err_msg=str(case))
+        for name, v in ref_state.items():
+            torch.testing.assert_close(res[0][case]["state"][name], v, **TOL["float64"], msg=f"{case}: {name}")
+        assert sum(res[r][case]["bytes"][0] for r in range(3)) == res[0][case]["predicted"]
+        assert res[0][case]["ledger"][0]["halo"]["sent"] == 0 < res[1][case]["ledger"][0]["halo"]["sent"]
 
 
 # --------------------------------------------------------------------------- refusals, pieces
