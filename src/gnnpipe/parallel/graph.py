@@ -15,7 +15,7 @@ One training step::
                                                      aggregated while the halo is in flight
     loss  = sum of CE over own train rows / global train count
     backward: halo gradients go back by the same all-to-all and are scatter-added into the
-              owners' rows (comm.HaloExchange derivation); overlapped with the inner rows
+              owners' rows (derivation in comm.py, "halo exchange"); overlapped with the inner rows
     bucketed sum all-reduce of the weight gradients (flat buffers), Adam
 
 Because degrees are whole-graph degrees and every part holds all in-edges of its rows,
