@@ -93,7 +93,6 @@ aggregation (the graph engine's ``overlap``); the first conv's halo is always ca
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -105,13 +104,13 @@ from torch import Tensor
 
 from ..config import RunConfig
 from ..costmodel import hybrid_bytes
-from ..engine import DTYPES, EpochStats, ce_sum, correct_counts, make_optimizer
+from ..engine import DTYPES, EpochStats, make_optimizer
 from ..io import GnnPipeError
 from ..models.block import Block
 from ..models.model import GNN
 from ..store import ChunkStore
 from .balance import StageAssignment, assign_stages
-from .pipeline import SPLITS, History, _Clock, _Epoch, chunk_order
+from .pipeline import SPLITS, History, PipelineEngine, _Clock, _Epoch, chunk_order
 
 log = logging.getLogger(__name__)
 
@@ -341,45 +340,9 @@ class HybridEngine:
         return clock.wait(work, "comm")
 
     # ------------------------------------------------------------------ helpers
-    def _owner(self, key: str) -> int:
-        head = key.split(".")[0]
-        if head == "encoder":
-            return 0
-        if head == "decoder":
-            return self.S - 1
-        if head == "convs":
-            return self.assignment.stage_of(int(key.split(".")[1]))
-        raise GnnPipeError(f"model weight {key!r} belongs to no stage (only encoder, convs and decoder are placed)")
-
     def _rows(self, c: int) -> tuple[int, int]:
         """Chunk ``c``'s rows in the way's local numbering."""
         return self.offsets[c] - self.A, self.offsets[c + 1] - self.A
-
-    def _train_mode(self, on: bool) -> None:
-        for _, m in self.owned:
-            m.train(on)
-
-    def _rng_state(self):
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        return torch.get_rng_state(), cuda
-
-    @contextlib.contextmanager
-    def _replay(self, state):
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(state[0])
-            if state[1] is not None:
-                torch.cuda.set_rng_state(state[1], self.device)
-            yield
-
-    def _stage_in_width(self) -> int:
-        return self.dims[self.layers[0]] + self.x0_dim
-
-    def _stage_out_width(self) -> int:
-        return self.out_dims[self.layers[-1]] + self.x0_dim
-
-    def _x0_rows(self, s: int, e: int) -> Tensor:
-        return (self.h0 if self.first else self.x0buf)[s:e]
 
     # ------------------------------------------------------------------ one (conv, chunk)
     def _layer(self, l: int, c: int, ep: _Epoch, grad: bool):
@@ -406,11 +369,6 @@ class HybridEngine:
                     x0 = x0.clone().requires_grad_()
             out = self.convs[l](h_src, self.blocks[c], x0)
         return h_src, x0, out
-
-    def _chunk_loss(self, out: Tensor, c: int) -> Tensor:
-        s, e = self._rows(c)
-        logits = out if self.decoder is None else self.decoder(out)
-        return ce_sum(logits, self.labels[s:e], self.masks["train"][s:e]) / self.n_train
 
     # ------------------------------------------------------------------ training
     def train_epoch(self, epoch: int) -> EpochStats:
@@ -465,14 +423,6 @@ class HybridEngine:
                 self.h0.copy_(ep.h0_graph.detach())
             self.g0.zero_()
         return ep
-
-    def _post_recvs(self, chunks: list[int], src: int, width: int, op: str, tag0: int) -> dict:
-        works = {}
-        for c in chunks:
-            s, e = self._rows(c)
-            buf = torch.empty(e - s, width, device=self.device, dtype=self.dtype)
-            works[c] = self.comm.irecv(buf, src, op=op, tag=tag0 + c)
-        return works
 
     def _forward_phase(self, ep: _Epoch, clock: _Clock) -> Tensor:
         recompute = self.pc.recompute
@@ -625,37 +575,20 @@ class HybridEngine:
             return None
         return h if self.decoder is None else self.decoder(h)
 
-    def evaluate(self) -> dict[str, float]:
-        logits = self._full_pass(fill=False)
-        vals = torch.zeros(2 * len(SPLITS) + 1, dtype=torch.float64, device=self.device)
-        if self.last:
-            counts = correct_counts(logits, self.labels, {s: self.masks[s] for s in SPLITS})
-            for i, s in enumerate(SPLITS):
-                vals[2 * i], vals[2 * i + 1] = counts[s]
-            vals[-1] = float(ce_sum(logits, self.labels, self.masks["train"]) / self.n_train)
-        self.comm.all_reduce_(vals, op="control")
-        v = vals.tolist()
-        out = {f"{s}_acc": (v[2 * i] / v[2 * i + 1] if v[2 * i + 1] else 0.0) for i, s in enumerate(SPLITS)}
-        out["loss"] = v[-1]
-        return out
-
-    # ------------------------------------------------------------------ weights and bytes
-    def named_parameters(self) -> dict[str, torch.nn.Parameter]:
-        return {f"{prefix}.{k}": p for prefix, m in self.owned for k, p in m.named_parameters()}
-
-    def local_state_dict(self) -> "OrderedDict[str, Tensor]":
-        out = OrderedDict()
-        for prefix, m in self.owned:
-            for k, v in m.state_dict().items():
-                out[f"{prefix}.{k}"] = v.detach()
-        return out
-
-    def _by_dtype(self, stage: int) -> list[tuple[torch.dtype, list[str]]]:
-        groups: dict[torch.dtype, list[str]] = {}
-        for k, _, dtype in self.full_keys:
-            if self._owner(k) == stage:
-                groups.setdefault(dtype, []).append(k)
-        return list(groups.items())
+    # the pieces that are the pipeline's own, unchanged (they read only attributes both engines define)
+    _owner = PipelineEngine._owner
+    _train_mode = PipelineEngine._train_mode
+    _rng_state = PipelineEngine._rng_state
+    _replay = PipelineEngine._replay
+    _stage_in_width = PipelineEngine._stage_in_width
+    _stage_out_width = PipelineEngine._stage_out_width
+    _x0_rows = PipelineEngine._x0_rows
+    _chunk_loss = PipelineEngine._chunk_loss
+    _post_recvs = PipelineEngine._post_recvs
+    evaluate = PipelineEngine.evaluate
+    named_parameters = PipelineEngine.named_parameters
+    local_state_dict = PipelineEngine.local_state_dict
+    _by_dtype = PipelineEngine._by_dtype
 
     def full_state_dict(self) -> Optional[dict[str, Tensor]]:
         """The whole model under the single-process names on rank 0 (None elsewhere).
