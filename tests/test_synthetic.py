@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from gnnpipe.config import ConfigError, SyntheticConfig
-from gnnpipe.data.synthetic import (GENERATOR_VERSION, SHAPES, _EdgeSampler, _power_law_weights,
-                                    generate, resolve_shape)
+from gnnpipe.data.synthetic import (GENERATOR_VERSION, SHAPES, _check_capacity, _distinct_edges,
+                                    _EdgeSampler, _power_law_weights, generate, resolve_shape)
 from gnnpipe.io import GnnPipeError
 from gnnpipe.partition import partition_graph, partition_stats
 
@@ -83,9 +83,25 @@ def test_bad_self_loop_mode_and_an_impossibly_dense_graph_raise():
     with pytest.raises(GnnPipeError, match="self_loops"):
         generate(small(), self_loops="sometimes")
     # 3 communities of ~20 nodes hold ~570 pairs; 60 * 25 / 2 = 750 intra edges cannot fit
-    with pytest.raises(GnnPipeError, match="too dense"):
+    with pytest.raises(ConfigError, match=r"750 distinct edges inside communities .* lower intra"):
         generate(SyntheticConfig(num_nodes=60, avg_degree=25.0, num_communities=3, num_classes=3,
                                  intra_fraction=1.0, num_features=2))
+    # communities of 3 and 7 nodes have 21 pairs between them (42 ordered ones)
+    sizes = np.array([3, 7])
+    _check_capacity({"local": 0, "intra": 0, "inter": 21}, sizes, 10, True, "x")
+    _check_capacity({"local": 0, "intra": 0, "inter": 42}, sizes, 10, False, "x")
+    with pytest.raises(ConfigError, match=r"^x: 22 distinct edges between .* raise intra_fraction"):
+        _check_capacity({"local": 0, "intra": 0, "inter": 22}, sizes, 10, True, "x")
+    with pytest.raises(ConfigError, match=r"^x: 25 distinct edges inside .* lower intra_fraction"):
+        _check_capacity({"local": 20, "intra": 5, "inter": 0}, sizes, 10, True, "x")  # 3 + 21 pairs
+
+
+def test_a_sampler_that_stops_finding_new_edges_is_an_error_not_a_hang():
+    def three_nodes(rng, kind, m):  # only 3 distinct undirected edges exist
+        return rng.integers(0, 3, m), rng.integers(0, 3, m)
+
+    with pytest.raises(GnnPipeError, match="could place only 3 of 10 distinct local edges"):
+        _distinct_edges(np.random.default_rng(0), three_nodes, 3, {"local": 10}, undirected=True)
 
 
 # --------------------------------------------------------------------------- determinism

@@ -21,8 +21,9 @@ The model, for ``N`` nodes in ``K`` communities (``C <= K`` classes):
   Local edges are what real graphs have and a plain SBM lacks: they let METIS cut a
   community along its ring instead of through all its edges. Each kind's share is
   exact: self loops and repeats are rejected and re-drawn until every kind has its
-  quota of distinct edges (a kind that cannot, e.g. ``avg_degree`` near the size of
-  the communities, is an error: reddit-like needs ``num_nodes >= ~4*10^4``).
+  quota of distinct edges. Quotas the communities cannot hold as distinct pairs are
+  refused up front (reddit-like's 41 communities are ~90 % full at 2*10^4 nodes and
+  too small below ~1.8*10^4), as is a kind whose draws stop finding new edges.
 * **Labels and features.** Community ``k`` has class ``k mod C``; a share
   ``label_noise`` of the nodes is relabelled to a uniformly chosen *other* class.
   Features are ``mu[class of the community] + N(0, I_F)``, where the class means
@@ -64,8 +65,9 @@ GENERATOR_VERSION = 1
 #: degree (avg_degree * theta).
 LOCAL_WINDOW = 2.0
 
-#: Most candidate edges drawn at once (bounds the sampler's temporaries to ~1 GiB).
-MAX_DRAW = 1 << 23
+#: Fewest and most candidate edges drawn in one round (the most bounds the sampler's
+#: temporaries to ~1 GiB).
+MIN_DRAW, MAX_DRAW = 1 << 16, 1 << 23
 
 #: Dirichlet concentration of the community sizes (larger: more equal sizes).
 COMMUNITY_SIZE_CONCENTRATION = 8.0
@@ -192,7 +194,8 @@ def generate(cfg: SyntheticConfig, *, symmetrize: bool = True, self_loops: str =
     ``"remove"`` and ``"keep"`` are the same; ``"add"`` adds one per node.
     ``Graph.params`` holds ``resolve_shape(cfg)`` plus a few realised statistics.
     """
-    p = resolve_shape(cfg, path=f"config.datasets.{name}.synthetic")
+    path = f"config.datasets.{name}.synthetic"
+    p = resolve_shape(cfg, path=path)
     if self_loops not in ("remove", "add", "keep"):
         raise GnnPipeError(f"self_loops must be 'remove', 'add' or 'keep', got {self_loops!r}")
     log = _Progress(progress, name)
@@ -214,7 +217,8 @@ def generate(cfg: SyntheticConfig, *, symmetrize: bool = True, self_loops: str =
     n_local = int(round(num_pairs * p["intra_fraction"] * p["locality"]))
     n_intra = int(round(num_pairs * p["intra_fraction"])) - n_local
     quotas = {"local": n_local, "intra": n_intra, "inter": num_pairs - n_local - n_intra}
-    a, b = _distinct_edges(rng_struct, sampler, n, quotas, undirected=symmetrize, log=log)
+    _check_capacity(quotas, sizes, n, symmetrize, path)
+    a, b = _distinct_edges(rng_struct, sampler, n, quotas, undirected=symmetrize, path=path, log=log)
     log(f"sampled {num_pairs:,} distinct {'undirected' if symmetrize else 'directed'} edges")
     intra_share = float(np.mean(community[a] == community[b])) if num_pairs else 0.0
 
@@ -254,6 +258,20 @@ def generate(cfg: SyntheticConfig, *, symmetrize: bool = True, self_loops: str =
 
 
 # --------------------------------------------------------------------------- pieces
+def _check_capacity(quotas: dict[str, int], sizes: np.ndarray, n: int, undirected: bool, path: str):
+    """Refuse edge quotas that the communities cannot hold as distinct pairs."""
+    per_pair = 1 if undirected else 2  # ordered pairs in a directed graph
+    inside = int(per_pair * np.sum(sizes * (sizes - 1) // 2))
+    outside = per_pair * (n * (n - 1) // 2) - inside
+    need_in, need_out = quotas["local"] + quotas["intra"], quotas["inter"]
+    if need_in > inside or need_out > outside:
+        where, need, room, move = (("inside", need_in, inside, "lower") if need_in > inside
+                                   else ("between", need_out, outside, "raise"))
+        raise ConfigError(f"{path}: {need:,} distinct edges {where} communities are asked for but "
+                          f"only {room:,} node pairs exist there ({n:,} nodes, {sizes.shape[0]} "
+                          f"communities); lower avg_degree, {move} intra_fraction or raise num_nodes")
+
+
 def _community_sizes(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     """``k`` sizes >= 2 summing to ``n``, proportions ~ Dirichlet(concentration)."""
     share = rng.dirichlet(np.full(k, COMMUNITY_SIZE_CONCENTRATION))
@@ -338,12 +356,13 @@ class _EdgeSampler:
 
 
 def _distinct_edges(rng, sampler, n: int, quotas: dict[str, int], *, undirected: bool,
-                    log=None) -> tuple[np.ndarray, np.ndarray]:
+                    path: str = "synthetic", log=None) -> tuple[np.ndarray, np.ndarray]:
     """Draw from ``sampler`` until each kind has its quota of distinct non-loop edges.
 
     Keys ``a * n + b`` (``a < b`` when ``undirected``) are kept sorted. Each round draws
-    the deficit (inflated by the last round's acceptance rate, at most ``MAX_DRAW`` at
-    once to bound the temporaries), drops loops, repeats and edges already held (of any
+    the deficit (inflated by the last round's acceptance rate; at least ``MIN_DRAW``, so
+    that the last few free pairs of a nearly full community are found, and at most
+    ``MAX_DRAW``, to bound the temporaries), drops loops, repeats and edges already held (of any
     kind), and keeps a uniform subset of the new ones. Kinds are drawn one after the
     other, the most repetitive first, so that the realised shares are exactly the quotas.
     A kind whose rounds stop finding new edges is too dense for its communities: error.
@@ -354,10 +373,10 @@ def _distinct_edges(rng, sampler, n: int, quotas: dict[str, int], *, undirected:
         while (deficit := goal - keys.shape[0]) > 0:
             if stalled >= 8:
                 raise GnnPipeError(
-                    f"synthetic: could place only {count - deficit:,} of {count:,} distinct {kind} "
+                    f"{path}: could place only {count - deficit:,} of {count:,} distinct {kind} "
                     "edges; the graph is too dense for its communities: lower avg_degree, "
                     "intra_fraction or locality, or raise num_nodes")
-            draw = min(int(deficit / max(accept, 0.02) * 1.02) + 64, MAX_DRAW)
+            draw = min(max(int(deficit / max(accept, 0.02) * 1.02), MIN_DRAW), MAX_DRAW)
             u, v = sampler(rng, kind, draw)
             keep = u != v
             u, v = u[keep], v[keep]
