@@ -106,13 +106,14 @@ def test_report_table_ratios_and_plots(tmp_path, runs):
     assert "÷ pipeline |" not in shallow and "No graph ÷ pipeline ratio" in shallow
 
     pngs = sorted(p.name for p in plots.iterdir())
-    assert pngs == ["comm_bytes.png", "curves_synth_gcn-L2-H64.png", "curves_synth_gcnii-L32-H64.png",
-                    "epoch_time.png"]  # and no temporary files left behind
-    for name in pngs:
+    per_group = ["bytes_vs_p", "curves", "modes", "time_vs_p"]
+    assert pngs == sorted(["comm_bytes.png", "epoch_time.png"] +
+                          [f"{k}_synth_{m}.png" for k in per_group for m in ("gcn-L2-H64", "gcnii-L32-H64")])
+    for name in pngs:  # and no temporary files left behind
         data = (plots / name).read_bytes()
         assert data.startswith(PNG) and len(data) > 5_000
     links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
-    assert len(links) == 4 and all((out.parent / link).is_file() for link in links)
+    assert sorted(Path(l).name for l in links) == pngs and all((out.parent / l).is_file() for l in links)
 
 
 def test_curves_have_a_line_per_run_and_skip_unevaluated_epochs(tmp_path, runs):
@@ -158,3 +159,140 @@ def test_comparisons_pair_graph_with_model_parallel_runs_of_equal_workers():
         ("p4", "pipeline", 4, 4, 1), ("h4", "hybrid", 4, 2, 2), ("s", "single", 1, 1, 1)]]
     pairs = [(c.graph.run_id, c.other.run_id) for c in comparisons(runs)]
     assert pairs == [("g2", "p2"), ("g4", "p4"), ("g4", "h4")]
+
+
+# --------------------------------------------------------------------------- seeds, ratios, cost model
+def _seeded(root, mode, seed, workers=1, stages=1, ways=1, chunks=1, **kw):
+    layout_id = {"single": "p1", "graph": f"p{workers}", "pipeline": f"s{stages}c{chunks}",
+                 "hybrid": f"s{stages}g{ways}c{chunks}"}[mode]
+    return write_run(root, record(f"synth-deep-{mode}-{layout_id}-seed{seed}", mode, workers=workers,
+                                  stages=stages, ways=ways, chunks=chunks, **kw))
+
+
+def test_seeds_are_pooled_into_mean_and_std_and_ratios_of_the_means(tmp_path):
+    from gnnpipe.report import Run, aggregate, comparisons
+
+    root = tmp_path / "runs"
+    dirs = []
+    for seed, (ga, pa, ha) in enumerate([(0.70, 0.80, 0.60), (0.80, 0.82, 0.62), (0.90, 0.84, 0.64)]):
+        dirs += [_seeded(root, "graph", seed, workers=4, ways=4, epoch_time=0.2 + 0.1 * seed,
+                         sent=8_000_000, test_acc=ga),
+                 _seeded(root, "pipeline", seed, workers=4, stages=4, chunks=16, epoch_time=0.1,
+                         sent=1_000_000 * (seed + 1), test_acc=pa),
+                 _seeded(root, "hybrid", seed, workers=4, stages=2, ways=2, chunks=8, epoch_time=0.15,
+                         sent=4_000_000, test_acc=ha)]
+    dirs.append(_seeded(root, "single", 0, test_acc=0.75))
+    out = tmp_path / "report.md"
+    build_report(dirs, out, tmp_path / "plots", predict=False)
+    text = out.read_text()
+    pooled = text[text.index("Over seeds"):]
+    rows = {c[0] + c[2]: c for c in (
+        [x.strip() for x in l.strip("|").split("|")] for l in pooled.splitlines()
+        if l.startswith("| graph") or l.startswith("| pipeline") or l.startswith("| hybrid")
+        or l.startswith("| single"))}
+    # graph test acc 0.7, 0.8, 0.9: mean 0.8, sample std 0.1; the single run: one seed, no std
+    assert rows["graph1×4"][4] == "3 (0, 1, 2)" and rows["graph1×4"][7] == "0.8000 ± 0.1000"
+    assert rows["pipeline4×1"][7] == "0.8200 ± 0.0200" and rows["hybrid2×2"][7] == "0.6200 ± 0.0200"
+    assert rows["single1×1"][4] == "1 (0)" and rows["single1×1"][7] == "0.7500"
+    assert rows["graph1×4"][8] == "300 ms ± 100 ms"  # epoch time 0.2, 0.3, 0.4
+    ratio_rows = [[c.strip() for c in l.strip("|").split("|")] for l in pooled.splitlines()
+                  if l.startswith("| 4 | graph ÷")]
+    by = {r[1]: r for r in ratio_rows}
+    # epoch: mean 0.3 ÷ 0.1 and ÷ 0.15; bytes: 8 MB ÷ mean(1, 2, 3) MB and ÷ 4 MB; no predictions
+    assert by["graph ÷ pipeline"][2:5] == ["1×4 ÷ 4×1", "3 / 3", "3×"]
+    assert by["graph ÷ pipeline"][6] == "4×" and by["graph ÷ hybrid"][4] == "2×"
+    assert by["graph ÷ hybrid"][6] == "2×" and by["graph ÷ hybrid"][5] == by["graph ÷ hybrid"][7] == "—"
+    assert by["graph ÷ pipeline"][8] == "0.8000 ± 0.1000 / 0.8200 ± 0.0200"
+    # per-run ratios pair runs of the same seed only: 3 per model-parallel mode, not 9
+    runs = [Run(json.loads((d / "metrics.json").read_text()), None, d) for d in dirs]
+    assert len(comparisons(runs)) == 6
+    assert all(c.graph.seed == c.other.seed for c in comparisons(runs))
+    assert [len(a.runs) for a in aggregate(runs, {})] == [1, 3, 3, 3]
+    # the unavailable predictions are listed with their reason
+    assert text.count("prediction unavailable: predictions switched off") == len(dirs)
+
+
+def test_mean_std_and_error_formatting():
+    from gnnpipe.report import fmt_err, mean_std, rel_error
+
+    assert mean_std([1.0, None, 3.0]) == (2.0, pytest.approx(math.sqrt(2)), 2)
+    assert mean_std([5]) == (5.0, None, 1) and mean_std([None]) == (None, None, 0)
+    assert rel_error(110, 100) == pytest.approx(0.1) and rel_error(0, 0) is None
+    assert math.isinf(rel_error(5, 0)) and rel_error(None, 3) is None
+    assert [fmt_err(x) for x in (None, 0.1, -0.25, math.inf)] == ["—", "+10.0 %", "-25.0 %", "∞"]
+
+
+@pytest.fixture(scope="module")
+def graph_file(tmp_path_factory):
+    import numpy as np
+
+    from gnnpipe.graph import Graph, csr_from_edges, write_graph
+
+    n, rng = 240, np.random.default_rng(0)
+    src = np.repeat(np.arange(n), 3)
+    dst = (src + np.tile(np.arange(1, 4), n)) % n
+    indptr, indices = csr_from_edges(src, dst, n)
+    train = rng.random(n) < 0.6
+    path = tmp_path_factory.mktemp("data") / "graph.h5"
+    write_graph(path, Graph(indptr, indices, rng.standard_normal((n, 8)).astype(np.float32),
+                            rng.integers(0, 3, n), train, ~train, ~train, num_classes=3, name="ring"))
+    return path
+
+
+def _with_run_yaml(d: Path, rec: dict, graph_path: Path) -> None:
+    from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, PipelineConfig,
+                                RunConfig, TrainingConfig, dump_run_config)
+
+    cfg = RunConfig(run_id=rec["run_id"], mode=rec["mode"], dataset_name="ring", graph_path=str(graph_path),
+                    store_path=None, out_dir=str(d), model=ModelConfig(kind="gcn", layers=4, hidden=8),
+                    training=TrainingConfig(seed=0), partitioning=PartitionConfig(),
+                    pipeline=PipelineConfig(), graph_parallel=GraphParallelConfig(),
+                    workers=rec["world_size"], stages=rec["stages"], ways=rec["ways"], chunks=rec["chunks"])
+    (d / "run.yaml").write_text(dump_run_config(cfg))
+
+
+def test_cost_model_prediction_beside_each_run_and_unavailable_ones(tmp_path, graph_file):
+    from gnnpipe import costmodel as cm
+    from gnnpipe.config import ModelConfig, PipelineConfig
+    from gnnpipe.plan import build_model, cached_graph_stats, model_shape, predict_layout
+
+    hw = cm.load_hardware("cpu-2core")
+    gnn = build_model(ModelConfig(kind="gcn", layers=4, hidden=8), 8, 3)
+    stats = cached_graph_stats(graph_file, [2, 8])
+    est = {mode: predict_layout(stats, gnn, model_shape(gnn), hw, mode, s, g, c, pipeline_cfg=PipelineConfig())
+           for mode, s, g, c in [("graph", 1, 2, 2), ("pipeline", 2, 1, 8)]}
+    assert est["graph"].bytes["total"] > 0 and est["pipeline"].bytes["total"] > 0
+
+    root = tmp_path / "runs"
+    common = dict(model="gcn", layers=4, hidden=8)
+    g = record("g2", "graph", workers=2, ways=2, chunks=1, sent=int(est["graph"].bytes["total"]),
+               epoch_time=2 * est["graph"].epoch_s, **common)  # the record's graph chunks are 1
+    p = record("p2", "pipeline", workers=2, stages=2, chunks=8, sent=int(est["pipeline"].bytes["total"]) // 2,
+               epoch_time=est["pipeline"].epoch_s, **common)
+    dirs = [write_run(root, g), write_run(root, p)]
+    for d, rec in zip(dirs, (g, p)):
+        _with_run_yaml(d, rec, graph_file)
+    no_yaml = write_run(root, record("lost", "graph", workers=2, ways=2, **common))
+    no_graph = write_run(root, r := record("nograph", "pipeline", workers=2, stages=2, chunks=8, **common))
+    _with_run_yaml(no_graph, r, tmp_path / "missing" / "graph.h5")
+
+    out = tmp_path / "report.md"
+    build_report(dirs + [no_yaml, no_graph], out, tmp_path / "plots", hardware=hw)
+    text = out.read_text()
+    table = section(text, "## Measured vs cost model")
+    assert "`cpu-2core`, 2 of 4 runs predicted" in table
+    rg, rp = row_of(table, "g2"), row_of(table, "p2")
+    assert rg[5:7] == [fmt_bytes(est["graph"].bytes["total"]), "+0.0 %"]
+    assert rg[7:10] == [fmt_s(2 * est["graph"].epoch_s), fmt_s(est["graph"].epoch_s), "-50.0 %"]
+    assert rp[5] == fmt_bytes(est["pipeline"].bytes["total"]) and rp[6].startswith("+100.")
+    assert rp[9] == "+0.0 %" and rg[10] == rp[10] == ""
+    lost, nograph = row_of(table, "lost"), row_of(table, "nograph")
+    assert lost[5] == lost[6] == lost[8] == "—"
+    assert lost[10].startswith("prediction unavailable:") and "no run.yaml" in lost[10]
+    assert "prediction unavailable:" in nograph[10] and "no graph file" in nograph[10]
+    # the pooled ratio uses the available predictions (lost and nograph share g2's and p2's
+    # layouts, so they are pooled with them): graph ÷ pipeline predicted bytes
+    ratio_row = next(l for l in section(text, "### synth · gcn (4 layers, hidden 8)").splitlines()
+                     if l.startswith("| 2 | graph ÷ pipeline | 1×2 ÷ 2×1 | 2 / 2"))
+    cells = [c.strip() for c in ratio_row.strip("|").split("|")]
+    assert cells[7] == fmt_ratio(est["graph"].bytes["total"] / est["pipeline"].bytes["total"])

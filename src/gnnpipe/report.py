@@ -11,8 +11,17 @@ the record's). Output:
 * per dataset × model (kind, layers, hidden), the runs of every mode together, and the
   ratios **graph ÷ pipeline** (and graph ÷ hybrid) for each worker count where both
   exist: above 1 means the model-parallel run is faster / moves fewer bytes;
+* runs that differ only in their seed, pooled: accuracy mean ± std over seeds per
+  dataset × model × mode × layout, and graph ÷ pipeline / graph ÷ hybrid of the seed
+  means (epoch time, bytes) at equal worker counts;
+* every run next to the cost model's prediction (``gnnpipe.plan.predict_layout`` on the
+  run's graph statistics, cached next to ``graph.h5``, and a hardware profile, default
+  ``cpu-2core``): predicted bytes and epoch time and their relative error; a run whose
+  prediction fails (no run.yaml, no graph file, ...) is listed with the reason;
 * plots (matplotlib, Agg canvas, no pyplot state): loss and accuracy curves per
-  dataset × model with a line per run, bytes per epoch, epoch-time split.
+  dataset × model with a line per run, bytes per epoch, epoch-time split, and per
+  dataset × model bytes vs P and epoch time vs P per mode (measured and predicted) and
+  loss / test accuracy per mode and layout (mean over seeds, ± std band).
 
 Every file is written atomically.
 """
@@ -23,8 +32,10 @@ import json
 import math
 import os
 import re
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
@@ -67,6 +78,30 @@ class Run:
 
     def breakdown(self, part: str) -> Optional[float]:
         return (self.record.get("epoch_time_breakdown_s") or {}).get(part)
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "run.yaml"
+
+    @cached_property
+    def seed(self) -> Optional[int]:
+        """The training seed: run.yaml's, else the ``-seed<k>`` suffix of a generated run id."""
+        try:
+            from .config import load_yaml
+
+            seed = (load_yaml(self.config_path).get("training") or {}).get("seed")
+            if isinstance(seed, int):
+                return seed
+        except Exception:  # noqa: BLE001 - a missing or odd run.yaml only loses the seed
+            pass
+        m = re.search(r"-seed(\d+)$", self.run_id)
+        return int(m.group(1)) if m else None
+
+    @property
+    def layout_key(self) -> tuple:
+        """What runs pooled over seeds share: group, mode and layout."""
+        r = self.record
+        return (*self.group, r["mode"], r["world_size"], r["stages"], r["ways"], r["chunks"])
 
 
 # --------------------------------------------------------------------------- loading
@@ -197,11 +232,13 @@ class Comparison:
 
 
 def comparisons(runs: list[Run]) -> list[Comparison]:
-    """Every (graph, pipeline|hybrid) pair of one group with the same number of workers."""
+    """Every (graph, pipeline|hybrid) pair of one group with the same number of workers
+    and the same seed (seeds are compared as means in :func:`aggregate_comparisons`)."""
     out = []
     for g in (r for r in runs if r["mode"] == "graph"):
         for o in runs:
-            if o["mode"] in ("pipeline", "hybrid") and o["world_size"] == g["world_size"]:
+            if o["mode"] in ("pipeline", "hybrid") and o["world_size"] == g["world_size"] \
+                    and o.seed == g.seed:
                 out.append(Comparison(g, o))
     return sorted(out, key=lambda c: (MODE_ORDER[c.other["mode"]], c.graph["world_size"], c.other.run_id))
 
@@ -346,9 +383,330 @@ def plot_times(runs: list[Run], path: Path):
     return fig
 
 
+# --------------------------------------------------------------------------- the cost model
+DEFAULT_HARDWARE = "cpu-2core"
+
+
+@dataclass
+class Prediction:
+    """The cost model's bytes per epoch and epoch time of one run, or why there is none."""
+
+    bytes: Optional[float] = None
+    epoch_s: Optional[float] = None
+    reason: Optional[str] = None  # set when the prediction is unavailable
+
+    @property
+    def available(self) -> bool:
+        return self.reason is None
+
+
+def rel_error(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
+    """(predicted - measured) ÷ measured; None when undefined (a value missing, 0 vs 0)."""
+    if predicted is None or measured is None or (predicted == 0 and measured == 0):
+        return None
+    return math.inf if measured == 0 else (predicted - measured) / measured
+
+
+def fmt_err(x: Optional[float]) -> str:
+    if x is None:
+        return DASH
+    return "∞" if math.isinf(x) else f"{100 * x:+.1f} %"
+
+
+class Predictor:
+    """Predicts runs with :func:`gnnpipe.plan.predict_layout` on one hardware profile.
+
+    Per run: its ``run.yaml`` (graph path, model, partitioning, pipeline and graph-parallel
+    settings), the graph's partition statistics from :func:`gnnpipe.plan.cached_graph_stats`
+    (computed once and cached next to the graph file), the built model's shape. Any
+    failure becomes an unavailable :class:`Prediction` with the reason.
+    """
+
+    def __init__(self, hardware=DEFAULT_HARDWARE):
+        from . import costmodel as cm
+
+        self.hardware, self.error = None, None
+        if isinstance(hardware, cm.Hardware):
+            self.hardware = hardware
+        else:
+            try:
+                self.hardware = cm.load_hardware(hardware)
+            except (GnnPipeError, OSError) as e:
+                self.error = f"hardware profile: {e}"
+        self.name = self.hardware.name if self.hardware is not None else str(hardware)
+        self._models: dict = {}
+
+    def __call__(self, run: Run) -> Prediction:
+        if self.error is not None:
+            return Prediction(reason=self.error)
+        try:
+            return self._predict(run)
+        except GnnPipeError as e:
+            return Prediction(reason=str(e))
+        except (OSError, KeyError, ValueError, TypeError) as e:  # unreadable files, odd records
+            return Prediction(reason=f"{type(e).__name__}: {e}")
+
+    def _predict(self, run: Run) -> Prediction:
+        from .config import ConfigError, load_run_config, to_dict
+        from .plan import build_model, cached_graph_stats, model_shape, predict_layout
+
+        if not run.config_path.exists():
+            return Prediction(reason=f"{run.config_path}: no run.yaml (run the 'run_config' rule)")
+        try:
+            cfg = load_run_config(run.config_path)
+        except ConfigError as e:
+            return Prediction(reason=f"run.yaml: {e}")
+        if not Path(cfg.graph_path).exists():
+            return Prediction(reason=f"{cfg.graph_path}: no graph file")
+        r = run.record
+        mode, S, G, C = r["mode"], int(r["stages"]), int(r["ways"]), int(r["chunks"])
+        if mode == "graph":
+            S, G, C = 1, int(r["world_size"]), int(r["world_size"])
+        parts = sorted({k for k in (G, C) if k > 1})
+        pt = cfg.partitioning
+        stats = cached_graph_stats(cfg.graph_path, parts, method=pt.method, seed=pt.seed,
+                                   balance_edges=pt.balance_edges)
+        key = (repr(to_dict(cfg.model)), int(stats["num_features"]), int(stats["num_classes"]))
+        if key not in self._models:
+            gnn = build_model(cfg.model, key[1], key[2])
+            self._models[key] = (gnn, model_shape(gnn))
+        gnn, shape = self._models[key]
+        est = predict_layout(stats, gnn, shape, self.hardware, mode, S, G, C,
+                             dtype_bytes=int(r.get("dtype_bytes", 4)), overlap=cfg.graph_parallel.overlap,
+                             balance=cfg.pipeline.balance,
+                             first_input="local" if cfg.graph_parallel.cache_input_halo else "exchanged",
+                             pipeline_cfg=cfg.pipeline)
+        return Prediction(bytes=float(est.bytes["total"]), epoch_s=float(est.epoch_s))
+
+
+PREDICTION_HEADER = ["run", "mode", "workers", "S×G", "bytes/epoch", "cost model", "error",
+                     "epoch", "cost model", "error", "note"]
+
+
+def prediction_row(run: Run, pred: Prediction) -> list[str]:
+    r = run.record
+    note = "" if pred.available else f"prediction unavailable: {pred.reason}"
+    return [f"`{run.run_id}`", r["mode"], str(r["world_size"]), layout(run),
+            fmt_bytes(r["comm_bytes_per_epoch"]), fmt_bytes(pred.bytes),
+            fmt_err(rel_error(pred.bytes, r["comm_bytes_per_epoch"])),
+            fmt_s(r["epoch_time_s"]), fmt_s(pred.epoch_s), fmt_err(rel_error(pred.epoch_s, r["epoch_time_s"])),
+            note]
+
+
+# --------------------------------------------------------------------------- seeds pooled
+def mean_std(values) -> tuple[Optional[float], Optional[float], int]:
+    """Mean, sample standard deviation (None below 2 values) and count of the non-None values."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return None, None, 0
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else None), len(vals)
+
+
+def fmt_mean_std(values, fmt=fmt_acc) -> str:
+    m, sd, n = mean_std(values)
+    if m is None:
+        return DASH
+    return f"{fmt(m)} ± {fmt(sd)}" if sd is not None else fmt(m)
+
+
+@dataclass
+class Aggregate:
+    """The runs of one dataset × model × mode × layout, over their seeds."""
+
+    runs: list[Run]
+    predictions: list[Prediction]
+
+    @property
+    def first(self) -> Run:
+        return self.runs[0]
+
+    def __getitem__(self, key):
+        return self.first[key]
+
+    @property
+    def group(self) -> tuple:
+        return self.first.group
+
+    @property
+    def seeds(self) -> list:
+        return [r.seed for r in self.runs]
+
+    def acc(self, split: str) -> tuple:
+        return mean_std(r.acc(split) for r in self.runs)
+
+    def mean(self, key: str) -> Optional[float]:
+        return mean_std(r[key] for r in self.runs)[0]
+
+    def predicted(self, what: str) -> Optional[float]:
+        """Mean of the available predictions (one layout: equal for every seed); None if none."""
+        vals = [getattr(p, what) for p in self.predictions if getattr(p, what) is not None]
+        return statistics.fmean(vals) if vals else None
+
+    def history(self, key: str) -> list[tuple[int, float, Optional[float]]]:
+        """(epoch, mean, std) of ``key`` over the seeds, at the epochs every run logged it."""
+        per = [{h["epoch"]: h[key] for h in r["history"] if h.get(key) is not None} for r in self.runs]
+        epochs = sorted(set.intersection(*(set(p) for p in per))) if per else []
+        out = []
+        for e in epochs:
+            m, sd, _ = mean_std(p[e] for p in per)
+            out.append((e, m, sd))
+        return out
+
+    def label(self) -> str:
+        r = self.first.record
+        lay = {"single": "", "graph": f" P={r['world_size']}",
+               "pipeline": f" S={r['stages']} C={r['chunks']}",
+               "hybrid": f" {r['stages']}×{r['ways']} C={r['chunks']}"}[r["mode"]]
+        return f"{r['mode']}{lay}"
+
+
+def aggregate(runs: list[Run], predictions: dict[str, Prediction]) -> list[Aggregate]:
+    """Runs pooled by :attr:`Run.layout_key`, in report order (mode, workers, layout)."""
+    pools: dict[tuple, list[Run]] = defaultdict(list)
+    for run in runs:
+        pools[run.layout_key].append(run)
+    out = [Aggregate(sorted(rs, key=lambda r: (r.seed is None, r.seed or 0, r.run_id)),
+                     [predictions.get(r.run_id, Prediction(reason="not predicted")) for r in rs])
+           for rs in pools.values()]
+    return sorted(out, key=lambda a: (a.group, MODE_ORDER[a["mode"]], a["world_size"], a["stages"],
+                                      a["chunks"]))
+
+
+SEEDS_HEADER = ["mode", "workers", "S×G", "chunks", "seeds", "train acc", "val acc", "test acc",
+                "epoch", "bytes/epoch", "cost model bytes", "cost model epoch"]
+
+
+def seeds_row(agg: Aggregate) -> list[str]:
+    seeds = ", ".join(DASH if s is None else str(s) for s in agg.seeds)
+    return [agg["mode"], str(agg["world_size"]), layout(agg.first),
+            str(agg["chunks"]) if agg["mode"] in ("pipeline", "hybrid") else DASH,
+            f"{len(agg.runs)} ({seeds})",
+            *(fmt_mean_std([r.acc(s) for r in agg.runs]) for s in SPLITS),
+            fmt_mean_std([r["epoch_time_s"] for r in agg.runs], fmt_s),
+            fmt_bytes(agg.mean("comm_bytes_per_epoch")),
+            fmt_bytes(agg.predicted("bytes")), fmt_s(agg.predicted("epoch_s"))]
+
+
+def aggregate_comparisons(aggs: list[Aggregate]) -> list[tuple[Aggregate, Aggregate]]:
+    """(graph, pipeline|hybrid) pairs of pooled layouts of one group with equal workers."""
+    out = []
+    for g in (a for a in aggs if a["mode"] == "graph"):
+        for o in aggs:
+            if o["mode"] in ("pipeline", "hybrid") and o["world_size"] == g["world_size"] \
+                    and o.group == g.group:
+                out.append((g, o))
+    return sorted(out, key=lambda p: (MODE_ORDER[p[1]["mode"]], p[0]["world_size"], p[1]["stages"]))
+
+
+POOLED_RATIO_HEADER = ["workers", "ratio", "layouts", "seeds", "epoch time", "cost model epoch",
+                       "bytes/epoch", "cost model bytes", "test acc (graph / other)"]
+
+
+def pooled_ratio_row(g: Aggregate, o: Aggregate) -> list[str]:
+    return [str(g["world_size"]), f"graph ÷ {o['mode']}", f"{layout(g.first)} ÷ {layout(o.first)}",
+            f"{len(g.runs)} / {len(o.runs)}",
+            fmt_ratio(ratio(g.mean("epoch_time_s"), o.mean("epoch_time_s"))),
+            fmt_ratio(ratio(g.predicted("epoch_s"), o.predicted("epoch_s"))),
+            fmt_ratio(ratio(g.mean("comm_bytes_per_epoch"), o.mean("comm_bytes_per_epoch"))),
+            fmt_ratio(ratio(g.predicted("bytes"), o.predicted("bytes"))),
+            f"{fmt_mean_std([r.acc('test') for r in g.runs])} / {fmt_mean_std([r.acc('test') for r in o.runs])}"]
+
+
+def pooled_section(group: tuple, aggs: list[Aggregate]) -> str:
+    parts = [f"Over seeds (mean ± sample std; the cost model predicts each layout once):", "",
+             md_table(SEEDS_HEADER, [seeds_row(a) for a in aggs]), ""]
+    pairs = aggregate_comparisons(aggs)
+    if pairs:
+        parts += ["Seed means, graph ÷ model-parallel at equal workers, measured and predicted "
+                  "(> 1: the model-parallel layout is faster / moves fewer bytes):", "",
+                  md_table(POOLED_RATIO_HEADER, [pooled_ratio_row(g, o) for g, o in pairs]), ""]
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------- per-mode plots
+def _mode_series(aggs: list[Aggregate], what: str, predicted: bool):
+    """mode -> sorted [(P, mean, std)] of measured ``what`` (or the prediction) per layout."""
+    series: dict[str, list] = defaultdict(list)
+    for a in aggs:
+        if predicted:
+            v = a.predicted({"comm_bytes_per_epoch": "bytes", "epoch_time_s": "epoch_s"}[what])
+            sd = None
+        else:
+            v, sd, _ = mean_std(r[what] for r in a.runs)
+        if v is not None:
+            series[a.label() if a["mode"] == "hybrid" else a["mode"]].append((a["world_size"], v, sd))
+    return {k: sorted(v) for k, v in sorted(series.items(), key=lambda kv: MODE_ORDER[kv[0].split()[0]])}
+
+
+def plot_vs_workers(group: tuple, aggs: list[Aggregate], what: str, path: Path):
+    """``what`` (bytes or epoch time) against the worker count P, a line per mode: seed
+    mean (± std) measured, the cost model's prediction dashed."""
+    scale, unit, title = {"comm_bytes_per_epoch": (1e6, "MB sent per epoch (all ranks)", "bytes per epoch vs P"),
+                          "epoch_time_s": (1.0, "seconds per epoch (median)", "epoch time vs P")}[what]
+    aggs = [a for a in aggs if what == "epoch_time_s" or a["mode"] != "single"]
+    fig, ax = _figure(6.5, 4.5)
+    measured, predicted = _mode_series(aggs, what, False), _mode_series(aggs, what, True)
+    colors = {}
+    for name, pts in measured.items():
+        ps, vs, sds = zip(*pts)
+        line = ax.errorbar(ps, [v / scale for v in vs], yerr=[(s or 0) / scale for s in sds], marker="o",
+                           capsize=3, label=f"{name} (measured)")
+        colors[name] = line.lines[0].get_color()
+    for name, pts in predicted.items():
+        ps, vs, _ = zip(*pts)
+        ax.plot(ps, [v / scale for v in vs], linestyle="--", marker="x", color=colors.get(name),
+                label=f"{name} (cost model)")
+    if not measured and not predicted:
+        ax.text(0.5, 0.5, "no runs", ha="center", va="center")
+    every = [v for pts in list(measured.values()) + list(predicted.values()) for _, v, _ in pts]
+    if every and min(every) > 0 and max(every) > 100 * min(every):
+        ax.set_yscale("log")
+    xs = sorted({p for pts in measured.values() for p, _, _ in pts} |
+                {p for pts in predicted.values() for p, _, _ in pts})
+    if xs:
+        ax.set_xticks(xs)
+    ax.set_xlabel("workers P")
+    ax.set_ylabel(unit)
+    ax.set_title(f"{title}\n{group_title(group)}", fontsize=10)
+    ax.grid(alpha=0.3)
+    if measured or predicted:
+        ax.legend(fontsize=7)
+    _save(fig, path)
+    return fig
+
+
+def plot_mode_curves(group: tuple, aggs: list[Aggregate], path: Path):
+    """Training loss and test accuracy against the epoch, a line per mode and layout:
+    mean over seeds with a ± std band."""
+    fig, axes = _figure(11, 4.2, nrows=1, ncols=2)
+    for ax, (key, title) in zip(axes, (("loss", "training loss"), ("test_acc", "test accuracy"))):
+        for a in aggs:
+            pts = a.history(key)
+            if not pts:
+                continue
+            es, ms, sds = zip(*pts)
+            line, = ax.plot(es, ms, marker="o" if key != "loss" else None, markersize=3,
+                            label=f"{a.label()} (n={len(a.runs)})")
+            if len(a.runs) > 1:
+                lo = [m - (s or 0) for m, s in zip(ms, sds)]
+                hi = [m + (s or 0) for m, s in zip(ms, sds)]
+                ax.fill_between(es, lo, hi, color=line.get_color(), alpha=0.2)
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{group_title(group)}: mean over seeds ± std")
+    _save(fig, path)
+    return fig
+
+
 # --------------------------------------------------------------------------- the report
-def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path) -> None:
-    """Read the runs in ``run_dirs`` and write ``out_md`` and the PNGs in ``plots_dir``."""
+def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
+                 hardware=DEFAULT_HARDWARE, predict: bool = True) -> None:
+    """Read the runs in ``run_dirs`` and write ``out_md`` and the PNGs in ``plots_dir``.
+
+    ``hardware``: the profile (name, path or ``costmodel.Hardware``) the cost model
+    predicts each run on; ``predict=False`` leaves the predictions out (marked so)."""
     if not run_dirs:
         raise GnnPipeError("no runs to report on")
     runs = load_runs([Path(d) for d in run_dirs])
@@ -356,18 +714,40 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path) -> None:
     plots_dir.mkdir(parents=True, exist_ok=True)
     rel = lambda p: Path(os.path.relpath(p, out_md.parent)).as_posix()  # noqa: E731
 
+    if predict:
+        predictor = Predictor(hardware)
+        hw_name = predictor.name
+        predictions = {r.run_id: predictor(r) for r in runs}
+    else:
+        hw_name = None
+        predictions = {r.run_id: Prediction(reason="predictions switched off") for r in runs}
+    aggs = aggregate(runs, predictions)
+
     groups: dict[tuple, list[Run]] = defaultdict(list)
     for run in runs:
         groups[run.group].append(run)
     sections = []
     for group, members in groups.items():
-        curves = plots_dir / f"curves_{group_slug(group)}.png"
+        slug = group_slug(group)
+        g_aggs = [a for a in aggs if a.group == group]
+        curves = plots_dir / f"curves_{slug}.png"
         plot_curves(group, members, curves)
-        sections.append(group_section(group, members, {"curves": rel(curves)}))
+        modes = plots_dir / f"modes_{slug}.png"
+        plot_mode_curves(group, g_aggs, modes)
+        links = [f"![loss and test accuracy per mode, {group_title(group)}]({rel(modes)})", ""]
+        if any(r["mode"] != "single" for r in members):
+            for what, stem, alt in (("comm_bytes_per_epoch", "bytes_vs_p", "bytes per epoch vs P"),
+                                    ("epoch_time_s", "time_vs_p", "epoch time vs P")):
+                png = plots_dir / f"{stem}_{slug}.png"
+                plot_vs_workers(group, g_aggs, what, png)
+                links += [f"![{alt}, {group_title(group)}]({rel(png)})", ""]
+        sections.append("\n".join([group_section(group, members, {"curves": rel(curves)}),
+                                   pooled_section(group, g_aggs), *links]))
     plot_bytes(runs, plots_dir / "comm_bytes.png")
     plot_times(runs, plots_dir / "epoch_time.png")
 
     n_eval = sum(r.evaluation is not None for r in runs)
+    n_pred = sum(p.available for p in predictions.values())
     text = "\n".join([
         "# GNNPipe report",
         "",
@@ -385,6 +765,15 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path) -> None:
         "## All runs",
         "",
         md_table(RUN_HEADER, [run_row(r) for r in runs]),
+        "",
+        "## Measured vs cost model",
+        "",
+        (f"The cost model (gnnpipe.plan.predict_layout; graph statistics cached next to each "
+         f"graph.h5) on hardware profile `{hw_name}`, {n_pred} of {len(runs)} runs predicted; "
+         "error = (predicted − measured) ÷ measured." if predict else
+         "Predictions switched off."),
+        "",
+        md_table(PREDICTION_HEADER, [prediction_row(r, predictions[r.run_id]) for r in runs]),
         "",
         "## By dataset and model",
         "",
