@@ -80,7 +80,7 @@ def test_bad_parameters_raise_a_config_error_naming_the_key(kw, where):
 
 
 def test_bad_self_loop_mode_and_an_impossibly_dense_graph_raise():
-    with pytest.raises(GnnPipeError, match="self_loops"):
+    with pytest.raises(ConfigError, match=r"^config.datasets.synthetic.self_loops: must be"):
         generate(small(), self_loops="sometimes")
     # 3 communities of ~20 nodes hold ~570 pairs; 60 * 25 / 2 = 750 intra edges cannot fit
     with pytest.raises(ConfigError, match=r"750 distinct edges inside communities .* lower intra"):

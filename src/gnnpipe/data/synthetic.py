@@ -192,12 +192,15 @@ def generate(cfg: SyntheticConfig, *, symmetrize: bool = True, self_loops: str =
     ``symmetrize``: store every edge in both directions (``num_edges`` = N * avg_degree
     stored CSR entries either way). ``self_loops``: the sampler never draws one, so
     ``"remove"`` and ``"keep"`` are the same; ``"add"`` adds one per node.
-    ``Graph.params`` holds ``resolve_shape(cfg)`` plus a few realised statistics.
+    ``Graph.params`` holds ``resolve_shape(cfg)`` plus a few realised statistics
+    (``realized``: intra-community share of the edges, max degree, isolated nodes).
+    Bad parameters raise ``ConfigError`` naming ``config.datasets.<name>.synthetic.<key>``.
     """
     path = f"config.datasets.{name}.synthetic"
     p = resolve_shape(cfg, path=path)
     if self_loops not in ("remove", "add", "keep"):
-        raise GnnPipeError(f"self_loops must be 'remove', 'add' or 'keep', got {self_loops!r}")
+        raise ConfigError(f"config.datasets.{name}.self_loops: must be 'remove', 'add' or 'keep', "
+                          f"got {self_loops!r}")
     log = _Progress(progress, name)
     n, k, c = p["num_nodes"], p["num_communities"], p["num_classes"]
     rng_struct, rng_feat, rng_label, rng_split, rng_perm = (
