@@ -41,7 +41,9 @@ Everything is a function of the resolved parameters and ``seed``: the structure,
 features, the labels and the split use independent child streams of one
 ``numpy.random.SeedSequence(seed)``, so e.g. changing ``num_features`` leaves the
 edges unchanged. Vectorised numpy throughout (no loop over nodes or edges): 10^6
-nodes with 2*10^7 stored edges take well under a minute on one core.
+nodes with 2*10^7 stored edges (default shape, F = 128) take ~9 s of CPU (22 s wall on
+a shared 2-core machine); full-size reddit-like (1.15*10^8 edges) ~1 minute of CPU and
+5.8 GB peak RSS with METIS included (``benchmarks/bench_synthetic.py``).
 """
 
 from __future__ import annotations
@@ -79,24 +81,27 @@ SHAPES: dict[str, dict[str, Any]] = {
     # learnable but not trivially (test accuracy, 150 full-batch epochs, seeds 0-1:
     # 2-layer GCN 0.74-0.75, logistic regression on the features 0.50-0.52). Label
     # noise caps every model at 0.75, which a 2-layer GCN reaches: the graph recovers
-    # the community, the features alone do not. METIS mirrors at 8 parts ~2.1 N.
+    # the community, the features alone do not. METIS mirrors at 8 parts: 2.17 N at
+    # 10^4 nodes, 1.99 N at 10^5.
     "default": dict(
         num_nodes=10_000, avg_degree=16.0, num_features=128, num_classes=8,
         num_communities=16, intra_fraction=0.8, locality=0.9, degree_exponent=2.5,
         feature_signal=2.0, label_noise=0.25,
     ),
     # Reddit (232,965 nodes, 492 stored edges per node, 602 features, 41 classes).
-    # METIS mirrors at 8 parts: 2.08 N at full size, 2.2 N at 4*10^4 nodes (Reddit:
-    # ~2.1 N). Logistic regression on the features ~0.54 (Reddit's raw features: 0.585).
+    # METIS mirrors at 8 parts: 2.08 N at full size, 2.24 N at 10^5 nodes, 2.19-2.31 N
+    # at 4*10^4 (seeds 0-2; Reddit: ~2.1 N). Logistic regression on the features ~0.54
+    # (Reddit's raw features: 0.585).
     "reddit-like": dict(
         num_nodes=232_965, avg_degree=492.0, num_features=602, num_classes=41,
         num_communities=41, intra_fraction=0.992, locality=0.9, degree_exponent=2.3,
         feature_signal=2.8, label_noise=0.05,
     ),
     # Coauthor-Physics (34,493 nodes, 14.4 stored edges per node, 8,415 features,
-    # 5 classes). METIS mirrors at 8 parts: 0.31 N at full size (0.34 N at 2*10^4,
-    # 0.25 N at 10^5; Coauthor-Physics: ~0.3 N). Logistic regression ~0.88, GCN ~0.95
-    # (measured with F = 256; Coauthor-Physics: 0.87 and 0.93).
+    # 5 classes). METIS mirrors at 8 parts: 0.31 N at full size, 0.29 N at 2*10^4,
+    # 0.28 N at 10^5 (Coauthor-Physics: ~0.3 N); at 32 parts, more parts than
+    # communities, locality matters: 0.68 N (1.03 N with locality 0). Logistic
+    # regression ~0.88, GCN ~0.95 (measured with F = 256; the real graph: 0.87, 0.93).
     "physics-like": dict(
         num_nodes=34_493, avg_degree=14.4, num_features=8415, num_classes=5,
         num_communities=30, intra_fraction=0.98, locality=0.9, degree_exponent=2.8,
