@@ -204,7 +204,7 @@ def cached_graph_stats(graph_path: str | os.PathLike, parts: Sequence[int], *, m
     if not (isinstance(cached, dict) and all(cached.get(k) == v for k, v in key.items())):
         cached = None
     need = [g for g in parts if cached is None or str(g) not in cached["partitions"]]
-    if not need:
+    if not need and cached is not None:  # (parts = []: no cache yet means compute the sizes)
         return cached
     graph = read_graph(graph_path)
     fresh = graph_stats(graph, need, method=method, seed=seed, balance_edges=balance_edges,

@@ -1,10 +1,12 @@
 rule report:
-    """One table over this config's runs (modes side by side, graph ÷ pipeline) and plots."""
+    """Tables over this config's runs (modes side by side, seeds pooled, graph ÷ pipeline and
+    ÷ hybrid, measured vs cost model) and plots; `snakemake --report` shows the plots."""
     input:
         unpack(run_records),
     output:
-        report=f"{RESULTS}/report.md",
-        plots=directory(f"{RESULTS}/plots"),
+        report=report(f"{RESULTS}/report.md", caption="../report/report_md.rst", category="Report"),
+        plots=report(directory(f"{RESULTS}/plots"), patterns=["{name}.png"],
+                     caption="../report/plots.rst", category="Plots"),
     log:
         "logs/report.log",
     params:
