@@ -151,12 +151,38 @@ def test_runs_in_dtype(kind, dtype):
 def test_layer_costs_follow_the_graph():
     m = model("gcn", layers=4, hidden=16, F_=100)
     small, large = m.layer_costs(1000, 10_000), m.layer_costs(1000, 100_000)
-    assert all(s > 0 for s in small) and all(b > s for s, b in zip(small, large))
+    assert all(s > 0 for s in small) and all(b > s for s, b in zip(small[1:], large[1:]))
+    assert small[0] == large[0]  # conv 1 aggregates the static features once, not per epoch
     assert small[0] > small[1] > small[-1]  # F=100 in, H=16 hidden, C=4 out
     assert m.encoder_cost(1000) == 0.0 and m.decoder_cost(1000) == 0.0
     deep = model("gcnii", layers=4, hidden=16, F_=100)
     assert len(set(deep.layer_costs(1000, 10_000))) == 1  # identical layers
     assert deep.encoder_cost(1000) == 3 * 2 * 1000 * 100 * 16
+
+
+@pytest.mark.parametrize("kind", ["gcn", "sage"])
+def test_first_layer_aggregates_static_features_once(kind, monkeypatch):
+    """Raw features (no gradient, same tensor) are aggregated once; the result is exact,
+    and a new or modified feature tensor is aggregated again."""
+    from gnnpipe.models import ops
+    indptr, indices = random_graph(20, 0.2, 5)
+    block = Block.full(indptr, indices, F64)
+    m = perturbed(kind, layers=2)
+    fresh = perturbed(kind, layers=2)
+    fresh.convs[0].conv.static_input = False
+    x, x2 = torch.randn(20, 7, dtype=F64), torch.randn(20, 7, dtype=F64)
+    expect = [fresh(t, block) for t in (x, 2.0 * x, x2)]
+    calls = []
+    real = ops.apply_op
+    monkeypatch.setattr(ops, "apply_op", lambda t, op: calls.append(t.shape[1]) or real(t, op))
+    torch.testing.assert_close(m(x, block), expect[0], **TOL)
+    torch.testing.assert_close(m(x, block), expect[0], **TOL)
+    assert calls.count(7) == 1  # conv 1's aggregation of the 7 input features ran once
+    with torch.no_grad():
+        x.mul_(2.0)  # in place: the version counter changes
+    torch.testing.assert_close(m(x, block), expect[1], **TOL)
+    torch.testing.assert_close(m(x2, block), expect[2], **TOL)
+    assert calls.count(7) == 3
 
 
 def _planted_graph(n=160, classes=4, seed=0):

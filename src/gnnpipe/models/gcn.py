@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from .block import Block
-from .ops import gcn_aggregate
+from .ops import gcn_aggregate, static_aggregate
 
 
 def aggregate_first(n_src: int, n_dst: int, nnz: int, d_in: int, d_out: int) -> bool:
@@ -42,12 +42,15 @@ class GCNConv(nn.Module):
 
     Shapes: ``h_src`` ``(n_src, in_dim)`` -> ``(n_dst, out_dim)``. The transform is
     applied before or after the aggregation, whichever costs fewer operations
-    (:func:`aggregate_first`); both are exact.
+    (:func:`aggregate_first`); both are exact. With ``static_input`` (the first layer of
+    a stack, fed raw features), an input without gradient is aggregated once and the
+    result reused while the same tensor comes back (:func:`~gnnpipe.models.ops.static_aggregate`).
     """
 
-    def __init__(self, in_dim: int, out_dim: int, bias: bool = True):
+    def __init__(self, in_dim: int, out_dim: int, bias: bool = True, *, static_input: bool = False):
         super().__init__()
         self.in_dim, self.out_dim = in_dim, out_dim
+        self.static_input = static_input
         self.weight = nn.Parameter(torch.empty(out_dim, in_dim))
         self.bias = nn.Parameter(torch.empty(out_dim)) if bias else None
         self.reset_parameters()
@@ -59,16 +62,21 @@ class GCNConv(nn.Module):
 
     def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None) -> Tensor:
         nnz = block.nnz + block.n_dst  # edges plus self loops
-        if aggregate_first(block.n_src, block.n_dst, nnz, self.in_dim, self.out_dim):
-            out = gcn_aggregate(h_src, block) @ self.weight.t()  # (n_dst, out)
-        else:
-            out = gcn_aggregate(h_src @ self.weight.t(), block)  # (n_dst, out)
-        if self.bias is not None:
-            out = out + self.bias
-        return out
+        static = self.static_input and not h_src.requires_grad
+        if static or aggregate_first(block.n_src, block.n_dst, nnz, self.in_dim, self.out_dim):
+            agg = (static_aggregate(h_src, block, "gcn", gcn_aggregate) if static
+                   else gcn_aggregate(h_src, block))  # (n_dst, in)
+            if self.bias is None:
+                return agg @ self.weight.t()
+            return torch.addmm(self.bias, agg, self.weight.t())  # (n_dst, out)
+        out = gcn_aggregate(h_src @ self.weight.t(), block)  # (n_dst, out)
+        return out if self.bias is None else out.add_(self.bias)
 
     def cost(self, num_nodes: int, num_edges: int) -> float:
-        """Forward FLOPs on a whole graph of ``num_nodes`` nodes and ``num_edges`` edges."""
+        """Forward FLOPs on a whole graph of ``num_nodes`` nodes and ``num_edges`` edges
+        (with ``static_input``, the aggregation is paid once, not per epoch)."""
+        if self.static_input:
+            return 2.0 * num_nodes * self.in_dim * self.out_dim
         return matmul_spmm_flops(num_nodes, num_nodes + num_edges, self.in_dim, self.out_dim)
 
     def __repr__(self) -> str:

@@ -11,7 +11,8 @@ model on one block (single process, exact inference)::
 Architectures (``cfg.kind``), ``L = cfg.layers``, ``H = cfg.hidden``:
 
 * ``gcn`` / ``sage`` / ``gat``: no encoder; conv 1 ``F -> H``, hidden ``H -> H``, last
-  ``H -> C`` (no decoder). Every layer but the last is followed by LayerNorm (when
+  ``H -> C`` (no decoder). GCN/SAGE conv 1 aggregates the raw features once and reuses
+  the result while the same feature tensor comes back (``static_input``). Every layer but the last is followed by LayerNorm (when
   ``cfg.norm == "layer"``), ReLU and dropout (:class:`GraphLayer`). GAT splits ``H``
   over ``cfg.heads`` heads and concatenates them; its last layer averages the heads.
 * ``gcnii``: encoder ``Linear F -> H``, ReLU, dropout; ``L`` :class:`GCNIIConv` ``H -> H``
@@ -72,8 +73,8 @@ class GraphLayer(nn.Module):
         h = self.conv(h_src, block, x0_dst)
         if self.norm is not None:
             h = self.norm(h)
-        if self.act:
-            h = F.relu(h)
+        if self.act:  # in place: the conv's and the norm's backward do not read their output
+            h = F.relu_(h)
         return F.dropout(h, self.dropout, self.training)
 
     def cost(self, num_nodes: int, num_edges: int) -> float:
@@ -111,7 +112,7 @@ class GNN(nn.Module):
             dims = [in_features] + [H] * (L - 1) + [C]
             for i in range(L):
                 last = i == L - 1
-                conv = self._plain_conv(cfg, dims[i], dims[i + 1], last)
+                conv = self._plain_conv(cfg, dims[i], dims[i + 1], i == 0, last)
                 convs.append(GraphLayer(conv, norm=cfg.norm == "layer" and not last,
                                         act=not last, dropout=0.0 if last else p))
         elif cfg.kind == "gcnii":
@@ -131,11 +132,11 @@ class GNN(nn.Module):
         self.decoder = decoder
 
     @staticmethod
-    def _plain_conv(cfg: ModelConfig, d_in: int, d_out: int, last: bool) -> nn.Module:
+    def _plain_conv(cfg: ModelConfig, d_in: int, d_out: int, first: bool, last: bool) -> nn.Module:
         if cfg.kind == "gcn":
-            return GCNConv(d_in, d_out)
+            return GCNConv(d_in, d_out, static_input=first)
         if cfg.kind == "sage":
-            return SAGEConv(d_in, d_out)
+            return SAGEConv(d_in, d_out, static_input=first)
         if last:
             return GATConv(d_in, d_out, heads=cfg.heads, concat=False)
         if d_out % cfg.heads:

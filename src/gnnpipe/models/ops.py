@@ -33,6 +33,7 @@ that *is* in the data is an ordinary edge and is counted on top.
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -250,7 +251,7 @@ class SpMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, op: FixedOp) -> Tensor:
         ctx.op = op
-        return op.mm(x)
+        return op.mm(x.detach())  # detached: embedding_bag then skips its backward bookkeeping
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -308,6 +309,27 @@ def gcn_aggregate(x: Tensor, block: Block) -> Tensor:
 def mean_aggregate(x: Tensor, block: Block) -> Tensor:
     """Mean over in-neighbours (0 for a row without in-edges), ``(n_src, d) -> (n_dst, d)``."""
     return apply_op(x, mean_op(block, x.dtype))
+
+
+def static_aggregate(x: Tensor, block: Block, key: str, aggregate: Callable[[Tensor, Block], Tensor]
+                     ) -> Tensor:
+    """``aggregate(x, block)`` for an input that does not change between calls, memoised.
+
+    For the first layer on raw input features (no gradient, the same tensor every epoch),
+    ``A @ x`` is a constant: computing it once removes the layer's sparse product from
+    every later forward and backward pass (exact: the very same numbers). The memo is
+    keyed on the tensor's identity (a weak reference) and its version counter, so a new
+    or modified-in-place tensor recomputes; it holds one ``(n_dst, d)`` result per block
+    and ``key``.
+    """
+    slot = block.cached(("static", key), dict)
+    ref = slot.get("ref")
+    if ref is not None and ref() is x and slot["version"] == x._version:
+        return slot["out"]
+    with torch.no_grad():
+        out = aggregate(x, block)
+    slot.update(ref=weakref.ref(x), version=x._version, out=out)
+    return out
 
 
 # --------------------------------------------------------------------------- learned weights

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from .block import Block
 from .gcn import aggregate_first, matmul_spmm_flops
-from .ops import mean_aggregate
+from .ops import mean_aggregate, static_aggregate
 
 
 class SAGEConv(nn.Module):
@@ -22,11 +22,14 @@ class SAGEConv(nn.Module):
 
     Shapes: ``h_src`` ``(n_src, in_dim)`` -> ``(n_dst, out_dim)``. The neighbour transform
     is applied before or after the aggregation, whichever is cheaper (both exact).
+    ``static_input``: see :class:`~gnnpipe.models.gcn.GCNConv` (the neighbour mean of
+    raw features is computed once).
     """
 
-    def __init__(self, in_dim: int, out_dim: int, bias: bool = True):
+    def __init__(self, in_dim: int, out_dim: int, bias: bool = True, *, static_input: bool = False):
         super().__init__()
         self.in_dim, self.out_dim = in_dim, out_dim
+        self.static_input = static_input
         self.weight_self = nn.Parameter(torch.empty(out_dim, in_dim))
         self.weight_neigh = nn.Parameter(torch.empty(out_dim, in_dim))
         self.bias = nn.Parameter(torch.empty(out_dim)) if bias else None
@@ -39,19 +42,24 @@ class SAGEConv(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None) -> Tensor:
-        out = block.dst_rows(h_src) @ self.weight_self.t()  # (n_dst, out)
-        if aggregate_first(block.n_src, block.n_dst, block.nnz, self.in_dim, self.out_dim):
-            out = out + mean_aggregate(h_src, block) @ self.weight_neigh.t()
-        else:
-            out = out + mean_aggregate(h_src @ self.weight_neigh.t(), block)
+        x_dst = block.dst_rows(h_src)
         if self.bias is not None:
-            out = out + self.bias
-        return out
+            out = torch.addmm(self.bias, x_dst, self.weight_self.t())  # (n_dst, out)
+        else:
+            out = x_dst @ self.weight_self.t()
+        if self.static_input and not h_src.requires_grad:
+            agg = static_aggregate(h_src, block, "mean", mean_aggregate)
+            return out.addmm_(agg, self.weight_neigh.t())
+        if aggregate_first(block.n_src, block.n_dst, block.nnz, self.in_dim, self.out_dim):
+            return out.addmm_(mean_aggregate(h_src, block), self.weight_neigh.t())
+        return out.add_(mean_aggregate(h_src @ self.weight_neigh.t(), block))
 
     def cost(self, num_nodes: int, num_edges: int) -> float:
         """Forward FLOPs on a whole graph of ``num_nodes`` nodes and ``num_edges`` edges."""
-        return (matmul_spmm_flops(num_nodes, num_edges, self.in_dim, self.out_dim)
-                + 2.0 * num_nodes * self.in_dim * self.out_dim)
+        mm = 2.0 * num_nodes * self.in_dim * self.out_dim
+        if self.static_input:
+            return 2.0 * mm
+        return matmul_spmm_flops(num_nodes, num_edges, self.in_dim, self.out_dim) + mm
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.in_dim}, {self.out_dim}, aggr=mean)"
