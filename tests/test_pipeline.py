@@ -265,8 +265,8 @@ def spawned(stores):
         for t in techs:
             jobs[3][("disjoint", kind, t)] = run_cfg(stores["disjoint-6"], kind, stages=3, chunks=6, layers=3,
                                                      epochs=3, **TECHNIQUES[t])
-    # an uneven estimated split (gcn's first conv is F -> H, its last H -> classes)
-    jobs[2][("balanced",)] = run_cfg(stores["connected-1"], "gcn", stages=2, chunks=1, layers=5, epochs=2,
+    # an uneven estimated split (gcnii's encoder F -> H counts on stage 0: convs [0,1) | [1,3))
+    jobs[2][("balanced",)] = run_cfg(stores["connected-1"], "gcnii", stages=2, chunks=1, layers=3, epochs=2,
                                      balance="estimate")
     out = {}
     for S, named in jobs.items():
@@ -333,7 +333,7 @@ def test_balanced_assignment_runs_exactly(spawned):
     ref_losses, ref_model = reference_training(cfg)
     assert np.allclose(ranks[1]["losses"], ref_losses, rtol=0, atol=TOL)
     assert_state_close(ranks[0]["state"], ref_model)
-    assert ranks[0]["bounds"] == ranks[1]["bounds"] and ranks[0]["bounds"] != uniform_bounds(5, 2)
+    assert ranks[0]["bounds"] == ranks[1]["bounds"] and ranks[0]["bounds"] != uniform_bounds(3, 2)
 
 
 # --------------------------------------------------------------------------- C > 1

@@ -2,6 +2,7 @@
 # What the rules need to know about a run comes from gnnpipe.config (RunConfig);
 # nothing about layouts, store paths or run ids is re-derived here.
 import os
+import sys
 import re
 
 import yaml
@@ -57,6 +58,10 @@ except ConfigError as e:
 RESULTS = WF.results
 # conda users: envs/gnnpipe.yaml installs this checkout (pip `-e ${GNNPIPE_ROOT}`).
 os.environ.setdefault("GNNPIPE_ROOT", workflow.basedir)
+# Jobs call `gnnpipe` and `torchrun`: find the ones installed beside the Python running
+# Snakemake (the project's .venv), also when that environment is not activated. A conda
+# job environment (--sdm conda) is put in front of this by Snakemake and still wins.
+os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
 
 
 def _train_layout(run) -> dict:
