@@ -43,8 +43,8 @@ class GCNConv(nn.Module):
     Shapes: ``h_src`` ``(n_src, in_dim)`` -> ``(n_dst, out_dim)``. The transform is
     applied before or after the aggregation, whichever costs fewer operations
     (:func:`aggregate_first`); both are exact. With ``static_input`` (the first layer of
-    a stack, fed raw features), an input without gradient is aggregated once and the
-    result reused while the same tensor comes back (:func:`~gnnpipe.models.ops.static_aggregate`).
+    a stack, fed raw features), an input without gradient that comes back unchanged is
+    aggregated once and the result reused (:func:`~gnnpipe.models.ops.static_aggregate`).
     """
 
     def __init__(self, in_dim: int, out_dim: int, bias: bool = True, *, static_input: bool = False):
@@ -62,10 +62,12 @@ class GCNConv(nn.Module):
 
     def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None) -> Tensor:
         nnz = block.nnz + block.n_dst  # edges plus self loops
-        static = self.static_input and not h_src.requires_grad
-        if static or aggregate_first(block.n_src, block.n_dst, nnz, self.in_dim, self.out_dim):
-            agg = (static_aggregate(h_src, block, "gcn", gcn_aggregate) if static
-                   else gcn_aggregate(h_src, block))  # (n_dst, in)
+        agg = None
+        if self.static_input and not h_src.requires_grad:
+            agg = static_aggregate(h_src, block, "gcn", gcn_aggregate)  # (n_dst, in) or None
+        if agg is not None or aggregate_first(block.n_src, block.n_dst, nnz, self.in_dim, self.out_dim):
+            if agg is None:
+                agg = gcn_aggregate(h_src, block)  # (n_dst, in)
             if self.bias is None:
                 return agg @ self.weight.t()
             return torch.addmm(self.bias, agg, self.weight.t())  # (n_dst, out)
@@ -74,7 +76,8 @@ class GCNConv(nn.Module):
 
     def cost(self, num_nodes: int, num_edges: int) -> float:
         """Forward FLOPs on a whole graph of ``num_nodes`` nodes and ``num_edges`` edges
-        (with ``static_input``, the aggregation is paid once, not per epoch)."""
+        (with ``static_input``, the aggregation is paid once, not per epoch: true when the
+        same feature tensor is fed every epoch, as single-process and GNNPipe stage 0 do)."""
         if self.static_input:
             return 2.0 * num_nodes * self.in_dim * self.out_dim
         return matmul_spmm_flops(num_nodes, num_nodes + num_edges, self.in_dim, self.out_dim)

@@ -312,24 +312,29 @@ def mean_aggregate(x: Tensor, block: Block) -> Tensor:
 
 
 def static_aggregate(x: Tensor, block: Block, key: str, aggregate: Callable[[Tensor, Block], Tensor]
-                     ) -> Tensor:
-    """``aggregate(x, block)`` for an input that does not change between calls, memoised.
+                     ) -> Tensor | None:
+    """``aggregate(x, block)`` memoised for an input that comes back unchanged, else ``None``.
 
     For the first layer on raw input features (no gradient, the same tensor every epoch),
     ``A @ x`` is a constant: computing it once removes the layer's sparse product from
     every later forward and backward pass (exact: the very same numbers). The memo is
-    keyed on the tensor's identity (a weak reference) and its version counter, so a new
-    or modified-in-place tensor recomputes; it holds one ``(n_dst, d)`` result per block
-    and ``key``.
+    keyed on the tensor's identity (a weak reference) and its version counter. The first
+    time a tensor is seen this returns ``None`` (the caller aggregates as usual, in its
+    cheaper order); from the second time on, the aggregation is computed once and reused.
+    So an input rebuilt every epoch (a freshly exchanged halo) costs nothing extra, and
+    a new or modified-in-place tensor is never served a stale result. Holds one
+    ``(n_dst, d)`` result per block and ``key``.
     """
     slot = block.cached(("static", key), dict)
     ref = slot.get("ref")
-    if ref is not None and ref() is x and slot["version"] == x._version:
-        return slot["out"]
-    with torch.no_grad():
-        out = aggregate(x, block)
-    slot.update(ref=weakref.ref(x), version=x._version, out=out)
-    return out
+    if ref is None or ref() is not x or slot["version"] != x._version:
+        slot.clear()
+        slot.update(ref=weakref.ref(x), version=x._version)
+        return None
+    if "out" not in slot:
+        with torch.no_grad():
+            slot["out"] = aggregate(x, block)
+    return slot["out"]
 
 
 # --------------------------------------------------------------------------- learned weights

@@ -48,8 +48,9 @@ class SAGEConv(nn.Module):
         else:
             out = x_dst @ self.weight_self.t()
         if self.static_input and not h_src.requires_grad:
-            agg = static_aggregate(h_src, block, "mean", mean_aggregate)
-            return out.addmm_(agg, self.weight_neigh.t())
+            agg = static_aggregate(h_src, block, "mean", mean_aggregate)  # (n_dst, in) or None
+            if agg is not None:
+                return out.addmm_(agg, self.weight_neigh.t())
         if aggregate_first(block.n_src, block.n_dst, block.nnz, self.in_dim, self.out_dim):
             return out.addmm_(mean_aggregate(h_src, block), self.weight_neigh.t())
         return out.add_(mean_aggregate(h_src @ self.weight_neigh.t(), block))
