@@ -130,7 +130,7 @@ def bench_kernels(block: Block, widths, threads, reps: int, skip: set[str]) -> l
             timed = timeit_interleaved(fns, reps)
             for name in fns:
                 out, gx = cands[name](x, g)
-                diff = max(float((out - ref_out).abs().max()), float((gx - ref_gx).abs().max()))
+                diff = max(float((out - ref_out).abs().max().detach()), float((gx - ref_gx).abs().max()))
                 row = {"kernel": name, "width": d, "threads": t, "max_abs_diff": diff, **timed[name]}
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
