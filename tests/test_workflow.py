@@ -225,8 +225,13 @@ def test_tiny_config_end_to_end(tmp_path):
     results = tmp_path / "results"
     report = (results / "report.md").read_text()
     groups = {(r.dataset_name, r.model.kind, r.model.layers, r.model.hidden) for r in runs.values()}
+    parallel = {(r.dataset_name, r.model.kind, r.model.layers, r.model.hidden) for r in runs.values()
+                if r.mode != "single"}
     pngs = sorted(p.name for p in (results / "plots").glob("*.png"))
-    assert len(pngs) == len(groups) + 2 and {"comm_bytes.png", "epoch_time.png"} <= set(pngs)
+    # per group: training curves and per-mode curves; per group with a parallel run: bytes and
+    # time against P; overall: bytes and time split
+    assert len(pngs) == 2 * len(groups) + 2 * len(parallel) + 2, pngs
+    assert {"comm_bytes.png", "epoch_time.png"} <= set(pngs)
     for link in re.findall(r"!\[[^]]*\]\(([^)]+)\)", report):
         assert (results / link).is_file()
 
