@@ -61,7 +61,7 @@ os.environ.setdefault("GNNPIPE_ROOT", workflow.basedir)
 # Jobs call `gnnpipe` and `torchrun`: find the ones installed beside the Python running
 # Snakemake (the project's .venv), also when that environment is not activated. A conda
 # job environment (--sdm conda) is put in front of this by Snakemake and still wins.
-os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+os.environ.update(PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.setdefault("PATH", os.defpath)]))
 
 
 def _train_layout(run) -> dict:
