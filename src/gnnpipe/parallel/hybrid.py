@@ -597,26 +597,7 @@ class HybridEngine:
         stage's way 0 sends its weights to rank 0, one message per dtype (op ``control``)."""
         if self.way != 0:
             return None
-        local = self.local_state_dict()
-        tag = 2 * self.C + 1
-        if self.S == 1:
-            return OrderedDict((k, local[k].cpu().clone()) for k, _, _ in self.full_keys)
-        if self.rank != 0:
-            for _, names in self._by_dtype(self.stage):
-                flat = torch.cat([local[k].reshape(-1) for k in names])
-                self.comm.send(flat.contiguous(), 0, op="control", tag=tag)
-            return None
-        state = {k: v.cpu().clone() for k, v in local.items()}
-        shapes = {k: shape for k, shape, _ in self.full_keys}
-        for s in range(1, self.S):
-            src = self.groups.dims.rank_of(s, 0)
-            for dtype, names in self._by_dtype(s):
-                numel = [int(np.prod(shapes[k], dtype=np.int64)) for k in names]
-                flat = torch.empty(sum(numel), dtype=dtype, device=self.device)
-                self.comm.recv(flat, src, op="control", tag=tag)
-                for k, piece in zip(names, flat.cpu().split(numel)):
-                    state[k] = piece.view(shapes[k]).clone()
-        return OrderedDict((k, state[k]) for k, _, _ in self.full_keys)
+        return PipelineEngine.full_state_dict(self)  # the same gather, over the ways 0
 
     def predicted_bytes_by_kind(self) -> dict[str, int]:
         return hybrid_bytes(self.N, self.mirrors, self.dims, self.assignment.bounds, self.params_per_stage,
