@@ -102,15 +102,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import RunConfig
+from ..config import ConfigError, RunConfig
 from ..costmodel import hybrid_bytes
-from ..engine import DTYPES, EpochStats, make_optimizer
 from ..io import GnnPipeError
 from ..models.block import Block
-from ..models.model import GNN
 from ..store import ChunkStore
-from .balance import StageAssignment, assign_stages
-from .pipeline import SPLITS, History, PipelineEngine, _Clock, _Epoch, chunk_order
+from .pipeline import SPLITS, PipelineEngine, _Clock, _Epoch, check_schedule_config
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +116,6 @@ def check_hybrid_config(cfg: RunConfig, groups=None) -> None:
     """Refuse layouts the hybrid engine cannot run, with the reason."""
     where = f"run {cfg.run_id}"
     S, G, C, L = cfg.stages, cfg.ways, cfg.chunks, cfg.model.layers
-    pc = cfg.pipeline
     if cfg.mode != "hybrid":
         raise GnnPipeError(f"{where}: HybridEngine runs mode 'hybrid', not {cfg.mode!r}")
     if cfg.model.kind == "mlp":
@@ -135,112 +131,35 @@ def check_hybrid_config(cfg: RunConfig, groups=None) -> None:
         raise GnnPipeError(f"{where}: hybrid runs stages x ways = {S * G} workers, the run has {cfg.workers}")
     if not cfg.store_path:
         raise GnnPipeError(f"{where}: mode hybrid needs a chunk store (store_path)")
-    if not 0.0 <= pc.momentum < 1.0:
-        raise GnnPipeError(f"{where}: pipeline.momentum must lie in [0, 1), got {pc.momentum}")
-    if pc.snapshot_every < 0:
-        raise GnnPipeError(f"{where}: pipeline.snapshot_every must be >= 0 (0: off), got {pc.snapshot_every}")
-    if pc.grad_scale <= 0:
-        raise GnnPipeError(f"{where}: pipeline.grad_scale must be > 0, got {pc.grad_scale}")
-    if groups is not None and (groups.dims.stages != S or groups.dims.ways != G):
-        raise GnnPipeError(f"{where}: process groups are laid out {groups.dims.stages} stages x "
-                           f"{groups.dims.ways} ways, the run needs {S} x {G}")
+    if not cfg.graph_parallel.cache_input_halo:
+        raise ConfigError(f"{where}: mode hybrid always fetches the input features' halo once at set-up; "
+                          f"graph_parallel.cache_input_halo: false is not supported there (set it to true, "
+                          f"or use mode graph to exchange the input every epoch)")
+    check_schedule_config(cfg, groups)
 
 
-class HybridEngine:
-    """One worker (stage ``s``, way ``g``) of hybrid training (the ``Engine`` protocol)."""
+class HybridEngine(PipelineEngine):
+    """One worker (stage ``s``, way ``g``) of hybrid training (the ``Engine`` protocol): the
+    pipeline engine over the way's block of chunks, plus the ``G``-way halo exchange."""
 
-    def __init__(self, cfg: RunConfig, groups, comm, device):
-        check_hybrid_config(cfg, groups)
-        if comm is None:
-            from .comm import Communicator
-            comm = Communicator(groups, device)
-        self.cfg, self.groups, self.comm = cfg, groups, comm
-        self.device = torch.device(device)
-        self.dtype = DTYPES[cfg.training.dtype]
-        pc = self.pc = cfg.pipeline
-        self.S, self.G, self.C = cfg.stages, cfg.ways, cfg.chunks
-        self.Cw = self.C // self.G
-        self.rank = groups.rank if groups is not None else 0
-        self.stage = groups.stage_index if groups is not None else 0
-        self.way = groups.way_index if groups is not None else 0
-        self.first, self.last = self.stage == 0, self.stage == self.S - 1
-        self.prev = groups.prev_rank() if groups is not None else None
-        self.next = groups.next_rank() if groups is not None else None
-        # the stage group of the G ways; with G = 1 there is nothing to exchange (and
-        # build_groups hands out the world there, which is not a group of one)
-        self.group = groups.stage if (groups is not None and self.G > 1) else None
+    check_config = staticmethod(check_hybrid_config)
 
-        store = ChunkStore(cfg.store_path, expect_parts=self.C)
-        try:
-            self._load(store)
-        finally:
-            store.close()
-
-        torch.manual_seed(cfg.training.seed)  # every rank and mode starts from the same weights
-        gnn = GNN(cfg.model, self.in_features, self.num_classes).to(self.device, self.dtype)
-        self.dims = gnn.exchange_dims()
-        self.out_dims = gnn.conv_out_dims()
-        self.needs_x0 = gnn.needs_x0
-        self.x0_dim = self.dims[0] if self.needs_x0 else 0
-        self.has_encoder = gnn.encoder is not None
-
-        sample = max(self.my_chunks, key=lambda c: self.blocks[c].nnz)
-        self.assignment: StageAssignment = assign_stages(
-            gnn, self.S, pc.balance, num_nodes=self.N, num_edges=self.E,
-            sample_block=self.blocks[sample], comm=comm, dtype=self.dtype)
-        a, b = self.assignment.bounds[self.stage]
-        self.layers = list(range(a, b))
-        if self.rank == 0:
-            log.info("hybrid %d x %d: %s", self.S, self.G, self.assignment)
-
-        self.full_keys = [(k, tuple(v.shape), v.dtype) for k, v in gnn.state_dict().items()]
-        self.params_per_stage = [0] * self.S
-        for k, p in gnn.named_parameters():
-            if p.requires_grad:
-                self.params_per_stage[self._owner(k)] += p.numel()
-        self.encoder = gnn.encoder if self.first else None
-        self.decoder = gnn.decoder if self.last else None
-        self.convs = {l: gnn.convs[l] for l in self.layers}
-        self.owned: list[tuple[str, torch.nn.Module]] = (
-            ([("encoder", self.encoder)] if self.encoder is not None else [])
-            + [(f"convs.{l}", self.convs[l]) for l in self.layers]
-            + ([("decoder", self.decoder)] if self.decoder is not None else []))
-        del gnn
-        self.params = [p for _, m in self.owned for p in m.parameters() if p.requires_grad]
-        self.opt = make_optimizer(self.params, cfg.training)
-
-        self._setup_exchanges()
-
-        keep_history = pc.recompute and pc.snapshot_every == 0
-        self.hist: dict[int, History] = {}
-        for l in self.layers:
-            if l == 0:
-                continue  # conv 0's input: features or the encoder on own + halo rows, never stale
-            self.hist[l] = History(self.n_src, self.dims[l], device=self.device, dtype=self.dtype,
-                                   momentum=pc.momentum, snapshot_every=pc.snapshot_every,
-                                   keep_history=keep_history, grad_buffer=True)
-        if self.first:
-            if self.has_encoder:
-                self.h0 = torch.zeros(self.n_src, self.dims[0], device=self.device, dtype=self.dtype)
-                self.g0 = torch.zeros_like(self.h0)
-            else:
-                self.h0 = self.x_src
-        if self.needs_x0 and not self.first:
-            self.x0buf = torch.zeros(self.n_own, self.x0_dim, device=self.device, dtype=self.dtype)
-        self.warm_started = self.Cw > 1
-        if self.warm_started:
-            self._full_pass(fill=True)
+    @property
+    def label(self) -> str:
+        return f"hybrid {self.S} x {self.G}:"
 
     # ------------------------------------------------------------------ set-up
     def _load(self, store: ChunkStore) -> None:
+        """The way's block of chunks against its source space (own rows, then ``H_g``), and
+        the exchanges (``_setup_exchanges``); the attributes of ``PipelineEngine._load``."""
         dev = self.device
-        self.N, self.E = store.num_nodes, store.num_edges
-        self.in_features, self.num_classes = store.num_features, store.num_classes
-        self.offsets = [int(o) for o in store.offsets]
+        # the stage group of the G ways; with G = 1 there is nothing to exchange (and
+        # build_groups hands out the world there, which is not a group of one)
+        self.group = self.groups.stage if (self.groups is not None and self.G > 1) else None
         g, Cw = self.way, self.Cw
         self.my_chunks = list(range(g * Cw, (g + 1) * Cw))
         A, B = self.offsets[g * Cw], self.offsets[(g + 1) * Cw]
-        self.A, self.B, self.n_own = A, B, B - A
+        self.A, self.n_own = A, B - A
         halos = {c: store.read_part(c, "halo").astype(np.int64) for c in self.my_chunks}
         allh = np.concatenate([halos[c] for c in self.my_chunks]) if halos else np.zeros(0, np.int64)
         self.way_halo = np.unique(allh[(allh < A) | (allh >= B)])  # H_g, sorted, grouped by owner way
@@ -252,13 +171,13 @@ class HybridEngine:
             return np.where(own, ids - A, self.n_own + np.searchsorted(self.way_halo, ids))
 
         self.blocks: dict[int, Block] = {}
-        self.chunk_src: dict[int, Tensor] = {}  # chunk halo -> positions in the way's source space
-        self.halo_local: dict[int, Tensor] = {}  # chunk halo -> local chunk index of its owner
+        self.halo: dict[int, Tensor] = {}  # chunk halo -> positions in the way's source space
+        self.halo_chunk: dict[int, Tensor] = {}  # chunk halo -> local chunk index of its owner
         for c in self.my_chunks:
             self.blocks[c] = store.local_block(c, self.dtype).to(dev)
             h = halos[c]
-            self.chunk_src[c] = torch.as_tensor(loc(h), dtype=torch.int64).to(dev)
-            self.halo_local[c] = torch.as_tensor(store.part_of(h) % Cw, dtype=torch.int64).to(dev)
+            self.halo[c] = torch.as_tensor(loc(h), dtype=torch.int64).to(dev)
+            self.halo_chunk[c] = torch.as_tensor(store.part_of(h) % Cw, dtype=torch.int64).to(dev)
         # the way's whole block (exact passes): its rows against own rows then H_g
         ptrs = [store.read_part(c, "indptr") for c in self.my_chunks]
         base = np.cumsum([0] + [int(q[-1]) for q in ptrs[:-1]])
@@ -267,19 +186,21 @@ class HybridEngine:
         deg_out = store.deg_out()
         deg_src = np.concatenate([deg_out[A:B], deg_out[self.way_halo]])
         deg_in = np.concatenate([store.read_part(c, "deg_in") for c in self.my_chunks])
-        self.way_block = Block.from_numpy(indptr, loc(indices), self.n_src, 0, deg_in, deg_src,
-                                          self.dtype).to(dev)
+        self.full_block = Block.from_numpy(indptr, loc(indices), self.n_src, 0, deg_in, deg_src,
+                                           self.dtype).to(dev)
         self.halo_owner_chunk = store.part_of(self.way_halo)  # (M_g,) global chunk of each halo row
+        features = None
         if self.first:
-            self.features = torch.as_tensor(
+            features = torch.as_tensor(
                 np.concatenate([store.read_part(c, "features") for c in self.my_chunks])).to(dev, self.dtype)
         if self.last:
             self.labels = torch.as_tensor(
                 np.concatenate([store.read_part(c, "labels") for c in self.my_chunks])).to(dev)
             self.masks = {s: torch.as_tensor(np.concatenate(
                 [store.read_part(c, f"{s}_mask") for c in self.my_chunks])).to(dev) for s in SPLITS}
+        self._setup_exchanges(features)
 
-    def _setup_exchanges(self) -> None:
+    def _setup_exchanges(self, features: Optional[Tensor]) -> None:
         """Once per run (epoch -1): request lists, input-feature halo, global counts."""
         G, Cw, dev, comm = self.G, self.Cw, self.device, self.comm
         owner_way = self.halo_owner_chunk // Cw
@@ -313,10 +234,9 @@ class HybridEngine:
         # stage 0: the halo's input features, once
         self.x_src = None
         if self.first:
-            halo_x = self._exchange_rows(self.features, self.send_full, self.send_rows_full,
+            halo_x = self._exchange_rows(features, self.send_full, self.send_rows_full,
                                          self.recv_rows_full, "halo_setup")
-            self.x_src = torch.cat([self.features, halo_x])  # (n_own + M_g, F)
-            self.features = self.x_src[:self.n_own]
+            self.x_src = torch.cat([features, halo_x])  # (n_own + M_g, F)
         # global counts (world): training nodes (last stage), mirrors and rows per way (stage 0)
         vec = torch.zeros(1 + 2 * G, dtype=torch.float64, device=dev)
         if self.last:
@@ -339,47 +259,39 @@ class HybridEngine:
         work = self.comm.all_to_all_rows(send, send_rows, recv_rows, self.group, op=op, async_op=True)
         return clock.wait(work, "comm")
 
-    # ------------------------------------------------------------------ helpers
-    def _rows(self, c: int) -> tuple[int, int]:
-        """Chunk ``c``'s rows in the way's local numbering."""
-        return self.offsets[c] - self.A, self.offsets[c + 1] - self.A
+    # ------------------------------------------------------------------ the G-way additions to the schedule
+    def _halo_grad_scale(self, p_halo: Tensor, me: int) -> Tensor:
+        """Fresh from an earlier step: ``grad_scale``; from the same step (another way's chunk,
+        delivered under any order): 1. Per fresh halo row, as a column."""
+        scale = torch.where(p_halo < me, self.pc.grad_scale, 1.0).to(self.dtype)
+        return scale[p_halo <= me][:, None]
 
-    # ------------------------------------------------------------------ one (conv, chunk)
-    def _layer(self, l: int, c: int, ep: _Epoch, grad: bool):
-        s, e = self._rows(c)
-        idx = self.chunk_src[c]
-        if l == 0:
-            h_src = torch.cat([self.h0[s:e], self.h0.index_select(0, idx)])
-        else:
+    def _exchange_halo(self, l: int, c: int, clock: _Clock) -> None:
+        """This step's rows of conv ``l``'s input, to the ways whose halo lists them."""
+        j = c - self.way * self.Cw
+        cur = self.hist[l].cur
+        got = self._exchange_rows(cur, self.send_idx[j], self.send_rows[j], self.recv_rows[j], "halo", clock)
+        cur[self.recv_pos[j]] = got
+
+    def _route(self, l: int, c: int, gsrc: Optional[Tensor], ep: _Epoch, clock: _Clock) -> Optional[Tensor]:
+        """The pipeline's routing, then the step's exchange: the accumulated gradients of the halo
+        rows owned by the other ways' step chunks go to their owners (and are zeroed here), and
+        what the other ways accumulated for this chunk's rows is added to its own-row gradient."""
+        g_own = super()._route(l, c, gsrc, ep, clock)
+        if l > 0 and self.G > 1:
             st = self.hist[l]
-            stale = st.stale()
-            if stale is st.cur:
-                halo_rows = st.cur.index_select(0, idx)
-            else:
-                halo_rows = torch.where(ep.fresh[c][:, None], st.cur.index_select(0, idx),
-                                        stale.index_select(0, idx))
-            h_src = torch.cat([st.cur[s:e], halo_rows])
-        x0 = None
-        with torch.set_grad_enabled(grad):
-            if grad and (l > 0 or self.has_encoder):
-                h_src.requires_grad_()
-            if self.needs_x0:
-                x0 = self._x0_rows(s, e)
-                if grad:
-                    x0 = x0.clone().requires_grad_()
-            out = self.convs[l](h_src, self.blocks[c], x0)
-        return h_src, x0, out
+            j = c - self.way * self.Cw
+            pos = self.recv_pos[j]
+            out = st.grad.index_select(0, pos)
+            st.grad[pos] = 0
+            work = self.comm.all_to_all_rows(out, self.recv_rows[j], self.send_rows[j], self.group,
+                                             op="halo", async_op=True)
+            back = clock.wait(work, "comm")
+            g_own.index_add_(0, self.send_idx[j] - self._rows(c)[0], back)
+        return g_own
 
-    # ------------------------------------------------------------------ training
-    def train_epoch(self, epoch: int) -> EpochStats:
-        clock = _Clock(self.comm, self.device)
-        self._train_mode(True)
-        self.opt.zero_grad(set_to_none=True)
-        ep = self._begin_epoch(epoch)
-        loss_sum = self._forward_phase(ep, clock)
-        self._backward_phase(ep, clock)
-        for st in self.hist.values():
-            st.end_epoch()
+    def _reduce_grads(self, clock: _Clock) -> None:
+        """The ways' gradients of this stage's weights, summed (bucketed ring all-reduce)."""
         for p in self.params:  # a parameter without a gradient still takes part in the all-reduce
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -389,207 +301,13 @@ class HybridEngine:
             self.comm.all_reduce_coalesced_([p.grad for p in self.params], group=self.group,
                                             op="grad_allreduce")
             clock.comm_s += time.perf_counter() - t0
-        self.opt.step()
-        total = loss_sum.reshape(1)
-        clock._sync()
-        t0 = time.perf_counter()
-        self.comm.all_reduce_(total, op="control")  # every rank returns the global loss (the drain)
-        clock.bubble += time.perf_counter() - t0
-        return clock.stats(float(total[0]))
 
-    def _begin_epoch(self, epoch: int) -> _Epoch:
-        Cw = self.Cw
-        order = chunk_order(Cw, epoch, self.cfg.training.seed, self.pc.shuffle_chunks)  # local indices
-        pos = np.empty(Cw, dtype=np.int64)
-        pos[order] = np.arange(Cw)
-        pos_t = torch.as_tensor(pos).to(self.device)
-        fresh, earlier = {}, {}
-        for c in self.my_chunks:
-            p_halo = pos_t.index_select(0, self.halo_local[c])
-            me = int(pos[c - self.way * Cw])
-            fresh[c] = p_halo <= me  # equal: another way's chunk of the same step
-            earlier[c] = p_halo < me
-        for st in self.hist.values():
-            st.begin_epoch(epoch)
-        ep = _Epoch([self.way * Cw + int(j) for j in order], fresh)
-        ep.earlier = earlier
-        if self.first and self.has_encoder:
-            if self.pc.recompute:
-                ep.rng["enc"] = self._rng_state()
-                with torch.no_grad():
-                    self.h0.copy_(self.encoder(self.x_src))
-            else:
-                ep.h0_graph = self.encoder(self.x_src)
-                self.h0.copy_(ep.h0_graph.detach())
-            self.g0.zero_()
-        return ep
+    def _halo_src(self, h: Tensor) -> Tensor:
+        """Own rows then ``H_g``'s rows, exchanged in the stage group (op ``control``)."""
+        halo = self._exchange_rows(h, self.send_full, self.send_rows_full, self.recv_rows_full, "control")
+        return torch.cat([h, halo])
 
-    def _forward_phase(self, ep: _Epoch, clock: _Clock) -> Tensor:
-        recompute = self.pc.recompute
-        recvs = {} if self.first else self._post_recvs(ep.order, self.prev, self._stage_in_width(),
-                                                       "pipeline_fwd", 0)
-        sends = []
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        a = self.layers[0]
-        for c in ep.order:
-            j = c - self.way * self.Cw
-            s, e = self._rows(c)
-            if not self.first:
-                payload = clock.wait(recvs.pop(c), "bubble")
-                self.hist[a].cur[s:e] = payload[:, :self.dims[a]]
-                if self.needs_x0:
-                    self.x0buf[s:e] = payload[:, self.dims[a]:]
-            for l in self.layers:
-                if l > 0:  # this step's rows of conv l's input, to the ways whose halo lists them
-                    cur = self.hist[l].cur
-                    got = self._exchange_rows(cur, self.send_idx[j], self.send_rows[j], self.recv_rows[j],
-                                              "halo", clock)
-                    cur[self.recv_pos[j]] = got
-                with torch.set_grad_enabled(not recompute):
-                    if recompute:
-                        ep.rng[(l, c)] = self._rng_state()
-                    h_src, x0, out = self._layer(l, c, ep, grad=not recompute)
-                    if l + 1 in self.convs:
-                        self.hist[l + 1].cur[s:e] = out.detach()
-                    if not recompute:
-                        ep.saved[(l, c)] = (h_src, x0, out)
-            if self.last:
-                with torch.set_grad_enabled(not recompute):
-                    loss = self._chunk_loss(out, c)
-                loss_sum += loss.detach()
-                if not recompute:
-                    ep.saved[("loss", c)] = loss
-            else:
-                parts = [out.detach()] + ([self._x0_rows(s, e)] if self.needs_x0 else [])
-                payload = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-                sends.append(self.comm.isend(payload, self.next, op="pipeline_fwd", tag=c))
-        for w in sends:
-            clock.wait(w, "comm")
-        return loss_sum
-
-    def _backward_phase(self, ep: _Epoch, clock: _Clock) -> None:
-        C, top = self.C, self.layers[-1]
-        rev = ep.order[::-1]
-        grecvs = {} if self.last else self._post_recvs(rev, self.next, self._stage_out_width(),
-                                                       "pipeline_bwd", C)
-        sends = []
-        for c in rev:
-            s, e = self._rows(c)
-            g_out = gx0 = None
-            if not self.last:
-                g = clock.wait(grecvs.pop(c), "bubble")
-                d = self.out_dims[top]
-                g_out, gx0 = g[:, :d], (g[:, d:].clone() if self.needs_x0 else None)
-            for l in reversed(self.layers):
-                if self.pc.recompute:
-                    with self._replay(ep.rng.pop((l, c))):
-                        h_src, x0, out = self._layer(l, c, ep, grad=True)
-                        loss = self._chunk_loss(out, c) if self.last and l == top else None
-                else:
-                    h_src, x0, out = ep.saved.pop((l, c))
-                    loss = ep.saved.pop(("loss", c)) if self.last and l == top else None
-                if loss is not None:
-                    loss.backward()
-                else:
-                    out.backward(g_out)
-                if x0 is not None:
-                    gx0 = x0.grad if gx0 is None else gx0.add_(x0.grad)
-                g_out = self._route(l, c, h_src.grad, ep, clock)
-            if not self.first:
-                parts = [g_out] + ([gx0] if self.needs_x0 else [])
-                payload = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-                sends.append(self.comm.isend(payload, self.prev, op="pipeline_bwd", tag=C + c))
-            elif self.needs_x0:
-                self.g0[s:e] += gx0
-        if self.first and self.has_encoder:
-            if self.pc.recompute:
-                with self._replay(ep.rng.pop("enc")):
-                    ep.h0_graph = self.encoder(self.x_src)
-            ep.h0_graph.backward(self.g0)
-        for w in sends:
-            clock.wait(w, "comm")
-
-    def _route(self, l: int, c: int, gsrc: Optional[Tensor], ep: _Epoch, clock: _Clock) -> Optional[Tensor]:
-        """Conv ``l``'s input gradient of chunk ``c``: halo part into the gradient buffer, then the
-        step's exchange; returns the chunk's own-row gradient with everything delivered to it."""
-        s, e = self._rows(c)
-        n_c, idx = e - s, self.chunk_src[c]
-        if l == 0:  # the encoder's output (own + halo rows), back-propagated at the end locally
-            if gsrc is not None:
-                self.g0[s:e] += gsrc[:n_c]
-                self.g0.index_add_(0, idx, gsrc[n_c:])
-            return None
-        st = self.hist[l]
-        g_halo = gsrc[n_c:]
-        if self.pc.grad_correction:  # historical: dropped; fresh from an earlier step: scaled; same step: as is
-            fresh, earlier = ep.fresh[c], ep.earlier[c]
-            scale = torch.where(earlier, self.pc.grad_scale, 1.0).to(g_halo.dtype)
-            st.grad.index_add_(0, idx[fresh], g_halo[fresh] * scale[fresh][:, None])
-        else:
-            st.grad.index_add_(0, idx, g_halo)
-        g_own = gsrc[:n_c] + st.grad[s:e]
-        st.grad[s:e] = 0
-        if self.G > 1:
-            j = c - self.way * self.Cw
-            pos = self.recv_pos[j]
-            out = st.grad.index_select(0, pos)
-            st.grad[pos] = 0
-            work = self.comm.all_to_all_rows(out, self.recv_rows[j], self.send_rows[j], self.group,
-                                             op="halo", async_op=True)
-            back = clock.wait(work, "comm")
-            g_own.index_add_(0, self.send_idx[j] - s, back)
-        return g_own
-
-    # ------------------------------------------------------------------ exact passes
-    @torch.no_grad()
-    def _full_pass(self, fill: bool) -> Optional[Tensor]:
-        """Each way's whole block through the stages, dropout off, halo exchanged per conv
-        (op ``control``). Returns the logits of the way's rows on the last stage."""
-        was = [m.training for _, m in self.owned]
-        self._train_mode(False)
-        tag = 2 * self.C
-        a = self.layers[0]
-        src0 = None
-        if self.first:
-            src0 = self.x_src if self.encoder is None else self.encoder(self.x_src)  # (n_src, d_0)
-            h = src0[:self.n_own]
-            x0 = h if self.needs_x0 else None
-        else:
-            buf = torch.empty(self.n_own, self._stage_in_width(), device=self.device, dtype=self.dtype)
-            self.comm.recv(buf, self.prev, op="control", tag=tag)
-            h, x0 = buf[:, :self.dims[a]], (buf[:, self.dims[a]:] if self.needs_x0 else None)
-        for l in self.layers:
-            if l == 0:
-                h_src = src0
-            else:
-                halo = self._exchange_rows(h, self.send_full, self.send_rows_full, self.recv_rows_full, "control")
-                h_src = torch.cat([h, halo])
-                if fill:
-                    self.hist[l].fill(h_src)
-            h = self.convs[l](h_src, self.way_block, x0)
-        for (_, m), w in zip(self.owned, was):
-            m.train(w)
-        if not self.last:
-            payload = torch.cat([h, x0], dim=1) if self.needs_x0 else h
-            self.comm.send(payload.contiguous(), self.next, op="control", tag=tag)
-            return None
-        return h if self.decoder is None else self.decoder(h)
-
-    # the pieces that are the pipeline's own, unchanged (they read only attributes both engines define)
-    _owner = PipelineEngine._owner
-    _train_mode = PipelineEngine._train_mode
-    _rng_state = PipelineEngine._rng_state
-    _replay = PipelineEngine._replay
-    _stage_in_width = PipelineEngine._stage_in_width
-    _stage_out_width = PipelineEngine._stage_out_width
-    _x0_rows = PipelineEngine._x0_rows
-    _chunk_loss = PipelineEngine._chunk_loss
-    _post_recvs = PipelineEngine._post_recvs
-    evaluate = PipelineEngine.evaluate
-    named_parameters = PipelineEngine.named_parameters
-    local_state_dict = PipelineEngine.local_state_dict
-    _by_dtype = PipelineEngine._by_dtype
-
+    # ------------------------------------------------------------------ weights and bytes
     def full_state_dict(self) -> Optional[dict[str, Tensor]]:
         """The whole model under the single-process names on rank 0 (None elsewhere).
 
@@ -597,7 +315,7 @@ class HybridEngine:
         stage's way 0 sends its weights to rank 0, one message per dtype (op ``control``)."""
         if self.way != 0:
             return None
-        return PipelineEngine.full_state_dict(self)  # the same gather, over the ways 0
+        return super().full_state_dict()  # the same gather, over the ways 0
 
     def predicted_bytes_by_kind(self) -> dict[str, int]:
         return hybrid_bytes(self.N, self.mirrors, self.dims, self.assignment.bounds, self.params_per_stage,
@@ -607,9 +325,6 @@ class HybridEngine:
     def predicted_bytes(self) -> int:
         """Closed form of the training bytes all ranks send per epoch (not read from the ledger)."""
         return self.predicted_bytes_by_kind()["total"]
-
-    def graph_info(self) -> dict:
-        return {"num_nodes": self.N, "num_edges": self.E, "in_features": self.in_features}
 
     def extra_info(self) -> dict:
         pc = self.pc

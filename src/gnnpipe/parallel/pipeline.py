@@ -150,15 +150,22 @@ def check_pipeline_config(cfg: RunConfig, groups=None) -> None:
                            f"!= stages ({S})")
     if not cfg.store_path:
         raise GnnPipeError(f"{where}: mode pipeline needs a chunk store (store_path)")
+    check_schedule_config(cfg, groups)
+
+
+def check_schedule_config(cfg: RunConfig, groups=None) -> None:
+    """The checks GNNPipe and the hybrid share: the techniques' values and the process groups."""
+    where = f"run {cfg.run_id}"
+    pc = cfg.pipeline
     if not 0.0 <= pc.momentum < 1.0:
         raise GnnPipeError(f"{where}: pipeline.momentum must lie in [0, 1), got {pc.momentum}")
     if pc.snapshot_every < 0:
         raise GnnPipeError(f"{where}: pipeline.snapshot_every must be >= 0 (0: off), got {pc.snapshot_every}")
     if pc.grad_scale <= 0:
         raise GnnPipeError(f"{where}: pipeline.grad_scale must be > 0, got {pc.grad_scale}")
-    if groups is not None and (groups.dims.stages != S or groups.dims.ways != 1):
+    if groups is not None and (groups.dims.stages != cfg.stages or groups.dims.ways != cfg.ways):
         raise GnnPipeError(f"{where}: process groups are laid out {groups.dims.stages} stages x "
-                           f"{groups.dims.ways} ways, the run needs {S} x 1")
+                           f"{groups.dims.ways} ways, the run needs {cfg.stages} x {cfg.ways}")
 
 
 def chunk_order(num_chunks: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -233,7 +240,8 @@ class _Epoch:
     """What one epoch's phases share."""
 
     order: list[int]  # forward order of the chunks
-    fresh: list[Tensor]  # per chunk: which halo rows are fresh (bool, (M_c,))
+    fresh: dict  # chunk -> which of its halo rows are fresh (bool, (M_c,))
+    scale: dict = field(default_factory=dict)  # chunk -> grad_correction's factor for its fresh halo rows
     rng: dict = field(default_factory=dict)  # (conv, chunk) -> RNG state, for recompute
     saved: dict = field(default_factory=dict)  # (conv, chunk) -> (h_src, x0, out) without recompute
     h0_graph: Optional[Tensor] = None  # the encoder's output with its graph (stage 0)
@@ -271,10 +279,20 @@ class _Clock:
 
 
 class PipelineEngine:
-    """The GNNPipe engine of one stage (the ``Engine`` protocol of ``gnnpipe.engine``)."""
+    """The GNNPipe engine of one stage (the ``Engine`` protocol of ``gnnpipe.engine``).
+
+    Written over one *way*'s block of chunks (``my_chunks``) and its source space (own
+    rows ``[A, A + n_own)`` then ``n_src - n_own`` halo rows): here ``G = 1``, the block
+    is the whole graph and the source space the ``N`` new ids. ``hybrid.HybridEngine``
+    overrides ``_load`` (the way's partition), ``_exchange_halo`` / ``_route`` /
+    ``_halo_src`` (the ``G``-way halo exchange), ``_halo_grad_scale`` and ``_reduce_grads``.
+    """
+
+    check_config = staticmethod(check_pipeline_config)
+    label = "GNNPipe"
 
     def __init__(self, cfg: RunConfig, groups, comm, device):
-        check_pipeline_config(cfg, groups)
+        self.check_config(cfg, groups)
         if comm is None:  # one stage, no process group: the communicator's one-rank shortcut
             from .comm import Communicator
             comm = Communicator(groups, device)
@@ -282,44 +300,48 @@ class PipelineEngine:
         self.device = torch.device(device)
         self.dtype = DTYPES[cfg.training.dtype]
         pc = self.pc = cfg.pipeline
-        self.S, self.C = cfg.stages, cfg.chunks
+        self.S, self.G, self.C = cfg.stages, cfg.ways, cfg.chunks
+        self.Cw = self.C // self.G  # chunks per way
         self.stage = groups.stage_index if groups is not None else 0
+        self.way = groups.way_index if groups is not None else 0
         self.first, self.last = self.stage == 0, self.stage == self.S - 1
         self.prev = groups.prev_rank() if groups is not None else None
         self.next = groups.next_rank() if groups is not None else None
 
         store = ChunkStore(cfg.store_path, expect_parts=self.C)
-        self.N, self.E = store.num_nodes, store.num_edges
-        self.in_features, self.num_classes = store.num_features, store.num_classes
-        self.offsets = [int(o) for o in store.offsets]
+        try:
+            self.N, self.E = store.num_nodes, store.num_edges
+            self.in_features, self.num_classes = store.num_features, store.num_classes
+            self.offsets = [int(o) for o in store.offsets]
+            self._load(store)
+        finally:
+            store.close()
 
         torch.manual_seed(cfg.training.seed)  # every rank and mode starts from the same weights
-        gnn = GNN(cfg.model, store.num_features, store.num_classes).to(self.device, self.dtype)
+        gnn = GNN(cfg.model, self.in_features, self.num_classes).to(self.device, self.dtype)
         self.dims = gnn.exchange_dims()
         self.out_dims = gnn.conv_out_dims()
         self.needs_x0 = gnn.needs_x0
         self.x0_dim = self.dims[0] if self.needs_x0 else 0
         self.has_encoder = gnn.encoder is not None
 
-        # chunk c against its own rows then its halo rows (sorted new ids of other chunks)
-        self.blocks: list[Block] = [store.local_block(c, self.dtype).to(self.device) for c in range(self.C)]
-        halos = [store.read_part(c, "halo") for c in range(self.C)]
-        self.halo = [torch.as_tensor(h, dtype=torch.int64).to(self.device) for h in halos]
-        self.halo_chunk = [torch.as_tensor(store.part_of(h), dtype=torch.int64).to(self.device) for h in halos]
-
-        sample = max(range(self.C), key=lambda c: self.blocks[c].nnz)
+        sample = max(self.my_chunks, key=lambda c: self.blocks[c].nnz)
         self.assignment: StageAssignment = assign_stages(
             gnn, self.S, pc.balance, num_nodes=self.N, num_edges=self.E,
             sample_block=self.blocks[sample], comm=comm, dtype=self.dtype)
         a, b = self.assignment.bounds[self.stage]
         self.layers = list(range(a, b))
-        if self.stage == 0:
-            log.info("GNNPipe %s", self.assignment)
+        if self.stage == 0 and self.way == 0:
+            log.info("%s %s", self.label, self.assignment)
 
         # the modules this stage owns, under their single-process names
         self.full_keys = [(k, tuple(v.shape), v.dtype) for k, v in gnn.state_dict().items()]
         for k, _, _ in self.full_keys:
             self._owner(k)  # every weight has an owner stage
+        self.params_per_stage = [0] * self.S
+        for k, p in gnn.named_parameters():
+            if p.requires_grad:
+                self.params_per_stage[self._owner(k)] += p.numel()
         self.encoder = gnn.encoder if self.first else None
         self.decoder = gnn.decoder if self.last else None
         self.convs = {l: gnn.convs[l] for l in self.layers}
@@ -328,38 +350,55 @@ class PipelineEngine:
             + [(f"convs.{l}", self.convs[l]) for l in self.layers]
             + ([("decoder", self.decoder)] if self.decoder is not None else []))
         del gnn  # the other stages' convs are not ours to keep
-        self.opt = make_optimizer([p for _, m in self.owned for p in m.parameters()], cfg.training)
+        self.params = [p for _, m in self.owned for p in m.parameters() if p.requires_grad]
+        self.opt = make_optimizer(self.params, cfg.training)
 
-        # data: features on stage 0 only, labels and masks on the last stage only
-        if self.first:
-            self.features = torch.as_tensor(store.read_all("features")).to(self.device, self.dtype)
-        if self.last:
-            self.labels = torch.as_tensor(store.read_all("labels")).to(self.device)
-            self.masks = {s: torch.as_tensor(store.read_all(f"{s}_mask")).to(self.device) for s in SPLITS}
-            self.n_train = max(int(self.masks["train"].sum()), 1)
-
-        # buffers
+        # buffers over the source space (own rows, then halo rows)
         keep_history = pc.recompute and pc.snapshot_every == 0
         self.hist: dict[int, History] = {}
         for l in self.layers:
             if l == 0:
                 continue  # conv 0's input is never stale: features, or the encoder on all rows
-            self.hist[l] = History(self.N, self.dims[l], device=self.device, dtype=self.dtype,
+            self.hist[l] = History(self.n_src, self.dims[l], device=self.device, dtype=self.dtype,
                                    momentum=pc.momentum, snapshot_every=pc.snapshot_every,
                                    keep_history=keep_history, grad_buffer=True)
         if self.first:
             if self.has_encoder:
-                self.h0 = torch.zeros(self.N, self.dims[0], device=self.device, dtype=self.dtype)
+                self.h0 = torch.zeros(self.n_src, self.dims[0], device=self.device, dtype=self.dtype)
                 self.g0 = torch.zeros_like(self.h0)
             else:
-                self.h0 = self.features
+                self.h0 = self.x_src
         if self.needs_x0 and not self.first:
-            self.x0buf = torch.zeros(self.N, self.x0_dim, device=self.device, dtype=self.dtype)
-        self.full_block = store.full_block(self.dtype).to(self.device)  # exact passes
-        store.close()
-        self.warm_started = self.C > 1
+            self.x0buf = torch.zeros(self.n_own, self.x0_dim, device=self.device, dtype=self.dtype)
+        self.warm_started = self.Cw > 1
         if self.warm_started:
             self._full_pass(fill=True)
+
+    def _load(self, store: ChunkStore) -> None:
+        """The way's block: here every chunk, the source space the whole graph (new ids).
+
+        Sets ``my_chunks``, ``A``, ``n_own``, ``n_src``; per chunk ``blocks[c]`` (against its
+        own rows then its halo), ``halo[c]`` (the halo rows' positions in the source space)
+        and ``halo_chunk[c]`` (their owner chunk, as an index into the way's chunk order);
+        ``full_block`` (the exact passes); ``x_src`` (stage 0: the input features of the
+        source space); ``labels``, ``masks``, ``n_train`` (last stage: own rows, global count).
+        """
+        dev = self.device
+        self.my_chunks = list(range(self.C))
+        self.A, self.n_own = 0, self.N
+        self.n_src = self.N
+        self.blocks: list[Block] = [store.local_block(c, self.dtype).to(dev) for c in range(self.C)]
+        halos = [store.read_part(c, "halo") for c in range(self.C)]
+        self.halo = [torch.as_tensor(h, dtype=torch.int64).to(dev) for h in halos]
+        self.halo_chunk = [torch.as_tensor(store.part_of(h), dtype=torch.int64).to(dev) for h in halos]
+        self.full_block = store.full_block(self.dtype).to(dev)
+        # data: features on stage 0 only, labels and masks on the last stage only
+        if self.first:
+            self.x_src = torch.as_tensor(store.read_all("features")).to(dev, self.dtype)
+        if self.last:
+            self.labels = torch.as_tensor(store.read_all("labels")).to(dev)
+            self.masks = {s: torch.as_tensor(store.read_all(f"{s}_mask")).to(dev) for s in SPLITS}
+            self.n_train = max(int(self.masks["train"].sum()), 1)
 
     # ------------------------------------------------------------------ helpers
     def _owner(self, key: str) -> int:
@@ -374,7 +413,8 @@ class PipelineEngine:
                            f"and decoder are placed)")
 
     def _rows(self, c: int) -> tuple[int, int]:
-        return self.offsets[c], self.offsets[c + 1]
+        """Chunk ``c``'s rows in the source space."""
+        return self.offsets[c] - self.A, self.offsets[c + 1] - self.A
 
     def _train_mode(self, on: bool) -> None:
         for _, m in self.owned:
@@ -446,32 +486,48 @@ class PipelineEngine:
         self._backward_phase(ep, clock)
         for st in self.hist.values():
             st.end_epoch()
+        self._reduce_grads(clock)
         self.opt.step()
         # the loss is known on the last stage; every rank returns it (waiting here is the drain)
         loss = float(self._all_reduce_timed(loss_sum.reshape(1), clock)[0])
         return clock.stats(loss)
 
+    def _reduce_grads(self, clock: _Clock) -> None:
+        """Sum the weight gradients over the replicas of this stage: one replica here."""
+
     def _begin_epoch(self, epoch: int) -> "_Epoch":
-        C = self.C
-        order = chunk_order(C, epoch, self.cfg.training.seed, self.pc.shuffle_chunks)
-        pos = np.empty(C, dtype=np.int64)
-        pos[order] = np.arange(C)
+        Cw = self.Cw
+        order = chunk_order(Cw, epoch, self.cfg.training.seed, self.pc.shuffle_chunks)  # in the way's block
+        pos = np.empty(Cw, dtype=np.int64)
+        pos[order] = np.arange(Cw)
         pos_t = torch.as_tensor(pos).to(self.device)
-        # fresh[c]: the halo rows of c whose chunk precedes c (read fresh, gradient delivered in time)
-        fresh = [pos_t.index_select(0, self.halo_chunk[c]) < int(pos[c]) for c in range(C)]
+        base = self.way * Cw
+        ep = _Epoch([base + int(j) for j in order], {})
+        for c in self.my_chunks:
+            # fresh: the halo rows whose chunk comes earlier in the order (read fresh, gradient
+            # delivered in time); equal position: another way's chunk of the same step (hybrid)
+            p_halo = pos_t.index_select(0, self.halo_chunk[c])
+            me = int(pos[c - base])
+            ep.fresh[c] = p_halo <= me
+            if self.pc.grad_correction:
+                ep.scale[c] = self._halo_grad_scale(p_halo, me)
         for st in self.hist.values():
             st.begin_epoch(epoch)
-        ep = _Epoch([int(c) for c in order], fresh)
         if self.first and self.has_encoder:  # the encoder on every row, once per epoch
             if self.pc.recompute:
                 ep.rng["enc"] = self._rng_state()
                 with torch.no_grad():
-                    self.h0.copy_(self.encoder(self.features))
+                    self.h0.copy_(self.encoder(self.x_src))
             else:
-                ep.h0_graph = self.encoder(self.features)
+                ep.h0_graph = self.encoder(self.x_src)
                 self.h0.copy_(ep.h0_graph.detach())
             self.g0.zero_()
         return ep
+
+    def _halo_grad_scale(self, p_halo: Tensor, me: int):
+        """``grad_correction``'s factor for the gradients of a chunk's fresh halo rows: every one
+        belongs to an earlier chunk, so ``grad_scale`` (see the module doc)."""
+        return self.pc.grad_scale
 
     def _post_recvs(self, chunks: list[int], src: int, width: int, op: str, tag0: int) -> dict:
         """Post every receive of a phase up front (into fresh buffers, not the embedding buffers:
@@ -500,6 +556,8 @@ class PipelineEngine:
                     self.x0buf[s:e] = payload[:, self.dims[a]:]
             with torch.set_grad_enabled(not recompute):
                 for l in self.layers:
+                    if l > 0:
+                        self._exchange_halo(l, c, clock)
                     if recompute:
                         ep.rng[(l, c)] = self._rng_state()
                     h_src, x0, out = self._layer(l, c, ep.fresh[c], grad=not recompute)
@@ -519,6 +577,10 @@ class PipelineEngine:
         for w in sends:
             clock.wait(w, "comm")
         return loss_sum
+
+    def _exchange_halo(self, l: int, c: int, clock: _Clock) -> None:
+        """Before conv ``l`` of chunk ``c``: bring in the rows other ways computed at this step
+        (none: one way)."""
 
     def _backward_phase(self, ep: "_Epoch", clock: _Clock) -> None:
         """Every chunk back through this stage's convs, in reverse order, conv by conv."""
@@ -548,7 +610,7 @@ class PipelineEngine:
                     out.backward(g_out)
                 if x0 is not None:
                     gx0 = x0.grad if gx0 is None else gx0.add_(x0.grad)
-                g_out = self._route(l, c, h_src.grad, ep.fresh[c])
+                g_out = self._route(l, c, h_src.grad, ep, clock)
             if not self.first:
                 parts = [g_out] + ([gx0] if self.needs_x0 else [])
                 payload = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
@@ -558,12 +620,12 @@ class PipelineEngine:
         if self.first and self.has_encoder:
             if self.pc.recompute:
                 with self._replay(ep.rng.pop("enc")):
-                    ep.h0_graph = self.encoder(self.features)
+                    ep.h0_graph = self.encoder(self.x_src)
             ep.h0_graph.backward(self.g0)
         for w in sends:
             clock.wait(w, "comm")
 
-    def _route(self, l: int, c: int, gsrc: Optional[Tensor], fresh: Tensor) -> Optional[Tensor]:
+    def _route(self, l: int, c: int, gsrc: Optional[Tensor], ep: "_Epoch", clock: _Clock) -> Optional[Tensor]:
         """Split conv ``l``'s input gradient of chunk ``c`` (own rows, then halo rows): the halo
         part goes to the gradient buffer for the chunks that own those rows; returns the
         gradient of the chunk's own input rows, with what other chunks delivered to them."""
@@ -575,11 +637,12 @@ class PipelineEngine:
                 self.g0.index_add_(0, halo, gsrc[n_c:])
             return None
         st = self.hist[l]
-        g_own = gsrc[:n_c] + st.grad[s:e]  # (n_c, d_l)
+        g_own = gsrc[:n_c] + st.grad[s:e]  # (n_c, d_l); a chunk's halo never holds its own rows
         st.grad[s:e] = 0
         g_halo = gsrc[n_c:]  # (M_c, d_l)
         if self.pc.grad_correction:  # historical rows: dropped; fresh rows: scaled (see module doc)
-            st.grad.index_add_(0, halo[fresh], g_halo[fresh] * self.pc.grad_scale)
+            fresh = ep.fresh[c]
+            st.grad.index_add_(0, halo[fresh], g_halo[fresh] * ep.scale[c])
         else:  # fresh rows: delivered this epoch; historical rows: next epoch
             st.grad.index_add_(0, halo, g_halo)
         return g_own
@@ -594,27 +657,29 @@ class PipelineEngine:
     # ------------------------------------------------------------------ exact passes
     @torch.no_grad()
     def _full_pass(self, fill: bool) -> Optional[Tensor]:
-        """The whole graph as one chunk through the stages, dropout off (op ``control``).
+        """The way's whole block as one chunk through the stages, dropout off (op ``control``).
 
         ``fill``: also write every conv input into the buffers (the warm start).
-        Returns the logits on the last stage, None elsewhere.
+        Returns the logits of the own rows on the last stage, None elsewhere.
         """
         was = [m.training for _, m in self.owned]
         self._train_mode(False)
         tag = 2 * self.C
         a = self.layers[0]
+        src0 = None  # conv 0's source rows (stage 0)
         if self.first:
-            h = self.features if self.encoder is None else self.encoder(self.features)
+            src0 = self.x_src if self.encoder is None else self.encoder(self.x_src)  # (n_src, d_0)
+            h = src0[:self.n_own]
             x0 = h if self.needs_x0 else None
         else:
-            buf = torch.empty(self.N, self._stage_in_width(), device=self.device, dtype=self.dtype)
+            buf = torch.empty(self.n_own, self._stage_in_width(), device=self.device, dtype=self.dtype)
             self.comm.recv(buf, self.prev, op="control", tag=tag)
             h, x0 = buf[:, :self.dims[a]], (buf[:, self.dims[a]:] if self.needs_x0 else None)
-        block = self.full_block
         for l in self.layers:
+            h_src = src0 if l == 0 else self._halo_src(h)
             if fill and l in self.hist:
-                self.hist[l].fill(h)
-            h = self.convs[l](h, block, x0)
+                self.hist[l].fill(h_src)
+            h = self.convs[l](h_src, self.full_block, x0)
         for (_, m), w in zip(self.owned, was):
             m.train(w)
         if not self.last:
@@ -622,6 +687,10 @@ class PipelineEngine:
             self.comm.send(payload.contiguous(), self.next, op="control", tag=tag)
             return None
         return h if self.decoder is None else self.decoder(h)
+
+    def _halo_src(self, h: Tensor) -> Tensor:
+        """The own rows ``h`` of a conv's input, extended to the source space (nothing to add)."""
+        return h
 
     def evaluate(self) -> dict[str, float]:
         """Exact full-graph inference: accuracy per split and the training loss, on every rank."""
