@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # The optional DGL oracle lives outside the clone: it is large and slow to build.
 DGL_VENV ?= $(HOME)/.cache/gnnpipe/dgl-venv
 
-.PHONY: run test test-fast lint dgl-env test-dgl bench clean
+.PHONY: run test test-fast test-slurm lint dgl-env test-dgl bench clean
 
 $(STAMP): pyproject.toml requirements/cpu.lock.txt
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,15 @@ dgl-env: $(DGL_VENV)/.installed
 # GNNPIPE_REQUIRE_DGL: in this environment a missing dgl fails the tests instead of skipping them.
 test-dgl: $(DGL_VENV)/.installed
 	PYTHONPATH=src GNNPIPE_REQUIRE_DGL=1 $(DGL_VENV)/bin/python -m pytest -m dgl tests/test_dgl_parity.py $(PYTEST_ARGS)
+
+# The Slurm profile against a real Slurm: SLURM_UP starts a cluster here, two nodes on this
+# machine (root, apt-get; see .ci/slurm-up.sh). On a machine that has a cluster already:
+#   make test-slurm SLURM_UP=true GNNPIPE_SLURM_PARTITION=<partition>
+# GNNPIPE_REQUIRE_SLURM: a cluster that does not answer fails the test instead of skipping it.
+SLURM_UP ?= SLURM_NODES=2 .ci/slurm-up.sh
+test-slurm: $(STAMP)
+	$(SLURM_UP)
+	GNNPIPE_REQUIRE_SLURM=1 $(PY) -m pytest -m slurm tests/test_slurm_real.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

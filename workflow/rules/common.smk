@@ -164,9 +164,13 @@ def train_launcher(wildcards) -> str:
     torchrun = f"torchrun --nnodes {layout['nodes']} --nproc-per-node {layout['per_node']}"
     if layout["nodes"] == 1:
         return f"{torchrun} --standalone -m gnnpipe.cli"
-    head = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+    # The rendezvous is on the node the batch script runs on (the allocation's first node),
+    # whose torchrun agent hosts the c10d store. Not read from $SLURM_JOB_NODELIST: the
+    # plugin's job step strips it from the rule's environment. The port is the job's own,
+    # so that two runs sharing a node do not meet.
     return (f"srun --nodes {layout['nodes']} --ntasks-per-node 1 {torchrun} "
-            f"--rdzv-id $SLURM_JOB_ID --rdzv-backend c10d --rdzv-endpoint {head}:29500 -m gnnpipe.cli")
+            f"--rdzv-id $SLURM_JOB_ID --rdzv-backend c10d --rdzv-endpoint $(hostname):$((29500 + SLURM_JOB_ID % 1000))"
+            " -m gnnpipe.cli")
 
 
 def mlflow_db(wildcards) -> str:
