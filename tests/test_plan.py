@@ -321,3 +321,55 @@ def test_calibrate_fits_positive_rates_on_the_real_layers():
     assert sum(m["what"].startswith("conv") for m in fit["measurements"]) == 3 * 2 * 2 * 2
     st = pl.graph_stats(g, pl.part_counts(2, 3, 4))
     assert pl.plan(st, ModelConfig(kind="gcn", layers=3, hidden=16), 12, 4, hw, 2).best is not None
+
+
+def _run_yaml(tmp_path, graph_path, model: ModelConfig) -> str:
+    from gnnpipe.config import (GraphParallelConfig, PartitionConfig, PipelineConfig, RunConfig,
+                                TrainingConfig, dump_run_config)
+
+    cfg = RunConfig(run_id="r", mode="graph", dataset_name="ring", graph_path=str(graph_path), store_path=None,
+                    out_dir=str(tmp_path), model=model, training=TrainingConfig(seed=0),
+                    partitioning=PartitionConfig(), pipeline=PipelineConfig(),
+                    graph_parallel=GraphParallelConfig(), workers=2, ways=2, chunks=2)
+    path = tmp_path / f"{model.kind}.run.yaml"
+    path.write_text(dump_run_config(cfg))
+    return str(path)
+
+
+def test_calibrate_command_writes_a_profile_the_report_finds(tmp_path):
+    """`gnnpipe calibrate` fits a profile to a run's graph and model; find_calibration
+    hands it back for exactly that model, dtype and graph content, and for nothing else."""
+    from gnnpipe.cli import main
+    from gnnpipe.graph import read_graph_attrs
+
+    graph_path = tmp_path / "graph.h5"
+    write_graph(graph_path, _graph(n=800, extra=800))
+    model = ModelConfig(kind="gcn", layers=3, hidden=16)
+    out = tmp_path / "fitted" / "gcn3.yaml"
+    assert main(["calibrate", "--run-config", _run_yaml(tmp_path, graph_path, model),
+                 "--hardware", "cpu-2core", "--out", str(out)]) == 0
+    hw = cm.load_hardware(out)
+    base = cm.load_hardware("cpu-2core")
+    fit = hw.measured["calibration"]
+    assert hw.name == "cpu-2core+ring" and fit["dataset"] == "ring" and fit["dtype"] == "float32"
+    assert (hw.intra_bandwidth_gbs, hw.intra_latency_us) == (base.intra_bandwidth_gbs, base.intra_latency_us)
+    assert hw.dense_gflops == fit["rates"].get("dense_gflops", base.dense_gflops) > 0
+    digest = str(read_graph_attrs(graph_path)["content_hash"])
+    assert fit["graph_hash"] == digest
+    assert pl.find_calibration(out.parent, model, digest).name == hw.name
+    assert pl.find_calibration(out.parent, ModelConfig(kind="gcn", layers=4, hidden=16), digest) is None
+    assert pl.find_calibration(out.parent, model, digest, "float64") is None
+    assert pl.find_calibration(out.parent, model, "another graph") is None
+
+
+def test_plan_stats_command_writes_where_it_is_told(tmp_path):
+    from gnnpipe.cli import main
+
+    graph_path = tmp_path / "graph.h5"
+    write_graph(graph_path, _graph())
+    out = tmp_path / "cost" / "plan-stats.json"
+    assert main(["plan-stats", "--graph", str(graph_path), "--parts", "2", "4", "--out", str(out)]) == 0
+    st = json.loads(out.read_text())
+    assert set(st["partitions"]) == {"2", "4"} and st["num_nodes"] == 600
+    assert not pl.stats_cache_path(graph_path).exists()
+    assert st["partitions"]["2"] == pl.graph_stats(_graph(), [2])["partitions"]["2"]

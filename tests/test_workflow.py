@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from gnnpipe.config import WorkflowConfig, load_workflow_config, resolve_runs
+from gnnpipe.config import WorkflowConfig, load_workflow_config, resolve_runs, run_id
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "config" / "config.yaml"
@@ -63,9 +63,16 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
     res = snakemake(tmp_path, DEFAULT, "-n", "-p")
     assert res.returncode == 0, res.stderr
     out = res.stdout + res.stderr
+    # the cost model: partition statistics per dataset, a calibrated profile per (dataset, model
+    # with graph layers); mlp has no cost model
+    wf = load_workflow_config(yaml.safe_load(DEFAULT.read_text()))
+    fitted = {(s.dataset, s.model) for s in wf.runs if wf.models[s.model].kind != "mlp"}
     assert job_counts(out) == {
         "all": 1, "dataset_spec": 1, "download": 1, "partition": len(stores), "materialize": len(stores),
-        "run_config": len(runs), "train": len(runs), "evaluate": len(runs), "report": 1}
+        "run_config": len(runs), "train": len(runs), "evaluate": len(runs), "report": 1,
+        "plan_stats": len({r.dataset_name for r in runs.values()}), "calibrate": len(fitted)}
+    for d, m in fitted:
+        assert f"results/cost_model/{d}/{m}.yaml" in out
     for store in stores:  # exactly the stores the runs read, at k = P (graph) or C (pipeline)
         assert f"output: {store}" in out
     for rid, run in runs.items():
@@ -250,6 +257,23 @@ def test_tiny_config_end_to_end(tmp_path):
             assert ev["test_acc"] == pytest.approx(rec["test_acc"], abs=0.02)
         assert (tmp_path / "logs" / "train" / f"{rid}.log").is_file()
         records[rid] = rec
+    # the cost model: a profile fitted per (dataset, model with graph layers), named in the
+    # report; the partition statistics are the rule's output, not a cache beside graph.h5
+    from gnnpipe.costmodel import load_hardware
+    from gnnpipe.graph import read_graph_attrs
+    from gnnpipe.plan import stats_cache_path
+
+    fitted = {(r.dataset_name, s.model, tmp_path / r.graph_path) for s in wf.runs
+              for r in [runs[run_id(wf, s)]] if r.model.kind != "mlp"}
+    assert fitted
+    for dataset, model, graph_path in fitted:
+        hw = load_hardware(results / "cost_model" / dataset / f"{model}.yaml")
+        fit = hw.measured["calibration"]
+        assert hw.name == f"cpu-2core+{dataset}" and f"`{hw.name}`" in report
+        assert fit["graph_hash"] == str(read_graph_attrs(graph_path)["content_hash"])
+        assert fit["model"]["kind"] == wf.models[model].kind
+        assert (results / "cost_model" / dataset / "plan-stats.json").is_file()
+        assert not stats_cache_path(graph_path).exists()
     graph = next(rid for rid, r in runs.items() if r.mode == "graph")
     pipe = next(rid for rid, r in runs.items() if r.mode == "pipeline" and r.model == runs[graph].model)
     ratio_row = next(l for l in report.splitlines() if f"| `{graph}` | `{pipe}` | graph ÷ pipeline |" in l)

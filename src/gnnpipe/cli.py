@@ -9,6 +9,8 @@
     gnnpipe runs        --config config/config.yaml   (list / resolve the configured runs)
     gnnpipe plan        --graph graph.h5 --hardware 8xgpu-pcie --workers 8 --layers 32
                                                       (predict and recommend a layout)
+    gnnpipe calibrate   --run-config run.yaml --hardware cpu-2core --out fitted.yaml
+    gnnpipe plan-stats  --graph graph.h5 --parts 2 4 8 --out plan-stats.json
 
 Every sub-command has its own ``--help``. Errors in the user's input print one line,
 ``gnnpipe: error: ...``, and exit with status 2.
@@ -85,7 +87,7 @@ def _report(a):
         runs = [Path(a.runs_dir) / r for r in a.run]
     if not runs:
         raise GnnPipeError(f"{a.runs_dir}: no run records (*/metrics.json); train some runs first")
-    build_report(runs, Path(a.out), Path(a.plots))
+    build_report(runs, Path(a.out), Path(a.plots), hardware=a.hardware, cost_model_dir=a.cost_model_dir)
 
 
 def _runs(a):
@@ -157,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--run", action="append", help="only these run ids (repeatable)")
     r.add_argument("--out", default="results/report.md")
     r.add_argument("--plots", default="results/plots")
+    r.add_argument("--hardware", default="cpu-2core",
+                   help="hardware profile the cost model predicts each run on (a name under "
+                        "config/hardware or a YAML file)")
+    r.add_argument("--cost-model-dir", metavar="DIR",
+                   help="per dataset, DIR/<dataset>/plan-stats.json (`gnnpipe plan-stats`) and "
+                        "DIR/<dataset>/*.yaml profiles calibrated to a model (`gnnpipe calibrate`): "
+                        "a run uses the one fitted to its model, else --hardware (default: "
+                        "statistics cached next to each graph.h5, no calibration)")
     r.set_defaults(func=_report)
 
     s = sub.add_parser("runs", help="list the runs a workflow config defines",
@@ -166,8 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--resolve", metavar="RUN_ID", help="print this run's resolved config as YAML")
     s.set_defaults(func=_runs)
 
-    from .plan import add_plan_parser
+    from .plan import add_calibrate_parser, add_plan_parser, add_stats_parser
     add_plan_parser(sub)
+    add_calibrate_parser(sub)
+    add_stats_parser(sub)
     return p
 
 

@@ -172,6 +172,16 @@ class ResourcesConfig:
     workers_per_node: Optional[int] = None  # None: all of a run's workers on one node
 
 
+@dataclass
+class CostModelConfig:
+    """The cost model the report sets beside every measured run (gnnpipe.plan)."""
+
+    hardware: str = "cpu-2core"  # profile name under config/hardware, or a YAML file
+    # Fit the profile's compute rates to each (dataset, model) on this machine first
+    # (rule calibrate, a few seconds each); false: the profile's rates as they are.
+    calibrate: bool = True
+
+
 # --------------------------------------------------------------------------- runs
 MODES = ("single", "graph", "pipeline", "hybrid")
 
@@ -202,6 +212,7 @@ class WorkflowConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     graph_parallel: GraphParallelConfig = field(default_factory=GraphParallelConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    cost_model: CostModelConfig = field(default_factory=CostModelConfig)
     runs: list[RunSpec] = field(default_factory=list)
 
 

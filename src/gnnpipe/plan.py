@@ -183,16 +183,18 @@ def stats_cache_path(graph_path: str | os.PathLike) -> Path:
 
 
 def cached_graph_stats(graph_path: str | os.PathLike, parts: Sequence[int], *, method: str = "metis",
-                       seed: int = 0, balance_edges: bool = True, progress: bool = False) -> dict:
-    """:func:`graph_stats` of a graph file, reusing (and extending) the JSON cache next to
-    it; a cache of another graph content, method or seed is ignored and rewritten."""
+                       seed: int = 0, balance_edges: bool = True, progress: bool = False,
+                       cache_file: str | os.PathLike | None = None) -> dict:
+    """:func:`graph_stats` of a graph file, reusing (and extending) the JSON cache
+    ``cache_file`` (default: next to the graph, :func:`stats_cache_path`); a cache of
+    another graph content, method or seed is ignored and rewritten."""
     import json
 
     from .graph import read_graph, read_graph_attrs
 
     attrs = read_graph_attrs(graph_path)
     digest = str(attrs["content_hash"])
-    cache_file = stats_cache_path(graph_path)
+    cache_file = Path(cache_file) if cache_file is not None else stats_cache_path(graph_path)
     cached = None
     if cache_file.exists():
         try:
@@ -773,6 +775,51 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = N
     return replace(base, **rates, measured={**base.measured, "calibration": fit})
 
 
+def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> cm.Hardware:
+    """:func:`calibrate` on what one run trains: its graph, model, dtype and threads per
+    worker. The result is named ``<profile>+<dataset>`` and keeps the profile's links; its
+    ``measured["calibration"]`` records the model config and the graph's content hash, so
+    that a report can match it to the runs it stands for (:func:`find_calibration`)."""
+    from .config import RunConfig, load_run_config
+    from .graph import read_graph, read_graph_attrs
+
+    cfg = run_config if isinstance(run_config, RunConfig) else load_run_config(run_config)
+    hw = hardware if isinstance(hardware, cm.Hardware) else cm.load_hardware(hardware)
+    threads = cfg.training.threads_per_worker
+    if clock == "cpu" and threads != 1:
+        clock = "wall"  # the CPU clock of one thread says nothing about a team of threads
+    out = calibrate(read_graph(cfg.graph_path), cfg.model, hw, threads=threads,
+                    dtype=cfg.training.dtype, clock=clock)
+    fit = {**out.measured["calibration"], "dataset": cfg.dataset_name,
+           "graph_hash": str(read_graph_attrs(cfg.graph_path)["content_hash"])}
+    return replace(out, name=f"{hw.name}+{cfg.dataset_name}",
+                   description=f"{hw.description}; compute rates fitted to {cfg.model.kind} "
+                               f"{cfg.model.layers}x{cfg.model.hidden} on {cfg.dataset_name}",
+                   measured={**out.measured, "calibration": fit})
+
+
+def write_hardware(hw: cm.Hardware, path: str | os.PathLike) -> None:
+    """Write a profile as YAML that :func:`gnnpipe.costmodel.load_hardware` reads back."""
+    import yaml
+
+    from .io import write_text
+
+    write_text(path, yaml.safe_dump(hw.as_dict(), sort_keys=False))
+
+
+def find_calibration(directory: str | os.PathLike, model_cfg: ModelConfig, graph_hash: str,
+                     dtype: str = "float32") -> Optional[cm.Hardware]:
+    """The profile in ``directory`` (``*.yaml``, written by :func:`calibrate_run`) fitted to
+    this model config, dtype and graph content, or None."""
+    want = to_dict(model_cfg)
+    for path in sorted(Path(directory).glob("*.yaml")):
+        hw = cm.load_hardware(path)
+        fit = hw.measured.get("calibration") or {}
+        if fit.get("model") == want and fit.get("graph_hash") == graph_hash and fit.get("dtype") == dtype:
+            return hw
+    return None
+
+
 # ===================================================================== entry points
 def _load_model_cfg(model_cfg) -> ModelConfig:
     if isinstance(model_cfg, ModelConfig):
@@ -892,6 +939,46 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="--calibrate timing: wall clock, or the thread's CPU time (a shared machine)")
     p.add_argument("--out", help="write the plan as JSON here")
     p.set_defaults(func=_cli)
+    return p
+
+
+def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``gnnpipe calibrate`` (the workflow's ``calibrate`` rule)."""
+    p = subparsers.add_parser(
+        "calibrate", help="fit a hardware profile's compute rates to a run's graph and model",
+        description="Time every distinct conv of the run's model forward and backward on samples "
+                    "of its graph (and the bare kernels), fit the cost model's compute rates "
+                    "(dense FLOP/s, sparse and elementwise values/s, random numbers/s, per-call "
+                    "overhead) and write the profile with those rates as YAML. The links keep the "
+                    "profile's values. Takes a few seconds.")
+    p.add_argument("--run-config", required=True, help="results/runs/<run_id>/run.yaml of a run to fit to")
+    p.add_argument("--hardware", required=True, help="base profile: a name under config/hardware or a YAML file")
+    p.add_argument("--clock", default="cpu", choices=sorted(CLOCKS),
+                   help="cpu (default): the timing thread's CPU time, blind to other jobs on the "
+                        "machine; wall: wall-clock time (used anyway for several threads per worker)")
+    p.add_argument("--out", required=True, help="profile to write (YAML)")
+    p.set_defaults(func=lambda a: write_hardware(calibrate_run(a.run_config, a.hardware, clock=a.clock), a.out))
+    return p
+
+
+def add_stats_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``gnnpipe plan-stats`` (the workflow's ``plan_stats`` rule)."""
+    p = subparsers.add_parser(
+        "plan-stats", help="partition statistics the cost model needs, as JSON",
+        description="Partition the graph into each of --parts parts (as the partition rule does) "
+                    "and write the statistics the cost model reads: rows, inner rows, in-edges and "
+                    "mirrors per part. An existing file for the same graph content, method and seed "
+                    "is extended, not recomputed.")
+    p.add_argument("--graph", required=True, help="graph.h5")
+    p.add_argument("--parts", type=int, nargs="*", default=[],
+                   help="part counts (none: the graph's sizes only)")
+    p.add_argument("--method", default="metis", choices=["metis", "random", "contiguous"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-balance-edges", dest="balance_edges", action="store_false")
+    p.add_argument("--out", required=True, help="statistics JSON to write")
+    p.set_defaults(func=lambda a: cached_graph_stats(a.graph, a.parts, method=a.method, seed=a.seed,
+                                                     balance_edges=a.balance_edges, progress=True,
+                                                     cache_file=a.out))
     return p
 
 

@@ -422,9 +422,11 @@ class Predictor:
     failure becomes an unavailable :class:`Prediction` with the reason.
     """
 
-    def __init__(self, hardware=DEFAULT_HARDWARE):
+    def __init__(self, hardware=DEFAULT_HARDWARE, cost_model_dir=None):
         from . import costmodel as cm
 
+        self.cost_model_dir = Path(cost_model_dir) if cost_model_dir is not None else None
+        self.calibrated: set[str] = set()  # names of the calibrated profiles used
         self.hardware, self.error = None, None
         if isinstance(hardware, cm.Hardware):
             self.hardware = hardware
@@ -464,14 +466,26 @@ class Predictor:
             S, G, C = 1, int(r["world_size"]), int(r["world_size"])
         parts = sorted({k for k in (G, C) if k > 1})
         pt = cfg.partitioning
+        hw, cache = self.hardware, None
+        if self.cost_model_dir is not None:
+            from .graph import read_graph_attrs
+            from .plan import find_calibration
+
+            where = self.cost_model_dir / cfg.dataset_name
+            cache = where / "plan-stats.json"
+            digest = str(read_graph_attrs(cfg.graph_path)["content_hash"])
+            fitted = find_calibration(where, cfg.model, digest, cfg.training.dtype) if where.is_dir() else None
+            if fitted is not None:
+                hw = fitted
+                self.calibrated.add(fitted.name)
         stats = cached_graph_stats(cfg.graph_path, parts, method=pt.method, seed=pt.seed,
-                                   balance_edges=pt.balance_edges)
+                                   balance_edges=pt.balance_edges, cache_file=cache)
         key = (repr(to_dict(cfg.model)), int(stats["num_features"]), int(stats["num_classes"]))
         if key not in self._models:
             gnn = build_model(cfg.model, key[1], key[2])
             self._models[key] = (gnn, model_shape(gnn))
         gnn, shape = self._models[key]
-        est = predict_layout(stats, gnn, shape, self.hardware, mode, S, G, C,
+        est = predict_layout(stats, gnn, shape, hw, mode, S, G, C,
                              dtype_bytes=int(r.get("dtype_bytes", 4)), overlap=cfg.graph_parallel.overlap,
                              balance=cfg.pipeline.balance,
                              first_input="local" if cfg.graph_parallel.cache_input_halo else "exchanged",
@@ -702,11 +716,13 @@ def plot_mode_curves(group: tuple, aggs: list[Aggregate], path: Path):
 
 # --------------------------------------------------------------------------- the report
 def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
-                 hardware=DEFAULT_HARDWARE, predict: bool = True) -> None:
+                 hardware=DEFAULT_HARDWARE, predict: bool = True, cost_model_dir=None) -> None:
     """Read the runs in ``run_dirs`` and write ``out_md`` and the PNGs in ``plots_dir``.
 
     ``hardware``: the profile (name, path or ``costmodel.Hardware``) the cost model
-    predicts each run on; ``predict=False`` leaves the predictions out (marked so)."""
+    predicts each run on; ``cost_model_dir``: the workflow's partition statistics and
+    calibrated profiles (``Predictor``); ``predict=False`` leaves the predictions out
+    (marked so)."""
     if not run_dirs:
         raise GnnPipeError("no runs to report on")
     runs = load_runs([Path(d) for d in run_dirs])
@@ -715,9 +731,13 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
     rel = lambda p: Path(os.path.relpath(p, out_md.parent)).as_posix()  # noqa: E731
 
     if predict:
-        predictor = Predictor(hardware)
-        hw_name = predictor.name
+        predictor = Predictor(hardware, cost_model_dir)
         predictions = {r.run_id: predictor(r) for r in runs}
+        hw_name = f"hardware profile `{predictor.name}`"
+        if predictor.calibrated:
+            hw_name += (" with its compute rates fitted to each dataset and model on this machine "
+                        f"({', '.join(f'`{n}`' for n in sorted(predictor.calibrated))}; rule calibrate, "
+                        "`gnnpipe calibrate`)")
     else:
         hw_name = None
         predictions = {r.run_id: Prediction(reason="predictions switched off") for r in runs}
@@ -768,8 +788,8 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
         "",
         "## Measured vs cost model",
         "",
-        (f"The cost model (gnnpipe.plan.predict_layout; graph statistics cached next to each "
-         f"graph.h5) on hardware profile `{hw_name}`, {n_pred} of {len(runs)} runs predicted; "
+        (f"The cost model (gnnpipe.plan.predict_layout, on each graph's partition statistics) "
+         f"on {hw_name}, {n_pred} of {len(runs)} runs predicted; "
          "error = (predicted − measured) ÷ measured." if predict else
          "Predictions switched off."),
         "",

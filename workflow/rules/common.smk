@@ -14,6 +14,7 @@ from gnnpipe.config import (
     dump_run_config,
     load_workflow_config,
     resolve_runs,
+    run_id,
     store_path,
     to_dict,
 )
@@ -96,6 +97,7 @@ LAYOUT = {rid: _train_layout(run) for rid, run in RUNS.items()}
 wildcard_constraints:
     dataset="|".join(re.escape(d) for d in WF.datasets),
     run_id="|".join(re.escape(r) for r in RUNS),
+    model="|".join(re.escape(m) for m in WF.models),
     method="metis|random|contiguous",
     parts=r"[1-9][0-9]*",
 
@@ -114,6 +116,36 @@ def run_records(wildcards):
 
 def report_run_args(wildcards) -> str:
     return " ".join(f"--run {rid}" for rid in RUNS)
+
+
+# ----------------------------------------------------------------------------- cost model
+COST_DIR = f"{RESULTS}/cost_model"
+# (dataset, model) -> the first run that trains it: its run.yaml is what `gnnpipe calibrate` fits
+# to. Models without graph layers (mlp) have no cost model, so nothing to calibrate.
+CALIBRATION_RUNS = {}
+for _spec in WF.runs:
+    if WF.models[_spec.model].kind != "mlp":
+        CALIBRATION_RUNS.setdefault((_spec.dataset, _spec.model), run_id(WF, _spec))
+
+
+def cost_model_inputs(wildcards) -> dict:
+    """The report's partition statistics per dataset and calibrated profiles per (dataset, model)."""
+    out = {"plan_stats": sorted({f"{COST_DIR}/{r.dataset_name}/plan-stats.json" for r in RUNS.values()})}
+    if WF.cost_model.calibrate:
+        out["profiles"] = [f"{COST_DIR}/{d}/{m}.yaml" for d, m in CALIBRATION_RUNS]
+    return out
+
+
+def plan_parts(wildcards) -> str:
+    """The partitions the cost model needs for a dataset's runs: ways and chunk counts > 1."""
+    parts = {k for r in RUNS.values() if r.dataset_name == wildcards.dataset
+             for k in (r.ways, r.chunks) if k > 1}
+    return " ".join(str(k) for k in sorted(parts))
+
+
+def calibration_run_config(wildcards) -> str:
+    rid = CALIBRATION_RUNS[(wildcards.dataset, wildcards.model)]
+    return f"{RESULTS}/runs/{rid}/run.yaml"
 
 
 # ----------------------------------------------------------------------------- data

@@ -3,6 +3,7 @@ rule report:
     ÷ hybrid, measured vs cost model) and plots; `snakemake --report` shows the plots."""
     input:
         unpack(run_records),
+        unpack(cost_model_inputs),
     output:
         report=report(f"{RESULTS}/report.md", caption="../report/report_md.rst", category="Report"),
         plots=report(directory(f"{RESULTS}/plots"), patterns=["{name}.png"],
@@ -12,8 +13,50 @@ rule report:
     params:
         runs=report_run_args,
         runs_dir=lambda wildcards, input: os.path.dirname(os.path.dirname(input.metrics[0])),
+        hardware=WF.cost_model.hardware,
+        cost_dir=COST_DIR,
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
         "gnnpipe report --runs-dir {params.runs_dir} {params.runs}"
+        " --hardware {params.hardware:q} --cost-model-dir {params.cost_dir}"
         " --out {output.report} --plots {output.plots} > {log} 2>&1"
+
+
+rule plan_stats:
+    """Partition statistics of a dataset for the cost model: every partition its runs use."""
+    input:
+        graph=f"{RESULTS}/data/{{dataset}}/graph.h5",
+    output:
+        stats=f"{COST_DIR}/{{dataset}}/plan-stats.json",
+    log:
+        "logs/cost_model/{dataset}.plan-stats.log",
+    params:
+        parts=plan_parts,
+        method=WF.partitioning.method,
+        seed=WF.partitioning.seed,
+        balance="" if WF.partitioning.balance_edges else "--no-balance-edges",
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        "gnnpipe plan-stats --graph {input.graph} --parts {params.parts} --method {params.method}"
+        " --seed {params.seed} {params.balance} --out {output.stats} > {log} 2>&1"
+
+
+rule calibrate:
+    """The cost model's hardware profile with its compute rates fitted, on this machine, to
+    a dataset's graph and a model (timed on the thread's CPU clock: other jobs may run)."""
+    input:
+        graph=f"{RESULTS}/data/{{dataset}}/graph.h5",
+        run_config=calibration_run_config,
+    output:
+        profile=f"{COST_DIR}/{{dataset}}/{{model}}.yaml",
+    log:
+        "logs/cost_model/{dataset}.{model}.calibrate.log",
+    params:
+        hardware=WF.cost_model.hardware,
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        "gnnpipe calibrate --run-config {input.run_config} --hardware {params.hardware:q}"
+        " --out {output.profile} > {log} 2>&1"
