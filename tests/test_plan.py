@@ -64,6 +64,20 @@ def test_partition_summary_matches_brute_force():
     assert st["mirrors"] == halo
 
 
+def test_chunk_ways_are_blocks_of_the_chunk_partition():
+    g = _graph(n=500)
+    st = pl.graph_stats(g, [8])
+    assert set(st["chunk_ways"]["8"]) == {"2", "4"}
+    from gnnpipe.partition import partition_graph
+
+    a = partition_graph(g, "metis", 8, seed=0, balance_edges=True)
+    for G in (2, 4):
+        way = a // (8 // G)  # way w owns chunks w·C/G .. (w+1)·C/G - 1, as HybridEngine
+        halo = [len({int(u) for v in np.flatnonzero(way == w) for u in g.indices[g.indptr[v]:g.indptr[v + 1]]
+                     if way[u] != w}) for w in range(G)]
+        assert st["chunk_ways"]["8"][str(G)]["mirrors"] == halo
+
+
 def test_stats_cache_is_reused_extended_and_invalidated(tmp_path, monkeypatch):
     path = tmp_path / "graph.h5"
     write_graph(path, _graph())
@@ -161,7 +175,10 @@ def test_plan_bytes_are_the_closed_forms(small_stats):
     assert graph.bytes["halo"] == 2 * stats["partitions"]["4"]["mirrors_total"] * sum(dims[1:]) * 4
     assert rows[("pipeline", 4, 1)].bytes["total"] == 2 * 3 * g.num_nodes * 16 * 4
     hybrid = rows[("hybrid", 2, 2)]
-    assert hybrid.bytes["halo"] == 2 * stats["partitions"]["2"]["mirrors_total"] * sum(dims[1:]) * 4
+    # the hybrid's ways are blocks of its chunks, not a 2-way partition of their own
+    ways = stats["chunk_ways"][str(hybrid.chunks)]["2"]
+    assert hybrid.bytes["halo"] == 2 * ways["mirrors_total"] * sum(dims[1:]) * 4
+    assert ways["mirrors_total"] != stats["partitions"]["2"]["mirrors_total"]
     upper = pl.plan(stats, GCN, g.num_features, g.num_classes, hw, 4, first_input="exchanged")
     assert upper.rows[0].bytes == cm.graph_parallel_bytes(stats["partitions"]["4"]["mirrors"], dims, 4,
                                                           n_params, 4)

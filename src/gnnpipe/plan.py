@@ -52,7 +52,7 @@ from .config import ModelConfig, PipelineConfig, from_dict, load_yaml, to_dict
 from .io import GnnPipeError, write_json
 
 DTYPE_BYTES = {"float32": 4, "float64": 8}
-STATS_VERSION = 1
+STATS_VERSION = 2  # 2: chunk_ways (the hybrid's ways as blocks of chunks)
 
 
 # ===================================================================== the model, as sizes
@@ -159,17 +159,25 @@ def partition_summary(graph, assignment: np.ndarray, parts: int) -> dict:
 def graph_stats(graph, parts: Sequence[int], *, method: str = "metis", seed: int = 0,
                 balance_edges: bool = True, progress: bool = False) -> dict:
     """What the plan needs of ``graph``: its sizes and, for every G in ``parts``, the
-    statistics of its ``method`` partition into G parts."""
+    statistics of its ``method`` partition into G parts (``partitions[str(G)]``).
+
+    A hybrid run's ways are not a G-way partition of their own: way ``g`` owns the block
+    ``g·C/G ..`` of the C chunks. So for every C in ``parts`` and every divisor ``1 < G <
+    C``, ``chunk_ways[str(C)][str(G)]`` holds the statistics of those ways (the engine's
+    halo per way, hence the hybrid's exact bytes)."""
     from .partition import partition_graph
 
     out = {"version": STATS_VERSION, "name": graph.name, "num_nodes": graph.num_nodes,
            "num_edges": graph.num_edges, "num_features": graph.num_features,
            "num_classes": graph.num_classes, "method": method, "seed": seed,
-           "balance_edges": balance_edges, "partitions": {}}
+           "balance_edges": balance_edges, "partitions": {}, "chunk_ways": {}}
     for g in sorted(set(int(p) for p in parts)):
         t0 = time.perf_counter()
         a = partition_graph(graph, method, g, seed=seed, balance_edges=balance_edges)
         out["partitions"][str(g)] = partition_summary(graph, a, g)
+        ways = {str(w): partition_summary(graph, a // (g // w), w) for w in range(2, g) if g % w == 0}
+        if ways:
+            out["chunk_ways"][str(g)] = ways
         if progress:
             r = out["partitions"][str(g)]["mirrors_over_n"]
             print(f"[plan] {method} {g} parts: mirrors {r:.3f} N ({time.perf_counter() - t0:.1f} s)",
@@ -213,6 +221,7 @@ def cached_graph_stats(graph_path: str | os.PathLike, parts: Sequence[int], *, m
                         progress=progress)
     if cached is not None:
         fresh["partitions"] = {**cached["partitions"], **fresh["partitions"]}
+        fresh["chunk_ways"] = {**cached.get("chunk_ways", {}), **fresh["chunk_ways"]}
     fresh["content_hash"] = digest
     write_json(cache_file, fresh)
     return fresh
@@ -385,7 +394,13 @@ def predict_layout(graph_stats: dict, gnn, shape: cm.ModelShape, hardware: cm.Ha
             raise GnnPipeError(f"graph statistics lack a {k}-part partition (needed by {mode} "
                                f"{stages} x {ways}, {chunks} chunks); have "
                                f"{', '.join(sorted(parts, key=int)) or 'none'}")
-    way_stats = cm.WayStats.from_partition(parts[str(ways)]) if ways > 1 else cm.WayStats.whole(N, E)
+    # a hybrid's ways are blocks of chunks: their statistics where the file has them (graph_stats),
+    # else those of a G-way partition of their own (extrapolated statistics)
+    of_chunks = graph_stats.get("chunk_ways", {}).get(str(chunks), {}).get(str(ways))
+    if ways > 1 and chunks > ways and of_chunks is not None:
+        way_stats = cm.WayStats.from_partition(of_chunks)
+    else:
+        way_stats = cm.WayStats.from_partition(parts[str(ways)]) if ways > 1 else cm.WayStats.whole(N, E)
     chunk_stats = cm.WayStats.from_partition(parts[str(chunks)]) if chunks > ways else None
     sample_of = chunk_stats or way_stats
     big = max(range(sample_of.ways), key=lambda c: sample_of.edges[c])  # the engine profiles its largest chunk
