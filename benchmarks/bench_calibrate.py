@@ -17,7 +17,14 @@ Measurements (medians of ``--reps``, after a warm-up):
 * per-call overhead: a GCN conv forward + backward on a 64-node block;
 * gloo over loopback between 2 processes: ping-pong ``send``/``recv`` of 4 B .. 64 MiB;
   latency is half the round trip of the smallest message, bandwidth the slope of time
-  against size over the large ones.
+  against size over the large ones;
+* overlap: an all-to-all started asynchronously while a worker multiplies matrices,
+  against the two apart: the share of the transfer hidden is ``comm_overlap``;
+* oversubscription: 2 x cores workers, each a loop of matmul bursts with a tiny blocking
+  exchange after each (all-to-all; a ring of send/recv as between pipeline stages),
+  against the loop without exchanges; what an exchange costs there more than with
+  ``cores`` workers is the profile's ``oversubscribed_wait_us``;
+* the resident set of a fresh worker after its imports (``process_overhead_gib``).
 
 ``--write-profile`` turns them into a hardware profile (1-thread rates per worker, since
 each worker runs one compute thread by default). ``--check`` fits the rates to a real
@@ -132,6 +139,116 @@ def _pingpong(rank: int, world: int, sizes: list[int], reps: int) -> dict:
     return out
 
 
+def _timed_together(fns: dict, reps: int) -> dict:
+    """``{name}_s``: the median wall time of ``fn()`` between two barriers over ``reps``
+    runs after a warm-up, every rank running the same ``fn`` at once."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, fn in fns.items():
+        times = []
+        for i in range(reps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            if i:
+                times.append(time.perf_counter() - t0)
+        out[f"{name}_s"] = float(statistics.median(times))
+    return out
+
+
+def _overlap(rank: int, world: int, reps: int) -> dict:
+    """Does a transfer proceed while this worker computes? Times a matmul burst alone, an
+    all-to-all alone (async, waited at once) and the two together (all-to-all started,
+    matmul, wait): overlap = (alone + alone - together) / the shorter of the two."""
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(rank)
+    a, b = torch.randn(2000, 512, generator=gen), torch.randn(512, 512, generator=gen)
+    send = torch.randn(world * (1 << 20))  # 4 MiB to each peer
+    recv = torch.empty_like(send)
+
+    def compute():
+        for _ in range(4):
+            a @ b
+
+    def comm():
+        dist.all_to_all_single(recv, send, async_op=True).wait()
+
+    def both():
+        work = dist.all_to_all_single(recv, send, async_op=True)
+        compute()
+        work.wait()
+
+    out = _timed_together({"compute": compute, "comm": comm, "both": both}, reps)
+    hidden = out["compute_s"] + out["comm_s"] - out["both_s"]
+    out["overlap"] = float(min(1.0, max(0.0, hidden / min(out["compute_s"], out["comm_s"]))))
+    return out
+
+
+def _oversubscribed(rank: int, world: int, iters: int, reps: int) -> dict:
+    """``world`` workers on fewer cores, each a loop of ``iters`` (matmul burst, then a tiny
+    blocking exchange): against the same loop without exchanges, what each exchange costs.
+    With more workers than cores an exchange waits until every peer has had its turn on
+    a core (the scheduler's time slice), far longer than the link's latency."""
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(rank)
+    a, b = torch.randn(1000, 256, generator=gen), torch.randn(256, 256, generator=gen)
+    tiny = torch.zeros(world * 16)
+    tiny_out = torch.empty_like(tiny)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    ring = torch.zeros(16)
+
+    def burst():
+        for _ in range(4):
+            a @ b
+
+    def alone():
+        for _ in range(iters):
+            burst()
+
+    def a2a():
+        for _ in range(iters):
+            burst()
+            dist.all_to_all_single(tiny_out, tiny)
+
+    def p2p():  # the pipeline's pattern: a message to the next stage, one from the previous
+        for _ in range(iters):
+            burst()
+            req = dist.isend(ring, nxt)
+            dist.recv(ring, prv)
+            req.wait()
+
+    out = _timed_together({"alone": alone, "all_to_all": a2a, "p2p_ring": p2p}, reps)
+    for name in ("all_to_all", "p2p_ring"):
+        out[f"{name}_per_exchange_us"] = (out[f"{name}_s"] - out["alone_s"]) / iters * 1e6
+    return out
+
+
+def oversubscription(reps: int, cores: int) -> dict:
+    """``_oversubscribed`` at 2 x cores workers and, for reference, at ``cores`` workers."""
+    from gnnpipe.parallel.testing import spawn_multi_process
+
+    out = {}
+    for world in sorted({max(2, cores), 2 * max(1, cores)}):
+        out[str(world)] = spawn_multi_process(_oversubscribed, world, 40, reps, timeout=600)[0]
+    return out
+
+
+def process_rss_gib() -> float:
+    """Resident set of a fresh worker process once it has imported what a worker imports
+    (torch, h5py, the engines): what its ru_maxrss holds before the run's first tensor."""
+    import subprocess
+
+    code = ("import resource, torch, torch.distributed, h5py, gnnpipe.train, gnnpipe.parallel.graph, "
+            "gnnpipe.parallel.hybrid; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    return int(out.stdout.split()[-1]) * 1024 / 2**30
+
+
 def gloo_link(reps: int) -> dict:
     from gnnpipe.parallel.testing import spawn_multi_process
 
@@ -150,10 +267,14 @@ def measure(reps: int) -> dict:
     solo1 = kernel_rates(reps, 1, clock="cpu")  # the core's own rate, blind to other jobs
     solo1_wall, solo2 = kernel_rates(reps, 1), kernel_rates(reps, 2)
     conc = spawn_multi_process(_concurrent, 2, reps, timeout=600)
+    cores = os.cpu_count() or 1
     return {"cpu_count": os.cpu_count(), "torch": torch.__version__, "load_avg_1min": load,
             "solo_1_thread": solo1, "solo_1_thread_wall": solo1_wall, "solo_2_threads": solo2,
             "concurrent_2x1": conc, "layer_overhead_us": layer_overhead_us(reps),
-            "gloo_loopback": gloo_link(reps), "mem_total_gib": _mem_total_gib()}
+            "gloo_loopback": gloo_link(reps), "overlap": spawn_multi_process(_overlap, 2, 3 * reps, timeout=300)[0],
+            "oversubscribed": oversubscription(reps, cores), "mem_total_gib": _mem_total_gib(),
+            "process_rss_gib": process_rss_gib(),
+            "load_avg_1min_after": os.getloadavg()[0]}
 
 
 def _mem_total_gib() -> float:
@@ -176,6 +297,10 @@ def profile_yaml(m: dict, name: str = "cpu-2core") -> str:
     eff = min(1.0, 0.5 * (conc_dense / dense1 + conc_sparse / sparse1))
     link = m["gloo_loopback"]
     workers = int(m["cpu_count"] or 1)
+    # what an exchange costs more with 2 workers a core than with one (both patterns, mean)
+    over, base = m["oversubscribed"][str(2 * max(1, workers))], m["oversubscribed"][str(max(2, workers))]
+    wait_us = max(0.0, statistics.mean(over[f"{k}_per_exchange_us"] - base[f"{k}_per_exchange_us"]
+                                       for k in ("all_to_all", "p2p_ring")))
     mem = m["mem_total_gib"] * 0.8 / workers
     compact = {k: v for k, v in m.items() if k != "gloo_loopback"}
     compact["gloo_loopback"] = {k: v for k, v in link.items() if k != "one_way_s"}
@@ -205,6 +330,10 @@ def profile_yaml(m: dict, name: str = "cpu-2core") -> str:
         f"shared_node_efficiency: {eff:.3f}",
         f"intra_bandwidth_gbs: {link['bandwidth_gbs']:.3f}",
         f"intra_latency_us: {link['latency_us']:.0f}",
+        f"oversubscribed_wait_us: {wait_us:.0f}     # per blocking exchange, {2 * workers} workers on "
+        f"{workers} cores against {workers} (all-to-all, stage-to-stage receive: mean)",
+        f"comm_overlap: {m['overlap']['overlap']:.2f}     # of an all-to-all, hidden behind a matmul",
+        f"process_overhead_gib: {m['process_rss_gib']:.3f}     # a worker's resident set after its imports",
         "measured:",
     ]
     body = json.dumps(compact, indent=2, sort_keys=True, default=float)

@@ -12,7 +12,7 @@ Bytes (``b`` bytes per value, ``d_l`` the input width of conv ``l`` = ``GNN.exch
 * GNNPipe over ``S`` stages: ``p2p = 2 · Σ_{s=1}^{S-1} N · d_{first conv of s} · b``, doubled
   when the initial residual ``x0`` (same width) travels too (GCNII);
 * hybrid ``S × G``: the pipeline term (each way sends its own rows; the ways' rows sum to
-  ``N``), the halo term of the G-way partition for every conv (whichever stage owns it),
+  ``N``), the halo term of the G ways (way ``g`` = chunks ``g·C/G ..``) for every conv (whichever stage owns it),
   and per stage the all-reduce of that stage's parameters across its ``G`` ways.
   ``G = P`` is graph parallelism, ``G = 1`` GNNPipe (tested identities).
 
@@ -20,8 +20,8 @@ Time (:func:`estimate`). Every mode is one layout ``S × G`` with ``C`` chunks (
 per way): graph is ``1 × P`` with one chunk per way, GNNPipe ``S × 1``. Per chunk, stage
 ``s`` runs the forward of its convs on the chunk's rows against the way's source rows
 (own rows plus halo), exchanges halo rows with the other ways before each aggregation
-(overlapped with the inner rows' work when ``overlap``) and sends the chunk's output to
-stage ``s+1``; the backward mirrors it. GPipe over ``c = C / G`` chunks takes
+(``comm_overlap`` of it overlapped with the inner rows' work when ``overlap``) and sends
+the chunk's output to stage ``s+1``; the backward mirrors it. GPipe over ``c = C / G`` chunks takes
 ``Σ_s F_s + (c-1) max_s F_s`` forward (``F_s``: stage ``s``'s time per chunk) and the same
 backward, so the slowest stage idles ``(S-1)/(c+S-1)`` of the epoch when balanced: the
 bubble. Then the weight gradients are all-reduced across the ways of every stage.
@@ -30,7 +30,10 @@ rate + elementwise values / elementwise rate + a fixed per-call overhead``; the 
 counts follow the layers' own choice of transform-then-aggregate or the reverse
 (``gnnpipe.models.gcn.aggregate_first``). Links: per-worker bandwidth and a per-message
 latency inside a node (optionally a bisection limit, e.g. two CPU sockets under PCIe),
-a NIC per node shared by its workers between nodes.
+a NIC per node shared by its workers between nodes. More workers than cores
+(``oversubscribe``, the CPU profile): compute and loopback transfers run at the share of
+a core each worker gets, and every blocking exchange costs ``oversubscribed_wait_us`` more
+(its peers must each get a turn on a core first).
 
 Memory (:func:`estimate`): per worker, the graph structure of its rows (the CSR and its
 cached transpose, ``STRUCT_BYTES_PER_ENTRY`` per stored entry), input features of its
@@ -184,6 +187,18 @@ class Hardware:
     intra_bisection_gbs: Optional[float] = None  # per direction between the two halves of a node (None: non-blocking)
     nodes: Optional[int] = None  # how many nodes exist (None: as many as a plan needs)
     oversubscribe: bool = False  # more workers than workers_per_node time-share a node (CPU)
+    # Oversubscribed only: what one blocking exchange (all-to-all, a stage's receive, an
+    # all-reduce) costs on top of its transfer, because the peers it waits for must each get
+    # their turn on a core first (about a scheduler time slice; bench_calibrate measures it)
+    oversubscribed_wait_us: float = 0.0
+    # the share of a transfer that proceeds while its worker computes: 1 where a DMA engine
+    # or the NIC moves the bytes (GPUs), less where the worker's own cores copy them (gloo
+    # over loopback on a CPU; bench_calibrate measures it)
+    comm_overlap: float = 1.0
+    # memory a worker holds before any tensor of the run: CPU, the process's resident set
+    # after importing torch (what ru_maxrss counts on top of the tensors); GPU: 0 (the run
+    # record's figure is max_memory_allocated, tensors only)
+    process_overhead_gib: float = 0.0
     inter_bandwidth_gbs: Optional[float] = None  # per node (its NIC, shared by its workers), per direction
     inter_latency_us: Optional[float] = None
     description: str = ""
@@ -196,9 +211,11 @@ class Hardware:
         for key in positive:
             if not getattr(self, key) > 0:
                 raise GnnPipeError(f"{path}.{key}: must be > 0, got {getattr(self, key)!r}")
-        for key in ("intra_latency_us", "layer_overhead_us"):
+        for key in ("intra_latency_us", "layer_overhead_us", "oversubscribed_wait_us", "process_overhead_gib"):
             if getattr(self, key) < 0:
                 raise GnnPipeError(f"{path}.{key}: must be >= 0, got {getattr(self, key)!r}")
+        if not 0 <= self.comm_overlap <= 1:
+            raise GnnPipeError(f"{path}.comm_overlap: must lie in [0, 1], got {self.comm_overlap!r}")
         if not 0 < self.shared_node_efficiency <= 1:
             raise GnnPipeError(f"{path}.shared_node_efficiency: must lie in (0, 1], "
                                f"got {self.shared_node_efficiency!r}")
@@ -313,6 +330,9 @@ class _HardwareFields:
     intra_bisection_gbs: Optional[float] = None
     nodes: Optional[int] = None
     oversubscribe: bool = False
+    oversubscribed_wait_us: float = 0.0
+    comm_overlap: float = 1.0
+    process_overhead_gib: float = 0.0
     inter_bandwidth_gbs: Optional[float] = None
     inter_latency_us: Optional[float] = None
     description: str = ""
@@ -680,10 +700,14 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
     cap = hw.max_workers()
     if cap is not None and P > cap:
         raise GnnPipeError(f"{P} workers do not fit {hw.name} ({hw.nodes} node(s) x {wpn} workers)")
-    slowdown = 1.0
+    slowdown, wait = 1.0, 0.0
     if hw.oversubscribe and hw.nodes is not None and P > hw.nodes * wpn:
         slowdown = P / (hw.nodes * wpn)  # time-sharing the cores
         wpn = math.ceil(P / hw.nodes)  # ... of the nodes there are: all workers sit on them
+        # the cores move the bytes too (loopback), at the share of a core a worker gets,
+        # and every blocking exchange waits for its peers' turns on a core
+        hw = replace(hw, intra_bandwidth_gbs=hw.intra_bandwidth_gbs / slowdown)
+        wait = hw.oversubscribed_wait_us * 1e-6
     eff = (hw.shared_node_efficiency if P > 1 else 1.0) / slowdown
     dims = shape.exchange_dims
     params = shape.params_per_stage(bounds)
@@ -715,13 +739,15 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
                         th = _a2a_seconds(halo_rows * dims[l] * b, G, busy_on_node, hw, wpn)
                     thb = 0.0 if (l == 0 and first_input != "exchanged") else th
                     # the halo is in flight while the inner rows aggregate (forward), and
-                    # while the inner rows' backward runs (the engine overlaps both)
+                    # while the inner rows' backward runs (the engine overlaps both); the
+                    # wait for oversubscribed peers is not hidden; comm_overlap of the
+                    # transfer proceeds during that work, the rest is paid after it
                     hide_f = inner * tf if overlap else 0.0
                     hide_b = inner * tb if overlap else 0.0
                     f += tf
                     bw += tb
-                    halo_f += max(th, hide_f) - hide_f
-                    halo_b += max(thb, hide_b) - hide_b
+                    halo_f += th - hw.comm_overlap * min(th, hide_f) + (wait if th > 0 else 0.0)
+                    halo_b += thb - hw.comm_overlap * min(thb, hide_b) + (wait if thb > 0 else 0.0)
                 if s == S - 1:
                     dec = rowwise_work(shape.decoder, n_c, True) + loss_work(n_c, shape.num_classes)
                     f += dec.scale(1 / 3).seconds(hw, eff)
@@ -735,16 +761,17 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
             p2p_f = p2p_b = 0.0
             if s < S - 1:  # the chunk's rows to the same way of the next stage
                 p2p_f = _p2p_seconds(n_row * dims[bnd] * b * x0, rank // wpn == (rank + G) // wpn,
-                                     min(G, wpn), hw)
+                                     min(G, wpn), hw) + wait
             if s > 0:  # their gradients back to the previous stage
                 p2p_b = _p2p_seconds(n_row * dims[a] * b * x0, rank // wpn == (rank - G) // wpn,
-                                     min(G, wpn), hw)
+                                     min(G, wpn), hw) + wait
             row = dict(stage=s, way=g, fwd_compute_s=f, bwd_compute_s=bw, encoder_s=enc,
                        halo_fwd_s=halo_f, halo_bwd_s=halo_b, p2p_fwd_s=p2p_f * cw, p2p_bwd_s=p2p_b * cw,
                        F=(f + halo_f) / cw + p2p_f, B=(bw + halo_b) / cw + p2p_b)
             if worst is None or row["F"] + row["B"] + enc > worst["F"] + worst["B"] + worst["encoder_s"]:
                 worst = row
-        worst["allreduce_s"] = _allreduce_seconds(params[s] * b, G, G > wpn, max(1, wpn // G), hw)
+        worst["allreduce_s"] = _allreduce_seconds(params[s] * b, G, G > wpn, max(1, wpn // G), hw) \
+            + (wait if G > 1 else 0.0)
         worst["optimizer_s"] = Work(elem=16.0 * params[s], calls=1.0).seconds(hw, eff)  # Adam
         stage_rows.append(worst)
 
@@ -758,13 +785,18 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
     slow = max(range(S), key=lambda k: Fs[k] + Bs[k] + stage_rows[k]["encoder_s"] / cw)
     r = stage_rows[slow]
     compute = busy[slow] + r["optimizer_s"]
-    comm = r["halo_fwd_s"] + r["halo_bwd_s"] + r["p2p_fwd_s"] + r["p2p_bwd_s"] + r["allreduce_s"]
-    bubble = max(0.0, epoch - compute - comm)
+    # as the engines book it: the stage-to-stage transfers are waited for in the receive,
+    # i.e. they fall in the bubble (epoch - compute - comm); rounding leftovers are 0
+    comm = r["halo_fwd_s"] + r["halo_bwd_s"] + r["allreduce_s"]
+    bubble = epoch - compute - comm
+    bubble = bubble if bubble > 1e-9 * epoch else 0.0
     per_chunk = [f + bb for f, bb in zip(Fs, Bs)]
     imbalance = max(per_chunk) / (sum(per_chunk) / S) if sum(per_chunk) > 0 else 1.0
 
     mem, breakdown = _peak_memory(shape, S, G, cw, bounds, way_stats, chunk_stats, b, params,
                                   buffered, history_buffers, recompute)
+    breakdown["runtime"] = hw.process_overhead_gib * 2**30  # the process itself (CPU: resident set)
+    mem += breakdown["runtime"]
     mirrors = [int(round(m)) for m in way_stats.mirrors]
     if mode == "graph":
         nbytes = graph_parallel_bytes(mirrors, dims, b, shape.num_params, G, first_input)
