@@ -255,6 +255,7 @@ def test_cost_model_prediction_beside_each_run_and_unavailable_ones(tmp_path, gr
     from gnnpipe import costmodel as cm
     from gnnpipe.config import ModelConfig, PipelineConfig
     from gnnpipe.plan import build_model, cached_graph_stats, model_shape, predict_layout
+    from gnnpipe.report import PREDICTION_HEADER
 
     hw = cm.load_hardware("cpu-2core")
     gnn = build_model(ModelConfig(kind="gcn", layers=4, hidden=8), 8, 3)
@@ -265,10 +266,15 @@ def test_cost_model_prediction_beside_each_run_and_unavailable_ones(tmp_path, gr
 
     root = tmp_path / "runs"
     common = dict(model="gcn", layers=4, hidden=8)
-    g = record("g2", "graph", workers=2, ways=2, chunks=1, sent=int(est["graph"].bytes["total"]),
-               epoch_time=2 * est["graph"].epoch_s, **common)  # the record's graph chunks are 1
-    p = record("p2", "pipeline", workers=2, stages=2, chunks=8, sent=int(est["pipeline"].bytes["total"]) // 2,
-               epoch_time=est["pipeline"].epoch_s, **common)
+    eg, ep = est["graph"], est["pipeline"]
+    # graph: no bubble; pipeline: its stage-to-stage transfers are waited for in the bubble
+    assert eg.bubble_s == 0 and ep.comm_s == 0 and min(eg.compute_s, eg.comm_s, ep.compute_s, ep.bubble_s) > 0
+    g = record("g2", "graph", workers=2, ways=2, chunks=1, sent=int(eg.bytes["total"]),
+               epoch_time=2 * eg.epoch_s, split=(eg.compute_s, 2 * eg.comm_s, 0.0),
+               peak=int(eg.peak_mem_bytes), **common)  # the record's graph chunks are 1
+    p = record("p2", "pipeline", workers=2, stages=2, chunks=8, sent=int(ep.bytes["total"]) // 2,
+               epoch_time=ep.epoch_s, split=(2 * ep.compute_s, 1e-3, ep.bubble_s / 2),
+               peak=int(ep.peak_mem_bytes) // 2, **common)
     dirs = [write_run(root, g), write_run(root, p)]
     for d, rec in zip(dirs, (g, p)):
         _with_run_yaml(d, rec, graph_file)
@@ -285,11 +291,25 @@ def test_cost_model_prediction_beside_each_run_and_unavailable_ones(tmp_path, gr
     assert rg[5:7] == [fmt_bytes(est["graph"].bytes["total"]), "+0.0 %"]
     assert rg[7:10] == [fmt_s(2 * est["graph"].epoch_s), fmt_s(est["graph"].epoch_s), "-50.0 %"]
     assert rp[5] == fmt_bytes(est["pipeline"].bytes["total"]) and rp[6].startswith("+100.")
-    assert rp[9] == "+0.0 %" and rg[10] == rp[10] == ""
+    assert rp[9] == "+0.0 %" and rg[14] == rp[14] == ""
+    # the split and peak memory: measured / predicted (error); 0 vs 0 has no error
+    assert rg[10:14] == [f"{fmt_s(eg.compute_s)} / {fmt_s(eg.compute_s)} (+0.0 %)",
+                         f"{fmt_s(2 * eg.comm_s)} / {fmt_s(eg.comm_s)} (-50.0 %)", "0 / 0",
+                         f"{fmt_bytes(eg.peak_mem_bytes)} / {fmt_bytes(eg.peak_mem_bytes)} (+0.0 %)"]
+    assert rp[10:14] == [f"{fmt_s(2 * ep.compute_s)} / {fmt_s(ep.compute_s)} (-50.0 %)",
+                         f"{fmt_s(1e-3)} / 0 (-100.0 %)",
+                         f"{fmt_s(ep.bubble_s / 2)} / {fmt_s(ep.bubble_s)} (+100.0 %)",
+                         f"{fmt_bytes(int(ep.peak_mem_bytes) // 2)} / {fmt_bytes(ep.peak_mem_bytes)} (+100.0 %)"]
     lost, nograph = row_of(table, "lost"), row_of(table, "nograph")
     assert lost[5] == lost[6] == lost[8] == "—"
-    assert lost[10].startswith("prediction unavailable:") and "no run.yaml" in lost[10]
-    assert "prediction unavailable:" in nograph[10] and "no graph file" in nograph[10]
+    # an unavailable prediction keeps its measured figures, and the row its cells
+    assert lost[10:14] == ["80 ms / —", "20 ms / —", "0 / —", "100 MB / —"]
+    assert lost[14].startswith("prediction unavailable:") and "no run.yaml" in lost[14]
+    assert "prediction unavailable:" in nograph[14] and "no graph file" in nograph[14]
+    lines = [l for l in table.splitlines() if l.startswith("|")]
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == PREDICTION_HEADER
+    assert len(lines) == 2 + 4 and all(l.count(" | ") == len(PREDICTION_HEADER) - 1 for l in lines[2:])
+    assert len(lost) == len(nograph) == len(rg) == len(PREDICTION_HEADER) == 15
     # the pooled ratio uses the available predictions (lost and nograph share g2's and p2's
     # layouts, so they are pooled with them): graph ÷ pipeline predicted bytes
     ratio_row = next(l for l in section(text, "### synth · gcn (4 layers, hidden 8)").splitlines()

@@ -15,8 +15,9 @@ the record's). Output:
   dataset × model × mode × layout, and graph ÷ pipeline / graph ÷ hybrid of the seed
   means (epoch time, bytes) at equal worker counts;
 * every run next to the cost model's prediction (``gnnpipe.plan.predict_layout`` on the
-  run's graph statistics, cached next to ``graph.h5``, and a hardware profile, default
-  ``cpu-2core``): predicted bytes and epoch time and their relative error; a run whose
+  run's graph statistics (the workflow's ``plan_stats`` rule) and a hardware profile, default
+  ``cpu-2core``): predicted bytes, epoch time, its compute / comm / bubble split and peak
+  memory, each with its relative error to the measured figure; a run whose
   prediction fails (no run.yaml, no graph file, ...) is listed with the reason;
 * plots (matplotlib, Agg canvas, no pyplot state): loss and accuracy curves per
   dataset × model with a line per run, bytes per epoch, epoch-time split, and per
@@ -393,6 +394,10 @@ class Prediction:
 
     bytes: Optional[float] = None
     epoch_s: Optional[float] = None
+    compute_s: Optional[float] = None  # the epoch's split, as the run record's
+    comm_s: Optional[float] = None
+    bubble_s: Optional[float] = None
+    peak_mem_bytes: Optional[float] = None  # per worker, the largest
     reason: Optional[str] = None  # set when the prediction is unavailable
 
     @property
@@ -490,11 +495,23 @@ class Predictor:
                              balance=cfg.pipeline.balance,
                              first_input="local" if cfg.graph_parallel.cache_input_halo else "exchanged",
                              pipeline_cfg=cfg.pipeline)
-        return Prediction(bytes=float(est.bytes["total"]), epoch_s=float(est.epoch_s))
+        return Prediction(bytes=float(est.bytes["total"]), epoch_s=float(est.epoch_s),
+                          compute_s=float(est.compute_s), comm_s=float(est.comm_s),
+                          bubble_s=float(est.bubble_s), peak_mem_bytes=float(est.peak_mem_bytes))
 
 
+#: Bytes and epoch time get a column each for measured, predicted and error; the split and
+#: peak memory one column each, a cell "measured / predicted (error)" (:func:`beside`).
 PREDICTION_HEADER = ["run", "mode", "workers", "S×G", "bytes/epoch", "cost model", "error",
-                     "epoch", "cost model", "error", "note"]
+                     "epoch", "cost model", "error", "compute", "comm", "bubble", "peak mem", "note"]
+
+
+def beside(measured: Optional[float], predicted: Optional[float], fmt) -> str:
+    """``measured / predicted (error)``; a missing value is "—", an undefined error (a value
+    missing, 0 vs 0) is left out."""
+    err = rel_error(predicted, measured)
+    cell = f"{fmt(measured)} / {fmt(predicted)}"
+    return cell if err is None else f"{cell} ({fmt_err(err)})"
 
 
 def prediction_row(run: Run, pred: Prediction) -> list[str]:
@@ -504,6 +521,10 @@ def prediction_row(run: Run, pred: Prediction) -> list[str]:
             fmt_bytes(r["comm_bytes_per_epoch"]), fmt_bytes(pred.bytes),
             fmt_err(rel_error(pred.bytes, r["comm_bytes_per_epoch"])),
             fmt_s(r["epoch_time_s"]), fmt_s(pred.epoch_s), fmt_err(rel_error(pred.epoch_s, r["epoch_time_s"])),
+            beside(run.breakdown("compute"), pred.compute_s, fmt_s),
+            beside(run.breakdown("comm"), pred.comm_s, fmt_s),
+            beside(run.breakdown("bubble"), pred.bubble_s, fmt_s),
+            beside(r["peak_mem_bytes"], pred.peak_mem_bytes, fmt_bytes),
             note]
 
 
@@ -790,7 +811,10 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
         "",
         (f"The cost model (gnnpipe.plan.predict_layout, on each graph's partition statistics) "
          f"on {hw_name}, {n_pred} of {len(runs)} runs predicted; "
-         "error = (predicted − measured) ÷ measured." if predict else
+         "error = (predicted − measured) ÷ measured. The compute, comm, bubble and peak mem "
+         "cells read measured / predicted (error); the measured split is the mean over ranks, "
+         "the predicted one the critical path's (the slowest stage); peak memory is the "
+         "largest worker's in both." if predict else
          "Predictions switched off."),
         "",
         md_table(PREDICTION_HEADER, [prediction_row(r, predictions[r.run_id]) for r in runs]),
