@@ -95,7 +95,7 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
     (lambda c: c["models"]["gcn2"].update(layers=0), "config.models.gcn2.layers: 0 is less than the minimum of 1"),
     (lambda c: c["runs"][1].update(dataset="nope"), "config.runs[1].dataset: 'nope' is not in datasets (tiny)"),
     (lambda c: (c.update(resources={"workers_per_node": 3}),
-                c["runs"].append({"mode": "graph", "dataset": "tiny", "model": "gcn2", "workers": 4})),
+                c.update(runs=[{"mode": "graph", "dataset": "tiny", "model": "gcn2", "workers": 4}])),
      "config.resources.workers_per_node: run tiny-gcn2-graph-p4-seed0 has 4 workers, not a multiple of 3"),
 ], ids=["unknown-key", "bad-enum", "bad-number", "unknown-dataset", "workers-per-node"])
 def test_config_errors_are_one_line_before_any_job(tmp_path, edit, message):
@@ -274,6 +274,14 @@ def test_tiny_config_end_to_end(tmp_path):
         assert fit["model"]["kind"] == wf.models[model].kind
         assert (results / "cost_model" / dataset / "plan-stats.json").is_file()
         assert not stats_cache_path(graph_path).exists()
+    # ... and its bytes are exact for every mode: the report's cells say +0.0 %
+    assert {r.mode for r in runs.values()} >= {"graph", "pipeline", "hybrid"}
+    for rid, run in runs.items():
+        if run.mode == "single" or run.model.kind == "mlp":
+            continue
+        row = next(l for l in report.splitlines() if l.startswith(f"| `{rid}` | {run.mode} |")
+                   and "cost model" not in l and l.count("|") > 8 and "+0.0 %" in l)
+        assert row, rid
     graph = next(rid for rid, r in runs.items() if r.mode == "graph")
     pipe = next(rid for rid, r in runs.items() if r.mode == "pipeline" and r.model == runs[graph].model)
     ratio_row = next(l for l in report.splitlines() if f"| `{graph}` | `{pipe}` | graph ÷ pipeline |" in l)

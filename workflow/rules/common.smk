@@ -9,6 +9,8 @@ import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
+from gnnpipe.costmodel import hardware_path
+from gnnpipe.io import GnnPipeError
 from gnnpipe.config import (
     ConfigError,
     dump_run_config,
@@ -128,12 +130,32 @@ for _spec in WF.runs:
         CALIBRATION_RUNS.setdefault((_spec.dataset, _spec.model), run_id(WF, _spec))
 
 
+# the profile's file: an input of the rules that read it, so that a re-measured profile re-runs them
+try:
+    HARDWARE_FILE = str(hardware_path(WF.cost_model.hardware))
+except GnnPipeError as e:
+    raise WorkflowError(f"invalid config: config.cost_model.hardware: {e}") from None
+
+
 def cost_model_inputs(wildcards) -> dict:
     """The report's partition statistics per dataset and calibrated profiles per (dataset, model)."""
-    out = {"plan_stats": sorted({f"{COST_DIR}/{r.dataset_name}/plan-stats.json" for r in RUNS.values()})}
+    out = {"plan_stats": sorted({f"{COST_DIR}/{r.dataset_name}/plan-stats.json" for r in RUNS.values()}),
+           "hardware": HARDWARE_FILE}
     if WF.cost_model.calibrate:
         out["profiles"] = [f"{COST_DIR}/{d}/{m}.yaml" for d, m in CALIBRATION_RUNS]
     return out
+
+
+def whole_machine() -> int:
+    """``--cores`` when jobs run on this machine (a job that takes them all runs alone);
+    1 under a cluster executor, on the submitting side and inside the job alike (each job
+    has an allocation of its own there, and both sides must agree on the job's size)."""
+    if not (workflow.is_main_process and workflow.local_exec):
+        return 1
+    try:
+        return workflow.cores
+    except WorkflowError:  # a dry run without --cores
+        return 1
 
 
 def plan_parts(wildcards) -> str:

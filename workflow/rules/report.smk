@@ -13,13 +13,12 @@ rule report:
     params:
         runs=report_run_args,
         runs_dir=lambda wildcards, input: os.path.dirname(os.path.dirname(input.metrics[0])),
-        hardware=WF.cost_model.hardware,
         cost_dir=COST_DIR,
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
         "gnnpipe report --runs-dir {params.runs_dir} {params.runs}"
-        " --hardware {params.hardware:q} --cost-model-dir {params.cost_dir}"
+        " --hardware {input.hardware:q} --cost-model-dir {params.cost_dir}"
         " --out {output.report} --plots {output.plots} > {log} 2>&1"
 
 
@@ -49,14 +48,16 @@ rule calibrate:
     input:
         graph=f"{RESULTS}/data/{{dataset}}/graph.h5",
         run_config=calibration_run_config,
+        hardware=HARDWARE_FILE,
     output:
         profile=f"{COST_DIR}/{{dataset}}/{{model}}.yaml",
     log:
         "logs/cost_model/{dataset}.{model}.calibrate.log",
-    params:
-        hardware=WF.cost_model.hardware,
+    # alone on the machine: a job beside it would share the caches and memory bandwidth
+    # it is timing (it takes a few seconds)
+    threads: whole_machine()
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
-        "gnnpipe calibrate --run-config {input.run_config} --hardware {params.hardware:q}"
+        "gnnpipe calibrate --run-config {input.run_config} --hardware {input.hardware:q}"
         " --out {output.profile} > {log} 2>&1"
