@@ -239,14 +239,16 @@ def graph_file(tmp_path_factory):
     return path
 
 
-def _with_run_yaml(d: Path, rec: dict, graph_path: Path) -> None:
+def _with_run_yaml(d: Path, rec: dict, graph_path: Path, pipeline=None) -> None:
+    """Write ``d/run.yaml`` for ``rec``; ``pipeline``: its PipelineConfig (default: the defaults)."""
     from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, PipelineConfig,
                                 RunConfig, TrainingConfig, dump_run_config)
 
     cfg = RunConfig(run_id=rec["run_id"], mode=rec["mode"], dataset_name="ring", graph_path=str(graph_path),
                     store_path=None, out_dir=str(d), model=ModelConfig(kind="gcn", layers=4, hidden=8),
                     training=TrainingConfig(seed=0), partitioning=PartitionConfig(),
-                    pipeline=PipelineConfig(), graph_parallel=GraphParallelConfig(),
+                    pipeline=pipeline if pipeline is not None else PipelineConfig(),
+                    graph_parallel=GraphParallelConfig(),
                     workers=rec["world_size"], stages=rec["stages"], ways=rec["ways"], chunks=rec["chunks"])
     (d / "run.yaml").write_text(dump_run_config(cfg))
 
@@ -316,3 +318,99 @@ def test_cost_model_prediction_beside_each_run_and_unavailable_ones(tmp_path, gr
                      if l.startswith("| 2 | graph ÷ pipeline | 1×2 ÷ 2×1 | 2 / 2"))
     cells = [c.strip() for c in ratio_row.strip("|").split("|")]
     assert cells[7] == fmt_ratio(est["graph"].bytes["total"] / est["pipeline"].bytes["total"])
+
+
+# --------------------------------------------------------------------------- pipeline techniques
+def _table(text: str) -> tuple[list[str], list[list[str]]]:
+    """Header and body rows of the first markdown table in ``text``, checked to be well formed."""
+    lines = [l for l in text.splitlines() if l.startswith("|")]
+    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", l.strip())[1:-1]] for l in lines]
+    assert set(lines[1].replace(" ", "")) == {"|", "-"}
+    assert all(len(c) == len(cells[0]) for c in cells)  # as many cells in every row as in the header
+    return cells[0], cells[2:]
+
+
+def test_pipeline_techniques_table_of_an_ablation(tmp_path):
+    from gnnpipe.config import PipelineConfig
+    from gnnpipe.report import TECHNIQUES_HEADER
+
+    root, graph = tmp_path / "runs", tmp_path / "no-graph.h5"  # predict=False: no graph read
+    pipe = dict(workers=2, stages=2, chunks=8)
+    singles = [record("abl-single-p1-seed0", "single", test_acc=0.80),
+               record("abl-single-p1-seed1", "single", test_acc=0.82)]  # pooled: 0.81 ± 0.0141
+    ablation = {  # run -> (test acc, pipeline settings in run.yaml; None: no run.yaml)
+        "abl-none": (0.7558, PipelineConfig(shuffle_chunks=False, grad_correction=False, snapshot_every=0,
+                                            momentum=0.0)),
+        "abl-lost": (0.7700, None),
+        "abl-no-shuffle": (0.7900, PipelineConfig(shuffle_chunks=False, grad_scale=1.5, momentum=0.95)),
+        "abl-all": (0.8042, PipelineConfig(momentum=0.95, snapshot_every=1)),
+    }
+    dirs = [write_run(root, r) for r in singles]
+    for rid, (acc, pc) in ablation.items():
+        rec = record(rid, "pipeline", test_acc=acc, **pipe)
+        dirs.append(write_run(root, rec))
+        if pc is not None:
+            _with_run_yaml(dirs[-1], rec, graph, pipeline=pc)
+    # another model in the same report whose pipeline runs share one setting: no table of its own
+    for rid, s, c in (("flat-s2", 2, 8), ("flat-s4", 4, 16)):
+        rec = record(rid, "pipeline", model="gcn", layers=4, workers=s, stages=s, chunks=c)
+        dirs.append(write_run(root, rec))
+        _with_run_yaml(dirs[-1], rec, graph)
+    out = tmp_path / "report.md"
+    build_report(dirs, out, tmp_path / "plots", predict=False)
+    text = out.read_text()
+
+    assert re.findall(r"^## .*", text, re.M) == ["## Datasets", "## All runs", "## Measured vs cost model",
+                                                 "## By dataset and model", "## Pipeline techniques",
+                                                 "## Communication and time"]
+    assert "### Pipeline techniques: synth · gcnii (32 layers, hidden 64)" in text
+    assert "### Pipeline techniques: synth · gcn (" not in text
+    header, rows = _table(section(text, "### Pipeline techniques: synth · gcnii (32 layers, hidden 64)"))
+    assert header == TECHNIQUES_HEADER
+    ref = (0.80 + 0.82) / 2
+
+    def delta(rid):
+        return f"{100 * (ablation[rid][0] - ref):+.2f}"
+
+    # single first (seeds pooled), all on, then by how many techniques are off, no run.yaml last
+    assert [r[0] for r in rows] == ["`abl-single-p1-seed0`, `abl-single-p1-seed1` (2 seeds)", "`abl-all`",
+                                    "`abl-no-shuffle`", "`abl-none`", "`abl-lost`"]
+    assert rows[0] == [rows[0][0], "1×1", "—", "—", "—", "—", "—", "0.8100 ± 0.0141", "—"]
+    assert rows[1] == ["`abl-all`", "2×1", "8", "on", "×2", "every epoch", "0.95", "0.8042", delta("abl-all")]
+    assert rows[2] == ["`abl-no-shuffle`", "2×1", "8", "off", "×1.5", "every 23 epochs", "0.95", "0.7900",
+                       delta("abl-no-shuffle")]
+    assert rows[3] == ["`abl-none`", "2×1", "8", "off", "off", "off", "off", "0.7558", delta("abl-none")]
+    assert rows[4] == ["`abl-lost`", "2×1", "8", "—", "—", "—", "—", "0.7700", delta("abl-lost")]
+    assert [r[-1] for r in rows[1:]] == ["-0.58", "-2.00", "-5.42", "-4.00"]
+    # the variants are not pooled as seeds of one layout: one "Over seeds" row each
+    from gnnpipe.report import aggregate, load_runs
+
+    runs = load_runs(dirs)
+    aggs = [a for a in aggregate(runs, {}) if a["mode"] == "pipeline" and a.group[1] == "gcnii"]
+    assert sorted(len(a.runs) for a in aggs) == [1, 1, 1, 1]
+
+
+def test_no_pipeline_techniques_section_when_the_settings_agree(tmp_path):
+    from gnnpipe.config import PipelineConfig
+    from gnnpipe.report import has_technique_ablation, load_run
+
+    root, graph = tmp_path / "runs", tmp_path / "no-graph.h5"
+    dirs = [write_run(root, record("same-single", "single"))]
+    # the same techniques in every run (grad_scale does nothing with grad_correction off);
+    # the layouts differ, and a run without run.yaml has no settings to differ in
+    for rid, mode, s, g, c, scale in (("same-s2", "pipeline", 2, 1, 8, 2.0), ("same-s4", "pipeline", 4, 1, 16, 3.0),
+                                      ("same-h", "hybrid", 2, 2, 8, 2.0)):
+        rec = record(rid, mode, workers=s * g, stages=s, ways=g, chunks=c)
+        dirs.append(write_run(root, rec))
+        _with_run_yaml(dirs[-1], rec, graph, pipeline=PipelineConfig(grad_correction=False, grad_scale=scale))
+    dirs.append(write_run(root, record("same-lost", "pipeline", workers=2, stages=2, chunks=8)))
+    out = tmp_path / "report.md"
+    build_report(dirs, out, tmp_path / "plots", predict=False)
+    text = out.read_text()
+    assert "Pipeline techniques" not in text
+    assert "`same-s4`" in text  # the runs are reported, only not this section
+    runs = [load_run(d) for d in dirs]
+    assert not has_technique_ablation(runs)
+    # one setting changed in one run: now they differ
+    _with_run_yaml(dirs[2], runs[2].record, graph, pipeline=PipelineConfig(grad_correction=True))
+    assert has_technique_ablation([load_run(d) for d in dirs])

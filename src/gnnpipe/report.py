@@ -19,6 +19,10 @@ the record's). Output:
   ``cpu-2core``): predicted bytes, epoch time, its compute / comm / bubble split and peak
   memory, each with its relative error to the measured figure; a run whose
   prediction fails (no run.yaml, no graph file, ...) is listed with the reason;
+* per dataset × model whose pipeline / hybrid runs differ in a convergence technique
+  (shuffle, grad correction, snapshot, momentum: an ablation), a table "Pipeline
+  techniques": each run's settings from its run.yaml, test accuracy and Δ to the
+  single-process reference (seeds pooled); left out when no model has such runs;
 * plots (matplotlib, Agg canvas, no pyplot state): loss and accuracy curves per
   dataset × model with a line per run, bytes per epoch, epoch-time split, and per
   dataset × model bytes vs P and epoch time vs P per mode (measured and predicted) and
@@ -98,11 +102,25 @@ class Run:
         m = re.search(r"-seed(\d+)$", self.run_id)
         return int(m.group(1)) if m else None
 
+    @cached_property
+    def run_config(self):
+        """The run's ``run.yaml`` as a ``gnnpipe.config.RunConfig``; None when it is missing
+        or does not load (the report then shows "—" for what it would have told)."""
+        from .config import load_run_config
+
+        if not self.config_path.is_file():
+            return None
+        try:
+            return load_run_config(self.config_path)
+        except (GnnPipeError, OSError):
+            return None
+
     @property
     def layout_key(self) -> tuple:
-        """What runs pooled over seeds share: group, mode and layout."""
+        """What runs pooled over seeds share: group, mode, layout and (pipeline, hybrid) the
+        convergence techniques, so that an ablation's variants are not pooled as seeds."""
         r = self.record
-        return (*self.group, r["mode"], r["world_size"], r["stages"], r["ways"], r["chunks"])
+        return (*self.group, r["mode"], r["world_size"], r["stages"], r["ways"], r["chunks"], techniques(self))
 
 
 # --------------------------------------------------------------------------- loading
@@ -658,6 +676,91 @@ def pooled_section(group: tuple, aggs: list[Aggregate]) -> str:
     return "\n".join(parts)
 
 
+# --------------------------------------------------------------------------- pipeline techniques
+#: The pipeline's convergence techniques (DESIGN.md §4, ``PipelineConfig``) as table columns.
+TECHNIQUES_HEADER = ["run", "S×G", "chunks", "shuffle", "grad correction", "snapshot", "momentum",
+                     "test acc", "Δ test vs single (pt)"]
+
+
+def techniques(run: Run) -> Optional[tuple]:
+    """A pipeline or hybrid run's convergence techniques as its run.yaml sets them:
+    ``(shuffle_chunks, grad_scale, snapshot_every, momentum)`` with ``grad_scale`` None when
+    ``grad_correction`` is off (the scale then does nothing); None for the other modes and
+    for a run without a readable run.yaml."""
+    if run["mode"] not in ("pipeline", "hybrid") or run.run_config is None:
+        return None
+    pc = run.run_config.pipeline
+    return (bool(pc.shuffle_chunks), float(pc.grad_scale) if pc.grad_correction else None,
+            int(pc.snapshot_every), float(pc.momentum))
+
+
+def techniques_off(t: tuple) -> tuple[bool, bool, bool, bool]:
+    """Which of the four techniques ``t`` (:func:`techniques`) switches off, in column order."""
+    shuffle, scale, snapshot, momentum = t
+    return (not shuffle, scale is None, snapshot == 0, momentum == 0)
+
+
+def technique_cells(t: Optional[tuple]) -> list[str]:
+    if t is None:
+        return [DASH] * 4
+    shuffle, scale, snapshot, momentum = t
+    return ["on" if shuffle else "off",
+            "off" if scale is None else f"×{scale:g}",
+            "off" if snapshot == 0 else ("every epoch" if snapshot == 1 else f"every {snapshot} epochs"),
+            "off" if momentum == 0 else f"{momentum:g}"]
+
+
+def has_technique_ablation(runs: list[Run]) -> bool:
+    """Whether the pipeline / hybrid runs among ``runs`` (one dataset × model) differ in at
+    least one technique setting; runs without a readable run.yaml do not count."""
+    return len({t for t in map(techniques, runs) if t is not None}) > 1
+
+
+def techniques_section(group: tuple, runs: list[Run], aggs: list[Aggregate]) -> str:
+    """One dataset × model's table of :data:`TECHNIQUES_HEADER`: the single-process reference
+    first (its seeds pooled as in "Over seeds": the group's single :class:`Aggregate`), then
+    a row per pipeline / hybrid run, every technique on first, then by how many are off
+    (ties: shuffle off before grad correction off before snapshot off before momentum off,
+    then layout and run id), runs without a readable run.yaml last."""
+    ref = next((a for a in aggs if a["mode"] == "single"), None)
+    ref_acc = ref.acc("test")[0] if ref is not None else None
+    rows = []
+    if ref is not None:
+        ids = ", ".join(f"`{r.run_id}`" for r in ref.runs)
+        if len(ref.runs) > 1:
+            ids += f" ({len(ref.runs)} seeds)"
+        rows.append([ids, layout(ref.first), DASH, *[DASH] * 4,
+                     fmt_mean_std([r.acc("test") for r in ref.runs]), DASH])
+
+    def order(run: Run):
+        t = techniques(run)
+        off = techniques_off(t) if t is not None else (True,) * 4
+        return (t is None, sum(off), tuple(not o for o in off), MODE_ORDER[run["mode"]],
+                run["world_size"], run["stages"], run["chunks"], run.run_id)
+
+    for run in sorted((r for r in runs if r["mode"] in ("pipeline", "hybrid")), key=order):
+        acc = run.acc("test")
+        delta = DASH if acc is None or ref_acc is None else f"{100 * (acc - ref_acc):+.2f}"
+        rows.append([f"`{run.run_id}`", layout(run), str(run["chunks"]), *technique_cells(techniques(run)),
+                     fmt_acc(acc), delta])
+    note = [] if ref is not None else ["No single-process run of this model: no Δ.", ""]
+    return "\n".join([f"### Pipeline techniques: {group_title(group)}", "", *note,
+                      md_table(TECHNIQUES_HEADER, rows), ""])
+
+
+TECHNIQUES_INTRO = (
+    "The pipeline and hybrid runs of each dataset × model whose convergence techniques "
+    "(DESIGN.md §4; the `pipeline:` block of the run's run.yaml) are not all set alike, as in "
+    "an ablation (config/experiments/ablation.yaml): shuffle = a new chunk order every epoch, "
+    "grad correction = stale gradients dropped and fresh cross-chunk ones scaled (×scale), "
+    "snapshot = not-yet-computed rows read from a snapshot refreshed every N epochs, "
+    "momentum = moving average of the history. The first row is the single-process reference "
+    "(its seeds pooled: mean ± sample std), then every technique on, then by how many are off; "
+    "Δ is the run's test accuracy minus the reference's mean, in percentage points. A run "
+    "without a readable run.yaml shows — for its settings. Models whose pipeline runs all share "
+    "one setting have no table here (the section is left out when none has one).")
+
+
 # --------------------------------------------------------------------------- per-mode plots
 def _mode_series(aggs: list[Aggregate], what: str, predicted: bool):
     """mode -> sorted [(P, mean, std)] of measured ``what`` (or the prediction) per layout."""
@@ -767,7 +870,7 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
     groups: dict[tuple, list[Run]] = defaultdict(list)
     for run in runs:
         groups[run.group].append(run)
-    sections = []
+    sections, technique_tables = [], []
     for group, members in groups.items():
         slug = group_slug(group)
         g_aggs = [a for a in aggs if a.group == group]
@@ -784,6 +887,8 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
                 links += [f"![{alt}, {group_title(group)}]({rel(png)})", ""]
         sections.append("\n".join([group_section(group, members, {"curves": rel(curves)}),
                                    pooled_section(group, g_aggs), *links]))
+        if has_technique_ablation(members):
+            technique_tables.append(techniques_section(group, members, g_aggs))
     plot_bytes(runs, plots_dir / "comm_bytes.png")
     plot_times(runs, plots_dir / "epoch_time.png")
 
@@ -822,6 +927,7 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
         "## By dataset and model",
         "",
         *sections,
+        *(["## Pipeline techniques", "", TECHNIQUES_INTRO, "", *technique_tables] if technique_tables else []),
         "## Communication and time",
         "",
         f"![bytes per epoch]({rel(plots_dir / 'comm_bytes.png')})",
