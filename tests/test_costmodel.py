@@ -225,6 +225,16 @@ def test_oversubscription_shares_cores_links_and_waits_per_exchange():
     assert shared.stage_times[0]["halo_fwd_s"] == pytest.approx(2 * own.stage_times[0]["halo_fwd_s"])
 
 
+def test_single_worker_speedup_applies_to_one_process_only():
+    shape = _gcn_shape()
+    base, fast = _hw(layer_overhead_us=0.0), _hw(layer_overhead_us=0.0, single_worker_speedup=1.25)
+    assert _est(shape, "single", 1, 1, 1, base).compute_s == pytest.approx(
+        1.25 * _est(shape, "single", 1, 1, 1, fast).compute_s)
+    assert _est(shape, "graph", 1, 4, 4, base).epoch_s == _est(shape, "graph", 1, 4, 4, fast).epoch_s
+    with pytest.raises(GnnPipeError, match="single_worker_speedup"):
+        _hw(single_worker_speedup=0.5).check()
+
+
 def test_process_overhead_adds_to_every_workers_memory():
     shape = _gcn_shape()
     a = _est(shape, "graph", 1, 8, 8, _hw())

@@ -373,6 +373,10 @@ def test_calibrate_command_writes_a_profile_the_report_finds(tmp_path):
     assert hw.dense_gflops == fit["rates"].get("dense_gflops", base.dense_gflops) > 0
     digest = str(read_graph_attrs(graph_path)["content_hash"])
     assert fit["graph_hash"] == digest
+    # warm-cache rates for a process alone: the ratio of the two predicted single epochs
+    e = fit["single_epoch_s"]
+    assert hw.single_worker_speedup == fit["single_worker_speedup"] == max(1.0, e["cold"] / e["warm"]) >= 1.0
+    assert set(fit["warm_rates"]) == set(fit["rates"])
     assert pl.find_calibration(out.parent, model, digest).name == hw.name
     assert pl.find_calibration(out.parent, ModelConfig(kind="gcn", layers=4, hidden=16), digest) is None
     assert pl.find_calibration(out.parent, model, digest, "float64") is None

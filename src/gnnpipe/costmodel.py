@@ -184,6 +184,9 @@ class Hardware:
     layer_overhead_us: float = 0.0  # fixed cost of one conv call (launches, autograd, Python)
     random_gvalues: Optional[float] = None  # random numbers drawn (dropout masks), 10^9/s (None: elementwise)
     shared_node_efficiency: float = 1.0  # rate factor when every worker of a node computes at once
+    # rate factor of a process that trains alone (single mode): its tensors stay in cache from
+    # conv to conv, which the rates above (timed cold) do not assume (gnnpipe calibrate fits it)
+    single_worker_speedup: float = 1.0
     intra_bisection_gbs: Optional[float] = None  # per direction between the two halves of a node (None: non-blocking)
     nodes: Optional[int] = None  # how many nodes exist (None: as many as a plan needs)
     oversubscribe: bool = False  # more workers than workers_per_node time-share a node (CPU)
@@ -214,6 +217,8 @@ class Hardware:
         for key in ("intra_latency_us", "layer_overhead_us", "oversubscribed_wait_us", "process_overhead_gib"):
             if getattr(self, key) < 0:
                 raise GnnPipeError(f"{path}.{key}: must be >= 0, got {getattr(self, key)!r}")
+        if not self.single_worker_speedup >= 1:
+            raise GnnPipeError(f"{path}.single_worker_speedup: must be >= 1, got {self.single_worker_speedup!r}")
         if not 0 <= self.comm_overlap <= 1:
             raise GnnPipeError(f"{path}.comm_overlap: must lie in [0, 1], got {self.comm_overlap!r}")
         if not 0 < self.shared_node_efficiency <= 1:
@@ -327,6 +332,7 @@ class _HardwareFields:
     layer_overhead_us: float = 0.0
     random_gvalues: Optional[float] = None
     shared_node_efficiency: float = 1.0
+    single_worker_speedup: float = 1.0
     intra_bisection_gbs: Optional[float] = None
     nodes: Optional[int] = None
     oversubscribe: bool = False
@@ -708,7 +714,7 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
         # and every blocking exchange waits for its peers' turns on a core
         hw = replace(hw, intra_bandwidth_gbs=hw.intra_bandwidth_gbs / slowdown)
         wait = hw.oversubscribed_wait_us * 1e-6
-    eff = (hw.shared_node_efficiency if P > 1 else 1.0) / slowdown
+    eff = (hw.shared_node_efficiency if P > 1 else hw.single_worker_speedup) / slowdown
     dims = shape.exchange_dims
     params = shape.params_per_stage(bounds)
     x0 = 2 if shape.carries_x0 else 1

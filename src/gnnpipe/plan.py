@@ -665,7 +665,7 @@ def sample_blocks(graph, rows: int, dtype):
 
 def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = None, *,
               rows: Sequence[int] = (2048, 8192), reps: int = 5, threads: int = 1,
-              dtype: str = "float32", clock: str = "wall") -> cm.Hardware:
+              dtype: str = "float32", clock: str = "wall", evict: bool = True) -> cm.Hardware:
     """Fit the compute rates of ``hardware`` to this machine, on the real graph and model.
 
     Times (median of ``reps``), with ``threads`` compute threads: each distinct conv of
@@ -677,7 +677,8 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = N
     The result is ``hardware`` (or a one-node CPU profile) with those rates and the fit
     in ``measured["calibration"]``. ``clock``: ``"wall"``, or ``"cpu"`` (this thread's CPU
     time; only meaningful with ``threads=1``) to fit the rates of the work itself on a
-    machine that other jobs share.
+    machine that other jobs share. ``evict=False``: time with warm caches (what a
+    single process sees; :func:`calibrate_run`).
     """
     if clock not in CLOCKS:
         raise GnnPipeError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
@@ -691,10 +692,12 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = N
     tdtype = {"float32": torch.float32, "float64": torch.float64}[dtype]
     # An epoch's tensors far exceed the caches, a sample's do not: evict them before each
     # timed call (a write over twice a large L3), or the rates come out several times too fast.
-    evict = torch.zeros(FLUSH_BYTES // 4)
+    flush = torch.zeros(FLUSH_BYTES // 4) if evict else None
 
-    def cold():
-        evict.add_(1.0)
+    def _cold():
+        flush.add_(1.0)
+
+    cold = _cold if evict else None
 
     old_threads = torch.get_num_threads()
     torch.set_num_threads(int(threads))
@@ -803,10 +806,24 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> cm.Hardware:
     threads = cfg.training.threads_per_worker
     if clock == "cpu" and threads != 1:
         clock = "wall"  # the CPU clock of one thread says nothing about a team of threads
-    out = calibrate(read_graph(cfg.graph_path), cfg.model, hw, threads=threads,
-                    dtype=cfg.training.dtype, clock=clock)
+    graph = read_graph(cfg.graph_path)
+    out = calibrate(graph, cfg.model, hw, threads=threads, dtype=cfg.training.dtype, clock=clock)
+    # A process training alone keeps its tensors in cache from conv to conv; the workers of
+    # a parallel run, between exchanges, do not (measured: single-process epochs match the
+    # warm rates, parallel workers' compute the cold ones). The ratio of the two predicted
+    # single-process epochs is the profile's single_worker_speedup.
+    warm = calibrate(graph, cfg.model, hw, threads=threads, dtype=cfg.training.dtype, clock=clock, evict=False)
+    gnn = build_model(cfg.model, graph.num_features, graph.num_classes)
+    sizes = {"num_nodes": graph.num_nodes, "num_edges": graph.num_edges, "partitions": {}}
+    epoch = {name: predict_layout(sizes, gnn, model_shape(gnn), h, "single", 1, 1, 1,
+                                  dtype_bytes=DTYPE_BYTES[cfg.training.dtype]).epoch_s
+             for name, h in (("cold", out), ("warm", warm))}
+    speedup = max(1.0, epoch["cold"] / epoch["warm"])
+    out = replace(out, single_worker_speedup=speedup)
     fit = {**out.measured["calibration"], "dataset": cfg.dataset_name,
-           "graph_hash": str(read_graph_attrs(cfg.graph_path)["content_hash"])}
+           "graph_hash": str(read_graph_attrs(cfg.graph_path)["content_hash"]),
+           "warm_rates": warm.measured["calibration"]["rates"], "single_epoch_s": epoch,
+           "single_worker_speedup": speedup}
     return replace(out, name=f"{hw.name}+{cfg.dataset_name}",
                    description=f"{hw.description}; compute rates fitted to {cfg.model.kind} "
                                f"{cfg.model.layers}x{cfg.model.hidden} on {cfg.dataset_name}",
