@@ -245,6 +245,14 @@ def test_bad_layouts_are_refused(stores):
         check_hybrid_config(run_cfg(stores[4], stages=5, ways=1, chunks=4))
     with pytest.raises(GnnPipeError, match="mode 'hybrid'"):
         check_hybrid_config(run_cfg(stores[4], mode="pipeline", stages=2, ways=1, chunks=4))
+    # the hybrid always caches the input halo: asking otherwise is an error, not ignored
+    import dataclasses
+
+    no_cache = dataclasses.replace(run_cfg(stores[4], stages=2, ways=2, chunks=4),
+                                   graph_parallel=GraphParallelConfig(cache_input_halo=False))
+    with pytest.raises(GnnPipeError, match="cache_input_halo: false is not supported"):
+        check_hybrid_config(no_cache)
+    check_hybrid_config(run_cfg(stores[4], stages=2, ways=2, chunks=4))  # the same layout, cached: fine
 
 
 # --------------------------------------------------------------------------- the CLI under torchrun
