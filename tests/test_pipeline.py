@@ -482,6 +482,17 @@ def test_balance_is_optimal_against_brute_force():
     assert uniform_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
 
 
+def test_a_dominant_conv_does_not_pile_the_rest_onto_one_stage():
+    """Conv 0 outweighs all others (Coauthor-Physics' 8415-wide input): every split has
+    its bottleneck; the other 31 convs are still spread evenly, not 25 on one stage."""
+    costs = [100.0] + [1.0] * 31
+    bounds = balanced_bounds(costs, 8)
+    _valid(bounds, 32, 8)
+    loads = stage_costs(costs, bounds)
+    assert bounds[0] == (0, 1) and max(loads) == 100.0
+    assert max(loads[1:]) - min(loads[1:]) <= 1.0  # 31 convs over 7 stages: 4 or 5 each
+
+
 def test_assign_stages_methods(stores):
     x, y, masks, block, f, c = data(stores["connected-4"], torch.float32)
     model = GNN(model_cfg("gcn", layers=6), f, c)  # first conv F -> H, last H -> classes

@@ -116,9 +116,12 @@ def balanced_bounds(costs: Sequence[float], stages: int, first_extra: float = 0.
     """The contiguous split of ``costs`` into ``stages`` non-empty blocks with the least
     bottleneck (stage 0 also carries ``first_extra``, the last ``last_extra``).
 
-    ``best[s][i]``: least bottleneck of convs ``[0, i)`` on stages ``0..s``. Ties go to
-    the split found first (the smallest start of the last block), which is deterministic:
-    every rank computes the same split from the same costs.
+    ``best[s][i]``: least bottleneck of convs ``[0, i)`` on stages ``0..s`` and, among the
+    splits that reach it, the least sum of squared stage costs: when one conv dominates
+    (an 8415-wide first conv), every split has the same bottleneck, and the others are
+    still spread evenly instead of piling onto one stage. Remaining ties go to the split
+    found first (the smallest start of the last block), which is deterministic: every rank
+    computes the same split from the same costs.
     """
     costs = [float(c) for c in costs]
     L = len(costs)
@@ -138,16 +141,23 @@ def balanced_bounds(costs: Sequence[float], stages: int, first_extra: float = 0.
         return cost
 
     inf = float("inf")
-    best = [[inf] * (L + 1) for _ in range(stages)]
+    best = [[(inf, inf)] * (L + 1) for _ in range(stages)]  # (bottleneck, sum of squares)
     parent = [[-1] * (L + 1) for _ in range(stages)]
+    tol = 1e-9 * (prefix[-1] + first_extra + last_extra)  # bottlenecks this close are equal
+
+    def better(v, cur) -> bool:
+        return v[0] < cur[0] - tol or (v[0] <= cur[0] + tol and v[1] < cur[1])
+
     for i in range(1, L - stages + 2):
-        best[0][i] = block(0, i, 0)
+        b = block(0, i, 0)
+        best[0][i] = (b, b * b)
         parent[0][i] = 0
     for s in range(1, stages):
         for i in range(s + 1, L - (stages - 1 - s) + 1):
             for j in range(s, i):  # stages 0..s-1 take [0, j), stage s takes [j, i)
-                v = max(best[s - 1][j], block(j, i, s))
-                if v < best[s][i]:
+                b = block(j, i, s)
+                v = (max(best[s - 1][j][0], b), best[s - 1][j][1] + b * b)
+                if better(v, best[s][i]):
                     best[s][i], parent[s][i] = v, j
     bounds, i = [], L
     for s in range(stages - 1, -1, -1):
