@@ -693,11 +693,7 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = N
     # An epoch's tensors far exceed the caches, a sample's do not: evict them before each
     # timed call (a write over twice a large L3), or the rates come out several times too fast.
     flush = torch.zeros(FLUSH_BYTES // 4) if evict else None
-
-    def _cold():
-        flush.add_(1.0)
-
-    cold = _cold if evict else None
+    cold = (lambda: flush.add_(1.0)) if evict else None  # noqa: E731
 
     old_threads = torch.get_num_threads()
     torch.set_num_threads(int(threads))
@@ -819,12 +815,11 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> cm.Hardware:
                                   dtype_bytes=DTYPE_BYTES[cfg.training.dtype]).epoch_s
              for name, h in (("cold", out), ("warm", warm))}
     speedup = max(1.0, epoch["cold"] / epoch["warm"])
-    out = replace(out, single_worker_speedup=speedup)
     fit = {**out.measured["calibration"], "dataset": cfg.dataset_name,
            "graph_hash": str(read_graph_attrs(cfg.graph_path)["content_hash"]),
            "warm_rates": warm.measured["calibration"]["rates"], "single_epoch_s": epoch,
            "single_worker_speedup": speedup}
-    return replace(out, name=f"{hw.name}+{cfg.dataset_name}",
+    return replace(out, name=f"{hw.name}+{cfg.dataset_name}", single_worker_speedup=speedup,
                    description=f"{hw.description}; compute rates fitted to {cfg.model.kind} "
                                f"{cfg.model.layers}x{cfg.model.hidden} on {cfg.dataset_name}",
                    measured={**out.measured, "calibration": fit})

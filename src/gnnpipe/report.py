@@ -460,6 +460,7 @@ class Predictor:
                 self.error = f"hardware profile: {e}"
         self.name = self.hardware.name if self.hardware is not None else str(hardware)
         self._models: dict = {}
+        self._fitted: dict = {}  # (dataset, model, dtype, graph path) -> calibrated profile or None
 
     def __call__(self, run: Run) -> Prediction:
         if self.error is not None:
@@ -470,6 +471,20 @@ class Predictor:
             return Prediction(reason=str(e))
         except (OSError, KeyError, ValueError, TypeError) as e:  # unreadable files, odd records
             return Prediction(reason=f"{type(e).__name__}: {e}")
+
+    def _fitted_profile(self, where: Path, cfg):
+        """The profile in ``where`` calibrated to the run's model, dtype and graph content (None:
+        none); looked up once per (dataset, model, dtype, graph), not once per run."""
+        from .config import to_dict
+        from .graph import read_graph_attrs
+        from .plan import find_calibration
+
+        key = (str(where), repr(to_dict(cfg.model)), cfg.training.dtype, str(cfg.graph_path))
+        if key not in self._fitted:
+            digest = str(read_graph_attrs(cfg.graph_path)["content_hash"])
+            self._fitted[key] = (find_calibration(where, cfg.model, digest, cfg.training.dtype)
+                                 if where.is_dir() else None)
+        return self._fitted[key]
 
     def _predict(self, run: Run) -> Prediction:
         from .config import ConfigError, load_run_config, to_dict
@@ -491,13 +506,9 @@ class Predictor:
         pt = cfg.partitioning
         hw, cache = self.hardware, None
         if self.cost_model_dir is not None:
-            from .graph import read_graph_attrs
-            from .plan import find_calibration
-
             where = self.cost_model_dir / cfg.dataset_name
             cache = where / "plan-stats.json"
-            digest = str(read_graph_attrs(cfg.graph_path)["content_hash"])
-            fitted = find_calibration(where, cfg.model, digest, cfg.training.dtype) if where.is_dir() else None
+            fitted = self._fitted_profile(where, cfg)
             if fitted is not None:
                 hw = fitted
                 self.calibrated.add(fitted.name)
