@@ -1,0 +1,122 @@
+"""``AtomGraph``: what an atomistic model computes on, in one process or as one rank's shard.
+
+A batch of B systems is one graph of N atoms and E directed edges ``j -> i`` (``src`` j,
+``dst`` i) inside the cutoff, periodic images included: the neighbour's image sits at
+``pos[j] + shift``, so the edge vector (from neighbour to target, PyG's ``pos[i] - pos[j]``)
+is ``v = pos[i] - pos[j] - shift``. A triplet ``k -> j -> i`` pairs an input edge
+``kj`` (``k -> j``) with an output edge ``ji`` (``j -> i``), excluding ``k == i`` on the
+same image (``shift_kj + shift_ji != 0`` keeps a periodic ``k == i``).
+
+The model never sees a process group. It computes on the edges and triplets this view
+holds and calls four reductions whose meaning is the same in one process and sharded:
+
+============================  =========================  ===================================
+call                          one process (this class)   a rank of a P-way group (parallel)
+============================  =========================  ===================================
+``gather_edges(x)``           identity                   all-gather of the E_loc edge rows
+  (E_loc, w) -> (E, w)                                   (gradient: sum-reduce-scatter)
+``sum_atoms(partial)``        identity                   reduce-scatter to the own atom
+  (N, w) -> (N_own, w)                                   block (gradient: all-gather)
+``sum_systems(x_own)``        scatter-add over systems   local scatter-add + all-reduce
+  (N_own, w) -> (B, w)                                   (gradient: identity, see parallel)
+============================  =========================  ===================================
+
+``edges_to_atoms(msg)`` = ``sum_atoms(scatter_add(msg over dst))``: the sum of every edge
+message of the batch into the rank's own atoms. Everything with parameters runs on local
+edges, local triplets or own atoms, never replicated, so parameter gradients of the ranks
+*sum* to the single-process gradient.
+
+Index conventions (all int64):
+
+* ``idx_kj`` (T_loc,): the triplet's input edge, an index into the **gathered** edge rows
+  ``[0, E)``;
+* ``idx_ji`` (T_loc,): the triplet's output edge, an index into the **local** edges
+  ``[0, E_loc)``;
+* ``kj_src, kj_dst, kj_shift``: the geometry of each triplet's input edge (it may be
+  another rank's), so that angles and the spherical basis are computed locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class AtomGraph:
+    """One process's whole batch (the single-process reference). See the module docstring."""
+
+    z: Tensor  # (N,) atomic numbers
+    pos: Tensor  # (N, 3) positions, Å (set requires_grad for gradient forces)
+    system: Tensor  # (N,) system index of each atom in [0, B), non-decreasing
+    num_systems: int  # B
+    edge_src: Tensor  # (E_loc,) j
+    edge_dst: Tensor  # (E_loc,) i
+    edge_shift: Tensor  # (E_loc, 3) image offset of j, Å
+    idx_kj: Tensor  # (T_loc,) into the gathered edges [0, E)
+    idx_ji: Tensor  # (T_loc,) into the local edges [0, E_loc)
+    kj_src: Tensor  # (T_loc,) k
+    kj_dst: Tensor  # (T_loc,) j
+    kj_shift: Tensor  # (T_loc, 3)
+    num_edges: int  # E, edges of the whole batch (over all ranks)
+    atom_lo: int = 0  # this view's own atoms: [atom_lo, atom_hi)
+    atom_hi: int = -1
+
+    def __post_init__(self):
+        if self.atom_hi < 0:
+            self.atom_hi = int(self.z.shape[0])
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_atoms(self) -> int:
+        return int(self.z.shape[0])
+
+    @property
+    def num_local_edges(self) -> int:
+        return int(self.edge_src.shape[0])
+
+    @property
+    def num_local_triplets(self) -> int:
+        return int(self.idx_kj.shape[0])
+
+    @property
+    def own_atoms(self) -> slice:
+        return slice(self.atom_lo, self.atom_hi)
+
+    # ------------------------------------------------------------------ geometry
+    def edge_vectors(self) -> Tensor:
+        """(E_loc, 3) ``pos[i] - pos[j] - shift`` of the local edges (differentiable in pos)."""
+        return self.pos[self.edge_dst] - self.pos[self.edge_src] - self.edge_shift
+
+    def kj_vectors(self) -> Tensor:
+        """(T_loc, 3) the edge vector of each local triplet's input edge ``k -> j``."""
+        return self.pos[self.kj_dst] - self.pos[self.kj_src] - self.kj_shift
+
+    # ------------------------------------------------------------------ reductions
+    def gather_edges(self, x: Tensor) -> Tensor:
+        """(E_loc, w) -> (E, w): every edge's row, in global edge order."""
+        return x
+
+    def sum_atoms(self, partial: Tensor) -> Tensor:
+        """(N, w) partial sums from this view's edges -> (N_own, w) complete sums."""
+        return partial
+
+    def sum_systems(self, x_own: Tensor) -> Tensor:
+        """(N_own, w) per own atom -> (B, w) per system, summed over every atom."""
+        out = x_own.new_zeros((self.num_systems, *x_own.shape[1:]))
+        return out.index_add(0, self.system[self.own_atoms], x_own)
+
+    def edges_to_atoms(self, msg: Tensor) -> Tensor:
+        """(E_loc, w) edge messages -> (N_own, w): their sum into each own target atom."""
+        partial = msg.new_zeros((self.num_atoms, *msg.shape[1:])).index_add(0, self.edge_dst, msg)
+        return self.sum_atoms(partial)
+
+    def to(self, device=None, dtype=None) -> "AtomGraph":
+        """A copy on ``device`` with floating tensors (pos, shifts) cast to ``dtype``."""
+        def mv(t: Tensor) -> Tensor:
+            return t.to(device=device, dtype=dtype if (dtype is not None and t.is_floating_point()) else t.dtype)
+        return dataclasses.replace(self, **{f.name: mv(getattr(self, f.name)) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), Tensor)})
