@@ -1,0 +1,162 @@
+"""DimeNet++ (gnnpipe.atomic.dimenetpp) against PyG's DimeNetPlusPlus, and its invariances.
+
+PyG's ``radius_graph``/``triplets`` need compiled pyg-lib/torch-sparse: the parity test
+patches those module-level names with our graph (brute force here), which leaves PyG's
+own bases, blocks and readout as the oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gnnpipe.atomic.dimenetpp import (DimeNetPP, DimeNetPPConfig, bessel_zeros, count_parameters,
+                                      energy_and_forces, preset)
+from gnnpipe.atomic.parallel import single_graph, with_pos
+
+CUTOFF = 3.0
+
+
+def molecules(seed: int, sizes=(5, 4, 6), periodic_cell: float | None = None) -> dict:
+    """Random molecules (atoms ≥ 0.9 Å apart), all pairs within CUTOFF; with ``periodic_cell`` one
+    cubic periodic box instead (edges to every image within the cutoff)."""
+    rng = np.random.default_rng(seed)
+    z, pos, system = [], [], []
+    for s, n in enumerate(sizes):
+        pts = []
+        while len(pts) < n:
+            p = rng.uniform(0, 2.2, 3) if periodic_cell is None else rng.uniform(0, periodic_cell, 3)
+            if all(np.linalg.norm(p - q) > 0.9 for q in pts):
+                pts.append(p)
+        z += list(rng.choice([1, 6, 7, 8], n)); pos += pts; system += [s] * n
+    pos, system = np.array(pos), np.array(system)
+    shifts = [np.zeros(3)] if periodic_cell is None else [
+        (np.array(v) - 1) * periodic_cell for v in np.ndindex(3, 3, 3)]
+    src, dst, shift = [], [], []
+    for i in range(len(z)):
+        for j in range(len(z)):
+            if system[i] != system[j]:
+                continue
+            for s in shifts:
+                d = np.linalg.norm(pos[i] - pos[j] - s)
+                if 0 < d < CUTOFF:
+                    src.append(j); dst.append(i); shift.append(s)
+    src, dst, shift = np.array(src), np.array(dst), np.array(shift, dtype=float)
+    kj, ji = [], []
+    for e in range(len(src)):
+        for f in np.nonzero(dst == src[e])[0]:
+            if not (src[f] == dst[e] and np.allclose(shift[f] + shift[e], 0)):
+                kj.append(f); ji.append(e)
+    return dict(z=np.array(z), pos=pos, system=system, num_systems=len(sizes), edge_src=src,
+                edge_dst=dst, edge_shift=shift, idx_kj=np.array(kj, dtype=np.int64),
+                idx_ji=np.array(ji, dtype=np.int64))
+
+
+def _model(force_head="gradient", seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = DimeNetPPConfig(hidden_channels=16, num_blocks=2, int_emb_size=8, basis_emb_size=4,
+                          out_emb_channels=12, num_spherical=5, num_radial=4, cutoff=CUTOFF,
+                          force_head=force_head, **kw)
+    m = DimeNetPP(cfg).double()
+    with torch.no_grad():  # the zero-initialised output layers would make every energy 0
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return m
+
+
+@pytest.fixture
+def f64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def test_matches_pyg_dimenetplusplus(monkeypatch, f64):
+    pyg = pytest.importorskip("torch_geometric.nn.models.dimenet")
+    b = molecules(0)
+    src, dst = torch.as_tensor(b["edge_src"]), torch.as_tensor(b["edge_dst"])
+    kj, ji = torch.as_tensor(b["idx_kj"]), torch.as_tensor(b["idx_ji"])
+    monkeypatch.setattr(pyg, "radius_graph", lambda pos, r, batch, max_num_neighbors: torch.stack([src, dst]))
+    monkeypatch.setattr(pyg, "triplets", lambda edge_index, num_nodes: (
+        dst, src, dst[ji], src[ji], src[kj], kj, ji))
+    ours = _model()
+    ref = pyg.DimeNetPlusPlus(hidden_channels=16, out_channels=1, num_blocks=2, int_emb_size=8,
+                              basis_emb_size=4, out_emb_channels=12, num_spherical=5, num_radial=4,
+                              cutoff=CUTOFF).double()
+    missing = ref.load_state_dict(ours.state_dict(), strict=True)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    pos_ref = torch.as_tensor(b["pos"]).requires_grad_(True)
+    e_ref = ref(torch.as_tensor(b["z"]), pos_ref, torch.as_tensor(b["system"])).squeeze(-1)
+    f_ref = -torch.autograd.grad(e_ref.sum(), pos_ref)[0]
+    g = single_graph(b)
+    g = with_pos(g, g.pos.clone().requires_grad_(True))
+    energy, forces = energy_and_forces(ours, g, create_graph=False)
+    assert e_ref.abs().min() > 1e-3  # a non-trivial energy
+    torch.testing.assert_close(energy.detach(), e_ref.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(forces, f_ref, rtol=1e-9, atol=1e-9)
+
+
+def test_bessel_zeros_are_zeros():
+    from scipy import special
+    z = bessel_zeros(5, 4).astype(np.float64)
+    for l in range(5):
+        assert np.all(np.abs(special.spherical_jn(l, z[l])) < 1e-6)  # float32-rounded roots
+        assert np.all(np.diff(z[l]) > 0)
+
+
+@pytest.mark.parametrize("head", ["gradient", "direct"])
+def test_invariances_and_equivariance(head, f64):
+    b = molecules(1, periodic_cell=3.2, sizes=(4,))
+    m = _model(head)
+    rot = torch.linalg.qr(torch.randn(3, 3, generator=torch.Generator().manual_seed(3)))[0]
+
+    def run(pos, shift):
+        g = single_graph({**b, "pos": pos, "edge_shift": shift})
+        g = with_pos(g, g.pos.clone().requires_grad_(True))
+        e, f = energy_and_forces(m, g, create_graph=False)
+        return e.detach(), f.detach()
+
+    e0, f0 = run(b["pos"], b["edge_shift"])
+    e1, f1 = run(b["pos"] @ rot.numpy().T, b["edge_shift"] @ rot.numpy().T)
+    torch.testing.assert_close(e1, e0, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(f1, f0 @ rot.T, rtol=1e-9, atol=1e-9)
+    e2, f2 = run(b["pos"] + np.array([3.2, 0, 0]), b["edge_shift"])  # a lattice translation
+    torch.testing.assert_close(e2, e0, rtol=1e-10, atol=1e-10)
+    assert float(f0.abs().max()) > 1e-6  # forces are not trivially zero
+
+
+def test_gradient_forces_are_finite_differences(f64):
+    b = molecules(2, periodic_cell=3.2, sizes=(4,))
+    m = _model()
+    g = single_graph(b)
+    _, forces = energy_and_forces(m, with_pos(g, g.pos.clone().requires_grad_(True)), create_graph=False)
+    for i, k in [(0, 0), (2, 1), (3, 2)]:
+        pos = g.pos.clone()
+        pos[i, k] += 1e-6
+        up = float(m(with_pos(g, pos)).sum().detach())
+        pos[i, k] -= 2e-6
+        down = float(m(with_pos(g, pos)).sum().detach())
+        assert abs(-(up - down) / 2e-6 - float(forces[i, k])) < 1e-6
+
+
+def test_two_atoms_no_triplets(f64):
+    b = molecules(4, sizes=(2,))
+    assert len(b["idx_kj"]) == 0 and len(b["edge_src"]) == 2
+    m = _model()
+    g = single_graph(b)
+    e, f = energy_and_forces(m, with_pos(g, g.pos.clone().requires_grad_(True)), create_graph=True)
+    (e.sum() + f.pow(2).sum()).backward()
+    assert torch.isfinite(e).all() and torch.allclose(f.sum(0), torch.zeros(3), atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["small", "default"])
+def test_count_parameters_is_exact(name):
+    cfg = preset(name)
+    assert count_parameters(cfg) == sum(p.numel() for p in DimeNetPP(cfg).parameters())
+
+
+def test_xl_is_sized_without_allocating():
+    n = count_parameters(preset("xl"))
+    assert 1.5e8 < n < 3.5e8  # Sriram et al.: DimeNet++-XL is a few hundred million parameters
