@@ -1,0 +1,330 @@
+"""Atomistic datasets: structures with energies and forces, and their radius graphs with triplets.
+
+Two HDF5 files per dataset (h5py; ``format_version``, a ``content_hash`` over every array
+*and* the attributes, written atomically; a reader refuses another version or kind, a
+missing array, a truncated, bit-flipped or edited file, naming the rule that rebuilds it):
+
+* ``results/data/<ds>/systems.h5`` (rule ``download``): concatenated ``z`` (N,), ``pos``
+  (N, 3) Å, ``fixed`` (N,), ``forces`` (N, 3) eV/Å; per system ``cell`` (S, 3, 3), ``pbc``
+  (S, 3), ``energy`` (S,) eV, ``split`` (S,) 0/1/2 = train/val/test; ``atom_ptr`` (S+1,).
+* ``results/data/<ds>/graphs.h5`` (rule ``atom_graphs``): per system the directed edges
+  ``j -> i`` within the cutoff over periodic images (``edge_src``/``edge_dst`` local atom
+  ids, ``edge_shift`` (E, 3) the image offset of j in Å), ordered by (target, distance), at
+  most ``max_neighbors`` nearest per target; triplets ``k -> j -> i`` as local edge ids
+  ``idx_kj``/``idx_ji`` (all input edges of j except the one from i's own image);
+  ``edge_ptr``/``triplet_ptr`` (S+1,); attrs ``cutoff``, ``max_neighbors``, ``systems_hash``.
+
+Sources: ``generate`` (the embedded default: ASE fcc(111)/(100) slabs of Cu/Ag/Au/Ni/Pd/Pt/Al
+with a small adsorbate, rattled, bottom layer fixed, labelled by ASE's EMT calculator; no
+internet) and ``read_structures`` (a user's ASE database ``.db`` or extended XYZ).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ..io import GnnPipeError, atomic_path, hash_arrays
+
+FORMAT_VERSION = 1
+MAX_Z = 94  # the model's element embedding has rows 0..94
+EMT_ELEMENTS = ("Al", "Cu", "Ag", "Au", "Ni", "Pd", "Pt", "H", "C", "N", "O")
+SYSTEM_ARRAYS = ("z", "pos", "fixed", "forces", "cell", "pbc", "energy", "split", "atom_ptr")
+GRAPH_ARRAYS = ("edge_ptr", "triplet_ptr", "edge_src", "edge_dst", "edge_shift", "idx_kj", "idx_ji")
+# CH4/H2O/NH3 are left out on purpose: EMT gives them unphysical forces (10-50 eV/Å)
+ADSORBATES = ("O", "H", "C", "N", "CO", "N2", "OH")
+SLAB_METALS = ("Cu", "Ag", "Au", "Ni", "Pd", "Pt", "Al")
+
+
+# --------------------------------------------------------------------------- structures
+def _pack(structures: list, split: np.ndarray, source: str) -> dict:
+    """Concatenate (z, pos, fixed, forces, cell, pbc, energy) tuples into the systems arrays."""
+    z, pos, fixed, forces, cell, pbc, energy = zip(*structures)
+    sizes = [len(a) for a in z]
+    return {"z": np.concatenate(z).astype(np.int64), "pos": np.concatenate(pos).astype(np.float64),
+            "fixed": np.concatenate(fixed).astype(bool), "forces": np.concatenate(forces).astype(np.float64),
+            "cell": np.stack(cell).astype(np.float64), "pbc": np.stack(pbc).astype(bool),
+            "energy": np.asarray(energy, dtype=np.float64), "split": split.astype(np.int8),
+            "atom_ptr": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), "source": source}
+
+
+def random_split(n: int, train_fraction: float, val_fraction: float, seed: int) -> np.ndarray:
+    """(n,) 0/1/2 = train/val/test, a seeded permutation cut at the fractions (≥ 1 train system)."""
+    if not (0 < train_fraction <= 1 and 0 <= val_fraction and train_fraction + val_fraction <= 1):
+        raise GnnPipeError(f"split fractions train {train_fraction}, val {val_fraction} must be in (0, 1] "
+                           "and sum to at most 1")
+    order = np.random.default_rng(seed).permutation(n)
+    n_train = max(1, int(round(train_fraction * n)))
+    n_val = int(round(val_fraction * n))
+    split = np.full(n, 2, dtype=np.int8)
+    split[order[:n_train]] = 0
+    split[order[n_train:n_train + n_val]] = 1
+    return split
+
+
+def generate(num_systems: int = 64, metals=SLAB_METALS, adsorbates=ADSORBATES, size=(2, 2, 3),
+             vacuum: float = 6.0, rattle: float = 0.05, seed: int = 0, train_fraction: float = 0.8,
+             val_fraction: float = 0.1, progress: bool = True) -> dict:
+    """Slab + adsorbate systems labelled by EMT (≈15 ms each), fully determined by the arguments."""
+    from ase.build import add_adsorbate, fcc100, fcc111, molecule
+    from ase.calculators.emt import EMT
+    from ase.constraints import FixAtoms
+    from tqdm import tqdm
+
+    bad = [e for e in (*metals, *adsorbates) if e not in EMT_ELEMENTS and e not in ADSORBATES]
+    if bad or any(m not in SLAB_METALS for m in metals):
+        raise GnnPipeError(f"atoms.generate: EMT labels only slabs of {', '.join(SLAB_METALS)} with adsorbates "
+                           f"{', '.join(ADSORBATES)}; got metals {list(metals)}, adsorbates {list(adsorbates)}")
+    if num_systems < 1:
+        raise GnnPipeError("atoms.num_systems must be >= 1")
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in tqdm(range(num_systems), desc="EMT structures", unit="system", file=sys.stderr,
+                  disable=not progress):
+        metal, ads = metals[rng.integers(len(metals))], adsorbates[rng.integers(len(adsorbates))]
+        build = fcc111 if rng.random() < 0.5 else fcc100
+        slab = build(metal, size=tuple(size), vacuum=vacuum)
+        slab.set_constraint(FixAtoms(indices=[a.index for a in slab if a.tag == size[2]]))  # bottom layer
+        mol = molecule(ads) if len(ads) > 1 else ads
+        low = 0 if isinstance(mol, str) else int(np.argmin(mol.positions[:, 2]))  # its lowest atom binds
+        xy = rng.random(2) @ slab.cell.array[:2, :2]
+        add_adsorbate(slab, mol, height=float(rng.uniform(1.5, 2.2)), position=tuple(xy), mol_index=low)
+        slab.rattle(stdev=rattle, seed=int(rng.integers(2**31)))
+        slab.calc = EMT()
+        energy = slab.get_potential_energy()
+        forces = slab.get_forces(apply_constraint=False)
+        fixed = np.zeros(len(slab), dtype=bool)
+        for c in slab.constraints:
+            fixed[c.get_indices()] = True
+        out.append((slab.numbers, slab.positions, fixed, forces, slab.cell.array, slab.pbc, energy))
+    return _pack(out, random_split(num_systems, train_fraction, val_fraction, seed),
+                 f"generated:ase-emt seed={seed}")
+
+
+def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fraction: float = 0.1,
+                    seed: int = 0) -> dict:
+    """A user's ASE database (``.db``) or extended XYZ with energies and forces, checked row by row."""
+    import ase.db
+    import ase.io
+
+    path = Path(path)
+    if not path.exists():
+        raise GnnPipeError(f"{path}: no such structure file (an ASE .db or .extxyz/.xyz)")
+    try:
+        if path.suffix == ".db":
+            with ase.db.connect(str(path)) as db:
+                rows = [(f"row id {r.id}", r.toatoms(add_additional_information=False)) for r in db.select()]
+        else:
+            rows = [(f"frame {i}", a) for i, a in enumerate(ase.io.read(str(path), index=":"))]
+    except Exception as e:  # noqa: BLE001 - ASE raises many kinds; the user needs the file named
+        raise GnnPipeError(f"{path}: cannot be read as an ASE database or extxyz ({type(e).__name__}: {e})") from None
+    if not rows:
+        raise GnnPipeError(f"{path}: holds no structures")
+    out = []
+    for where, atoms in rows:
+        z = atoms.numbers
+        if len(z) == 0 or z.min() < 1 or z.max() > MAX_Z:
+            raise GnnPipeError(f"{path}: {where}: element(s) {sorted(int(v) for v in set(z[(z < 1) | (z > MAX_Z)]))} outside "
+                               f"Z = 1..{MAX_Z}")
+        try:
+            energy = atoms.get_potential_energy()
+            forces = atoms.get_forces(apply_constraint=False)
+        except Exception:  # noqa: BLE001 - no calculator results stored
+            raise GnnPipeError(f"{path}: {where} has no energy and forces (both are needed for training)") from None
+        if forces is None or np.shape(forces) != (len(z), 3) or not np.all(np.isfinite(forces)) \
+                or not np.isfinite(energy):
+            raise GnnPipeError(f"{path}: {where}: forces must be finite, one row of 3 per atom")
+        fixed = np.zeros(len(z), dtype=bool)
+        for c in atoms.constraints:
+            if hasattr(c, "get_indices"):
+                fixed[c.get_indices()] = True
+        out.append((z, atoms.positions, fixed, forces, atoms.cell.array, atoms.pbc, energy))
+    return _pack(out, random_split(len(out), train_fraction, val_fraction, seed), f"file:{path.name}")
+
+
+# --------------------------------------------------------------------------- graphs
+def radius_graph(pos: np.ndarray, cell: np.ndarray, pbc: np.ndarray, cutoff: float,
+                 max_neighbors: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Edges ``j -> i`` with ``0 < |pos_i - pos_j - shift| < cutoff`` over periodic images.
+
+    Returns ``src`` (j), ``dst`` (i), ``shift`` (E, 3) = n·cell, sorted by (i, distance); each
+    target keeps its ``max_neighbors`` nearest (ties by source, then image, stable).
+    """
+    n = len(pos)
+    reps = []
+    for ax in range(3):
+        if pbc[ax]:
+            # images needed along ax: cutoff / (distance between the cell's planes normal to ax)
+            other = np.cross(cell[(ax + 1) % 3], cell[(ax + 2) % 3])
+            height = abs(np.dot(cell[ax], other)) / np.linalg.norm(other)
+            reps.append(int(np.ceil(cutoff / height)) + 1)
+        else:
+            reps.append(0)
+    images = np.array(np.meshgrid(*[np.arange(-r, r + 1) for r in reps], indexing="ij")).reshape(3, -1).T
+    shifts = images @ cell  # (K, 3)
+    # d[i, j, k] = |pos_i - pos_j - shift_k|
+    diff = pos[:, None, None, :] - pos[None, :, None, :] - shifts[None, None, :, :]
+    dist = np.linalg.norm(diff, axis=-1)
+    i, j, k = np.nonzero((dist < cutoff) & (dist > 1e-8))
+    d = dist[i, j, k]
+    order = np.lexsort((k, j, d, i))
+    i, j, k, d = i[order], j[order], k[order], d[order]
+    rank = np.arange(len(i)) - np.searchsorted(i, i)  # position among the target's neighbours
+    keep = rank < max_neighbors
+    return j[keep].astype(np.int64), i[keep].astype(np.int64), shifts[k[keep]].astype(np.float64)
+
+
+def triplets(src: np.ndarray, dst: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(idx_kj, idx_ji)``: for every edge ji (j -> i) every edge kj (k -> j), except the one whose
+    source is i's own image (``k == i`` and ``shift_kj + shift_ji == 0``)."""
+    by_dst = np.argsort(dst, kind="stable")
+    starts = np.searchsorted(dst[by_dst], np.arange(int(max(dst.max(initial=-1), src.max(initial=-1))) + 2))
+    counts = starts[src + 1] - starts[src]  # input edges of each edge's source j
+    idx_ji = np.repeat(np.arange(len(src)), counts)
+    offs = np.arange(len(idx_ji)) - np.repeat(np.cumsum(counts) - counts, counts)
+    idx_kj = by_dst[np.repeat(starts[src], counts) + offs]
+    same = (src[idx_kj] == dst[idx_ji]) & np.all(np.abs(shift[idx_kj] + shift[idx_ji]) < 1e-8, axis=1)
+    return idx_kj[~same].astype(np.int64), idx_ji[~same].astype(np.int64)
+
+
+def build_graphs(systems: dict, cutoff: float, max_neighbors: int, progress: bool = True) -> dict:
+    """Radius graphs and triplets of every system (see the module docstring)."""
+    from tqdm import tqdm
+
+    if not cutoff > 0:
+        raise GnnPipeError(f"atoms.cutoff must be > 0 Å, got {cutoff}")
+    if max_neighbors < 1:
+        raise GnnPipeError(f"atoms.max_neighbors must be >= 1, got {max_neighbors}")
+    ptr = systems["atom_ptr"]
+    parts = {k: [] for k in ("edge_src", "edge_dst", "edge_shift", "idx_kj", "idx_ji")}
+    ne, nt = [0], [0]
+    for s in tqdm(range(len(ptr) - 1), desc="radius graphs", unit="system", file=sys.stderr, disable=not progress):
+        pos = systems["pos"][ptr[s]:ptr[s + 1]]
+        src, dst, shift = radius_graph(pos, systems["cell"][s], systems["pbc"][s], cutoff, max_neighbors)
+        if len(src) == 0:
+            raise GnnPipeError(f"system {s} ({len(pos)} atoms) has no pair of atoms within the cutoff "
+                               f"{cutoff} Å: raise atoms.cutoff or remove it")
+        kj, ji = triplets(src, dst, shift)
+        for k, v in zip(parts, (src, dst, shift, kj, ji)):
+            parts[k].append(v)
+        ne.append(ne[-1] + len(src))
+        nt.append(nt[-1] + len(kj))
+    out = {k: np.concatenate(v) for k, v in parts.items()}
+    out["edge_shift"] = out["edge_shift"].reshape(-1, 3)
+    out["edge_ptr"], out["triplet_ptr"] = np.array(ne, dtype=np.int64), np.array(nt, dtype=np.int64)
+    return out
+
+
+def graph_stats(graphs: dict, systems: dict) -> dict:
+    """Atoms, edges and triplets per system (mean, max) and in all."""
+    per = {"atoms": np.diff(systems["atom_ptr"]), "edges": np.diff(graphs["edge_ptr"]),
+           "triplets": np.diff(graphs["triplet_ptr"])}
+    return {**{f"{k}_mean": float(v.mean()) for k, v in per.items()},
+            **{f"{k}_max": int(v.max()) for k, v in per.items()},
+            **{f"{k}_total": int(v.sum()) for k, v in per.items()}, "systems": int(len(per["atoms"]))}
+
+
+def batch_arrays(systems: dict, graphs: dict, ids) -> dict:
+    """One batch of systems ``ids``: arrays with batch-level atom, edge and system ids."""
+    ap, ep, tp = systems["atom_ptr"], graphs["edge_ptr"], graphs["triplet_ptr"]
+    cols = {k: [] for k in ("z", "pos", "fixed", "forces", "system", "edge_src", "edge_dst", "edge_shift",
+                            "idx_kj", "idx_ji")}
+    na = ne = 0
+    for b, s in enumerate(ids):
+        a0, a1, e0, e1, t0, t1 = ap[s], ap[s + 1], ep[s], ep[s + 1], tp[s], tp[s + 1]
+        for k in ("z", "pos", "fixed", "forces"):
+            cols[k].append(systems[k][a0:a1])
+        cols["system"].append(np.full(a1 - a0, b, dtype=np.int64))
+        cols["edge_src"].append(graphs["edge_src"][e0:e1] + na)
+        cols["edge_dst"].append(graphs["edge_dst"][e0:e1] + na)
+        cols["edge_shift"].append(graphs["edge_shift"][e0:e1])
+        cols["idx_kj"].append(graphs["idx_kj"][t0:t1] + ne)
+        cols["idx_ji"].append(graphs["idx_ji"][t0:t1] + ne)
+        na, ne = na + (a1 - a0), ne + (e1 - e0)
+    out = {k: np.concatenate(v) for k, v in cols.items()}
+    out["edge_shift"] = out["edge_shift"].reshape(-1, 3)
+    out["energy"] = systems["energy"][list(ids)]
+    out["num_systems"] = len(ids)
+    return out
+
+
+# --------------------------------------------------------------------------- HDF5
+def _content_hash(arrays: dict, attrs: dict) -> str:
+    h = hashlib.sha256(hash_arrays(arrays).encode())
+    h.update(json.dumps(attrs, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def write_h5(path: str | os.PathLike, arrays: dict, attrs: dict, kind: str) -> str:
+    """Write ``arrays`` + ``attrs`` as a versioned, hashed HDF5 file of ``kind``; returns the hash."""
+    attrs = {**attrs, "kind": kind, "format_version": FORMAT_VERSION}
+    digest = _content_hash(arrays, attrs)
+    with atomic_path(path, ".h5") as tmp:
+        with h5py.File(tmp, "w") as f:
+            for k, v in arrays.items():
+                f.create_dataset(k, data=v)
+            for k, v in attrs.items():
+                f.attrs[k] = json.dumps(v) if isinstance(v, (dict, list, tuple)) else v
+            f.attrs["content_hash"] = digest
+    return digest
+
+
+def read_h5(path: str | os.PathLike, kind: str, names, rule: str) -> tuple[dict, dict]:
+    """Read and verify a file of ``write_h5``; any mismatch is a GnnPipeError naming ``rule``."""
+    again = f"delete it and rerun the workflow (rule {rule} rebuilds it)"
+    try:
+        with h5py.File(path, "r") as f:
+            attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
+            if attrs.get("kind") != kind or attrs.get("format_version") != FORMAT_VERSION:
+                raise GnnPipeError(f"{path}: not a {kind} file of format version {FORMAT_VERSION} "
+                                   f"(kind {attrs.get('kind')!r}, version {attrs.get('format_version')!r}); {again}")
+            missing = [n for n in names if n not in f]
+            if missing:
+                raise GnnPipeError(f"{path}: missing dataset(s) {', '.join(missing)}; {again}")
+            arrays = {n: f[n][()] for n in names}
+    except GnnPipeError:
+        raise
+    except (OSError, KeyError, ValueError) as e:
+        raise GnnPipeError(f"{path}: unreadable or truncated HDF5 ({e}); {again}") from None
+    stored = attrs.pop("content_hash", None)
+    attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in attrs.items()}
+    for k, v in attrs.items():
+        if isinstance(v, str) and v[:1] in "[{":
+            attrs[k] = json.loads(v)
+    if _content_hash(arrays, attrs) != stored:
+        raise GnnPipeError(f"{path}: content hash mismatch (the file was edited or corrupted); {again}")
+    return arrays, {**attrs, "content_hash": stored}
+
+
+def write_systems(path, systems: dict, params: dict | None = None) -> str:
+    arrays = {k: systems[k] for k in SYSTEM_ARRAYS}
+    return write_h5(path, arrays, {"source": systems.get("source", "unknown"), "params": params or {},
+                                   "num_systems": int(len(systems["energy"])),
+                                   "num_atoms": int(len(systems["z"]))}, "systems")
+
+
+def read_systems(path) -> dict:
+    arrays, attrs = read_h5(path, "systems", SYSTEM_ARRAYS, "download")
+    arrays["fixed"], arrays["pbc"] = arrays["fixed"].astype(bool), arrays["pbc"].astype(bool)
+    return {**arrays, "source": attrs["source"], "content_hash": attrs["content_hash"]}
+
+
+def write_graphs(path, graphs: dict, cutoff: float, max_neighbors: int, systems_hash: str) -> str:
+    return write_h5(path, {k: graphs[k] for k in GRAPH_ARRAYS},
+                    {"cutoff": float(cutoff), "max_neighbors": int(max_neighbors), "systems_hash": systems_hash},
+                    "atom_graphs")
+
+
+def read_graphs(path, expect_systems_hash: str | None = None) -> dict:
+    arrays, attrs = read_h5(path, "atom_graphs", GRAPH_ARRAYS, "atom_graphs")
+    if expect_systems_hash is not None and attrs["systems_hash"] != expect_systems_hash:
+        raise GnnPipeError(f"{path}: built from other structures than the systems.h5 beside it (stale); "
+                           "delete it and rerun the workflow (rule atom_graphs rebuilds it)")
+    return {**arrays, "cutoff": attrs["cutoff"], "max_neighbors": attrs["max_neighbors"],
+            "content_hash": attrs["content_hash"]}
