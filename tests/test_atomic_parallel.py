@@ -224,7 +224,7 @@ def _norm():
 
 def _dimenet_step(model, g, b, counts, reduce_grads=None):
     from gnnpipe.atomic.engine import step_loss
-    loss, energy, forces = step_loss(model, g, b, _norm(), counts, force_weight=10.0)
+    loss, energy, forces, _ = step_loss(model, g, b, _norm(), counts, force_weight=10.0)
     model.zero_grad(set_to_none=False)
     loss.backward()
     grads = [p.grad.detach().clone() for p in model.parameters()]

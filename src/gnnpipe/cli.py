@@ -1,6 +1,7 @@
 """``gnnpipe``: the command line of every pipeline stage (the Snakemake rules call it).
 
     gnnpipe data        --spec dataset.yaml --name synth --out results/data/synth/graph.h5
+    gnnpipe atom-graphs --systems systems.h5 --cutoff 5 --max-neighbors 32 --out graphs.h5
     gnnpipe partition   --graph graph.h5 --method metis --parts 4 --out metis-4.npy
     gnnpipe materialize --graph graph.h5 --assignment metis-4.npy --out metis-4.h5
     gnnpipe train       --run-config results/runs/<run_id>/run.yaml   (torchrun for P > 1)
@@ -32,12 +33,34 @@ def _data(a):
     from .io import write_json
 
     cfg = from_dict(DatasetConfig, load_yaml(a.spec), path=f"{a.spec}")
+    if cfg.kind == "atoms":  # structures with energies and forces: systems.h5 (graphs: atom-graphs)
+        from .atomic.data import systems_from_config, systems_summary, write_systems
+        systems = systems_from_config(cfg.atoms)
+        digest = write_systems(a.out, systems, params={"name": a.name})
+        if a.stats:
+            write_json(a.stats, {**systems_summary(systems), "content_hash": digest})
+        print(f"wrote {a.out}: {len(systems['energy'])} systems, {len(systems['z'])} atoms", file=sys.stderr)
+        return
     graph = load_dataset(cfg, a.name, progress=True)
     digest = write_graph(a.out, graph)
     if a.stats:
         write_json(a.stats, {**dataset_summary(graph), "content_hash": digest, "params": graph.params})
     print(f"wrote {a.out}: {graph.num_nodes} nodes, {graph.num_edges} edges, "
           f"{graph.num_features} features, {graph.num_classes} classes", file=sys.stderr)
+
+
+def _atom_graphs(a):
+    from .atomic.data import build_graphs, graph_stats, read_systems, write_graphs
+    from .io import write_json
+
+    systems = read_systems(a.systems)
+    graphs = build_graphs(systems, a.cutoff, a.max_neighbors)
+    digest = write_graphs(a.out, graphs, a.cutoff, a.max_neighbors, systems["content_hash"])
+    stats = graph_stats(graphs, systems)
+    if a.stats:
+        write_json(a.stats, {**stats, "cutoff": a.cutoff, "max_neighbors": a.max_neighbors, "content_hash": digest})
+    print(f"wrote {a.out}: {stats['edges_total']} edges, {stats['triplets_total']} triplets "
+          f"({stats['edges_mean']:.0f} / {stats['triplets_mean']:.0f} per system)", file=sys.stderr)
 
 
 def _partition(a):
@@ -116,6 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="graph file to write (results/data/<name>/graph.h5)")
     d.add_argument("--stats", help="also write a JSON summary (sizes, degrees, splits)")
     d.set_defaults(func=_data)
+
+    g = sub.add_parser("atom-graphs", help="radius graphs and triplets of atomistic systems",
+                       description="For every system of a systems.h5 (`gnnpipe data` on an atoms dataset): "
+                                   "the directed edges within the cutoff over periodic images (at most "
+                                   "max-neighbors nearest per atom) and the triplets k->j->i; writes graphs.h5.")
+    g.add_argument("--systems", required=True, help="results/data/<name>/systems.h5")
+    g.add_argument("--cutoff", type=float, required=True, help="radius in Å (also the model's basis cutoff)")
+    g.add_argument("--max-neighbors", type=int, required=True, help="nearest neighbours kept per atom")
+    g.add_argument("--out", required=True, help="results/data/<name>/graphs.h5")
+    g.add_argument("--stats", help="also write a JSON summary (edges, triplets per system)")
+    g.set_defaults(func=_atom_graphs)
 
     q = sub.add_parser("partition", help="partition a graph (METIS, random, contiguous)",
                        description="Partition the nodes into k parts and write the assignment (.npy) "

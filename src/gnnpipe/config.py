@@ -80,13 +80,43 @@ class FilesConfig:
 
 
 @dataclass
+class AtomsConfig:
+    """Atomistic systems with energies and forces (gnnpipe.atomic.data) and their radius graphs.
+
+    ``file`` empty: generate slab + adsorbate systems labelled by ASE's EMT calculator (no
+    internet); else read the user's ASE database (``.db``) or extended XYZ file.
+    """
+
+    file: str = ""
+    num_systems: int = 64  # generated systems
+    metals: list[str] = field(default_factory=lambda: ["Cu", "Ag", "Au", "Ni", "Pd", "Pt", "Al"])
+    adsorbates: list[str] = field(default_factory=lambda: ["O", "H", "C", "N", "CO", "N2", "OH"])
+    slab_size: list[int] = field(default_factory=lambda: [2, 2, 3])  # fcc(111)/(100) repeats, layers last
+    rattle: float = 0.05  # Å
+    cutoff: float = 5.0  # Å, radius graph and the model's basis cutoff
+    max_neighbors: int = 32  # nearest neighbours kept per atom
+    train_fraction: float = 0.8
+    val_fraction: float = 0.1
+    seed: int = 0
+
+    def check(self, path: str) -> None:
+        if not self.cutoff > 0:
+            raise ConfigError(f"{path}.cutoff: must be > 0 Å, got {self.cutoff}")
+        if self.max_neighbors < 1 or self.num_systems < 1:
+            raise ConfigError(f"{path}: max_neighbors and num_systems must be >= 1")
+        if len(self.slab_size) != 3 or min(self.slab_size) < 1:
+            raise ConfigError(f"{path}.slab_size: three positive repeats, got {self.slab_size}")
+
+
+@dataclass
 class DatasetConfig:
-    kind: Literal["synthetic", "ogb", "files"] = "synthetic"
+    kind: Literal["synthetic", "ogb", "files", "atoms"] = "synthetic"
     symmetrize: bool = True  # add the reverse of every edge
     self_loops: Literal["remove", "add", "keep"] = "remove"  # layers add their own self term
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     ogb: OgbConfig = field(default_factory=OgbConfig)
     files: FilesConfig = field(default_factory=FilesConfig)
+    atoms: AtomsConfig = field(default_factory=AtomsConfig)
 
 
 # --------------------------------------------------------------------------- model & training
@@ -94,7 +124,7 @@ class DatasetConfig:
 class ModelConfig:
     """A stack of ``layers`` graph layers (``mlp``: no graph, the baseline)."""
 
-    kind: Literal["gcn", "sage", "gat", "gcnii", "resgcn", "mlp"] = "gcn"
+    kind: Literal["gcn", "sage", "gat", "gcnii", "resgcn", "mlp", "dimenetpp"] = "gcn"
     layers: int = 2
     hidden: int = 64
     dropout: float = 0.5
@@ -102,6 +132,25 @@ class ModelConfig:
     alpha: float = 0.1  # gcnii: initial-residual weight
     lambda_: float = 0.5  # gcnii: identity-mapping strength (YAML key: lambda)
     norm: Literal["none", "layer"] = "none"  # normalisation after each hidden layer (resgcn: always layer)
+    dimenetpp: "DimeNetPPSpec" = field(default_factory=lambda: DimeNetPPSpec())  # kind dimenetpp only
+
+
+@dataclass
+class DimeNetPPSpec:
+    """DimeNet++ sizes: a preset (small, default = PyG's, xl = Sriram et al.'s DimeNet++-XL)
+    with any field overridden; ``None`` keeps the preset's. The cutoff is the dataset's."""
+
+    preset: Literal["small", "default", "xl"] = "small"
+    hidden_channels: Optional[int] = None
+    num_blocks: Optional[int] = None
+    int_emb_size: Optional[int] = None  # triplet message width: what is all-gathered per block
+    basis_emb_size: Optional[int] = None
+    out_emb_channels: Optional[int] = None
+    num_spherical: Optional[int] = None
+    num_radial: Optional[int] = None
+    force_head: Literal["gradient", "direct"] = "gradient"  # gradient: F = -dE/dpos (conserving)
+    force_weight: float = 10.0  # weight of the force term in the loss
+    batch_size: int = 4  # systems per step and data-parallel replica
 
 
 @dataclass
@@ -200,6 +249,7 @@ class RunSpec:
     epochs: Optional[int] = None  # overrides training.epochs
     name: Optional[str] = None  # overrides the generated run id
     pipeline: Optional[PipelineOverride] = None  # this run's own pipeline settings (ablations)
+    data_parallel: Optional[int] = None  # atomic graph mode: D replicas of P = workers / D ways
 
 
 @dataclass
@@ -235,6 +285,12 @@ class RunConfig:
     stages: int = 1
     ways: int = 1
     chunks: int = 1  # parts in the chunk store: P for graph, C for pipeline/hybrid
+    data_parallel: int = 1  # atomic models: replicas (workers = data_parallel * ways)
+    systems_path: Optional[str] = None  # atomic models: results/data/<dataset>/systems.h5
+
+    @property
+    def atomic(self) -> bool:
+        return self.model.kind == "dimenetpp"
 
 
 # --------------------------------------------------------------------------- building
@@ -354,6 +410,14 @@ def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
         if run.model not in wf.models:
             raise ConfigError(f"{where}.model: {run.model!r} is not in models "
                               f"({', '.join(wf.models) or 'none defined'})")
+        atoms_data = wf.datasets[run.dataset].kind == "atoms"
+        if atoms_data != (wf.models[run.model].kind == "dimenetpp"):
+            raise ConfigError(f"{where}: dataset {run.dataset!r} ({wf.datasets[run.dataset].kind}) and model "
+                              f"{run.model!r} ({wf.models[run.model].kind}) do not fit: atoms datasets train "
+                              "dimenetpp models, node datasets the others")
+        if atoms_data and run.mode not in ("single", "graph"):
+            raise ConfigError(f"{where}.mode: atomic models train in mode single or graph (edge/triplet "
+                              f"graph parallelism), not {run.mode}")
     ids = [run_id(wf, r) for r in wf.runs]
     dup = {i for i in ids if ids.count(i) > 1}
     if dup:
@@ -380,6 +444,12 @@ def run_layout(wf: WorkflowConfig, spec: RunSpec) -> tuple[int, int, int, int]:
         if p != 1:
             raise ConfigError(f"run single/{spec.dataset}/{spec.model}: mode single takes workers: 1")
         return 1, 1, 1, 1
+    if spec.mode == "graph" and model.kind == "dimenetpp":
+        d = spec.data_parallel or 1
+        if d < 1 or p % d:
+            raise ConfigError(f"run graph/{spec.dataset}/{spec.model}: workers ({p}) must be a multiple of "
+                              f"data_parallel ({d})")
+        return p, 1, p // d, 1
     if spec.mode == "graph":
         return p, 1, p, p
     stages = p if spec.mode == "pipeline" else (spec.stages or 1)
@@ -407,6 +477,8 @@ def run_id(wf: WorkflowConfig, spec: RunSpec) -> str:
     seed = spec.seed if spec.seed is not None else wf.training.seed
     layout = {"single": "p1", "graph": f"p{p}", "pipeline": f"s{s}c{c}",
               "hybrid": f"s{s}g{g}c{c}"}[spec.mode]
+    if (spec.data_parallel or 1) > 1:
+        layout += f"d{spec.data_parallel}"
     return f"{spec.dataset}-{spec.model}-{spec.mode}-{layout}-seed{seed}"
 
 
@@ -422,11 +494,15 @@ def resolve_run(wf: WorkflowConfig, spec: RunSpec) -> RunConfig:
         seed=spec.seed if spec.seed is not None else wf.training.seed,
         epochs=spec.epochs if spec.epochs is not None else wf.training.epochs,
     )
-    store = None if spec.mode == "single" else store_path(wf.results, spec.dataset,
-                                                           wf.partitioning.method, c)
+    atomic = wf.models[spec.model].kind == "dimenetpp"
+    store = None if spec.mode == "single" or atomic else store_path(wf.results, spec.dataset,
+                                                                     wf.partitioning.method, c)
+    data = f"{wf.results}/data/{spec.dataset}"
     return RunConfig(
         run_id=rid, mode=spec.mode, dataset_name=spec.dataset,
-        graph_path=f"{wf.results}/data/{spec.dataset}/graph.h5", store_path=store,
+        graph_path=f"{data}/graphs.h5" if atomic else f"{data}/graph.h5", store_path=store,
+        systems_path=f"{data}/systems.h5" if atomic else None,
+        data_parallel=(spec.data_parallel or 1) if atomic else 1,
         out_dir=f"{wf.results}/runs/{rid}", model=wf.models[spec.model], training=training,
         partitioning=wf.partitioning, pipeline=run_pipeline(wf, spec), graph_parallel=wf.graph_parallel,
         workers=p, stages=s, ways=g, chunks=c,

@@ -59,8 +59,11 @@ def evaluate_run(cfg: RunConfig, checkpoint: str | Path | None = None, out: str 
     checkpoint = Path(checkpoint or Path(cfg.out_dir) / "model.pt")
     out = Path(out or Path(cfg.out_dir) / "eval.json")
     dtype = DTYPES[cfg.training.dtype]
-    graph = read_graph(cfg.graph_path)
     state = load_checkpoint(checkpoint)
+    if cfg.atomic:
+        result = _atomic_metrics(cfg, state, checkpoint)
+        return _finish(cfg, {"run_id": cfg.run_id, "checkpoint_epoch": int(state.get("epoch", -1)), **result}, out)
+    graph = read_graph(cfg.graph_path)
     model = GNN(cfg.model, graph.num_features, graph.num_classes).to(dtype)
     try:
         model.load_state_dict(state["model"])
@@ -70,6 +73,24 @@ def evaluate_run(cfg: RunConfig, checkpoint: str | Path | None = None, out: str 
     x, y, masks = graph_tensors(graph, dtype, "cpu")
     result = exact_metrics(model, Block.full(graph.indptr, graph.indices, dtype), x, y, masks)
     result = {"run_id": cfg.run_id, "checkpoint_epoch": int(state.get("epoch", -1)), **result}
+    return _finish(cfg, result, out)
+
+
+def _atomic_metrics(cfg: RunConfig, state: dict, checkpoint: Path) -> dict:
+    """S2EF metrics of an atomic run's checkpoint, in one process whatever mode trained it."""
+    import dataclasses
+
+    from .atomic.engine import AtomicEngine
+    one = dataclasses.replace(cfg, mode="single", workers=1, ways=1, data_parallel=1)
+    engine = AtomicEngine(one, None, torch.device("cpu"))
+    try:
+        engine.model.load_state_dict(state["model"])
+    except (RuntimeError, KeyError) as e:
+        raise GnnPipeError(f"{checkpoint}: does not fit the run's DimeNet++ ({engine.model_cfg}): {e}") from None
+    return {k: v for k, v in engine.evaluate().items() if v is not None}
+
+
+def _finish(cfg: RunConfig, result: dict, out: Path) -> dict:
     write_json(out, result)
     metrics_path = Path(cfg.out_dir) / "metrics.json"
     mlflow_id = json.loads(metrics_path.read_text()).get("mlflow_run_id") if metrics_path.exists() else None

@@ -76,6 +76,11 @@ def _client(cfg: RunConfig):
         yield client, exp_id
 
 
+#: per-epoch metrics of atomic runs (OC20 S2EF, per split)
+ATOMIC_ROW_METRICS = tuple(f"{s}_{m}" for s in ("train", "val", "test")
+                           for m in ("energy_mae", "force_mae", "force_cos", "efwt"))
+
+
 def log_training(cfg: RunConfig, record: dict, out_dir: Path) -> str:
     """Log one finished training run (params, per-epoch metrics, artifacts); return its id.
 
@@ -93,11 +98,12 @@ def log_training(cfg: RunConfig, record: dict, out_dir: Path) -> str:
         metrics = []
         for row in record["history"]:
             for key in ("loss", "epoch_time_s", "compute_s", "comm_s", "bubble_s", "comm_bytes",
-                        "train_acc", "val_acc", "test_acc"):
+                        "train_acc", "val_acc", "test_acc", *ATOMIC_ROW_METRICS):
                 if row.get(key) is not None:
                     metrics.append(Metric(key, float(row[key]), now, row["epoch"]))
         for key in ("epoch_time_s", "comm_bytes_per_epoch", "comm_bytes_predicted", "peak_mem_bytes",
-                    "train_acc", "val_acc", "test_acc", "final_loss"):
+                    "train_acc", "val_acc", "test_acc", "final_loss", "energy_mae", "force_mae", "force_cos",
+                    "efwt"):
             if record.get(key) is not None:
                 metrics.append(Metric(f"final/{key}", float(record[key]), now, 0))
         for k, v in record["epoch_time_breakdown_s"].items():

@@ -108,7 +108,11 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> tuple[int, int]:
 
 
 def build_engine(cfg: RunConfig, groups: Optional[ProcessGroups], comm, device):
-    """The one branch on the mode."""
+    """The one branch on the mode (atomic models: one engine for single and graph)."""
+    if cfg.atomic:
+        from .atomic.engine import AtomicEngine
+        return AtomicEngine(cfg, comm, device, rank=groups.rank if groups else 0,
+                            world=groups.dims.world_size if groups else 1)
     if cfg.mode == "single":
         return SingleEngine(cfg, device)
     if cfg.mode == "graph":
@@ -154,7 +158,7 @@ def run(cfg: RunConfig, *, progress: bool = True) -> Optional[dict]:
     groups = comm = None
     if cfg.mode != "single":
         from .parallel.comm import Communicator
-        dims = ParallelDims(cfg.mode, world, cfg.stages, cfg.ways)
+        dims = ParallelDims(cfg.mode, world, cfg.stages, cfg.ways, cfg.data_parallel)
         groups = build_groups(dims, rank)
         comm = Communicator(groups, device)
     try:
@@ -195,7 +199,7 @@ def _train(cfg: RunConfig, engine, comm, rank: int, world: int, device, progress
             if comm is not None:
                 comm.set_epoch(-1)  # evaluation traffic is not an epoch's training traffic
             last_eval = engine.evaluate()
-            row.update({k: last_eval[k] for k in ("train_acc", "val_acc", "test_acc")})
+            row.update({k: v for k, v in last_eval.items() if k != "loss"})
         history.append(row)
         if epoch >= tc.warmup_epochs or tc.epochs <= tc.warmup_epochs:
             times.append(wall_max)
@@ -203,7 +207,8 @@ def _train(cfg: RunConfig, engine, comm, rank: int, world: int, device, progress
         if tc.checkpoint_every and (epoch + 1) % tc.checkpoint_every == 0 and epoch != tc.epochs - 1:
             _checkpoint(engine, out_dir / "model.pt", epoch, cfg, rank)
         if bar is not None:
-            bar.set_postfix(loss=f"{stats.loss:.4f}", val=f"{last_eval.get('val_acc', float('nan')):.3f}")
+            val = last_eval.get("val_acc") if not cfg.atomic else last_eval.get("val_energy_mae")
+            bar.set_postfix(loss=f"{stats.loss:.4f}", val=f"{val if val is not None else float('nan'):.3f}")
             bar.update()
     if bar is not None:
         bar.close()
@@ -219,6 +224,10 @@ def _train(cfg: RunConfig, engine, comm, rank: int, world: int, device, progress
     return record
 
 
+#: OC20 S2EF metrics of atomic runs, at the top of the run record (DESIGN.md §4)
+ATOMIC_METRICS = ("energy_mae", "force_mae", "force_cos", "efwt")
+
+
 def _median(values):
     return float(statistics.median(values)) if values else 0.0
 
@@ -228,10 +237,10 @@ def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
     graph_info = engine.graph_info() if hasattr(engine, "graph_info") else {
         "num_nodes": engine.num_nodes, "num_edges": engine.num_edges, "in_features": engine.in_features}
     bytes_timed = [r["comm_bytes"] for r in splits]
-    return {
+    record = {
         "run_id": cfg.run_id, "mode": cfg.mode, "dataset": cfg.dataset_name, **graph_info,
         "model": cfg.model.kind, "layers": cfg.model.layers, "hidden": cfg.model.hidden,
-        "world_size": cfg.workers, "stages": cfg.stages, "ways": cfg.ways,
+        "world_size": cfg.workers, "stages": cfg.stages, "ways": cfg.ways, "data_parallel": cfg.data_parallel,
         "chunks": cfg.chunks if cfg.mode in ("pipeline", "hybrid") else 1,
         "parts": cfg.chunks if cfg.mode != "single" else 1,
         "epochs": cfg.training.epochs, "dtype_bytes": DTYPES[cfg.training.dtype].itemsize,
@@ -242,10 +251,15 @@ def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
         "peak_mem_bytes": peak,
         "train_acc": last_eval.get("train_acc"), "val_acc": last_eval.get("val_acc"),
         "test_acc": last_eval.get("test_acc"), "final_loss": history[-1]["loss"] if history else None,
+        **({k: last_eval.get(k) for k in ATOMIC_METRICS} if cfg.atomic else {}),
         "mlflow_run_id": None,
         "extra": engine.extra_info() if hasattr(engine, "extra_info") else {},
         "history": history,
     }
+    if cfg.atomic:  # interaction blocks and their width; the edge split's ways
+        record.update(layers=engine.model_cfg.num_blocks, hidden=engine.model_cfg.hidden_channels,
+                      parts=cfg.ways)
+    return record
 
 
 def _checkpoint(engine, path: Path, epoch: int, cfg: RunConfig, rank: int) -> None:

@@ -328,3 +328,21 @@ def read_graphs(path, expect_systems_hash: str | None = None) -> dict:
                            "delete it and rerun the workflow (rule atom_graphs rebuilds it)")
     return {**arrays, "cutoff": attrs["cutoff"], "max_neighbors": attrs["max_neighbors"],
             "content_hash": attrs["content_hash"]}
+
+
+# --------------------------------------------------------------------------- entry points
+def systems_from_config(cfg, progress: bool = True) -> dict:
+    """The systems of a ``datasets.<name>.atoms`` config (``AtomsConfig``): generated or read."""
+    if cfg.file:
+        return read_structures(cfg.file, cfg.train_fraction, cfg.val_fraction, cfg.seed)
+    return generate(cfg.num_systems, tuple(cfg.metals), tuple(cfg.adsorbates), tuple(cfg.slab_size),
+                    rattle=cfg.rattle, seed=cfg.seed, train_fraction=cfg.train_fraction,
+                    val_fraction=cfg.val_fraction, progress=progress)
+
+
+def systems_summary(systems: dict) -> dict:
+    n = np.diff(systems["atom_ptr"])
+    return {"systems": int(len(n)), "atoms": int(n.sum()), "atoms_per_system_mean": float(n.mean()),
+            "elements": sorted(int(z) for z in np.unique(systems["z"])),
+            "splits": {s: int((systems["split"] == i).sum()) for i, s in enumerate(("train", "val", "test"))},
+            "energy_mean": float(systems["energy"].mean()), "source": systems.get("source", "")}

@@ -22,7 +22,7 @@ deviation σ: ``E = σ·model(g) + Σ_atoms e_ref[z]``, ``F = σ·model_forces``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -65,8 +65,9 @@ class StepCounts:
 
 
 def step_loss(model: DimeNetPP, g, b: dict, norm: Normalizer, counts: StepCounts,
-              force_weight: float, train: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """This rank's share of a step's loss, the batch's energies (B,) and own forces (N_own, 3), eV."""
+              force_weight: float, train: bool = True) -> tuple[Tensor, Tensor, Tensor, float]:
+    """This rank's share of a step's loss, the batch's energies (B,) and own forces (N_own, 3), eV,
+    and the share to *report*: the loss with the (replicated) energy term divided by the ways."""
     gradient = model.cfg.force_head == "gradient"
     if gradient:
         g = with_pos(g, g.pos.detach().clone().requires_grad_(True))
@@ -81,10 +82,236 @@ def step_loss(model: DimeNetPP, g, b: dict, norm: Normalizer, counts: StepCounts
     free = torch.as_tensor(~b["fixed"][own], device=y.device).unsqueeze(-1)
     loss_e = ((energy - e_ref) / norm.scale).pow(2).sum() / max(counts.systems, 1)
     loss_f = (((forces - f_ref) / norm.scale).pow(2) * free).sum() / max(3 * counts.free_atoms, 1)
-    return loss_e + force_weight * loss_f, energy.detach(), forces.detach()
+    ways = getattr(getattr(g, "group", None), "size", 1) or 1
+    report = float(loss_e.detach()) / ways + force_weight * float(loss_f.detach())
+    return loss_e + force_weight * loss_f, energy.detach(), forces.detach(), report
 
 
 def rank_view(b: dict, grp: Optional[EdgeGroup], dtype, device):
     """This rank's AtomGraph of batch ``b`` (the whole batch without a group)."""
     parts, rank = (1, 0) if grp is None else (grp.size, grp.rank)
     return shard_graph(b, parts, rank, grp, dtype, device)
+
+
+# --------------------------------------------------------------------------- closed form
+def step_bytes(cfg, edges: Sequence[int], atoms: Sequence[int], systems: Sequence[int], ways: int,
+               dtype_bytes: int, params: int) -> int:
+    """Bytes one training step sends, summed over every rank (what the ledger counts).
+
+    ``edges[d], atoms[d], systems[d]``: the batch of replica d. With P ways, I = int_emb_size,
+    H = hidden, K = num_blocks, b = dtype bytes, per replica:
+
+    * gradient forces (double backward): edge rows ``4·K·(P-1)·E·I·b`` (all-gather forward, its
+      reduce-scatter in the force pass, both again in the parameter pass), atom rows
+      ``4·(K+1)·(P-1)·N·H·b`` (K+1 output blocks, the same four passes), forces
+      ``2·(P-1)·3N·b`` (reduce-scatter, and its all-gather in the parameter pass);
+    * direct forces: ``2·K·(P-1)·E·I·b + 2·(K+1)·(P-1)·N·H·b + 2·(P-1)·3N·b``;
+    * energies: ``2·(P-1)·B·b`` (ring all-reduce); parameters: ``2·(P-1)·params·b`` per replica
+      and ``2·(D-1)·params·b`` per way across replicas.
+    """
+    p, d, b = ways, len(edges), dtype_bytes
+    k, i, h = cfg.num_blocks, cfg.int_emb_size, cfg.hidden_channels
+    passes = 4 if cfg.force_head == "gradient" else 2
+    total = 0
+    for e, n, s in zip(edges, atoms, systems):
+        total += (p - 1) * b * (passes * k * e * i + passes * (k + 1) * n * h + 2 * 3 * n + 2 * s)
+    return total + d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b
+
+
+# --------------------------------------------------------------------------- the engine
+SPLIT_NAMES = ("train", "val", "test")
+
+
+class AtomicEngine:
+    """Modes ``single`` and ``graph`` (P ways × D replicas) for atomic models (see the module docstring)."""
+
+    def __init__(self, cfg, comm, device, rank: int = 0, world: int = 1):
+        from ..engine import DTYPES, make_optimizer
+        from ..io import GnnPipeError
+        from .data import read_graphs, read_systems
+        from .dimenetpp import DimeNetPP, count_parameters
+
+        self.cfg, self.comm, self.device = cfg, comm, device
+        self.dtype = DTYPES[cfg.training.dtype]
+        self.systems = read_systems(cfg.systems_path)
+        self.graphs = read_graphs(cfg.graph_path, expect_systems_hash=self.systems["content_hash"])
+        self.ways, self.replicas = (cfg.ways, cfg.data_parallel) if cfg.mode == "graph" else (1, 1)
+        self.replica, self.way = divmod(rank, self.ways)
+        spec = cfg.model.dimenetpp
+        self.batch_size, self.force_weight = spec.batch_size, spec.force_weight
+        self.model_cfg = model_config(spec, float(self.graphs["cutoff"]))
+        edges = np.diff(self.graphs["edge_ptr"])
+        if self.ways > int(edges.min()):
+            s = int(edges.argmin())
+            raise GnnPipeError(f"graph parallelism over {self.ways} ways: system {s} has only {int(edges[s])} "
+                               f"edges within the cutoff; use at most {int(edges.min())} workers per replica")
+        self.grp = self.dp_group = None
+        if world > 1:
+            import torch.distributed as dist
+            from ..parallel.dims import ParallelDims
+            dims = ParallelDims("graph", world, 1, self.ways, self.replicas)
+            # every rank creates every group, in the same order; one replica: the world is its group
+            if self.replicas > 1:
+                mine = [dist.new_group(dims.replica_ranks(r)) for r in range(self.replicas)]
+                dps = [dist.new_group(dims.data_ranks(w)) for w in range(self.ways)]
+            else:
+                mine, dps = [None], [None] * self.ways
+            self.grp = EdgeGroup(comm, mine[self.replica], self.ways, self.way) if self.ways > 1 else None
+            self.graph_pg, self.dp_group = mine[self.replica], dps[self.way]
+        self.ids = {name: np.nonzero(self.systems["split"] == i)[0] for i, name in enumerate(SPLIT_NAMES)}
+        self.norm = Normalizer.fit(self.systems["z"], self.systems["atom_ptr"], self.systems["energy"],
+                                   self.ids["train"])
+        torch.manual_seed(cfg.training.seed)
+        self.model = DimeNetPP(self.model_cfg).to(device, self.dtype)
+        self.num_params = count_parameters(self.model_cfg)
+        self.opt = make_optimizer(self.model.parameters(), cfg.training)
+        self._epoch_steps: list[list[np.ndarray]] = []
+
+    # ------------------------------------------------------------------ batching
+    def _steps(self, ids: np.ndarray, epoch: Optional[int]) -> list[np.ndarray]:
+        """The step batches (B·D systems each), shuffled by (seed, epoch) the same on every rank."""
+        if epoch is not None:
+            ids = np.random.default_rng([self.cfg.training.seed, epoch]).permutation(ids)
+        per = self.batch_size * self.replicas
+        return [ids[i:i + per] for i in range(0, len(ids), per)]
+
+    def _replica_batch(self, step: np.ndarray, replica: int) -> np.ndarray:
+        return np.array_split(step, self.replicas)[replica]
+
+    def _batch(self, ids) -> dict:
+        from .data import batch_arrays
+        return batch_arrays(self.systems, self.graphs, ids)
+
+    def _reduce_grads(self) -> None:
+        grads = []
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        if self.grp is not None:
+            self.comm.all_reduce_coalesced_(grads, group=self.graph_pg)
+        if self.dp_group is not None:
+            self.comm.all_reduce_coalesced_(grads, group=self.dp_group, op="dp_allreduce")
+
+    def _sum(self, values: list[float], group="world", reduce: str = "sum") -> list[float]:
+        if self.comm is None:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        self.comm.all_reduce_(t, group=None if group == "world" else group, op="control", reduce=reduce)
+        return t.tolist()
+
+    # ------------------------------------------------------------------ training
+    def train_epoch(self, epoch: int):
+        import time
+
+        from ..engine import EpochStats
+        t0 = time.perf_counter()
+        comm0 = self.comm.epoch_comm_s(epoch) if self.comm is not None else 0.0
+        self.model.train()
+        steps = self._steps(self.ids["train"], epoch)
+        self._epoch_steps.append(steps)
+        total = 0.0
+        for step in steps:
+            mine = self._replica_batch(step, self.replica)
+            b = self._batch(mine)
+            whole = self._batch(step)
+            counts = StepCounts(len(step), int((~whole["fixed"]).sum()))
+            g = rank_view(b, self.grp, self.dtype, self.device)
+            self.opt.zero_grad(set_to_none=False)
+            loss, _, _, report = step_loss(self.model, g, b, self.norm, counts, self.force_weight)
+            loss.backward()
+            self._reduce_grads()
+            self.opt.step()
+            total += report
+        # the ranks' reported shares sum to the step losses
+        loss_sum, = self._sum([total]) if self.comm is not None else (total,)
+        wall = time.perf_counter() - t0
+        comm_s = (self.comm.epoch_comm_s(epoch) - comm0) if self.comm is not None else 0.0
+        return EpochStats(loss=loss_sum / max(len(steps), 1), compute_s=wall - comm_s, comm_s=comm_s)
+
+    def predicted_bytes(self) -> int:
+        """Closed form of one epoch's training bytes (the last epoch's batches; every epoch has the
+        same step sizes up to the order of systems, and bytes depend on the sizes only)."""
+        if self.comm is None or not self._epoch_steps:
+            return 0
+        total = 0
+        b = torch.finfo(self.dtype).bits // 8
+        for step in self._epoch_steps[-1]:
+            parts = [self._replica_batch(step, r) for r in range(self.replicas)]
+            e = [int(sum(np.diff(self.graphs["edge_ptr"])[p])) for p in parts]
+            n = [int(sum(np.diff(self.systems["atom_ptr"])[p])) for p in parts]
+            total += step_bytes(self.model_cfg, e, n, [len(p) for p in parts], self.ways, b, self.num_params)
+        return total
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict:
+        """OC20 S2EF metrics per split on free atoms: energy MAE (eV), force MAE (eV/Å, components),
+        force cosine (per atom), EFwT (|ΔE| < 0.02 eV and max |ΔF| < 0.03 eV/Å)."""
+        self.model.eval()
+        out: dict = {"train_acc": None, "val_acc": None, "test_acc": None}
+        for split in SPLIT_NAMES:
+            sums = np.zeros(6)  # |dE| sum, systems, |dF| sum, components, cos sum, free atoms
+            hits = 0.0
+            for step in self._steps(self.ids[split], None):
+                mine = self._replica_batch(step, self.replica)
+                if len(mine) == 0:
+                    mine = step[:1]  # every replica takes part in every collective; not counted
+                    count = False
+                else:
+                    count = True
+                b = self._batch(mine)
+                g = rank_view(b, self.grp, self.dtype, self.device)
+                with torch.enable_grad():
+                    _, energy, forces, _ = step_loss(self.model, g, b, self.norm, StepCounts(1, 1), 0.0, train=False)
+                own = slice(g.atom_lo, g.atom_hi)
+                free = ~b["fixed"][own]
+                df = (forces.cpu().double().numpy() - b["forces"][own])[free]
+                f_ref, f_pred = b["forces"][own][free], forces.cpu().double().numpy()[free]
+                cos = (f_ref * f_pred).sum(1) / np.maximum(np.linalg.norm(f_ref, axis=1) * np.linalg.norm(f_pred, axis=1), 1e-12)
+                de = np.abs(energy.cpu().double().numpy() - b["energy"])
+                maxf = np.zeros(b["num_systems"])
+                np.maximum.at(maxf, b["system"][own][free], np.abs(df).max(axis=1, initial=0))
+                if self.grp is not None:
+                    maxf = np.array(self._sum(maxf.tolist(), self.graph_pg, "max"))
+                if count:
+                    lead = self.way == 0  # energies are replicated in the group: count them once
+                    sums += [de.sum() * lead, len(de) * lead, np.abs(df).sum(), df.size, cos.sum(), len(cos)]
+                    hits += float(((de < 0.02) & (maxf < 0.03)).sum()) * lead
+            tot = self._sum([*sums.tolist(), hits])
+            e_sum, n_sys, f_sum, n_comp, c_sum, n_free, h = tot
+            out[f"{split}_energy_mae"] = e_sum / n_sys if n_sys else None
+            out[f"{split}_force_mae"] = f_sum / n_comp if n_comp else None
+            out[f"{split}_force_cos"] = c_sum / n_free if n_free else None
+            out[f"{split}_efwt"] = h / n_sys if n_sys else None
+        for k in ("energy_mae", "force_mae", "force_cos", "efwt"):
+            out[k] = out[f"test_{k}"]
+        out["loss"] = None
+        self.model.train()
+        return out
+
+    def full_state_dict(self):
+        return self.model.state_dict()
+
+    def graph_info(self) -> dict:
+        return {"num_nodes": int(len(self.systems["z"])), "num_edges": int(len(self.graphs["edge_src"])),
+                "in_features": 0, "num_triplets": int(len(self.graphs["idx_kj"])),
+                "num_systems": int(len(self.systems["energy"]))}
+
+    def extra_info(self) -> dict:
+        n = len(self.systems["energy"])
+        base = self.norm.baseline(self.systems["z"], np.repeat(np.arange(n), np.diff(self.systems["atom_ptr"])), n)
+        test = self.ids["test"]
+        return {"atomic": True, "data_parallel": self.replicas, "ways": self.ways,
+                "parameters": self.num_params, "cutoff": float(self.graphs["cutoff"]),
+                "force_head": self.model_cfg.force_head, "batch_size": self.batch_size,
+                "baseline_energy_mae": float(np.abs(base[test] - self.systems["energy"][test]).mean())
+                if len(test) else None}
+
+
+def model_config(spec, cutoff: float):
+    """The DimeNetPPConfig of a run: the spec's preset, its overrides, the graphs' cutoff."""
+    from .dimenetpp import preset
+    over = {k: getattr(spec, k) for k in ("hidden_channels", "num_blocks", "int_emb_size", "basis_emb_size",
+                                          "out_emb_channels", "num_spherical", "num_radial")
+            if getattr(spec, k) is not None}
+    return preset(spec.preset, **over, cutoff=cutoff, force_head=spec.force_head)

@@ -28,18 +28,21 @@ class ParallelDims:
     world_size: int
     stages: int = 1
     ways: int = 1
+    data: int = 1  # data-parallel replicas (atomic models): rank = replica * stages * ways + ...
 
     def __post_init__(self):
         if self.mode not in ("single", "graph", "pipeline", "hybrid"):
             raise GnnPipeError(f"unknown mode {self.mode!r}")
         if self.stages < 1 or self.ways < 1:
             raise GnnPipeError(f"stages ({self.stages}) and ways ({self.ways}) must be >= 1")
-        if self.stages * self.ways != self.world_size:
+        if self.data < 1 or (self.data > 1 and self.mode != "graph"):
+            raise GnnPipeError(f"mode {self.mode}: data-parallel replicas ({self.data}) are for mode graph only")
+        if self.data * self.stages * self.ways != self.world_size:
+            n = self.data * self.stages * self.ways
             raise GnnPipeError(
-                f"mode {self.mode}: stages ({self.stages}) x ways ({self.ways}) = "
-                f"{self.stages * self.ways}, but the world has {self.world_size} processes; "
-                f"launch with torchrun --nproc-per-node {self.stages * self.ways}")
-        expected = {"single": (1, 1), "graph": (1, self.world_size), "pipeline": (self.world_size, 1)}
+                f"mode {self.mode}: replicas ({self.data}) x stages ({self.stages}) x ways ({self.ways}) = "
+                f"{n}, but the world has {self.world_size} processes; launch with torchrun --nproc-per-node {n}")
+        expected = {"single": (1, 1), "graph": (1, self.world_size // self.data), "pipeline": (self.world_size, 1)}
         if self.mode in expected and (self.stages, self.ways) != expected[self.mode]:
             s, g = expected[self.mode]
             raise GnnPipeError(f"mode {self.mode} on {self.world_size} workers needs stages={s}, "
@@ -57,6 +60,16 @@ class ParallelDims:
     def stage_ranks(self, stage: int) -> list[int]:
         """The ranks of one stage: its G graph-parallel ways."""
         return [self.rank_of(stage, g) for g in range(self.ways)]
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        """The ranks of one data-parallel replica (its graph-parallel group, for mode graph)."""
+        n = self.stages * self.ways
+        return list(range(replica * n, (replica + 1) * n))
+
+    def data_ranks(self, index: int) -> list[int]:
+        """The ranks holding the same shard in every replica (gradient all-reduce across replicas)."""
+        n = self.stages * self.ways
+        return list(range(index, self.world_size, n))
 
     def way_ranks(self, way: int) -> list[int]:
         """The ranks of one way: its S pipeline stages, in order."""
