@@ -151,6 +151,7 @@ class DimeNetPPSpec:
     force_head: Literal["gradient", "direct"] = "gradient"  # gradient: F = -dE/dpos (conserving)
     force_weight: float = 10.0  # weight of the force term in the loss
     batch_size: int = 4  # systems per step and data-parallel replica
+    lr: Optional[float] = None  # overrides training.lr for this model
 
 
 @dataclass

@@ -860,10 +860,18 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
     (marked so)."""
     if not run_dirs:
         raise GnnPipeError("no runs to report on")
+    from .atomic import report as atomic_report
+
     runs = load_runs([Path(d) for d in run_dirs])
     out_md, plots_dir = Path(out_md), Path(plots_dir)
     plots_dir.mkdir(parents=True, exist_ok=True)
     rel = lambda p: Path(os.path.relpath(p, out_md.parent)).as_posix()  # noqa: E731
+    atomic = atomic_report.section([r for r in runs if atomic_report.is_atomic(r)], plots_dir, rel,
+                                   md_table=md_table, fmt_s=fmt_s, fmt_bytes=fmt_bytes, figure=_figure, save=_save)
+    runs = [r for r in runs if not atomic_report.is_atomic(r)]
+    if not runs:
+        write_text(out_md, "\n".join(["# GNNPipe report", "", atomic]))
+        return
 
     if predict:
         predictor = Predictor(hardware, cost_model_dir)
@@ -945,5 +953,6 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
         "",
         f"![epoch time split]({rel(plots_dir / 'epoch_time.png')})",
         "",
+        atomic,
     ])
     write_text(out_md, text)

@@ -126,7 +126,7 @@ COST_DIR = f"{RESULTS}/cost_model"
 # to. Models without graph layers (mlp) have no cost model, so nothing to calibrate.
 CALIBRATION_RUNS = {}
 for _spec in WF.runs:
-    if WF.models[_spec.model].kind != "mlp":
+    if WF.models[_spec.model].kind not in ("mlp", "dimenetpp"):  # dimenetpp: no node cost model
         CALIBRATION_RUNS.setdefault((_spec.dataset, _spec.model), run_id(WF, _spec))
 
 
@@ -139,7 +139,8 @@ except GnnPipeError as e:
 
 def cost_model_inputs(wildcards) -> dict:
     """The report's partition statistics per dataset and calibrated profiles per (dataset, model)."""
-    out = {"plan_stats": sorted({f"{COST_DIR}/{r.dataset_name}/plan-stats.json" for r in RUNS.values()}),
+    out = {"plan_stats": sorted({f"{COST_DIR}/{r.dataset_name}/plan-stats.json" for r in RUNS.values()
+                                 if not r.atomic}),
            "hardware": HARDWARE_FILE}
     if WF.cost_model.calibrate:
         out["profiles"] = [f"{COST_DIR}/{d}/{m}.yaml" for d, m in CALIBRATION_RUNS]
@@ -180,6 +181,8 @@ def dataset_inputs(wildcards) -> dict:
     """dataset.yaml, and for ``files`` datasets the user's files, so edits rebuild the graph."""
     ds = WF.datasets[wildcards.dataset]
     inputs = {"spec": f"{RESULTS}/data/{wildcards.dataset}/dataset.yaml"}
+    if ds.kind == "atoms" and ds.atoms.file:
+        inputs["structures"] = ds.atoms.file
     if ds.kind == "files":
         f = ds.files
         named = {"edges": f.edges, "features": f.features, "labels": f.labels,
@@ -197,6 +200,8 @@ def run_inputs(wildcards) -> dict:
     """run.yaml, the graph and (parallel modes) the chunk store of a run."""
     run = RUNS[wildcards.run_id]
     inputs = {"run_config": f"{RESULTS}/runs/{run.run_id}/run.yaml", "graph": run.graph_path}
+    if run.systems_path:  # atomic runs: the structures beside their graphs
+        inputs["systems"] = run.systems_path
     if run.store_path:
         inputs["store"] = run.store_path
     return inputs

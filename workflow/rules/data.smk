@@ -13,7 +13,7 @@ rule dataset_spec:
 
 
 rule download:
-    """Generate (synthetic), download or read (ogb) or load (files) the graph.h5."""
+    """Generate (synthetic), download or read (ogb) or load (files) the graph.h5 of a node dataset."""
     input:
         unpack(dataset_inputs),
     output:
@@ -26,3 +26,38 @@ rule download:
     shell:
         "gnnpipe data --spec {input.spec} --name {wildcards.dataset}"
         " --out {output.graph} --stats {output.stats} > {log} 2>&1"
+
+
+rule download_atoms:
+    """Generate (EMT slabs + adsorbates) or read (ASE db / extxyz) an atoms dataset: systems.h5."""
+    input:
+        unpack(dataset_inputs),
+    output:
+        systems=f"{RESULTS}/data/{{dataset}}/systems.h5",
+        stats=f"{RESULTS}/data/{{dataset}}/systems-stats.json",
+    log:
+        "logs/data/{dataset}.systems.log",
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        "gnnpipe data --spec {input.spec} --name {wildcards.dataset}"
+        " --out {output.systems} --stats {output.stats} > {log} 2>&1"
+
+
+rule atom_graphs:
+    """Radius graphs over periodic images and triplets k->j->i of every system: graphs.h5."""
+    input:
+        systems=f"{RESULTS}/data/{{dataset}}/systems.h5",
+    output:
+        graphs=f"{RESULTS}/data/{{dataset}}/graphs.h5",
+        stats=f"{RESULTS}/data/{{dataset}}/graphs-stats.json",
+    log:
+        "logs/data/{dataset}.graphs.log",
+    params:
+        cutoff=lambda wildcards: WF.datasets[wildcards.dataset].atoms.cutoff,
+        max_neighbors=lambda wildcards: WF.datasets[wildcards.dataset].atoms.max_neighbors,
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        "gnnpipe atom-graphs --systems {input.systems} --cutoff {params.cutoff}"
+        " --max-neighbors {params.max_neighbors} --out {output.graphs} --stats {output.stats} > {log} 2>&1"

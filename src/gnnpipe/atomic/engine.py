@@ -164,7 +164,9 @@ class AtomicEngine:
         torch.manual_seed(cfg.training.seed)
         self.model = DimeNetPP(self.model_cfg).to(device, self.dtype)
         self.num_params = count_parameters(self.model_cfg)
-        self.opt = make_optimizer(self.model.parameters(), cfg.training)
+        import dataclasses
+        training = dataclasses.replace(cfg.training, lr=spec.lr) if spec.lr else cfg.training
+        self.opt = make_optimizer(self.model.parameters(), training)
         self._epoch_steps: list[list[np.ndarray]] = []
 
     # ------------------------------------------------------------------ batching

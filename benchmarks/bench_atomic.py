@@ -1,0 +1,124 @@
+"""Edge/triplet graph parallelism of DimeNet++: throughput and per-worker memory at P = 1, 2, 4.
+
+    python benchmarks/bench_atomic.py --out results/bench/atomic.json [--quick]
+
+One batch of EMT slab systems (gnnpipe.atomic.data) and a DimeNet++ that is large for this
+machine (hidden 256, 4 blocks, triplet width 128; energy + gradient-force training steps,
+i.e. double backward) on P gloo workers (spawned, one thread each). Per P: systems/s,
+each worker's peak RSS, and the activation memory autograd keeps for backward, measured by
+``saved_tensors_hooks`` and split by what a tensor's rows are: triplets (T_loc rows), edges
+(E_loc or E rows) or atoms — the triplet part is what edge/triplet sharding divides by P.
+Also the bytes the ledger counted per step against the closed form (``step_bytes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _work(rank: int, world: int, b: dict, cfg_kw: dict, steps: int) -> dict:
+    import torch.distributed as dist
+
+    from gnnpipe.atomic.dimenetpp import DimeNetPP, DimeNetPPConfig
+    from gnnpipe.atomic.engine import Normalizer, StepCounts, rank_view, step_loss
+    from gnnpipe.atomic.parallel import EdgeGroup
+    from gnnpipe.parallel.comm import Communicator
+
+    torch.manual_seed(0)
+    model = DimeNetPP(DimeNetPPConfig(**cfg_kw))
+    comm = Communicator()
+    grp = EdgeGroup(comm, None, world, rank) if world > 1 else None
+    g = rank_view(b, grp, torch.float32, None)
+    norm = Normalizer(np.zeros(95), 1.0)
+    counts = StepCounts(b["num_systems"], int((~b["fixed"]).sum()))
+    saved = {"triplet": 0, "edge": 0, "atom": 0, "other": 0}
+    rows = {g.num_local_triplets: "triplet", g.num_local_edges: "edge", g.num_edges: "edge", g.num_atoms: "atom",
+            g.atom_hi - g.atom_lo: "atom"}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.dim() and t.numel():
+            saved[rows.get(int(t.shape[0]), "other")] += t.numel() * t.element_size()
+        return t
+
+    times = []
+    for step in range(steps + 1):
+        comm.set_epoch(step)
+        t0 = time.perf_counter()
+        model.zero_grad(set_to_none=False)
+        if step == 1:  # measure the saved activations of one step
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss, *_ = step_loss(model, g, b, norm, counts, 10.0)
+        else:
+            loss, *_ = step_loss(model, g, b, norm, counts, 10.0)
+        loss.backward()
+        if world > 1:
+            comm.all_reduce_coalesced_([p.grad for p in model.parameters()])
+        if step:
+            times.append(time.perf_counter() - t0)
+        if world > 1:
+            dist.barrier()
+    return {"step_s": float(np.median(times)), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "saved_bytes": saved, "sent_bytes_step": comm.epoch_bytes(2),
+            "local_triplets": g.num_local_triplets, "local_edges": g.num_local_edges}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results/bench/atomic.json")
+    ap.add_argument("--quick", action="store_true", help="a small model and batch (seconds)")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from gnnpipe.atomic import data
+    from gnnpipe.atomic.dimenetpp import DimeNetPPConfig, count_parameters
+    from gnnpipe.atomic.engine import step_bytes
+    from gnnpipe.parallel.testing import spawn_multi_process
+
+    n_sys = 2 if a.quick else 8
+    cfg_kw = (dict(hidden_channels=32, num_blocks=2, int_emb_size=16, out_emb_channels=32) if a.quick else
+              dict(hidden_channels=256, num_blocks=4, int_emb_size=128, basis_emb_size=8, out_emb_channels=256))
+    cfg_kw["cutoff"] = 5.0
+    systems = data.generate(n_sys, seed=1, progress=False)
+    graphs = data.build_graphs(systems, 5.0, 24, progress=False)
+    b = data.batch_arrays(systems, graphs, list(range(n_sys)))
+    cfg = DimeNetPPConfig(**cfg_kw)
+    params = count_parameters(cfg)
+    out = {"systems": n_sys, "atoms": int(len(b["z"])), "edges": int(len(b["edge_src"])),
+           "triplets": int(len(b["idx_kj"])), "parameters": params, "model": cfg_kw, "runs": []}
+    print(f"batch: {n_sys} systems, {out['atoms']} atoms, {out['edges']} edges, {out['triplets']} triplets; "
+          f"DimeNet++ {params:,} parameters", file=sys.stderr)
+    for p in a.workers:
+        res = spawn_multi_process(_work, p, b, cfg_kw, 2 if a.quick else 3, timeout=1800)
+        closed = step_bytes(cfg, [out["edges"]], [out["atoms"]], [n_sys], p, 4, params)
+        row = {"workers": p, "systems_per_s": n_sys / max(r["step_s"] for r in res),
+               "peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in res),
+               "saved_triplet_bytes_max": max(r["saved_bytes"]["triplet"] for r in res),
+               "saved_edge_bytes_max": max(r["saved_bytes"]["edge"] for r in res),
+               "saved_atom_bytes_max": max(r["saved_bytes"]["atom"] for r in res),
+               "bytes_per_step_measured": sum(r["sent_bytes_step"] for r in res),
+               "bytes_per_step_closed_form": closed, "per_rank": res}
+        out["runs"].append(row)
+        print(f"P={p}: {row['systems_per_s']:.2f} systems/s, peak RSS {row['peak_rss_bytes_max'] / 2**20:.0f} MiB, "
+              f"saved triplet part {row['saved_triplet_bytes_max'] / 2**20:.1f} MiB, edge part "
+              f"{row['saved_edge_bytes_max'] / 2**20:.1f} MiB; bytes/step {row['bytes_per_step_measured']:,} "
+              f"(closed form {closed:,})", file=sys.stderr)
+    base = out["runs"][0]["saved_triplet_bytes_max"]
+    for row in out["runs"]:
+        row["triplet_memory_ratio_to_p1"] = row["saved_triplet_bytes_max"] / base if base else None
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
