@@ -66,11 +66,15 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
     # the cost model: partition statistics per dataset, a calibrated profile per (dataset, model
     # with graph layers); mlp has no cost model
     wf = load_workflow_config(yaml.safe_load(DEFAULT.read_text()))
-    fitted = {(s.dataset, s.model) for s in wf.runs if wf.models[s.model].kind != "mlp"}
+    fitted = {(s.dataset, s.model) for s in wf.runs if wf.models[s.model].kind not in ("mlp", "dimenetpp")}
+    node = {r.dataset_name for r in runs.values() if not r.atomic}
+    atoms = {r.dataset_name for r in runs.values() if r.atomic}
+    assert atoms, "the default config trains an atomic model too"
     assert job_counts(out) == {
-        "all": 1, "dataset_spec": 1, "download": 1, "partition": len(stores), "materialize": len(stores),
+        "all": 1, "dataset_spec": len(node) + len(atoms), "download": len(node), "partition": len(stores),
+        "materialize": len(stores), "download_atoms": len(atoms), "atom_graphs": len(atoms),
         "run_config": len(runs), "train": len(runs), "evaluate": len(runs), "report": 1,
-        "plan_stats": len({r.dataset_name for r in runs.values()}), "calibrate": len(fitted)}
+        "plan_stats": len(node), "calibrate": len(fitted)}
     for d, m in fitted:
         assert f"results/cost_model/{d}/{m}.yaml" in out
     for store in stores:  # exactly the stores the runs read, at k = P (graph) or C (pipeline)
