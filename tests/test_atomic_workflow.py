@@ -113,3 +113,19 @@ def test_atomic_chain_through_snakemake(tmp_path):
     found = mlflow.search_runs(experiment_names=["gnnpipe"])
     assert sorted(found["run_id"]) == sorted(r["mlflow_run_id"] for r in recs.values())
     assert set(found["status"]) == {"FINISHED"} and "metrics.final/force_cos" in found.columns
+
+
+def test_plan_atomic_sizes_xl_and_finds_the_smallest_p(small_data, capsys):
+    from gnnpipe.atomic.dimenetpp import preset
+    from gnnpipe.atomic.engine import plan_ways
+    from gnnpipe.cli import main
+    rows = plan_ways(preset("xl"), atoms=2000, edges=60_000, triplets=1_500_000, device_bytes=16 * 2**30)
+    trip = [r["memory"]["triplet"] for r in rows]
+    assert all(abs(trip[0] / t - r["ways"]) < 0.01 * r["ways"] for t, r in zip(trip, rows))  # 1/P
+    assert rows[0]["bytes_per_step"] == 0 < rows[1]["bytes_per_step"]
+    fits = [r["ways"] for r in rows if r["fits"]]
+    assert fits and fits[0] > 1 and not rows[0]["fits"]  # XL on a big system needs several ways
+    assert main(["plan-atomic", "--systems", str(small_data / "systems.h5"), "--graphs",
+                 str(small_data / "graphs.h5"), "--preset", "xl", "--device-gib", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "219,342,342 parameters" in out and "smallest P that fits" in out

@@ -2,6 +2,7 @@
 
     gnnpipe data        --spec dataset.yaml --name synth --out results/data/synth/graph.h5
     gnnpipe atom-graphs --systems systems.h5 --cutoff 5 --max-neighbors 32 --out graphs.h5
+    gnnpipe plan-atomic --systems systems.h5 --graphs graphs.h5 --preset xl --device-gib 32
     gnnpipe partition   --graph graph.h5 --method metis --parts 4 --out metis-4.npy
     gnnpipe materialize --graph graph.h5 --assignment metis-4.npy --out metis-4.h5
     gnnpipe train       --run-config results/runs/<run_id>/run.yaml   (torchrun for P > 1)
@@ -61,6 +62,28 @@ def _atom_graphs(a):
         write_json(a.stats, {**stats, "cutoff": a.cutoff, "max_neighbors": a.max_neighbors, "content_hash": digest})
     print(f"wrote {a.out}: {stats['edges_total']} edges, {stats['triplets_total']} triplets "
           f"({stats['edges_mean']:.0f} / {stats['triplets_mean']:.0f} per system)", file=sys.stderr)
+
+
+def _plan_atomic(a):
+    from .atomic.data import graph_stats, read_graphs, read_systems
+    from .atomic.dimenetpp import count_parameters, preset
+    from .atomic.engine import plan_ways
+
+    systems = read_systems(a.systems)
+    st = graph_stats(read_graphs(a.graphs, systems["content_hash"]), systems)
+    n, e, t = (int(st[f"{k}_max"] * a.batch_size) for k in ("atoms", "edges", "triplets"))
+    cfg = preset(a.preset, force_head=a.force_head)
+    rows = plan_ways(cfg, n, e, t, int(a.device_gib * 2**30), 4 if a.dtype == "float32" else 8)
+    print(f"DimeNet++ {a.preset}: {count_parameters(cfg):,} parameters; batch of {a.batch_size} of the largest "
+          f"system: {n} atoms, {e} edges, {t} triplets; device {a.device_gib} GiB")
+    print(f"{'P':>4} {'GiB/worker':>11} {'triplets':>9} {'edges':>9} {'params':>9} {'MB/step':>10}  fits")
+    for r in rows:
+        m = r["memory"]
+        print(f"{r['ways']:>4} {r['memory_per_worker'] / 2**30:>11.2f} {m['triplet'] / 2**30:>9.2f} "
+              f"{(m['edge'] + m['gathered_edges']) / 2**30:>9.2f} {m['parameters'] / 2**30:>9.2f} "
+              f"{r['bytes_per_step'] / 1e6:>10.1f}  {'yes' if r['fits'] else 'no'}")
+    need = next((r["ways"] for r in rows if r["fits"]), None)
+    print(f"smallest P that fits: {need}" if need else "no P up to the edge count fits: use a smaller model")
 
 
 def _partition(a):
@@ -150,6 +173,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", required=True, help="results/data/<name>/graphs.h5")
     g.add_argument("--stats", help="also write a JSON summary (edges, triplets per system)")
     g.set_defaults(func=_atom_graphs)
+
+    pa = sub.add_parser("plan-atomic", help="memory per worker and bytes of DimeNet++ at P = 1, 2, 4, ...",
+                        description="Size a DimeNet++ (a preset, e.g. xl, which may not fit here) on an atoms "
+                                    "dataset's largest system: estimated memory per graph-parallel worker, "
+                                    "the closed-form bytes per step, and the smallest P that fits a device.")
+    pa.add_argument("--systems", required=True, help="systems.h5")
+    pa.add_argument("--graphs", required=True, help="graphs.h5")
+    pa.add_argument("--preset", default="xl", choices=["small", "default", "xl"])
+    pa.add_argument("--force-head", default="gradient", choices=["gradient", "direct"])
+    pa.add_argument("--batch-size", type=int, default=1, help="systems per step and replica")
+    pa.add_argument("--device-gib", type=float, default=32.0, help="memory of one device, GiB")
+    pa.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    pa.set_defaults(func=_plan_atomic)
 
     q = sub.add_parser("partition", help="partition a graph (METIS, random, contiguous)",
                        description="Partition the nodes into k parts and write the assignment (.npy) "

@@ -317,3 +317,45 @@ def model_config(spec, cutoff: float):
                                           "out_emb_channels", "num_spherical", "num_radial")
             if getattr(spec, k) is not None}
     return preset(spec.preset, **over, cutoff=cutoff, force_head=spec.force_head)
+
+
+# --------------------------------------------------------------------------- sizing
+def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dtype_bytes: int = 4) -> dict:
+    """Estimated bytes one of P ways holds for a training step on a batch of that size.
+
+    Parameters, gradients and Adam's two moments are replicated (4 copies); activations kept for
+    the (double) backward are counted per row as the model stores them: per triplet the
+    spherical basis (S·R), its projections (basis_emb, I) and the gathered message (I), three
+    times per block for the gradient-force pass; per edge ~12 tensors of width H and 3 of width I
+    per block plus the gathered (E, I) rows; per atom the output MLPs' rows (3 + layers)·out_emb
+    per block. Triplets and edges divide by P, the gathered edge rows and atoms do not.
+    An estimate (checked against ``bench_atomic``'s measured saved tensors), not an allocator trace.
+    """
+    from .dimenetpp import count_parameters
+    k, h, i = cfg.num_blocks, cfg.hidden_channels, cfg.int_emb_size
+    sr, be, oe = cfg.num_spherical * cfg.num_radial, cfg.basis_emb_size, cfg.out_emb_channels
+    rep = 3 if cfg.force_head == "gradient" else 1
+    b = dtype_bytes
+    params = count_parameters(cfg)
+    out = {"parameters": 4 * params * b,
+           "triplet": rep * k * (sr + be + 2 * i) * b * -(-triplets // ways),
+           "edge": rep * k * (12 * h + 3 * i) * b * -(-edges // ways),
+           "gathered_edges": rep * k * i * b * edges,
+           "atom": rep * (k + 1) * (3 + cfg.num_output_layers) * oe * b * -(-atoms // ways) + atoms * (h + 3) * b}
+    out["total"] = sum(out.values())
+    return out
+
+
+def plan_ways(cfg, atoms: int, edges: int, triplets: int, device_bytes: int, dtype_bytes: int = 4,
+              max_ways: int = 64) -> list[dict]:
+    """Memory per worker and bytes per step for P = 1, 2, 4, ...; ``fits`` against ``device_bytes``."""
+    from .dimenetpp import count_parameters
+    rows, p = [], 1
+    params = count_parameters(cfg)
+    while p <= max_ways and p <= edges:
+        mem = memory_per_worker(cfg, atoms, edges, triplets, p, dtype_bytes)
+        rows.append({"ways": p, "memory_per_worker": mem["total"], "memory": mem,
+                     "bytes_per_step": step_bytes(cfg, [edges], [atoms], [1], p, dtype_bytes, params),
+                     "fits": mem["total"] <= device_bytes})
+        p *= 2
+    return rows
