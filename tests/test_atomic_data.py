@@ -35,7 +35,7 @@ def test_generate_is_deterministic_and_labelled(systems):
         assert np.array_equal(systems[k], again[k]), k
     assert not np.array_equal(systems["pos"], data.generate(6, seed=4, progress=False)["pos"])
     assert np.all(np.isfinite(systems["energy"])) and systems["fixed"].any() and (~systems["fixed"]).any()
-    assert np.abs(systems["forces"][~systems["fixed"]]).max() < 60  # EMT, no overlapping adsorbate
+    assert np.abs(systems["forces"][~systems["fixed"]]).max() < 10  # EMT, adsorbates at sane heights
     assert systems["pbc"][:, :2].all() and set(np.unique(systems["split"])) <= {0, 1, 2}
 
 

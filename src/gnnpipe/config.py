@@ -90,7 +90,7 @@ class AtomsConfig:
     file: str = ""
     num_systems: int = 64  # generated systems
     metals: list[str] = field(default_factory=lambda: ["Cu", "Ag", "Au", "Ni", "Pd", "Pt", "Al"])
-    adsorbates: list[str] = field(default_factory=lambda: ["O", "H", "C", "N", "CO", "N2", "OH"])
+    adsorbates: list[str] = field(default_factory=lambda: ["O", "H", "C", "N", "CO", "N2", "NO"])
     slab_size: list[int] = field(default_factory=lambda: [2, 2, 3])  # fcc(111)/(100) repeats, layers last
     rattle: float = 0.05  # Å
     cutoff: float = 5.0  # Å, radius graph and the model's basis cutoff

@@ -34,11 +34,11 @@ from ..io import GnnPipeError, atomic_path, hash_arrays
 
 FORMAT_VERSION = 1
 MAX_Z = 94  # the model's element embedding has rows 0..94
-EMT_ELEMENTS = ("Al", "Cu", "Ag", "Au", "Ni", "Pd", "Pt", "H", "C", "N", "O")
+EMT_ELEMENTS = ("Al", "Cu", "Ag", "Au", "Ni", "Pd", "Pt", "H", "C", "N", "O")  # ASE's EMT parameters
 SYSTEM_ARRAYS = ("z", "pos", "fixed", "forces", "cell", "pbc", "energy", "split", "atom_ptr")
 GRAPH_ARRAYS = ("edge_ptr", "triplet_ptr", "edge_src", "edge_dst", "edge_shift", "idx_kj", "idx_ji")
-# CH4/H2O/NH3 are left out on purpose: EMT gives them unphysical forces (10-50 eV/Å)
-ADSORBATES = ("O", "H", "C", "N", "CO", "N2", "OH")
+# CH4/H2O/NH3/OH/O2 are left out on purpose: EMT gives them unphysical forces (8-70 eV/Å, measured)
+ADSORBATES = ("O", "H", "C", "N", "CO", "N2", "NO")
 SLAB_METALS = ("Cu", "Ag", "Au", "Ni", "Pd", "Pt", "Al")
 
 
@@ -94,8 +94,11 @@ def generate(num_systems: int = 64, metals=SLAB_METALS, adsorbates=ADSORBATES, s
         mol = molecule(ads) if len(ads) > 1 else ads
         low = 0 if isinstance(mol, str) else int(np.argmin(mol.positions[:, 2]))  # its lowest atom binds
         xy = rng.random(2) @ slab.cell.array[:2, :2]
-        add_adsorbate(slab, mol, height=float(rng.uniform(1.5, 2.2)), position=tuple(xy), mol_index=low)
-        slab.rattle(stdev=rattle, seed=int(rng.integers(2**31)))
+        # heights measured with EMT: an atom 1.5-2.0 Å above a metal atom feels 20-55 eV/Å
+        height = rng.uniform(2.0, 2.5) if isinstance(mol, str) else rng.uniform(2.2, 3.0)
+        add_adsorbate(slab, mol, height=float(height), position=tuple(xy), mol_index=low)
+        free = ~np.isin(np.arange(len(slab)), slab.constraints[0].get_indices())
+        slab.positions[free] += rng.normal(scale=rattle, size=(int(free.sum()), 3))  # rattle free atoms
         slab.calc = EMT()
         energy = slab.get_potential_energy()
         forces = slab.get_forces(apply_constraint=False)
