@@ -78,8 +78,8 @@ def test_dimenetpp_learns_the_embedded_dataset(small_data, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{small_data / 'mlflow.db'}")
     rec = train.run(_run_config(small_data, 40), progress=False)
     baseline = rec["extra"]["baseline_energy_mae"]
-    assert rec["energy_mae"] < 0.7 * baseline, (rec["energy_mae"], baseline)
-    assert rec["force_cos"] > 0.6 and rec["force_mae"] < 1.0
+    assert rec["energy_mae"] < 0.65 * baseline, (rec["energy_mae"], baseline)  # measured 0.54x
+    assert rec["force_cos"] > 0.85 and rec["force_mae"] < 0.3  # measured 0.94, 0.13 eV/Å
 
 
 @pytest.mark.slow
