@@ -116,6 +116,7 @@ from ..models.block import Block
 from ..models.model import GNN
 from ..store import ChunkStore
 from .balance import StageAssignment, assign_stages
+from .dims import check_layout
 
 log = logging.getLogger(__name__)
 
@@ -125,29 +126,13 @@ SPLITS = ("train", "val", "test")
 def check_pipeline_config(cfg: RunConfig, groups=None) -> None:
     """Refuse layouts GNNPipe cannot run, with the reason (before anything is read)."""
     where = f"run {cfg.run_id}"
-    S, C, L = cfg.stages, cfg.chunks, cfg.model.layers
-    pc = cfg.pipeline
     if cfg.mode != "pipeline":
         raise GnnPipeError(f"{where}: PipelineEngine runs mode 'pipeline', not {cfg.mode!r}")
     if cfg.model.kind == "mlp":
         raise GnnPipeError(f"{where}: model kind 'mlp' has no graph layers to pipeline; use mode single")
-    if S < 1:
-        raise GnnPipeError(f"{where}: stages must be >= 1, got {S}")
-    if S > L:
-        raise GnnPipeError(f"{where}: {S} pipeline stages but the model has only {L} graph layers; "
-                           f"every stage needs at least one (stages <= layers)")
-    if C < 1 or 1 < C < S:
-        # C = 1 is the exactness configuration (plain model parallelism, no history):
-        # allowed; any other C < S leaves stages idle for the whole epoch.
-        raise GnnPipeError(f"{where}: {C} chunks for {S} stages; the pipeline needs chunks >= stages "
-                           f"(default {pc.chunks_per_stage} per stage), or chunks = 1 for plain, exact "
-                           f"model parallelism")
-    if cfg.ways != 1:
-        raise GnnPipeError(f"{where}: mode pipeline has one way per stage (ways = 1), got {cfg.ways}; "
-                           f"use mode hybrid")
-    if cfg.workers != S:
-        raise GnnPipeError(f"{where}: mode pipeline runs one worker per stage; workers ({cfg.workers}) "
-                           f"!= stages ({S})")
+    # C = 1 is the exactness configuration (plain model parallelism, no history): allowed
+    check_layout(cfg.mode, cfg.workers, cfg.stages, cfg.ways, cfg.chunks, layers=cfg.model.layers,
+                 exact_ok=True, where=where)
     if not cfg.store_path:
         raise GnnPipeError(f"{where}: mode pipeline needs a chunk store (store_path)")
     check_schedule_config(cfg, groups)
