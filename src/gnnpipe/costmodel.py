@@ -88,6 +88,18 @@ def _halo_values(exchange_dims: Sequence[int], first_input: str) -> int:
     return 2 * sum(dims[1:]) + {"exchanged": 2, "forward": 1, "local": 0}[first_input] * dims[0]
 
 
+def first_input(model, graph_parallel_cfg) -> str:
+    """What the first conv's halo costs graph parallelism (one of ``FIRST_INPUT``), as the
+    graph engine runs ``model`` (a built ``GNN``: its ``convs`` and ``encoder``) under
+    ``graph_parallel_cfg`` (``config.GraphParallelConfig``): ``"local"`` when the input
+    halo is cached at set-up (``cache_input_halo``) or there is no graph layer; else
+    ``"exchanged"`` when the first conv reads an encoder's output (its gradient goes
+    back) and ``"forward"`` when it reads the raw features (no gradient)."""
+    if graph_parallel_cfg.cache_input_halo or not len(model.convs):
+        return "local"
+    return "exchanged" if model.encoder is not None else "forward"
+
+
 def graph_parallel_bytes(mirrors_per_part: Sequence[int], exchange_dims: Sequence[int],
                          bytes_per_value: int, num_params: int, world: int,
                          first_input: str = "exchanged") -> dict:

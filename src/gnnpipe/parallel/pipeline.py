@@ -110,6 +110,7 @@ import torch
 from torch import Tensor
 
 from ..config import RunConfig
+from ..costmodel import boundary_dims, pipeline_bytes
 from ..engine import DTYPES, EpochStats, ce_sum, correct_counts, make_optimizer
 from ..io import GnnPipeError
 from ..models.block import Block
@@ -158,13 +159,6 @@ def chunk_order(num_chunks: int, epoch: int, seed: int, shuffle: bool) -> np.nda
     if not shuffle:
         return np.arange(num_chunks, dtype=np.int64)
     return np.random.default_rng((int(seed), int(epoch))).permutation(num_chunks).astype(np.int64)
-
-
-def predicted_pipeline_bytes(num_nodes: int, stage_input_dims: list[int], x0_dim: int,
-                             bytes_per_value: int) -> int:
-    """Bytes sent per epoch over all ranks: every stage boundary carries every node's row
-    (and ``x0`` row) forward and its gradient back."""
-    return sum(2 * num_nodes * (d + x0_dim) * bytes_per_value for d in stage_input_dims)
 
 
 class History:
@@ -742,9 +736,8 @@ class PipelineEngine:
 
     def predicted_bytes(self) -> int:
         """Closed form of the bytes sent per epoch over all ranks (independent of the ledger)."""
-        first_convs = [a for a, _ in self.assignment.bounds[1:]]
-        return predicted_pipeline_bytes(self.N, [self.dims[a] for a in first_convs], self.x0_dim,
-                                        torch.empty(0, dtype=self.dtype).element_size())
+        return pipeline_bytes(self.N, boundary_dims(self.dims, self.assignment.bounds), self.dtype.itemsize,
+                              self.needs_x0)["total"]
 
     def graph_info(self) -> dict:
         return {"num_nodes": self.N, "num_edges": self.E, "in_features": self.in_features}
