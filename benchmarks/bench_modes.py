@@ -47,6 +47,7 @@ from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, P
 from gnnpipe.data.synthetic import generate
 from gnnpipe.graph import write_graph
 from gnnpipe.io import write_json
+from gnnpipe.parallel.dims import resolve_layout
 from gnnpipe.partition import partition_graph, partition_stats
 from gnnpipe.store import materialize
 
@@ -61,14 +62,11 @@ SIZES = {"full": {"reddit-like": (20_000, 492.0), "physics-like": (20_000, None)
 
 
 def layout(mode: str, workers: int, chunks_per_stage: int = 4) -> dict:
-    """stages, ways and store parts of a mode on ``workers`` workers (as config.run_layout)."""
-    if mode == "single":
-        return {"stages": 1, "ways": 1, "chunks": 1}
-    if mode == "graph":
-        return {"stages": 1, "ways": workers, "chunks": workers}
-    if mode == "pipeline":
-        return {"stages": workers, "ways": 1, "chunks": chunks_per_stage * workers}
-    raise ValueError(f"unknown mode {mode!r}")
+    """stages, ways and store parts of a mode on ``workers`` workers (``dims.resolve_layout``)."""
+    if mode not in ("single", "graph", "pipeline"):
+        raise ValueError(f"unknown mode {mode!r}")
+    _, s, g, c = resolve_layout(mode, workers, chunks_per_stage=chunks_per_stage)
+    return {"stages": s, "ways": g, "chunks": c}
 
 
 # mode -> worker counts it runs with by default (single is always the reference)

@@ -53,7 +53,7 @@ def test_run_config_round_trips_through_yaml(tmp_path):
     (lambda c: c["runs"].append({"mode": "single", "dataset": "nope", "model": "gcn2"}),
      "config.runs[4].dataset: 'nope' is not in datasets"),
     (lambda c: c["runs"].append({"mode": "pipeline", "dataset": "synth", "model": "gcn2", "workers": 3}),
-     "3 stages but the model has only 2 layers"),
+     "3 stages but the model has only 2 graph layers"),
     (lambda c: c["runs"].append({"mode": "pipeline", "dataset": "synth", "model": "gcnii8", "workers": 4,
                                  "chunks": 2}), "chunks (2) must be >= stages (4)"),
     (lambda c: c["runs"].append({"mode": "hybrid", "dataset": "synth", "model": "gcnii8", "workers": 3,

@@ -411,23 +411,12 @@ def test_hardware_is_a_plain_dataclass():
     assert faster.intra_bandwidth == 2 * hw.intra_bandwidth and hw.as_dict()["name"] == "8xgpu-pcie"
 
 
-# --------------------------------------------------------------------------- engines agree
-@pytest.mark.parametrize("first_input", cm.FIRST_INPUT)
-def test_graph_bytes_match_the_graph_engines_closed_form(first_input):
-    from gnnpipe.parallel.graph import graph_parallel_bytes as engine_bytes
+@pytest.mark.parametrize("kind, uncached", [("gcn", "forward"), ("sage", "forward"), ("gat", "forward"),
+                                            ("gcnii", "exchanged"), ("resgcn", "exchanged"), ("mlp", "local")])
+def test_first_input_is_what_the_graph_engine_books(kind, uncached):
+    from gnnpipe.config import GraphParallelConfig, ModelConfig
+    from gnnpipe.models.model import GNN
 
-    mirrors, dims = [17, 0, 5, 9], [37, 16, 16, 4]
-    mine = cm.graph_parallel_bytes(mirrors, dims, 4, 1234, 4, first_input)
-    theirs = engine_bytes(mirrors, dims, 4, 1234, 4, first_input)
-    assert {k: mine[k] for k in theirs} == theirs
-
-
-@pytest.mark.parametrize("x0", [0, 16])
-def test_pipeline_bytes_match_the_pipeline_engines_closed_form(x0):
-    from gnnpipe.parallel.pipeline import predicted_pipeline_bytes
-
-    dims = [16, 16, 8]
-    assert cm.pipeline_bytes(1000, dims, 4, carries_x0=False)["total"] == predicted_pipeline_bytes(1000, dims, 0, 4)
-    if x0:  # GCNII: x0 has the width of the rows it travels with
-        assert cm.pipeline_bytes(1000, [16, 16], 4, carries_x0=True)["total"] == \
-            predicted_pipeline_bytes(1000, [16, 16], 16, 4)
+    gnn = GNN(ModelConfig(kind=kind, layers=2, hidden=8, heads=2), 6, 3)
+    assert cm.first_input(gnn, GraphParallelConfig(cache_input_halo=True)) == "local"
+    assert cm.first_input(gnn, GraphParallelConfig(cache_input_halo=False)) == uncached

@@ -26,7 +26,8 @@ from gnnpipe.models.block import Block
 from gnnpipe.models.model import GNN
 from gnnpipe.parallel.comm import Communicator
 from gnnpipe.parallel.dims import ParallelDims, build_groups
-from gnnpipe.parallel.graph import GraphEngine, graph_parallel_bytes, split_block
+from gnnpipe.costmodel import graph_parallel_bytes
+from gnnpipe.parallel.graph import GraphEngine, split_block
 from gnnpipe.parallel.testing import spawn_multi_process
 from gnnpipe.partition import partition_graph
 from gnnpipe.store import ChunkStore, materialize
@@ -229,6 +230,30 @@ def test_ledger_equals_closed_form(world, graph):
         # what the cache costs: the halo's features once, at set-up (epoch -1)
         setup = sum(x["ledger"][-1].get("halo_setup", {}).get("sent", 0) for x in per_rank)
         assert setup == (sum(mirrors) * graph.num_features * b if cache else 0), case
+
+
+@pytest.mark.parametrize("kind", ["gcn", "gcnii"])
+def test_report_predicts_the_measured_bytes_without_the_input_cache(world, graph, tmp_path, kind):
+    """cache_input_halo: false: the report's cost model books the first conv's halo as the
+    engine does ("forward" for raw features, "exchanged" behind an encoder), so its bytes are
+    the bytes measured; booking GCN's as "exchanged" over-predicts by M·F·b."""
+    from gnnpipe.config import dump_run_config
+    from gnnpipe.graph import write_graph
+    from gnnpipe.report import Predictor, Run
+
+    p, _, res = world
+    case = (kind, "float64", True, False)
+    measured = sum(res[r][case]["bytes"][0] for r in range(p))
+    assert measured == res[0][case]["predicted"]
+    graph_path = tmp_path / "graph.h5"
+    write_graph(graph_path, graph)
+    cfg = dataclasses.replace(run_cfg("", p, kind, "float64", True, cache=False), graph_path=str(graph_path),
+                              partitioning=PartitionConfig(method="metis", seed=1))
+    (tmp_path / "run.yaml").write_text(dump_run_config(cfg))
+    record = {"mode": "graph", "world_size": p, "stages": 1, "ways": p, "chunks": p, "dtype_bytes": 8}
+    pred = Predictor("cpu-2core")(Run(record, None, tmp_path))
+    assert pred.available, pred.reason
+    assert pred.bytes == measured
 
 
 def test_comm_time_is_accounted(world):

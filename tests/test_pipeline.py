@@ -32,8 +32,8 @@ from gnnpipe.io import GnnPipeError
 from gnnpipe.models.model import GNN
 from gnnpipe.parallel.balance import (StageAssignment, assign_stages, balanced_bounds, profile_costs,
                                       stage_costs, uniform_bounds)
-from gnnpipe.parallel.pipeline import (History, PipelineEngine, check_pipeline_config, chunk_order,
-                                       predicted_pipeline_bytes)
+from gnnpipe.costmodel import pipeline_bytes
+from gnnpipe.parallel.pipeline import History, PipelineEngine, check_pipeline_config, chunk_order
 from gnnpipe.parallel.testing import spawn_multi_process
 from gnnpipe.partition import partition_graph
 from gnnpipe.store import ChunkStore, materialize
@@ -445,9 +445,9 @@ def test_chunk_order():
 
 
 def test_predicted_bytes_closed_form():
-    assert predicted_pipeline_bytes(100, [16, 16, 16], 0, 4) == 2 * 3 * 100 * 16 * 4
-    assert predicted_pipeline_bytes(100, [16], 16, 4) == 2 * 2 * 100 * 16 * 4
-    assert predicted_pipeline_bytes(100, [], 16, 4) == 0
+    assert pipeline_bytes(100, [16, 16, 16], 4)["total"] == 2 * 3 * 100 * 16 * 4
+    assert pipeline_bytes(100, [16], 4, carries_x0=True)["total"] == 2 * 2 * 100 * 16 * 4
+    assert pipeline_bytes(100, [], 4, carries_x0=True)["total"] == 0
 
 
 def _valid(bounds, L, S):
@@ -523,7 +523,7 @@ def test_bad_combinations(stores):
     check_pipeline_config(good)
     with pytest.raises(GnnPipeError, match="only 4 graph layers"):
         check_pipeline_config(replace(good, stages=5, workers=5, chunks=8))
-    with pytest.raises(GnnPipeError, match="chunks >= stages"):
+    with pytest.raises(GnnPipeError, match=r"chunks \(2\) must be >= stages \(3\)"):
         check_pipeline_config(replace(good, stages=3, workers=3, chunks=2))
     with pytest.raises(GnnPipeError, match="no graph layers"):
         check_pipeline_config(replace(good, model=model_cfg("mlp")))

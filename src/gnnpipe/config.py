@@ -436,39 +436,25 @@ def run_pipeline(wf: WorkflowConfig, spec: RunSpec) -> PipelineConfig:
 
 
 def run_layout(wf: WorkflowConfig, spec: RunSpec) -> tuple[int, int, int, int]:
-    """(workers, stages, ways, chunks) of a run, with the mode's defaults, validated."""
-    model = wf.models[spec.model]
-    p = spec.workers
-    if p < 1:
-        raise ConfigError(f"run {spec.mode}/{spec.dataset}/{spec.model}: workers must be >= 1")
-    if spec.mode == "single":
-        if p != 1:
-            raise ConfigError(f"run single/{spec.dataset}/{spec.model}: mode single takes workers: 1")
-        return 1, 1, 1, 1
-    if spec.mode == "graph" and model.kind == "dimenetpp":
-        d = spec.data_parallel or 1
-        if d < 1 or p % d:
+    """(workers, stages, ways, chunks) of a run, with the mode's defaults, validated
+    (``gnnpipe.parallel.dims.resolve_layout``: the rules every engine and the plan share)."""
+    from .parallel.dims import resolve_layout
+
+    if spec.mode == "graph" and wf.models[spec.model].kind == "dimenetpp":  # ways x replicas, no chunks
+        p, d = spec.workers, spec.data_parallel or 1
+        if p < 1 or d < 1 or p % d:
             raise ConfigError(f"run graph/{spec.dataset}/{spec.model}: workers ({p}) must be a multiple of "
                               f"data_parallel ({d})")
         return p, 1, p // d, 1
-    if spec.mode == "graph":
-        return p, 1, p, p
-    stages = p if spec.mode == "pipeline" else (spec.stages or 1)
-    if p % stages:
-        raise ConfigError(f"run hybrid/{spec.dataset}/{spec.model}: workers ({p}) must be a "
-                          f"multiple of stages ({stages})")
-    ways = p // stages
-    chunks = spec.chunks or run_pipeline(wf, spec).chunks_per_stage * stages
-    if stages > model.layers:
-        raise ConfigError(f"run {spec.mode}/{spec.dataset}/{spec.model}: {stages} stages but the "
-                          f"model has only {model.layers} layers (need stages <= layers)")
-    if chunks < stages:
-        raise ConfigError(f"run {spec.mode}/{spec.dataset}/{spec.model}: chunks ({chunks}) must "
-                          f"be >= stages ({stages})")
-    if chunks % ways:
-        raise ConfigError(f"run hybrid/{spec.dataset}/{spec.model}: chunks ({chunks}) must be a "
-                          f"multiple of ways ({ways})")
-    return p, stages, ways, chunks
+    try:
+        return resolve_layout(spec.mode, spec.workers, stages=spec.stages, chunks=spec.chunks,
+                              chunks_per_stage=run_pipeline(wf, spec).chunks_per_stage,
+                              layers=wf.models[spec.model].layers,
+                              where=f"run {spec.mode}/{spec.dataset}/{spec.model}")
+    except ConfigError:
+        raise
+    except GnnPipeError as e:
+        raise ConfigError(str(e)) from None
 
 
 def run_id(wf: WorkflowConfig, spec: RunSpec) -> str:

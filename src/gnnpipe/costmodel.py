@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .io import GnnPipeError
+from .parallel.dims import check_layout
 
 # ===================================================================== bytes (exact)
 
@@ -85,6 +86,18 @@ def _halo_values(exchange_dims: Sequence[int], first_input: str) -> int:
     if not dims:
         return 0
     return 2 * sum(dims[1:]) + {"exchanged": 2, "forward": 1, "local": 0}[first_input] * dims[0]
+
+
+def first_input(model, graph_parallel_cfg) -> str:
+    """What the first conv's halo costs graph parallelism (one of ``FIRST_INPUT``), as the
+    graph engine runs ``model`` (a built ``GNN``: its ``convs`` and ``encoder``) under
+    ``graph_parallel_cfg`` (``config.GraphParallelConfig``): ``"local"`` when the input
+    halo is cached at set-up (``cache_input_halo``) or there is no graph layer; else
+    ``"exchanged"`` when the first conv reads an encoder's output (its gradient goes
+    back) and ``"forward"`` when it reads the raw features (no gradient)."""
+    if graph_parallel_cfg.cache_input_halo or not len(model.convs):
+        return "local"
+    return "exchanged" if model.encoder is not None else "forward"
 
 
 def graph_parallel_bytes(mirrors_per_part: Sequence[int], exchange_dims: Sequence[int],
@@ -644,17 +657,15 @@ def _allreduce_seconds(nbytes: float, group: int, spans_nodes: bool, groups_per_
     return 2.0 * (group - 1) / group * nbytes / bw + buckets * 2.0 * (group - 1) * lat
 
 
-def _check_layout(shape: ModelShape, stages: int, ways: int, chunks: int,
+def _check_layout(mode: str, shape: ModelShape, stages: int, ways: int, chunks: int,
                   bounds: Sequence[tuple[int, int]], way_stats: WayStats,
                   chunk_stats: Optional[WayStats]) -> None:
-    if stages < 1 or ways < 1:
-        raise GnnPipeError(f"stages ({stages}) and ways ({ways}) must be >= 1")
+    check_layout(mode, stages * ways, stages, ways, chunks, layers=len(shape.layers), exact_ok=True,
+                 where=f"{mode} {stages} x {ways}, {chunks} chunks")
     if len(bounds) != stages:
         raise GnnPipeError(f"{stages} stages but {len(bounds)} stage bounds")
     if way_stats.ways != ways:
         raise GnnPipeError(f"{ways} ways but partition statistics for {way_stats.ways} parts")
-    if chunks < ways or chunks % ways:
-        raise GnnPipeError(f"chunks ({chunks}) must be a positive multiple of ways ({ways})")
     if chunks > ways and (chunk_stats is None or chunk_stats.ways != chunks):
         raise GnnPipeError(f"{chunks} chunks need the statistics of a {chunks}-part partition "
                            "(each chunk aggregates over its rows and its halo)")
@@ -697,7 +708,7 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
     buffers per buffered conv input (current, gradient, snapshot, history).
     ``recompute``: activations are recomputed in the backward instead of kept.
     """
-    _check_layout(shape, stages, ways, chunks, bounds, way_stats, chunk_stats)
+    _check_layout(mode, shape, stages, ways, chunks, bounds, way_stats, chunk_stats)
     _halo_values([1], first_input)  # validates first_input
     S, G, b = stages, ways, int(bytes_per_value)
     P = S * G

@@ -50,6 +50,7 @@ import numpy as np
 from . import costmodel as cm
 from .config import ModelConfig, PipelineConfig, from_dict, load_yaml, to_dict
 from .io import GnnPipeError, write_json
+from .parallel.dims import resolve_layout
 
 DTYPE_BYTES = {"float32": 4, "float64": 8}
 STATS_VERSION = 2  # 2: chunk_ways (the hybrid's ways as blocks of chunks)
@@ -326,20 +327,22 @@ def describe(r: cm.Estimate) -> str:
 
 
 def layouts(workers: int, num_layers: int, chunks_per_stage: int) -> list[tuple[str, int, int, int]]:
-    """``(mode, stages, ways, chunks)`` of every layout of ``workers`` workers."""
+    """``(mode, stages, ways, chunks)`` of every layout of ``workers`` workers that
+    ``gnnpipe.parallel.dims.resolve_layout`` (the workflow's rule) accepts."""
     if workers < 1:
         raise GnnPipeError(f"workers must be >= 1, got {workers}")
     if workers == 1:
         return [("single", 1, 1, 1)]
-    out = [("graph", 1, workers, workers)]
-    if workers <= num_layers:
-        out.append(("pipeline", workers, 1, chunks_per_stage * workers))
-    for s in range(2, workers):
-        if workers % s or s > num_layers:
-            continue
-        g = workers // s
-        c = -(-chunks_per_stage * s // g) * g  # the smallest multiple of G >= chunks_per_stage * S
-        out.append(("hybrid", s, g, c))
+    candidates = [("graph", 1), ("pipeline", workers)] + [("hybrid", s) for s in range(2, workers)
+                                                          if workers % s == 0]
+    out = []
+    for mode, s in candidates:
+        try:
+            _, s, g, c = resolve_layout(mode, workers, stages=s, chunks_per_stage=chunks_per_stage,
+                                        layers=num_layers)
+        except GnnPipeError:
+            continue  # more stages than layers
+        out.append((mode, s, g, c))
     return out
 
 

@@ -487,6 +487,7 @@ class Predictor:
         return self._fitted[key]
 
     def _predict(self, run: Run) -> Prediction:
+        from . import costmodel as cm
         from .config import ConfigError, load_run_config, to_dict
         from .plan import build_model, cached_graph_stats, model_shape, predict_layout
 
@@ -522,7 +523,7 @@ class Predictor:
         est = predict_layout(stats, gnn, shape, hw, mode, S, G, C,
                              dtype_bytes=int(r.get("dtype_bytes", 4)), overlap=cfg.graph_parallel.overlap,
                              balance=cfg.pipeline.balance,
-                             first_input="local" if cfg.graph_parallel.cache_input_halo else "exchanged",
+                             first_input=cm.first_input(gnn, cfg.graph_parallel),
                              pipeline_cfg=cfg.pipeline)
         return Prediction(bytes=float(est.bytes["total"]), epoch_s=float(est.epoch_s),
                           compute_s=float(est.compute_s), comm_s=float(est.comm_s),

@@ -111,8 +111,7 @@ def build_engine(cfg: RunConfig, groups: Optional[ProcessGroups], comm, device):
     """The one branch on the mode (atomic models: one engine for single and graph)."""
     if cfg.atomic:
         from .atomic.engine import AtomicEngine
-        return AtomicEngine(cfg, comm, device, rank=groups.rank if groups else 0,
-                            world=groups.dims.world_size if groups else 1)
+        return AtomicEngine(cfg, comm, device, groups)
     if cfg.mode == "single":
         return SingleEngine(cfg, device)
     if cfg.mode == "graph":

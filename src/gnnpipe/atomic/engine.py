@@ -125,7 +125,7 @@ SPLIT_NAMES = ("train", "val", "test")
 class AtomicEngine:
     """Modes ``single`` and ``graph`` (P ways × D replicas) for atomic models (see the module docstring)."""
 
-    def __init__(self, cfg, comm, device, rank: int = 0, world: int = 1):
+    def __init__(self, cfg, comm, device, groups=None):
         from ..engine import DTYPES, make_optimizer
         from ..io import GnnPipeError
         from .data import read_graphs, read_systems
@@ -136,7 +136,7 @@ class AtomicEngine:
         self.systems = read_systems(cfg.systems_path)
         self.graphs = read_graphs(cfg.graph_path, expect_systems_hash=self.systems["content_hash"])
         self.ways, self.replicas = (cfg.ways, cfg.data_parallel) if cfg.mode == "graph" else (1, 1)
-        self.replica, self.way = divmod(rank, self.ways)
+        self.replica, self.way = divmod(groups.rank if groups is not None else 0, self.ways)
         spec = cfg.model.dimenetpp
         self.batch_size, self.force_weight = spec.batch_size, spec.force_weight
         self.model_cfg = model_config(spec, float(self.graphs["cutoff"]))
@@ -145,19 +145,11 @@ class AtomicEngine:
             s = int(edges.argmin())
             raise GnnPipeError(f"graph parallelism over {self.ways} ways: system {s} has only {int(edges[s])} "
                                f"edges within the cutoff; use at most {int(edges.min())} workers per replica")
-        self.grp = self.dp_group = None
-        if world > 1:
-            import torch.distributed as dist
-            from ..parallel.dims import ParallelDims
-            dims = ParallelDims("graph", world, 1, self.ways, self.replicas)
-            # every rank creates every group, in the same order; one replica: the world is its group
-            if self.replicas > 1:
-                mine = [dist.new_group(dims.replica_ranks(r)) for r in range(self.replicas)]
-                dps = [dist.new_group(dims.data_ranks(w)) for w in range(self.ways)]
-            else:
-                mine, dps = [None], [None] * self.ways
-            self.grp = EdgeGroup(comm, mine[self.replica], self.ways, self.way) if self.ways > 1 else None
-            self.graph_pg, self.dp_group = mine[self.replica], dps[self.way]
+        # the groups of gnnpipe.parallel.dims.build_groups: the replica's ways (stage group) and
+        # this way's replicas (data group); None where a layout has only one
+        self.graph_pg = groups.stage if groups is not None else None
+        self.dp_group = groups.data if groups is not None and self.replicas > 1 else None
+        self.grp = EdgeGroup(comm, self.graph_pg, self.ways, self.way) if self.ways > 1 else None
         self.ids = {name: np.nonzero(self.systems["split"] == i)[0] for i, name in enumerate(SPLIT_NAMES)}
         self.norm = Normalizer.fit(self.systems["z"], self.systems["atom_ptr"], self.systems["energy"],
                                    self.ids["train"])
@@ -215,16 +207,18 @@ class AtomicEngine:
         total = 0.0
         for step in steps:
             mine = self._replica_batch(step, self.replica)
-            b = self._batch(mine)
-            whole = self._batch(step)
-            counts = StepCounts(len(step), int((~whole["fixed"]).sum()))
-            g = rank_view(b, self.grp, self.dtype, self.device)
             self.opt.zero_grad(set_to_none=False)
-            loss, _, _, report = step_loss(self.model, g, b, self.norm, counts, self.force_weight)
-            loss.backward()
+            if len(mine):  # a short last step can leave a replica without systems: it adds zeros
+                b = self._batch(mine)
+                free = int(sum((~self.systems["fixed"][self.systems["atom_ptr"][s]:self.systems["atom_ptr"][s + 1]]).sum()
+                               for s in step))
+                g = rank_view(b, self.grp, self.dtype, self.device)
+                loss, _, _, report = step_loss(self.model, g, b, self.norm, StepCounts(len(step), free),
+                                               self.force_weight)
+                loss.backward()
+                total += report
             self._reduce_grads()
             self.opt.step()
-            total += report
         # the ranks' reported shares sum to the step losses
         loss_sum, = self._sum([total]) if self.comm is not None else (total,)
         wall = time.perf_counter() - t0

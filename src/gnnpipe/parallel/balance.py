@@ -31,6 +31,7 @@ import torch
 
 from ..io import GnnPipeError
 from ..models.block import Block
+from .dims import check_stages
 
 METHODS = ("uniform", "estimate", "profile")
 
@@ -83,14 +84,6 @@ class StageAssignment:
         return f"{self.method} balance, imbalance {self.imbalance:.3f}: " + "; ".join(parts)
 
 
-def _check(num_layers: int, stages: int) -> None:
-    if stages < 1:
-        raise GnnPipeError(f"need at least one stage, got {stages}")
-    if stages > num_layers:
-        raise GnnPipeError(f"{stages} pipeline stages but the model has only {num_layers} graph "
-                           f"layers: every stage needs at least one (use stages <= layers)")
-
-
 def stage_costs(costs: Sequence[float], bounds: Sequence[tuple[int, int]], first_extra: float = 0.0,
                 last_extra: float = 0.0) -> list[float]:
     out = [float(sum(costs[a:b])) for a, b in bounds]
@@ -101,7 +94,7 @@ def stage_costs(costs: Sequence[float], bounds: Sequence[tuple[int, int]], first
 
 def uniform_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
     """Equal numbers of convs per stage; the first ``num_layers % stages`` take one more."""
-    _check(num_layers, stages)
+    check_stages(stages, num_layers, where="stage balancing")
     q, r = divmod(num_layers, stages)
     bounds, a = [], 0
     for s in range(stages):
@@ -125,7 +118,7 @@ def balanced_bounds(costs: Sequence[float], stages: int, first_extra: float = 0.
     """
     costs = [float(c) for c in costs]
     L = len(costs)
-    _check(L, stages)
+    check_stages(stages, L, where="stage balancing")
     if any(c < 0 for c in costs):
         raise GnnPipeError(f"layer costs must be >= 0, got {costs}")
     prefix = [0.0]
@@ -234,7 +227,7 @@ def assign_stages(model, stages: int, method: str, *, num_nodes: int, num_edges:
     device) and, with several ranks, ``comm`` to average the timings (op ``control``).
     """
     L = len(model.convs)
-    _check(L, stages)
+    check_stages(stages, L, where="stage balancing")
     if method == "uniform":
         return StageAssignment(uniform_bounds(L, stages), method, [1.0] * L)
     if method == "estimate":

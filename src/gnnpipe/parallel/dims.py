@@ -1,11 +1,22 @@
-"""``ParallelDims``: the one validated object that says how the workers are laid out.
+"""How the workers are laid out: the one place the layout rules live.
 
-Ranks are laid out stage-major: ``rank = stage * ways + way``. So
+``ParallelDims`` is the validated object of the degrees: ``data`` replicas, each of
+``stages`` pipeline stages x ``ways`` graph-parallel ways. Ranks are laid out
+replica-major, then stage-major::
+
+    rank = replica * (stages * ways) + stage * ways + way
+
+So, with one replica (``data = 1``, every mode today):
 
 * ``graph``    : S = 1, G = P   (every rank is a way of the one stage)
 * ``pipeline`` : S = P, G = 1   (every rank is a stage)
 * ``hybrid``   : S x G
 * ``single``   : S = G = 1, no process group at all.
+
+``check_layout`` / ``resolve_layout`` add the chunks (the chunk store's parts) and the
+model's depth to the degrees: the workflow's run ids (``config.run_layout``), the
+engines' refusals, stage balancing, the cost model and ``gnnpipe plan`` all ask them,
+so a layout one accepts the others accept too.
 
 ``build_groups`` creates the sub-groups once (``torch.distributed.new_group`` must be
 called by every rank in the same order) and returns them in a ``ProcessGroups``
@@ -15,11 +26,23 @@ object that is passed explicitly to the engines: no module-global state.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from ..io import GnnPipeError
+
+if TYPE_CHECKING:  # torch stays unimported for the layout rules (the cost model has no torch)
+    import torch.distributed as dist
+
+MODES = ("single", "graph", "pipeline", "hybrid")
+PIPELINED = ("pipeline", "hybrid")  # the modes whose store holds chunks, not one part per worker
+
+
+class RankGroups(NamedTuple):
+    """The global ranks of the groups one rank belongs to (``ParallelDims.rank_groups``)."""
+
+    data: list[int]  # the replicas of this rank's (stage, way): gradient averaging across replicas
+    stage: list[int]  # the ways of this rank's stage in its replica: halo exchange, the stage's all-reduce
+    way: list[int]  # the stages of this rank's way in its replica, in order: the pipeline
 
 
 @dataclass(frozen=True)
@@ -28,54 +51,141 @@ class ParallelDims:
     world_size: int
     stages: int = 1
     ways: int = 1
-    data: int = 1  # data-parallel replicas (atomic models): rank = replica * stages * ways + ...
+    data: int = 1  # data-parallel replicas of the stages x ways layout
 
     def __post_init__(self):
-        if self.mode not in ("single", "graph", "pipeline", "hybrid"):
-            raise GnnPipeError(f"unknown mode {self.mode!r}")
-        if self.stages < 1 or self.ways < 1:
-            raise GnnPipeError(f"stages ({self.stages}) and ways ({self.ways}) must be >= 1")
-        if self.data < 1 or (self.data > 1 and self.mode != "graph"):
-            raise GnnPipeError(f"mode {self.mode}: data-parallel replicas ({self.data}) are for mode graph only")
-        if self.data * self.stages * self.ways != self.world_size:
-            n = self.data * self.stages * self.ways
+        if self.mode not in MODES:
+            raise GnnPipeError(f"unknown mode {self.mode!r} (known: {', '.join(MODES)})")
+        if self.stages < 1 or self.ways < 1 or self.data < 1:
+            raise GnnPipeError(f"mode {self.mode}: data ({self.data}), stages ({self.stages}) and "
+                               f"ways ({self.ways}) must be >= 1")
+        n = self.data * self.stages * self.ways
+        if n != self.world_size:
             raise GnnPipeError(
-                f"mode {self.mode}: replicas ({self.data}) x stages ({self.stages}) x ways ({self.ways}) = "
-                f"{n}, but the world has {self.world_size} processes; launch with torchrun --nproc-per-node {n}")
-        expected = {"single": (1, 1), "graph": (1, self.world_size // self.data), "pipeline": (self.world_size, 1)}
+                f"mode {self.mode}: data ({self.data}) x stages ({self.stages}) x ways ({self.ways}) "
+                f"= {n}, but the world has {self.world_size} processes; launch with torchrun "
+                f"--nproc-per-node {n}")
+        per_replica = self.stages * self.ways
+        expected = {"single": (1, 1), "graph": (1, per_replica), "pipeline": (per_replica, 1)}
         if self.mode in expected and (self.stages, self.ways) != expected[self.mode]:
             s, g = expected[self.mode]
             raise GnnPipeError(f"mode {self.mode} on {self.world_size} workers needs stages={s}, "
                                f"ways={g}; got stages={self.stages}, ways={self.ways}")
 
+    @property
+    def replica_size(self) -> int:
+        """Ranks of one replica: ``stages * ways``."""
+        return self.stages * self.ways
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.replica_size
+
     def stage_of(self, rank: int) -> int:
-        return rank // self.ways
+        return rank % self.replica_size // self.ways
 
     def way_of(self, rank: int) -> int:
         return rank % self.ways
 
-    def rank_of(self, stage: int, way: int) -> int:
-        return stage * self.ways + way
+    def rank_of(self, stage: int, way: int, replica: int = 0) -> int:
+        return replica * self.replica_size + stage * self.ways + way
 
-    def stage_ranks(self, stage: int) -> list[int]:
+    def stage_ranks(self, stage: int, replica: int = 0) -> list[int]:
         """The ranks of one stage: its G graph-parallel ways."""
-        return [self.rank_of(stage, g) for g in range(self.ways)]
+        return [self.rank_of(stage, g, replica) for g in range(self.ways)]
 
-    def replica_ranks(self, replica: int) -> list[int]:
-        """The ranks of one data-parallel replica (its graph-parallel group, for mode graph)."""
-        n = self.stages * self.ways
-        return list(range(replica * n, (replica + 1) * n))
-
-    def data_ranks(self, index: int) -> list[int]:
-        """The ranks holding the same shard in every replica (gradient all-reduce across replicas)."""
-        n = self.stages * self.ways
-        return list(range(index, self.world_size, n))
-
-    def way_ranks(self, way: int) -> list[int]:
+    def way_ranks(self, way: int, replica: int = 0) -> list[int]:
         """The ranks of one way: its S pipeline stages, in order."""
-        return [self.rank_of(s, way) for s in range(self.stages)]
+        return [self.rank_of(s, way, replica) for s in range(self.stages)]
+
+    def data_ranks(self, stage: int, way: int) -> list[int]:
+        """The ranks of one (stage, way) across the replicas."""
+        return [self.rank_of(stage, way, r) for r in range(self.data)]
+
+    def rank_groups(self, rank: int) -> RankGroups:
+        """The ranks of ``rank``'s data-parallel group, of its stage (graph-parallel) group and
+        of its way (pipeline)."""
+        if not 0 <= rank < self.world_size:
+            raise GnnPipeError(f"rank {rank} is outside a world of {self.world_size}")
+        s, g, r = self.stage_of(rank), self.way_of(rank), self.replica_of(rank)
+        return RankGroups(data=self.data_ranks(s, g), stage=self.stage_ranks(s, r), way=self.way_ranks(g, r))
 
 
+# --------------------------------------------------------------------------- chunks and depth
+def default_chunks(stages: int, ways: int, chunks_per_stage: int) -> int:
+    """The chunks of a pipelined layout that sets none: ``chunks_per_stage`` per stage,
+    rounded up to a multiple of the ways (each way owns ``chunks / ways`` of them)."""
+    return -(-chunks_per_stage * stages // ways) * ways
+
+
+def check_stages(stages: int, layers: int, where: str = "layout") -> None:
+    """Every stage owns at least one conv."""
+    if stages < 1:
+        raise GnnPipeError(f"{where}: need at least one stage, got {stages}")
+    if stages > layers:
+        raise GnnPipeError(f"{where}: {stages} stages but the model has only {layers} graph layers: "
+                           f"every stage needs at least one (use stages <= layers)")
+
+
+def check_layout(mode: str, workers: int, stages: int, ways: int, chunks: int, *,
+                 layers: Optional[int] = None, exact_ok: bool = False, where: str = "layout") -> ParallelDims:
+    """Refuse a layout no engine runs, with the reason; returns its ``ParallelDims``.
+
+    ``chunks``: the parts of the chunk store (``graph``: one per way; ``single``: 1).
+    Pipelined modes need ``chunks`` a positive multiple of ``ways`` and ``chunks >= stages``
+    (fewer chunks leave stages idle all epoch); ``exact_ok`` also accepts one chunk per
+    way (plain, exact model parallelism: the engines' exactness configuration, which the
+    workflow does not schedule). ``layers``: the model's graph layers (stages <= layers).
+    """
+    if workers < 1:
+        raise GnnPipeError(f"{where}: workers must be >= 1, got {workers}")
+    try:
+        dims = ParallelDims(mode, workers, stages, ways)
+    except GnnPipeError as e:
+        raise GnnPipeError(f"{where}: {e}") from None
+    if mode not in PIPELINED:
+        if chunks != (ways if mode == "graph" else 1):
+            raise GnnPipeError(f"{where}: mode {mode} on {workers} workers uses {ways if mode == 'graph' else 1} "
+                               f"part(s), got chunks={chunks}")
+        return dims
+    if layers is not None:
+        check_stages(stages, layers, where)
+    if chunks < ways or chunks % ways:
+        raise GnnPipeError(f"{where}: chunks ({chunks}) must be a positive multiple of ways ({ways}) "
+                           f"(each way owns chunks/ways of them)")
+    if chunks < stages and not (exact_ok and chunks == ways):
+        exact = " (or one chunk per way: plain, exact model parallelism)" if exact_ok else ""
+        raise GnnPipeError(f"{where}: chunks ({chunks}) must be >= stages ({stages}){exact}, or some "
+                           f"stage idles all epoch")
+    return dims
+
+
+def resolve_layout(mode: str, workers: int, *, stages: Optional[int] = None, chunks: Optional[int] = None,
+                   chunks_per_stage: int = 4, layers: Optional[int] = None,
+                   where: str = "layout") -> tuple[int, int, int, int]:
+    """``(workers, stages, ways, chunks)`` of ``mode`` on ``workers`` workers, with the mode's
+    defaults (pipeline: S = P; hybrid: S = ``stages``, G = P / S; chunks:
+    :func:`default_chunks`), validated by :func:`check_layout`."""
+    if mode not in MODES:
+        raise GnnPipeError(f"{where}: unknown mode {mode!r} (known: {', '.join(MODES)})")
+    if workers < 1:
+        raise GnnPipeError(f"{where}: workers must be >= 1, got {workers}")
+    if mode == "single":
+        if workers != 1:
+            raise GnnPipeError(f"{where}: mode single takes workers: 1")
+        s, g, c = 1, 1, 1
+    elif mode == "graph":
+        s, g, c = 1, workers, workers
+    else:
+        s = workers if mode == "pipeline" else (stages or 1)
+        if s < 1 or workers % s:
+            raise GnnPipeError(f"{where}: workers ({workers}) must be a multiple of stages ({s})")
+        g = workers // s
+        c = chunks or default_chunks(s, g, chunks_per_stage)
+    check_layout(mode, workers, s, g, c, layers=layers, where=where)
+    return workers, s, g, c
+
+
+# --------------------------------------------------------------------------- process groups
 @dataclass
 class ProcessGroups:
     """The groups one rank takes part in. ``None`` groups mean "the default world"."""
@@ -83,7 +193,10 @@ class ProcessGroups:
     dims: ParallelDims
     rank: int
     world: Optional[dist.ProcessGroup]  # all ranks
-    stage: Optional[dist.ProcessGroup]  # the ways of this rank's stage (halo exchange, grad all-reduce)
+    # the ways of this rank's stage (halo exchange, grad all-reduce); used only with ways > 1
+    # (with one way and one replica it is the world, as before; with replicas, not built)
+    stage: Optional[dist.ProcessGroup]
+    data: Optional[dist.ProcessGroup] = None  # the replicas of this rank's (stage, way); data > 1 only
 
     @property
     def stage_index(self) -> int:
@@ -93,23 +206,44 @@ class ProcessGroups:
     def way_index(self) -> int:
         return self.dims.way_of(self.rank)
 
+    @property
+    def replica_index(self) -> int:
+        return self.dims.replica_of(self.rank)
+
     def prev_rank(self) -> Optional[int]:
         """Global rank of the same way on the previous stage, or None on stage 0."""
         s = self.stage_index
-        return None if s == 0 else self.dims.rank_of(s - 1, self.way_index)
+        return None if s == 0 else self.dims.rank_of(s - 1, self.way_index, self.replica_index)
 
     def next_rank(self) -> Optional[int]:
         s = self.stage_index
-        return None if s == self.dims.stages - 1 else self.dims.rank_of(s + 1, self.way_index)
+        return None if s == self.dims.stages - 1 else self.dims.rank_of(s + 1, self.way_index,
+                                                                         self.replica_index)
 
 
 def build_groups(dims: ParallelDims, rank: int) -> ProcessGroups:
-    """Create this rank's sub-groups. Every rank must call it, in the same order."""
+    """Create this rank's sub-groups (only those a layout needs). Every rank must call it,
+    in the same order."""
+    import torch.distributed as dist
+
     world = dist.group.WORLD if dist.is_initialized() else None
-    stage_group = world
-    if dims.stages > 1 and dims.ways > 1:
-        for s in range(dims.stages):  # every rank creates every group, in order
-            g = dist.new_group(dims.stage_ranks(s))
-            if s == dims.stage_of(rank):
-                stage_group = g
-    return ProcessGroups(dims=dims, rank=rank, world=world, stage=stage_group)
+    mine = dims.rank_groups(rank)
+    stage_group = world if dims.data == 1 else None
+    if dims.ways > 1 and len(mine.stage) < dims.world_size:
+        for r in range(dims.data):  # every rank creates every group, in order
+            for s in range(dims.stages):
+                ranks = dims.stage_ranks(s, r)
+                g = dist.new_group(ranks)
+                if ranks == mine.stage:
+                    stage_group = g
+    data_group = None
+    if dims.data > 1:
+        data_group = world
+        if len(mine.data) < dims.world_size:
+            for s in range(dims.stages):
+                for w in range(dims.ways):
+                    ranks = dims.data_ranks(s, w)
+                    g = dist.new_group(ranks)
+                    if ranks == mine.data:
+                        data_group = g
+    return ProcessGroups(dims=dims, rank=rank, world=world, stage=stage_group, data=data_group)

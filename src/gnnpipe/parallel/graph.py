@@ -24,7 +24,7 @@ summed gradients are the single-process gradients: with dropout off, training is
 single-process training up to floating-point summation order (tested, every model
 kind, overlap on and off).
 
-Bytes per epoch (``graph_parallel_bytes``): each conv ``l >= 1`` moves its input rows
+Bytes per epoch (``costmodel.graph_parallel_bytes``, ``costmodel.first_input``): each conv ``l >= 1`` moves its input rows
 ``Σ_p M_p · d_l`` forward and their gradients back; the first conv moves nothing with
 ``cache_input_halo`` (default), otherwise its rows forward and, only when its input is
 learned (an encoder: GCNII, ResGCN+), their gradients back: raw features need no
@@ -41,47 +41,20 @@ from __future__ import annotations
 
 import resource
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ..config import RunConfig
+from ..costmodel import first_input, graph_parallel_bytes
 from ..engine import DTYPES, EpochStats, ce_sum, correct_counts, make_optimizer
 from ..io import GnnPipeError
 from ..models.block import Block
 from ..models.model import GNN
 from ..store import ChunkStore
 from .comm import Communicator, HaloPlan, finish_halo, halo_exchange, start_halo
-
-FIRST_INPUT = ("exchanged", "forward", "local")
-
-
-def graph_parallel_bytes(mirrors_per_part: Sequence[int], exchange_dims: Sequence[int],
-                         bytes_per_value: int, num_params: int, world: int,
-                         first_input: str = "exchanged") -> dict[str, int]:
-    """Training bytes sent per epoch by all ranks of graph parallelism, by kind.
-
-    ``first_input`` says what the first conv's input costs: ``"exchanged"`` (rows forward,
-    gradients back: DESIGN.md's ``2 · Σ M_p · Σ_l d_l · b``), ``"forward"`` (raw features:
-    rows forward only) or ``"local"`` (halo features cached at set-up: nothing).
-    All-reduce: the ring rule, ``2 (P-1) · num_params · b`` summed over ranks.
-    """
-    if first_input not in FIRST_INPUT:
-        raise ValueError(f"first_input must be one of {FIRST_INPUT}, got {first_input!r}")
-    if len(mirrors_per_part) != world:
-        raise GnnPipeError(f"graph parallelism on {world} workers needs {world} mirror counts, "
-                           f"got {len(mirrors_per_part)}")
-    m = sum(int(x) for x in mirrors_per_part)
-    dims = [int(d) for d in exchange_dims]
-    values = 2 * sum(dims[1:])
-    if dims:
-        values += {"exchanged": 2, "forward": 1, "local": 0}[first_input] * dims[0]
-    halo = m * values * int(bytes_per_value)
-    allreduce = 2 * (world - 1) * int(num_params) * int(bytes_per_value) if world > 1 else 0
-    return {"halo": halo, "allreduce": allreduce, "total": halo + allreduce}
-
 
 def split_block(block: Block, n_inner: int, n_own: int) -> tuple[Block, Block]:
     """The local block cut at ``n_inner``: inner rows against own rows only, and the
@@ -133,10 +106,7 @@ class GraphEngine:
         self.model = GNN(cfg.model, self.in_features, self.num_classes).to(self.device, self.dtype)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = make_optimizer(self.params, cfg.training)
-        self.first_input = ("local" if self.cache_input else
-                            "exchanged" if self.model.encoder is not None else "forward")
-        if not len(self.model.convs):  # mlp: no graph, plain data parallelism
-            self.first_input = "local"
+        self.first_input = first_input(self.model, gp)  # mlp: no graph, plain data parallelism
         self._setup_exchanges()
 
     # ------------------------------------------------------------------ set-up

@@ -107,6 +107,7 @@ from ..costmodel import hybrid_bytes
 from ..io import GnnPipeError
 from ..models.block import Block
 from ..store import ChunkStore
+from .dims import check_layout
 from .pipeline import SPLITS, PipelineEngine, _Clock, _Epoch, check_schedule_config
 
 log = logging.getLogger(__name__)
@@ -115,20 +116,13 @@ log = logging.getLogger(__name__)
 def check_hybrid_config(cfg: RunConfig, groups=None) -> None:
     """Refuse layouts the hybrid engine cannot run, with the reason."""
     where = f"run {cfg.run_id}"
-    S, G, C, L = cfg.stages, cfg.ways, cfg.chunks, cfg.model.layers
     if cfg.mode != "hybrid":
         raise GnnPipeError(f"{where}: HybridEngine runs mode 'hybrid', not {cfg.mode!r}")
     if cfg.model.kind == "mlp":
         raise GnnPipeError(f"{where}: model kind 'mlp' has no graph layers; use mode single")
-    if S < 1 or G < 1:
-        raise GnnPipeError(f"{where}: stages ({S}) and ways ({G}) must be >= 1")
-    if S > L:
-        raise GnnPipeError(f"{where}: {S} stages but the model has only {L} graph layers (stages <= layers)")
-    if C < G or C % G:
-        raise GnnPipeError(f"{where}: {C} chunks for {G} ways; chunks must be a positive multiple of ways "
-                           f"(each way owns chunks/ways of them)")
-    if cfg.workers != S * G:
-        raise GnnPipeError(f"{where}: hybrid runs stages x ways = {S * G} workers, the run has {cfg.workers}")
+    # C = G (one chunk per way) is the exactness configuration: allowed
+    check_layout(cfg.mode, cfg.workers, cfg.stages, cfg.ways, cfg.chunks, layers=cfg.model.layers,
+                 exact_ok=True, where=where)
     if not cfg.store_path:
         raise GnnPipeError(f"{where}: mode hybrid needs a chunk store (store_path)")
     if not cfg.graph_parallel.cache_input_halo:

@@ -110,12 +110,14 @@ import torch
 from torch import Tensor
 
 from ..config import RunConfig
+from ..costmodel import boundary_dims, pipeline_bytes
 from ..engine import DTYPES, EpochStats, ce_sum, correct_counts, make_optimizer
 from ..io import GnnPipeError
 from ..models.block import Block
 from ..models.model import GNN
 from ..store import ChunkStore
 from .balance import StageAssignment, assign_stages
+from .dims import check_layout
 
 log = logging.getLogger(__name__)
 
@@ -125,29 +127,13 @@ SPLITS = ("train", "val", "test")
 def check_pipeline_config(cfg: RunConfig, groups=None) -> None:
     """Refuse layouts GNNPipe cannot run, with the reason (before anything is read)."""
     where = f"run {cfg.run_id}"
-    S, C, L = cfg.stages, cfg.chunks, cfg.model.layers
-    pc = cfg.pipeline
     if cfg.mode != "pipeline":
         raise GnnPipeError(f"{where}: PipelineEngine runs mode 'pipeline', not {cfg.mode!r}")
     if cfg.model.kind == "mlp":
         raise GnnPipeError(f"{where}: model kind 'mlp' has no graph layers to pipeline; use mode single")
-    if S < 1:
-        raise GnnPipeError(f"{where}: stages must be >= 1, got {S}")
-    if S > L:
-        raise GnnPipeError(f"{where}: {S} pipeline stages but the model has only {L} graph layers; "
-                           f"every stage needs at least one (stages <= layers)")
-    if C < 1 or 1 < C < S:
-        # C = 1 is the exactness configuration (plain model parallelism, no history):
-        # allowed; any other C < S leaves stages idle for the whole epoch.
-        raise GnnPipeError(f"{where}: {C} chunks for {S} stages; the pipeline needs chunks >= stages "
-                           f"(default {pc.chunks_per_stage} per stage), or chunks = 1 for plain, exact "
-                           f"model parallelism")
-    if cfg.ways != 1:
-        raise GnnPipeError(f"{where}: mode pipeline has one way per stage (ways = 1), got {cfg.ways}; "
-                           f"use mode hybrid")
-    if cfg.workers != S:
-        raise GnnPipeError(f"{where}: mode pipeline runs one worker per stage; workers ({cfg.workers}) "
-                           f"!= stages ({S})")
+    # C = 1 is the exactness configuration (plain model parallelism, no history): allowed
+    check_layout(cfg.mode, cfg.workers, cfg.stages, cfg.ways, cfg.chunks, layers=cfg.model.layers,
+                 exact_ok=True, where=where)
     if not cfg.store_path:
         raise GnnPipeError(f"{where}: mode pipeline needs a chunk store (store_path)")
     check_schedule_config(cfg, groups)
@@ -173,13 +159,6 @@ def chunk_order(num_chunks: int, epoch: int, seed: int, shuffle: bool) -> np.nda
     if not shuffle:
         return np.arange(num_chunks, dtype=np.int64)
     return np.random.default_rng((int(seed), int(epoch))).permutation(num_chunks).astype(np.int64)
-
-
-def predicted_pipeline_bytes(num_nodes: int, stage_input_dims: list[int], x0_dim: int,
-                             bytes_per_value: int) -> int:
-    """Bytes sent per epoch over all ranks: every stage boundary carries every node's row
-    (and ``x0`` row) forward and its gradient back."""
-    return sum(2 * num_nodes * (d + x0_dim) * bytes_per_value for d in stage_input_dims)
 
 
 class History:
@@ -757,9 +736,8 @@ class PipelineEngine:
 
     def predicted_bytes(self) -> int:
         """Closed form of the bytes sent per epoch over all ranks (independent of the ledger)."""
-        first_convs = [a for a, _ in self.assignment.bounds[1:]]
-        return predicted_pipeline_bytes(self.N, [self.dims[a] for a in first_convs], self.x0_dim,
-                                        torch.empty(0, dtype=self.dtype).element_size())
+        return pipeline_bytes(self.N, boundary_dims(self.dims, self.assignment.bounds), self.dtype.itemsize,
+                              self.needs_x0)["total"]
 
     def graph_info(self) -> dict:
         return {"num_nodes": self.N, "num_edges": self.E, "in_features": self.in_features}
