@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml requirements/cpu.lock.txt
 
 venv: $(STAMP)
 
+# --rerun-incomplete: a job cut short (Ctrl-C, a killed node) is redone, not a hard stop
 run: $(STAMP)
-	$(VENV)/bin/snakemake --cores $(CORES) --configfile config/config.yaml
+	$(VENV)/bin/snakemake --cores $(CORES) --rerun-incomplete --configfile config/config.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

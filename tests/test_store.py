@@ -273,3 +273,50 @@ def test_reopens_after_close_and_verifies(store_file):
     s.close()
     with pytest.raises(IndexError, match="part 2 out of range"):
         s.part(2)
+
+
+@pytest.mark.parametrize("where, key, value", [
+    ("/", "num_classes", 20), ("/", "num_features", 2), ("/", "name", "another"),
+    ("parts/1", "start", 1), ("parts/0", "n_inner", 0)])
+def test_edited_attributes_are_refused_on_open(store_file, where, key, value):
+    with h5py.File(store_file, "a") as f:
+        f[where].attrs[key] = value
+    with pytest.raises(GnnPipeError, match=r"attributes .* do not match their hash \(damaged or edited\).*" + RULE):
+        ChunkStore(store_file)
+    with pytest.raises(GnnPipeError, match="do not match their hash"):
+        ChunkStore(store_file, verify=False)  # cheap: checked even when the datasets are not
+
+
+def test_content_hash_covers_the_attributes(tmp_path, directed):
+    a = partition_graph(directed, "metis", 2)
+    materialize(directed, a, tmp_path / "x.h5", method="metis")
+    materialize(directed, a, tmp_path / "y.h5", method="other")  # the same datasets, one attribute apart
+    with ChunkStore(tmp_path / "x.h5") as x, ChunkStore(tmp_path / "y.h5") as y:
+        x.verify(), y.verify()
+        assert x.attrs_hash != y.attrs_hash and x.content_hash != y.content_hash
+
+
+def test_engines_refuse_a_store_cut_from_another_graph(tmp_path, directed):
+    """A run's store must come from the run's graph.h5, whatever the file names say."""
+    from dataclasses import replace
+
+    from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, PipelineConfig,
+                                RunConfig, TrainingConfig)
+    from gnnpipe.graph import write_graph
+    from gnnpipe.parallel.pipeline import PipelineEngine
+
+    other = random_graph(n=200, avg_degree=6, seed=6, symmetrize=False)
+    graph_path, store_path = tmp_path / "graph.h5", tmp_path / "metis-2.h5"
+    write_graph(graph_path, directed)
+    materialize(other, partition_graph(other, "metis", 2), store_path, graph_hash=other.content_hash())
+    cfg = RunConfig(run_id="t", mode="pipeline", dataset_name="d", graph_path=str(graph_path),
+                    store_path=str(store_path), out_dir="", model=ModelConfig(kind="gcn", layers=2, hidden=4),
+                    training=TrainingConfig(epochs=1), partitioning=PartitionConfig(),
+                    pipeline=PipelineConfig(balance="uniform"), graph_parallel=GraphParallelConfig(),
+                    workers=1, stages=1, ways=1, chunks=2)
+    with pytest.raises(GnnPipeError, match=r"metis-2\.h5: stale: made from graph " + other.content_hash()[:12]):
+        PipelineEngine(cfg, None, None, "cpu")
+    materialize(directed, partition_graph(directed, "metis", 2), store_path, graph_hash=directed.content_hash())
+    assert PipelineEngine(cfg, None, None, "cpu").N == directed.num_nodes
+    with pytest.raises(GnnPipeError, match="no such graph file"):
+        PipelineEngine(replace(cfg, graph_path=str(tmp_path / "nope.h5")), None, None, "cpu")

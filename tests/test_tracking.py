@@ -55,3 +55,78 @@ def test_parallel_jobs_share_one_sqlite_store(tmp_path, monkeypatch):
     arts = {a.path for a in client.list_artifacts(record["mlflow_run_id"])}
     assert {"metrics.json", "run.resolved.yaml"} <= arts
     assert str(tmp_path / "results") in client.get_experiment_by_name("gnnpipe").artifact_location
+
+
+def _closed_port() -> int:
+    import socket
+    with socket.socket() as s:  # bound, then closed: nothing listens there afterwards
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _no_mlflow_http_env(monkeypatch):
+    """Drop MLflow's HTTP settings for the test, and whatever gnnpipe sets in their place."""
+    from gnnpipe.tracking import HTTP_DEFAULTS
+    for key in HTTP_DEFAULTS:
+        monkeypatch.setenv(key, "0")
+        monkeypatch.delenv(key)
+
+
+def test_an_unreachable_tracking_server_keeps_the_finished_run(tmp_path, monkeypatch, capsys):
+    """An outage is a warning and an mlflow_error in metrics.json, after a bounded wait; the
+    train command exits 0 with its outputs (MLflow's defaults would retry for ~4 minutes)."""
+    import time
+
+    from gnnpipe.cli import main
+    from gnnpipe.config import dump_run_config
+    from test_train import run_cfg
+
+    _no_mlflow_http_env(monkeypatch)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
+    cfg = run_cfg(tmp_path, {"kind": "gcn", "layers": 2, "hidden": 8}, epochs=2)
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text(dump_run_config(cfg))
+    t0 = time.monotonic()
+    assert main(["train", "--run-config", str(run_yaml)]) == 0
+    assert time.monotonic() - t0 < 60
+    out = tmp_path / "results" / "runs" / cfg.run_id
+    record = json.loads((out / "metrics.json").read_text())
+    assert record["mlflow_run_id"] is None and "127.0.0.1" in record["mlflow_error"]
+    assert len(record["history"]) == 2 and (out / "model.pt").is_file()
+    assert "gnnpipe: warning: MLflow logging of the training run failed" in capsys.readouterr().err
+    assert main(["evaluate", "--run-config", str(run_yaml)]) == 0  # no MLflow run to add to: fine
+
+
+def test_evaluation_logging_failure_is_a_warning(tmp_path, monkeypatch, capsys):
+    from gnnpipe.tracking import log_evaluation
+
+    _no_mlflow_http_env(monkeypatch)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
+    cfg = _cfg(tmp_path, 0)
+    eval_json = tmp_path / "eval.json"
+    log_evaluation(cfg, "0" * 32, {"run_id": cfg.run_id, "test_acc": 0.5}, eval_json)
+    ev = json.loads(eval_json.read_text())
+    assert ev["test_acc"] == 0.5 and "127.0.0.1" in ev["mlflow_error"]
+    assert "MLflow logging of the evaluation failed" in capsys.readouterr().err
+
+
+def test_an_error_while_logging_ends_the_mlflow_run_failed(tmp_path, monkeypatch):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+    def broken(self, *a, **k):
+        raise OSError("artifact store full")
+
+    monkeypatch.setattr(MlflowClient, "log_artifact", broken)
+    assert _log_one(tmp_path, 0) is None
+    cfg = _cfg(tmp_path, 0)
+    record = json.loads((tmp_path / "results" / "runs" / cfg.run_id / "metrics.json").read_text())
+    assert record["mlflow_run_id"] is None
+    assert "ended FAILED" in record["mlflow_error"] and "artifact store full" in record["mlflow_error"]
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'results' / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["gnnpipe"])
+    assert list(runs["status"]) == ["FAILED"]
+    assert "artifact store full" in runs["tags.gnnpipe.error"].iloc[0]

@@ -64,7 +64,7 @@ def test_single_run_writes_record_checkpoint_and_mlflow(tmp_path):
     assert on_disk["test_acc"] > 0.8  # the communities are easy to tell apart through the graph
 
     ckpt = load_checkpoint(tmp_path / "results" / "runs" / cfg.run_id / "model.pt")
-    assert ckpt["epoch"] == 29 and all(isinstance(v, torch.Tensor) for v in ckpt["model"].values())
+    assert ckpt["epoch"] == 29 and ckpt["epochs_done"] == 30 and all(isinstance(v, torch.Tensor) for v in ckpt["model"].values())
     ev = evaluate_run(cfg)
     assert ev["test_acc"] == pytest.approx(on_disk["test_acc"])
 
@@ -105,3 +105,83 @@ def test_parallel_mode_outside_torchrun_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(GnnPipeError, match="runs under torchrun: torchrun --standalone --nproc-per-node 2"):
         run(cfg, progress=False)
+
+
+class _KilledAt:
+    """An engine that dies (as under SIGINT) when it reaches epoch ``at``."""
+
+    def __init__(self, engine, at):
+        self._engine, self._at = engine, at
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def train_epoch(self, epoch):
+        if epoch == self._at:
+            raise KeyboardInterrupt
+        return self._engine.train_epoch(epoch)
+
+
+def _kill_at(monkeypatch, at):
+    from gnnpipe import train
+    build = train.build_engine
+    monkeypatch.setattr(train, "build_engine", lambda *a: _KilledAt(build(*a), at))
+
+
+def test_a_killed_run_leaves_no_model_pt_and_evaluate_refuses_its_checkpoint(tmp_path, monkeypatch):
+    from gnnpipe.evaluate import evaluate_run, load_checkpoint
+    from gnnpipe.io import GnnPipeError
+    from gnnpipe.train import run
+
+    cfg = run_cfg(tmp_path, {"kind": "gcn", "layers": 2, "hidden": 8, "dropout": 0.0}, epochs=15,
+                  checkpoint_every=4)
+    out = tmp_path / "results" / "runs" / cfg.run_id
+    _kill_at(monkeypatch, 9)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, progress=False)
+    assert not (out / "model.pt").exists() and not (out / "metrics.json").exists()
+    assert load_checkpoint(out / "checkpoint.pt")["epochs_done"] == 8  # the intermediate one, elsewhere
+    with pytest.raises(GnnPipeError, match="no checkpoint"):
+        evaluate_run(cfg)
+    with pytest.raises(GnnPipeError, match=r"checkpoint after 8 of 15 epochs, not the finished run"):
+        evaluate_run(cfg, checkpoint=out / "checkpoint.pt")
+    assert evaluate_run(cfg, checkpoint=out / "checkpoint.pt", allow_partial=True)["checkpoint_epoch"] == 7
+    assert not (out / "model.pt").exists()
+
+
+def test_a_killed_retrain_keeps_the_finished_model_and_its_record(tmp_path, monkeypatch):
+    from gnnpipe.evaluate import evaluate_run
+    from gnnpipe.train import run
+
+    cfg = run_cfg(tmp_path, {"kind": "gcn", "layers": 2, "hidden": 8, "dropout": 0.0}, epochs=12,
+                  checkpoint_every=2)
+    out = tmp_path / "results" / "runs" / cfg.run_id
+    record = run(cfg, progress=False)
+    model = (out / "model.pt").read_bytes()
+    _kill_at(monkeypatch, 5)  # a hand retrain of the finished run, killed after 2 checkpoints
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, progress=False)
+    assert (out / "model.pt").read_bytes() == model
+    assert evaluate_run(cfg)["test_acc"] == pytest.approx(record["test_acc"])
+
+
+def test_evaluate_refuses_a_checkpoint_of_another_config_or_graph(tmp_path):
+    import dataclasses
+
+    from gnnpipe.evaluate import evaluate_run
+    from gnnpipe.io import GnnPipeError
+    from gnnpipe.train import run
+
+    cfg = run_cfg(tmp_path, {"kind": "gcn", "layers": 2, "hidden": 8, "dropout": 0.0}, epochs=3)
+    run(cfg, progress=False)
+    model = tmp_path / "results" / "runs" / cfg.run_id / "model.pt"
+    longer = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, epochs=3, lr=0.5))
+    with pytest.raises(GnnPipeError, match=r"model\.pt: trained from another config than run .*re-run 'train'"):
+        evaluate_run(longer)
+    write_graph(cfg.graph_path, two_community_graph(seed=1))
+    with pytest.raises(GnnPipeError, match="trained from another graph than run"):
+        evaluate_run(cfg)
+    ckpt = torch.load(model, weights_only=True)
+    torch.save({"model": ckpt["model"], "epoch": 2}, model)  # as an older gnnpipe wrote it
+    with pytest.raises(GnnPipeError, match="does not say which config and data it was trained from"):
+        evaluate_run(cfg)

@@ -300,3 +300,11 @@ def test_tiny_config_end_to_end(tmp_path):
 
     again = snakemake(tmp_path, TINY, "-n")
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
+
+
+def test_make_run_reruns_incomplete_jobs():
+    """After a Ctrl-C, `make run` must redo the cut-short jobs, not stop on IncompleteFilesException."""
+    res = subprocess.run(["make", "-n", "-s", "run"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    line = next(l for l in res.stdout.splitlines() if "snakemake" in l and "--configfile" in l)
+    assert "--rerun-incomplete" in line.split()

@@ -121,7 +121,8 @@ def _evaluate(a):
     from .config import load_run_config
     from .evaluate import evaluate_run
 
-    res = evaluate_run(load_run_config(a.run_config), checkpoint=a.checkpoint, out=a.out)
+    res = evaluate_run(load_run_config(a.run_config), checkpoint=a.checkpoint, out=a.out,
+                       allow_partial=a.allow_partial)
     print(" ".join(f"{k}={v:.4f}" for k, v in res.items() if isinstance(v, float)), file=sys.stderr)
 
 
@@ -221,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--run-config", required=True, help="results/runs/<run_id>/run.yaml")
     e.add_argument("--checkpoint", help="default: <out_dir>/model.pt")
     e.add_argument("--out", help="default: <out_dir>/eval.json")
+    e.add_argument("--allow-partial", action="store_true",
+                   help="accept a checkpoint of an unfinished run (e.g. <out_dir>/checkpoint.pt); "
+                        "its config and data are still checked")
     e.set_defaults(func=_evaluate)
 
     r = sub.add_parser("report", help="table and plots over runs",

@@ -7,15 +7,16 @@ that ``evaluate`` gives the same numbers whichever mode trained the weights.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from .config import RunConfig
+from .config import RunConfig, to_dict
 from .engine import DTYPES, ce_sum, correct_counts
-from .graph import Graph, read_graph
+from .graph import Graph, read_graph, read_graph_attrs
 from .io import GnnPipeError, write_json
 from .models.block import Block
 from .models.model import GNN
@@ -54,12 +55,66 @@ def load_checkpoint(path: str | Path) -> dict:
         raise GnnPipeError(f"{path}: not a readable checkpoint ({e}); delete it and re-run 'train'") from None
 
 
-def evaluate_run(cfg: RunConfig, checkpoint: str | Path | None = None, out: str | Path | None = None) -> dict:
-    """Exact inference of a trained run on its graph; writes ``eval.json`` and logs to MLflow."""
+_PATHS = ("graph_path", "store_path", "out_dir", "systems_path")  # where the run lies, not what it is
+
+
+def _graph_hash(cfg: RunConfig):
+    """The content hash of the run's graph file: graph.h5, or an atomic run's graphs.h5 (which
+    records the hash of its systems.h5 in turn)."""
+    if not cfg.graph_path:
+        return None
+    if cfg.atomic:
+        import h5py
+        with h5py.File(cfg.graph_path, "r") as f:
+            return str(f.attrs.get("content_hash", ""))
+    return str(read_graph_attrs(cfg.graph_path)["content_hash"])
+
+
+def run_fingerprint(cfg: RunConfig) -> dict[str, str | None]:
+    """What a checkpoint must have been trained from: the config (less its paths) and the
+    content hashes of the graph and (parallel modes) the chunk store, read from their
+    attributes (cheap). Written into every checkpoint; ``evaluate`` compares them."""
+    conf = {k: v for k, v in to_dict(cfg).items() if k not in _PATHS}
+    fp = {"config_hash": hashlib.sha256(json.dumps(conf, sort_keys=True).encode()).hexdigest(),
+          "graph_hash": _graph_hash(cfg),
+          "store_hash": None}
+    if cfg.store_path and Path(cfg.store_path).exists():
+        import h5py
+        with h5py.File(cfg.store_path, "r") as f:
+            fp["store_hash"] = str(f.attrs.get("content_hash", ""))
+    return fp
+
+
+def check_checkpoint(state: dict, cfg: RunConfig, path: Path, *, final: bool = True) -> None:
+    """Refuse a checkpoint that is not this run's finished model (``final``) or was trained
+    from another config, graph or chunk store than ``cfg`` names now."""
+    redo = f"re-run 'train' for {cfg.run_id} (delete {path}, or snakemake --forcerun train)"
+    if "config_hash" not in state:
+        raise GnnPipeError(f"{path}: the checkpoint does not say which config and data it was trained "
+                           f"from (an older gnnpipe wrote it); {redo}")
+    done = int(state.get("epochs_done", -1))
+    if final and done != cfg.training.epochs:
+        raise GnnPipeError(f"{path}: checkpoint after {done} of {cfg.training.epochs} epochs, not the "
+                           f"finished run (training was cut short?); {redo}")
+    now = run_fingerprint(cfg)
+    for key, what in (("config_hash", "config"), ("graph_hash", "graph"), ("store_hash", "chunk store")):
+        if state.get(key) and now[key] and state[key] != now[key]:
+            raise GnnPipeError(f"{path}: trained from another {what} than run {cfg.run_id} names now "
+                               f"({key} {state[key][:12]}, now {now[key][:12]}); {redo}")
+
+
+def evaluate_run(cfg: RunConfig, checkpoint: str | Path | None = None, out: str | Path | None = None,
+                 *, allow_partial: bool = False) -> dict:
+    """Exact inference of a trained run on its graph; writes ``eval.json`` and logs to MLflow.
+
+    The checkpoint must be the run's finished model (``allow_partial``: any epoch) and
+    have been trained from the run's config, graph and chunk store (``check_checkpoint``).
+    """
     checkpoint = Path(checkpoint or Path(cfg.out_dir) / "model.pt")
     out = Path(out or Path(cfg.out_dir) / "eval.json")
     dtype = DTYPES[cfg.training.dtype]
     state = load_checkpoint(checkpoint)
+    check_checkpoint(state, cfg, checkpoint, final=not allow_partial)
     if cfg.atomic:
         result = _atomic_metrics(cfg, state, checkpoint)
         return _finish(cfg, {"run_id": cfg.run_id, "checkpoint_epoch": int(state.get("epoch", -1)), **result}, out)

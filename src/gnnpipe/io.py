@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -43,9 +44,27 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
 
 
 def write_json(path: str | os.PathLike, obj) -> None:
-    """Write ``obj`` as indented JSON, atomically."""
+    """Write ``obj`` as indented JSON, atomically; NaN and infinities become ``null``.
+
+    Bare ``NaN`` / ``Infinity`` are not JSON (other tools refuse the file), so non-finite
+    floats are written as ``null`` and ``allow_nan=False`` guards the rule.
+    """
+    text = json.dumps(_finite(obj), indent=2, sort_keys=False, default=_json_default, allow_nan=False)
     with atomic_path(path, ".json") as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+        tmp.write_text(text + "\n")
+
+
+def _finite(o):
+    """``o`` with every non-finite float (Python or NumPy, in arrays too) replaced by None."""
+    if isinstance(o, (float, np.floating)):
+        return float(o) if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    if isinstance(o, np.ndarray) and o.dtype.kind == "f":
+        return _finite(o.tolist())
+    return o
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

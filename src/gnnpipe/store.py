@@ -18,12 +18,15 @@ rows ``[0, n_inner)`` can be aggregated before the halo arrives. Layout::
         recv_counts (K,)                     how many of p's halo rows each q owns
     attrs: format_version, num_parts, num_nodes, num_edges, num_features, num_classes,
            graph_hash (the source graph's content hash), partition_hash, method, name,
-           content_hash
+           attrs_hash, content_hash
 
 Every dataset carries its own SHA-256 (attribute ``sha256``) and is checked when it is
-read, so that a worker reading only its own part still detects damage; ``content_hash``
-is the hash of all of them (``ChunkStore.verify`` checks everything). Every refusal
-names the file and the rule that rebuilds it.
+read, so that a worker reading only its own part still detects damage. ``attrs_hash``
+covers the attributes of the file and of every part (``num_classes``, ``start``, ...),
+which say how the datasets are read; it is checked on every open. ``content_hash`` is
+the hash of all of them (``ChunkStore.verify`` checks everything). Every refusal names
+the file and the rule that rebuilds it. A run opens its store with ``open_run_store``,
+which refuses a store made from another graph than the run's ``graph.h5``.
 """
 
 from __future__ import annotations
@@ -38,12 +41,12 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from .graph import Graph
+from .graph import Graph, read_graph_attrs
 from .io import GnnPipeError, atomic_path, hash_arrays
 from .models.block import Block
 from .partition import check_assignment, halo_sets
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: attrs_hash (the attributes are hashed too)
 NODE_ARRAYS = ("features", "labels", "train_mask", "val_mask", "test_mask")
 
 
@@ -144,6 +147,7 @@ def materialize(graph: Graph, assignment: np.ndarray, path: str | os.PathLike, *
         ds = f.create_dataset(name, data=arr)
         ds.attrs["sha256"] = hashes.setdefault(name, hash_arrays({name: np.asarray(arr)}))
 
+    part_attrs = {}
     with atomic_path(path, ".h5") as tmp, h5py.File(tmp, "w") as f:
         put(f, "offsets", offsets)
         put(f, "perm", perm)
@@ -152,7 +156,8 @@ def materialize(graph: Graph, assignment: np.ndarray, path: str | os.PathLike, *
         for p in tqdm(range(k), desc=f"materialize {Path(path).name}", unit="part", disable=not progress):
             s, e = int(offsets[p]), int(offsets[p + 1])
             g = f.create_group(f"parts/{p}")
-            g.attrs.update(start=s, end=e, n_inner=int(n_inner[p]))
+            part_attrs[p] = dict(start=s, end=e, n_inner=int(n_inner[p]))
+            g.attrs.update(part_attrs[p])
             base = f"parts/{p}/"
             put(f, base + "indptr", indptr[s:e + 1] - indptr[s])
             put(f, base + "indices", indices[indptr[s]:indptr[e]])
@@ -167,18 +172,57 @@ def materialize(graph: Graph, assignment: np.ndarray, path: str | os.PathLike, *
             put(f, base + "send", send[send_ptr[p]:send_ptr[p + 1]])
             put(f, base + "send_counts", counts[p])
             put(f, base + "recv_counts", counts[:, p].copy())
-        f.attrs.update(
+        attrs = dict(
             format_version=FORMAT_VERSION, num_parts=k, num_nodes=n, num_edges=graph.num_edges,
             num_features=graph.num_features, num_classes=graph.num_classes, graph_hash=graph_hash,
-            partition_hash=hash_arrays({"assignment": a}), method=method, name=graph.name,
-            content_hash=_combine(hashes))
+            partition_hash=hash_arrays({"assignment": a}), method=method, name=graph.name)
+        attrs["attrs_hash"] = _attrs_hash(attrs, part_attrs)
+        f.attrs.update(attrs, content_hash=_combine(hashes, attrs["attrs_hash"]))
 
 
-def _combine(hashes: dict[str, str]) -> str:
+def _combine(hashes: dict[str, str], attrs_hash: str) -> str:
     h = hashlib.sha256()
     for name in sorted(hashes):
         h.update(f"{name}:{hashes[name]}\n".encode())
+    h.update(f"@attrs:{attrs_hash}\n".encode())
     return h.hexdigest()
+
+
+def _canonical(v) -> str:
+    """One spelling of an attribute value, whether given in Python or read back by h5py."""
+    if isinstance(v, (bool, np.bool_)):
+        return f"b:{bool(v)}"
+    if isinstance(v, (int, np.integer)):
+        return f"i:{int(v)}"
+    if isinstance(v, (float, np.floating)):
+        return f"f:{float(v)!r}"
+    if isinstance(v, bytes):
+        v = v.decode()
+    if isinstance(v, str):
+        return f"s:{v}"
+    return f"a:{np.asarray(v).dtype.str}:{np.asarray(v).tolist()!r}"
+
+
+def _attrs_hash(root: dict, parts: dict[int, dict]) -> str:
+    """SHA-256 over the file's attributes (less the hashes themselves) and every part's."""
+    h = hashlib.sha256()
+    for key in sorted(set(root) - {"attrs_hash", "content_hash"}):
+        h.update(f"{key}={_canonical(root[key])}\n".encode())
+    for p in sorted(parts):
+        for key in sorted(parts[p]):
+            h.update(f"parts/{p}.{key}={_canonical(parts[p][key])}\n".encode())
+    return h.hexdigest()
+
+
+def open_run_store(cfg, parts: int) -> "ChunkStore":
+    """The chunk store of run ``cfg``, refused unless it was cut from the run's graph into
+    ``parts`` parts (the graph's hash is read from ``graph.h5``'s attributes: cheap).
+
+    A config without a ``graph_path`` (engine tests that build a store directly) checks
+    the parts only.
+    """
+    expect = str(read_graph_attrs(cfg.graph_path)["content_hash"]) if cfg.graph_path else None
+    return ChunkStore(cfg.store_path, expect_graph_hash=expect, expect_parts=parts)
 
 
 # --------------------------------------------------------------------------- reading
@@ -212,11 +256,21 @@ class ChunkStore:
             self.graph_hash = str(attrs["graph_hash"])
             self.partition_hash = str(attrs["partition_hash"])
             self.content_hash = str(attrs["content_hash"])
+            self.attrs_hash = str(attrs["attrs_hash"])
             self.method = str(attrs["method"])
             self.name = str(attrs["name"])
         except KeyError as e:
             self.close()
             raise self._refuse(f"attribute {e} is missing (damaged or not a chunk store)") from None
+        try:
+            parts = {p: dict(self._file()[f"parts/{p}"].attrs) for p in range(self.num_parts)}
+        except KeyError:
+            self.close()
+            raise self._refuse("a group under /parts is missing (damaged or truncated)") from None
+        if _attrs_hash(attrs, parts) != self.attrs_hash:
+            self.close()
+            raise self._refuse("its attributes (num_classes, num_nodes, part bounds, ...) do not match "
+                               "their hash (damaged or edited)")
         if expect_graph_hash is not None and self.graph_hash != expect_graph_hash:
             self.close()
             raise self._refuse(f"stale: made from graph {self.graph_hash[:12]}, the graph is now "
@@ -373,5 +427,5 @@ class ChunkStore:
                 hashes[name] = hash_arrays({name: self._read(name)})
 
         self._file().visititems(visit)
-        if _combine(hashes) != self.content_hash:
+        if _combine(hashes, self.attrs_hash) != self.content_hash:
             raise self._refuse("content hash does not match the store's datasets (damaged or edited)")

@@ -9,6 +9,13 @@ locked". We therefore (1) log each run in one short burst at the end of the job
 exclusive ``fcntl`` lock next to the database for that burst, so writers queue
 instead of colliding. Other stores (a tracking server) need no lock and get none.
 
+A tracking outage never throws a run away: waits are bounded (a server gets
+``HTTP_DEFAULTS`` unless the environment sets MLflow's own variables; the SQLite lock is
+given up after ``GNNPIPE_MLFLOW_LOCK_TIMEOUT`` seconds), and any failure is a warning on
+stderr and an ``mlflow_error`` in ``metrics.json`` (with ``mlflow_run_id: null``), never
+an error exit that would make Snakemake delete the finished outputs. A run whose logging
+fails half-way is ended ``FAILED`` with the error as its ``gnnpipe.error`` tag.
+
 Open the UI with ``mlflow ui --backend-store-uri sqlite:///$PWD/results/mlflow.db``.
 """
 
@@ -17,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -24,6 +33,11 @@ from .config import RunConfig, flatten, to_dict
 from .io import write_json
 
 EXPERIMENT = os.environ.get("GNNPIPE_EXPERIMENT", "gnnpipe")
+# MLflow's own defaults retry an unreachable server for ~4 minutes (7 retries, backoff 2,
+# 120 s per request): far too long to hold a finished job. These apply unless set.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+LOCK_TIMEOUT_S = 600.0  # GNNPIPE_MLFLOW_LOCK_TIMEOUT: the longest wait for the SQLite store's lock
 
 
 def results_root(cfg: RunConfig) -> Path:
@@ -46,8 +60,17 @@ def _store_lock(uri: str) -> Iterator[None]:
         yield
         return
     lock.parent.mkdir(parents=True, exist_ok=True)
+    wait = float(os.environ.get("GNNPIPE_MLFLOW_LOCK_TIMEOUT", LOCK_TIMEOUT_S))
     with open(lock, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{lock}: held by another job for over {wait:g} s") from None
+                time.sleep(0.05)
         try:
             yield
         finally:
@@ -60,6 +83,9 @@ def _client(cfg: RunConfig):
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri(cfg)
+    if uri.startswith(("http://", "https://")):
+        for key, value in HTTP_DEFAULTS.items():
+            os.environ.setdefault(key, value)
     with _store_lock(uri):
         client = MlflowClient(tracking_uri=uri)
         exp = client.get_experiment_by_name(EXPERIMENT)
@@ -81,48 +107,97 @@ ATOMIC_ROW_METRICS = tuple(f"{s}_{m}" for s in ("train", "val", "test")
                            for m in ("energy_mae", "force_mae", "force_cos", "efwt"))
 
 
-def log_training(cfg: RunConfig, record: dict, out_dir: Path) -> str:
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())[:2000]
+
+
+def _warn(what: str, e: BaseException, where: Path) -> None:
+    print(f"gnnpipe: warning: MLflow {what} failed, the run's outputs are kept ({where} says "
+          f"mlflow_error): {_one_line(e)}", file=sys.stderr)
+
+
+def log_training(cfg: RunConfig, record: dict, out_dir: Path) -> str | None:
     """Log one finished training run (params, per-epoch metrics, artifacts); return its id.
 
-    Writes ``out_dir/metrics.json`` (with ``mlflow_run_id`` set) before logging it.
+    Writes ``out_dir/metrics.json`` (with ``mlflow_run_id`` set) before logging it. On any
+    failure: a warning, ``metrics.json`` with ``mlflow_run_id: null`` and ``mlflow_error``,
+    and None; never an exception (the training is done and must not be thrown away).
     """
-    from mlflow.entities import Metric, Param, RunTag
-    import time as _time
+    try:
+        return _log_training(cfg, record, out_dir)
+    except Exception as e:
+        record["mlflow_run_id"], record["mlflow_error"] = None, _one_line(e)
+        write_json(out_dir / "metrics.json", record)
+        _warn("logging of the training run", e, out_dir / "metrics.json")
+        return None
 
+
+@contextlib.contextmanager
+def _failing_run(client, rid: str):
+    """End run ``rid`` FAILED, with the error as its ``gnnpipe.error`` tag, if the body raises."""
+    try:
+        yield
+    except BaseException as e:  # KeyboardInterrupt too: no run is left RUNNING
+        with contextlib.suppress(Exception):
+            client.set_tag(rid, "gnnpipe.error", _one_line(e)[:5000])
+        with contextlib.suppress(Exception):
+            client.set_terminated(rid, status="FAILED")
+        if not isinstance(e, Exception):
+            raise
+        raise RuntimeError(f"MLflow run {rid} ended FAILED: {_one_line(e)}") from e
+
+
+def _log_training(cfg: RunConfig, record: dict, out_dir: Path) -> str:
     with _client(cfg) as (client, exp_id):
         run = client.create_run(exp_id, run_name=cfg.run_id, tags={
             "mode": cfg.mode, "dataset": cfg.dataset_name, "model": cfg.model.kind, "gnnpipe.run_id": cfg.run_id})
         rid = run.info.run_id
-        params = [Param(k, str(v)[:6000]) for k, v in flatten(to_dict(cfg)).items()]
-        now = int(_time.time() * 1000)
-        metrics = []
-        for row in record["history"]:
-            for key in ("loss", "epoch_time_s", "compute_s", "comm_s", "bubble_s", "comm_bytes",
-                        "train_acc", "val_acc", "test_acc", *ATOMIC_ROW_METRICS):
-                if row.get(key) is not None:
-                    metrics.append(Metric(key, float(row[key]), now, row["epoch"]))
-        for key in ("epoch_time_s", "comm_bytes_per_epoch", "comm_bytes_predicted", "peak_mem_bytes",
-                    "train_acc", "val_acc", "test_acc", "final_loss", "energy_mae", "force_mae", "force_cos",
-                    "efwt"):
-            if record.get(key) is not None:
-                metrics.append(Metric(f"final/{key}", float(record[key]), now, 0))
-        for k, v in record["epoch_time_breakdown_s"].items():
-            metrics.append(Metric(f"final/epoch_{k}_s", float(v), now, 0))
-        for i in range(0, len(params), 100):
-            client.log_batch(rid, params=params[i:i + 100])
-        for i in range(0, len(metrics), 1000):
-            client.log_batch(rid, metrics=metrics[i:i + 1000])
-        client.log_batch(rid, tags=[RunTag("world_size", str(cfg.workers))])
-        record["mlflow_run_id"] = rid
-        write_json(out_dir / "metrics.json", record)  # the artifact carries its own run id
-        for name in ("run.resolved.yaml", "metrics.json"):
-            client.log_artifact(rid, str(out_dir / name))
-        client.set_terminated(rid)
+        with _failing_run(client, rid):
+            _log_run(client, rid, cfg, record, out_dir)
     return rid
 
 
+def _log_run(client, rid: str, cfg: RunConfig, record: dict, out_dir: Path) -> None:
+    from mlflow.entities import Metric, Param, RunTag
+    import time as _time
+
+    params = [Param(k, str(v)[:6000]) for k, v in flatten(to_dict(cfg)).items()]
+    now = int(_time.time() * 1000)
+    metrics = []
+    for row in record["history"]:
+        for key in ("loss", "epoch_time_s", "compute_s", "comm_s", "bubble_s", "comm_bytes",
+                    "train_acc", "val_acc", "test_acc", *ATOMIC_ROW_METRICS):
+            if row.get(key) is not None:
+                metrics.append(Metric(key, float(row[key]), now, row["epoch"]))
+    for key in ("epoch_time_s", "comm_bytes_per_epoch", "comm_bytes_predicted", "peak_mem_bytes",
+                "train_acc", "val_acc", "test_acc", "final_loss", "energy_mae", "force_mae", "force_cos", "efwt"):
+        if record.get(key) is not None:
+            metrics.append(Metric(f"final/{key}", float(record[key]), now, 0))
+    for k, v in record["epoch_time_breakdown_s"].items():
+        metrics.append(Metric(f"final/epoch_{k}_s", float(v), now, 0))
+    for i in range(0, len(params), 100):
+        client.log_batch(rid, params=params[i:i + 100])
+    for i in range(0, len(metrics), 1000):
+        client.log_batch(rid, metrics=metrics[i:i + 1000])
+    client.log_batch(rid, tags=[RunTag("world_size", str(cfg.workers))])
+    record["mlflow_run_id"] = rid
+    write_json(out_dir / "metrics.json", record)  # the artifact carries its own run id
+    for name in ("run.resolved.yaml", "metrics.json"):
+        client.log_artifact(rid, str(out_dir / name))
+    client.set_terminated(rid)
+
+
 def log_evaluation(cfg: RunConfig, mlflow_run_id: str, result: dict, eval_json: Path) -> None:
-    """Add the exact-inference metrics of ``evaluate`` to the training run."""
+    """Add the exact-inference metrics of ``evaluate`` to the training run; a failure is a
+    warning and an ``mlflow_error`` in ``eval.json``, never an exception."""
+    try:
+        _log_evaluation(cfg, mlflow_run_id, result, eval_json)
+    except Exception as e:
+        write_json(eval_json, {**result, "mlflow_error": _one_line(e)})
+        _warn("logging of the evaluation", e, eval_json)
+
+
+def _log_evaluation(cfg: RunConfig, mlflow_run_id: str, result: dict, eval_json: Path) -> None:
     from mlflow.entities import Metric
     import time as _time
 

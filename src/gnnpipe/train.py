@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .config import RunConfig, dump_run_config, to_dict
 from .engine import DTYPES, EpochStats, ce_sum, make_optimizer
-from .evaluate import exact_metrics, graph_tensors
+from .evaluate import exact_metrics, graph_tensors, run_fingerprint
 from .graph import read_graph
 from .io import GnnPipeError, atomic_path, write_json, write_text
 from .models.block import Block
@@ -204,7 +204,7 @@ def _train(cfg: RunConfig, engine, comm, rank: int, world: int, device, progress
             times.append(wall_max)
             splits.append(row)
         if tc.checkpoint_every and (epoch + 1) % tc.checkpoint_every == 0 and epoch != tc.epochs - 1:
-            _checkpoint(engine, out_dir / "model.pt", epoch, cfg, rank)
+            _checkpoint(engine, out_dir / "checkpoint.pt", epoch, cfg, rank)  # never model.pt: see _checkpoint
         if bar is not None:
             val = last_eval.get("val_acc") if not cfg.atomic else last_eval.get("val_energy_mae")
             bar.set_postfix(loss=f"{stats.loss:.4f}", val=f"{val if val is not None else float('nan'):.3f}")
@@ -262,9 +262,16 @@ def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
 
 
 def _checkpoint(engine, path: Path, epoch: int, cfg: RunConfig, rank: int) -> None:
+    """Save the weights after ``epoch`` with what they were trained from (``run_fingerprint``).
+
+    Intermediate checkpoints go to ``checkpoint.pt``, the finished model alone to ``model.pt``
+    (the train rule's output): a run killed half-way never leaves a partial ``model.pt`` that
+    ``evaluate`` or Snakemake would take for the result.
+    """
     state = engine.full_state_dict()  # collective in model-parallel modes: every rank calls it
     if rank != 0:
         return
     with atomic_path(path, ".pt") as tmp:
         torch.save({"model": {k: v.detach().cpu() for k, v in state.items()}, "epoch": epoch,
-                    "run_id": cfg.run_id, "config": to_dict(cfg)}, tmp)
+                    "epochs_done": epoch + 1, "run_id": cfg.run_id, "config": to_dict(cfg),
+                    **run_fingerprint(cfg)}, tmp)

@@ -53,7 +53,7 @@ from ..engine import DTYPES, EpochStats, ce_sum, correct_counts, make_optimizer
 from ..io import GnnPipeError
 from ..models.block import Block
 from ..models.model import GNN
-from ..store import ChunkStore
+from ..store import ChunkStore, open_run_store
 from .comm import Communicator, HaloPlan, finish_halo, halo_exchange, start_halo
 
 def split_block(block: Block, n_inner: int, n_own: int) -> tuple[Block, Block]:
@@ -96,7 +96,7 @@ class GraphEngine:
         self.overlap = bool(gp.overlap)
         self.cache_input = bool(getattr(gp, "cache_input_halo", True))
 
-        store = ChunkStore(cfg.store_path, expect_parts=self.world)
+        store = open_run_store(cfg, self.world)
         try:
             self._load(store)
         finally:

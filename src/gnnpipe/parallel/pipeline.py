@@ -115,7 +115,7 @@ from ..engine import DTYPES, EpochStats, ce_sum, correct_counts, make_optimizer
 from ..io import GnnPipeError
 from ..models.block import Block
 from ..models.model import GNN
-from ..store import ChunkStore
+from ..store import ChunkStore, open_run_store
 from .balance import StageAssignment, assign_stages
 from .dims import check_layout
 
@@ -287,7 +287,7 @@ class PipelineEngine:
         self.prev = groups.prev_rank() if groups is not None else None
         self.next = groups.next_rank() if groups is not None else None
 
-        store = ChunkStore(cfg.store_path, expect_parts=self.C)
+        store = open_run_store(cfg, self.C)
         try:
             self.N, self.E = store.num_nodes, store.num_edges
             self.in_features, self.num_classes = store.num_features, store.num_classes
