@@ -85,3 +85,98 @@ def test_bools_and_numbers_are_not_confused():
     with pytest.raises(ConfigError, match="expected true or false"):
         from_dict(PipelineConfig, {"shuffle_chunks": "yes"})
     assert from_dict(TrainingConfig, {"lr": 1}).lr == 1.0
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda c: c.update(training={"epochs": -5}), "config.training.epochs: -5 must be >= 1"),
+    (lambda c: c["models"]["gcn2"].update(hidden=0), "config.models.gcn2.hidden: 0 must be >= 1"),
+    (lambda c: c["models"]["gcn2"].update(dropout=1.0), "config.models.gcn2.dropout: 1.0 must be in [0, 1)"),
+    (lambda c: c["models"]["gcn2"].update({"lambda": 0}), "config.models.gcn2.lambda: 0.0 must be > 0"),
+    (lambda c: c.update(training={"lr": float("nan")}), "config.training.lr: expected a finite number, got nan"),
+    (lambda c: c.update(training={"weight_decay": float("inf")}), "expected a finite number, got inf"),
+    (lambda c: c.update(training={"dist_timeout_s": 0}), "config.training.dist_timeout_s: 0 must be >= 1"),
+    (lambda c: c["runs"][0].update(epochs=0), "config.runs[0].epochs: 0 must be >= 1"),
+    (lambda c: c["runs"][0].update(name="../../escape"), "config.runs[0].name: '../../escape' is not a valid name"),
+    (lambda c: c["models"].update({"a/b": {}}), "config.models.a/b: 'a/b' is not a valid name"),
+    (lambda c: c.update(results="/etc/gnnpipe"), "config.results: '/etc/gnnpipe' lies in the system directory /etc"),
+    (lambda c: c.update(results="/usr"), "lies in the system directory /usr"),
+    (lambda c: c.update(results="/"), "lies in the system directory"),
+    (lambda c: c.update(results=""), "config.results: must not be empty"),
+    (lambda c: c["datasets"]["synth"]["synthetic"].update(label_noise=1.5), "label_noise: 1.5 must be in [0, 1]"),
+    (lambda c: c.update(pipeline={"momentum": 1.0}), "config.pipeline.momentum: 1.0 must be in [0, 1)"),
+])
+def test_bad_values_are_refused_outside_snakemake_too(mutate, message):
+    cfg = _wf()
+    mutate(cfg)
+    with pytest.raises(ConfigError) as err:
+        load_workflow_config(cfg)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_results_may_be_any_directory_of_the_users(tmp_path):
+    for results in ("results", "../elsewhere/results", str(tmp_path / "scratch"), "/tmp/gnnpipe-results"):
+        assert load_workflow_config(_wf(results=results)).results == results
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["training"].update(epochs=-5), "training.epochs: -5 must be >= 1"),
+    (lambda d: d["model"].update(hidden=0), "model.hidden: 0 must be >= 1"),
+    (lambda d: d["model"].update(dropout=1.0), "model.dropout: 1.0 must be in [0, 1)"),
+    (lambda d: d["training"].update(lr=float("nan")), "training.lr: expected a finite number"),
+    (lambda d: d.update(run_id="../../escape"), "run_id: '../../escape' is not a valid name"),
+    (lambda d: d.update(out_dir="/etc/runs/x"), "out_dir: '/etc/runs/x' lies in the system directory /etc"),
+    (lambda d: d.update(workers=0), "workers: 0 must be >= 1"),
+])
+def test_train_refuses_a_bad_run_config(tmp_path, capsys, edit, message):
+    """`gnnpipe train --run-config` applies the same checks as the workflow config, before any work."""
+    import yaml
+
+    from gnnpipe.cli import main
+
+    cfg = next(iter(resolve_runs(load_workflow_config(_wf(results=str(tmp_path / "results")))).values()))
+    data = yaml.safe_load(dump_run_config(cfg))
+    edit(data)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["train", "--run-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gnnpipe: error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "results").exists()
+
+
+def test_runs_command_validates(tmp_path, capsys):
+    import yaml
+
+    from gnnpipe.cli import main
+
+    cfg = _wf()
+    cfg["models"]["gcn2"]["hidden"] = 0
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["runs", "--config", str(path)]) == 2
+    assert "config.models.gcn2.hidden: 0 must be >= 1" in capsys.readouterr().err
+    path.write_text(yaml.safe_dump(_wf()).replace("gcn2:\n", "gcn2:\n    dropout: .nan\n", 1))
+    assert main(["runs", "--config", str(path)]) == 2
+    assert "config.models.gcn2.dropout: expected a finite number, got nan" in capsys.readouterr().err
+
+
+def test_dist_timeout_is_a_training_key_the_environment_overrides(tmp_path, monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from gnnpipe import train
+
+    cfg = next(iter(resolve_runs(load_workflow_config(_wf(training={"dist_timeout_s": 42}))).values()))
+    cfg.mode = "graph"
+    seen = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: seen.append(timeout))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: cfg.workers)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("GNNPIPE_DIST_TIMEOUT", raising=False)
+    train.init_distributed(cfg, train.torch.device("cpu"))
+    monkeypatch.setenv("GNNPIPE_DIST_TIMEOUT", "7")
+    train.init_distributed(cfg, train.torch.device("cpu"))
+    assert seen == [datetime.timedelta(seconds=42), datetime.timedelta(seconds=7)]

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from gnnpipe.config import WorkflowConfig, load_workflow_config, resolve_runs, run_id
+from gnnpipe.config import BOUNDS, WorkflowConfig, load_workflow_config, resolve_runs, run_id
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "config" / "config.yaml"
@@ -175,6 +175,9 @@ def _types(node: dict) -> set:
     return set([t] if isinstance(t, str) else t)
 
 
+_BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
 def _check(schema: dict, node: dict, tp, where: str) -> None:
     node = _resolve(schema, node)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -195,6 +198,9 @@ def _check(schema: dict, node: dict, tp, where: str) -> None:
             else:
                 assert sub.get("default") == f.default and isinstance(sub["default"], bool) == \
                     isinstance(f.default, bool), f"{where}.{key}: default {sub.get('default')!r} != {f.default!r}"
+            bound = BOUNDS.get(tp, {}).get(f.name)  # the bounds gnnpipe checks without Snakemake too
+            assert {k: v for k, v in sub.items() if k in _BOUND_KEYS} == (bound.schema() if bound else {}), \
+                f"{where}.{key}: schema bounds differ from gnnpipe.config.BOUNDS"
             _check(schema, sub, hints[f.name], f"{where}.{key}")
     elif origin is typing.Literal:
         assert node.get("enum") == list(args), where

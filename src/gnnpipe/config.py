@@ -10,12 +10,17 @@ Two shapes of config exist:
   (``resolve_run``), which is what ``gnnpipe train`` and ``gnnpipe evaluate`` read.
 
 Any unknown key, wrong type or bad value raises ``ConfigError`` with the dotted path
-of the offending key.
+of the offending key. Both shapes go through the same checks (``from_dict``): types, the
+bounds in ``BOUNDS`` (the JSON schema carries the same ones; a test keeps them equal),
+finite numbers only, names that are safe in paths, and no output directory inside a
+system directory (``check_output_dir``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -165,6 +170,9 @@ class TrainingConfig:
     checkpoint_every: int = 50  # 0: only the final model
     warmup_epochs: int = 1  # epochs excluded from the timing median
     threads_per_worker: int = 1
+    # how long a worker waits for the others in a collective before the run fails, seconds
+    # (torch.distributed's timeout; the environment variable GNNPIPE_DIST_TIMEOUT overrides it)
+    dist_timeout_s: int = 600
 
 
 @dataclass
@@ -294,6 +302,103 @@ class RunConfig:
         return self.model.kind == "dimenetpp"
 
 
+# --------------------------------------------------------------------------- value checks
+@dataclass(frozen=True)
+class Bound:
+    """An interval a number must lie in (``None``: unbounded on that side)."""
+
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def ok(self, v) -> bool:
+        return ((self.lo is None or (v > self.lo if self.lo_open else v >= self.lo))
+                and (self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)))
+
+    def text(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+    def schema(self) -> dict:
+        """The same bound as JSON-schema keywords."""
+        out = {}
+        if self.lo is not None:
+            out["exclusiveMinimum" if self.lo_open else "minimum"] = self.lo
+        if self.hi is not None:
+            out["exclusiveMaximum" if self.hi_open else "maximum"] = self.hi
+        return out
+
+
+_GE0, _GE1, _GE2, _GT0 = Bound(0), Bound(1), Bound(2), Bound(0, lo_open=True)
+_FRACTION, _BELOW1 = Bound(0, 1), Bound(0, 1, hi_open=True)
+_PIPELINE = dict(chunks_per_stage=_GE1, grad_scale=_GT0, snapshot_every=_GE0, momentum=_BELOW1)
+
+BOUNDS: dict[type, dict[str, Bound]] = {
+    SyntheticConfig: dict(num_nodes=_GE2, avg_degree=_GT0, num_features=_GE1, num_classes=_GE2,
+                          num_communities=_GE2, intra_fraction=_FRACTION, locality=_FRACTION,
+                          degree_exponent=_GT0, feature_signal=_GE0, label_noise=_FRACTION,
+                          train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_GE0),
+    FilesConfig: dict(train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_GE0),
+    ModelConfig: dict(layers=_GE1, hidden=_GE1, dropout=_BELOW1, heads=_GE1, alpha=_FRACTION, lambda_=_GT0),
+    TrainingConfig: dict(epochs=_GE1, lr=_GT0, weight_decay=_GE0, seed=_GE0, eval_every=_GE1,
+                         checkpoint_every=_GE0, warmup_epochs=_GE0, threads_per_worker=_GE1,
+                         dist_timeout_s=_GE1),
+    PipelineConfig: _PIPELINE,
+    PipelineOverride: _PIPELINE,
+    PartitionConfig: dict(seed=_GE0),
+    ResourcesConfig: dict(mem_mb_per_worker=_GE1, runtime_min=_GE1, gpus_per_worker=_GE0,
+                          workers_per_node=_GE1),
+    RunSpec: dict(workers=_GE1, stages=_GE1, chunks=_GE1, seed=_GE0, epochs=_GE1),
+    RunConfig: dict(workers=_GE1, stages=_GE1, ways=_GE1, chunks=_GE1),
+}
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # dataset, model and run names: safe in paths
+# Outputs never go here (a typo or a `..` too many in `results:` must not write into the
+# system). Anything else, relative or absolute, is the user's choice (cluster scratch).
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc",
+               "/run", "/sbin", "/sys", "/usr")
+
+
+def check_name(value: str, where: str) -> None:
+    if not re.fullmatch(NAME_PATTERN, value):
+        raise ConfigError(f"{where}: {value!r} is not a valid name (letters, digits, '.', '_', '-', "
+                          f"starting with a letter or digit; it is used in paths)")
+
+
+def check_output_dir(value: str, where: str) -> None:
+    """Refuse an empty output directory or one that lies in (or is) a system directory."""
+    if not value:
+        raise ConfigError(f"{where}: must not be empty")
+    resolved = Path(value).resolve()
+    for d in SYSTEM_DIRS:
+        system = Path(d).resolve()
+        if resolved == Path("/") or resolved == system or system in resolved.parents:
+            raise ConfigError(f"{where}: {value!r} lies in the system directory {d} (resolves to "
+                              f"{resolved}); write outputs under a directory of your own")
+
+
+def _check_values(obj, path: str) -> None:
+    """The bounds of ``obj``'s numeric fields (``None``: the default of the shape / mode)."""
+    for name, bound in BOUNDS.get(type(obj), {}).items():
+        v = getattr(obj, name)
+        if v is not None and not bound.ok(v):
+            key = "lambda" if name == "lambda_" else name
+            raise ConfigError(f"{path}.{key}: {v!r} must be {bound.text()}")
+    if isinstance(obj, RunSpec) and obj.name is not None:
+        check_name(obj.name, f"{path}.name")
+    if isinstance(obj, RunConfig):
+        check_name(obj.run_id, f"{path}.run_id")
+        check_output_dir(obj.out_dir, f"{path}.out_dir")
+    if isinstance(obj, WorkflowConfig):
+        check_output_dir(obj.results, f"{path}.results")
+        for section in ("datasets", "models"):
+            for key in getattr(obj, section):
+                check_name(key, f"{path}.{section}.{key}")
+    if isinstance(obj, CostModelConfig) and not obj.hardware:
+        raise ConfigError(f"{path}.hardware: must not be empty")
+
+
 # --------------------------------------------------------------------------- building
 _RENAMES = {"lambda": "lambda_"}  # YAML keys that are Python keywords
 
@@ -326,6 +431,7 @@ def _convert(tp, value, path):
         if missing:
             raise ConfigError(f"{path}: missing required key(s) {', '.join(missing)}")
         obj = tp(**kwargs)
+        _check_values(obj, path)
         check = getattr(obj, "check", None)
         if check:
             check(path)
@@ -358,6 +464,8 @@ def _convert(tp, value, path):
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

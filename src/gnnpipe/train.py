@@ -99,7 +99,7 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> tuple[int, int]:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(
-            seconds=int(os.environ.get("GNNPIPE_DIST_TIMEOUT", 600))))
+            seconds=int(os.environ.get("GNNPIPE_DIST_TIMEOUT") or cfg.training.dist_timeout_s)))
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != cfg.workers:
         raise GnnPipeError(f"run {cfg.run_id} needs {cfg.workers} workers but torchrun started {world}; "
