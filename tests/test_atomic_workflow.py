@@ -28,6 +28,7 @@ def _wf(**run):
     ({"model": "gcn"}, "do not fit"), ({"dataset": "g"}, "do not fit"),
     ({"mode": "pipeline"}, "mode single or graph"),
     ({"workers": 3, "data_parallel": 2}, "multiple of data_parallel"),
+    ({"data_parallel": 0}, r"runs\[0\].data_parallel: 0 must be >= 1"),
 ])
 def test_atomic_config_errors_are_one_line(run, match):
     with pytest.raises(ConfigError, match=match):
@@ -39,8 +40,10 @@ def test_atomic_run_layout_and_paths():
     (rid, r), = runs.items()
     assert rid == "a-d-graph-p4d2-seed0" and (r.ways, r.data_parallel, r.store_path) == (2, 2, None)
     assert r.graph_path.endswith("a/graphs.h5") and r.systems_path.endswith("a/systems.h5")
-    with pytest.raises(ConfigError, match="cutoff"):
+    with pytest.raises(ConfigError, match=r"datasets.a.atoms.cutoff: 0.0 must be > 0"):
         load_workflow_config({**_wf(), "datasets": {"a": {"kind": "atoms", "atoms": {"cutoff": 0}}}})
+    with pytest.raises(ConfigError, match=r"models.d.dimenetpp.batch_size: 0 must be >= 1"):
+        load_workflow_config({**_wf(), "models": {"d": {"kind": "dimenetpp", "dimenetpp": {"batch_size": 0}}}})
 
 
 @pytest.fixture(scope="module")

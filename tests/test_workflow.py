@@ -93,7 +93,7 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c["training"].update(epochz=3),
-     "config.training.epochz: unknown key (known: checkpoint_every, dtype, epochs,"),
+     "config.training.epochz: unknown key (known: checkpoint_every, dist_timeout_s, dtype, epochs,"),
     (lambda c: c["runs"][0].update(mode="sharded"),
      "config.runs[0].mode: 'sharded' is not one of ['single', 'graph', 'pipeline', 'hybrid']"),
     (lambda c: c["models"]["gcn2"].update(layers=0), "config.models.gcn2.layers: 0 is less than the minimum of 1"),

@@ -104,11 +104,7 @@ class AtomsConfig:
     val_fraction: float = 0.1
     seed: int = 0
 
-    def check(self, path: str) -> None:
-        if not self.cutoff > 0:
-            raise ConfigError(f"{path}.cutoff: must be > 0 Å, got {self.cutoff}")
-        if self.max_neighbors < 1 or self.num_systems < 1:
-            raise ConfigError(f"{path}: max_neighbors and num_systems must be >= 1")
+    def check(self, path: str) -> None:  # numbers: BOUNDS
         if len(self.slab_size) != 3 or min(self.slab_size) < 1:
             raise ConfigError(f"{path}.slab_size: three positive repeats, got {self.slab_size}")
 
@@ -341,6 +337,11 @@ BOUNDS: dict[type, dict[str, Bound]] = {
                           degree_exponent=_GT0, feature_signal=_GE0, label_noise=_FRACTION,
                           train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_GE0),
     FilesConfig: dict(train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_GE0),
+    AtomsConfig: dict(num_systems=_GE1, rattle=_GE0, cutoff=_GT0, max_neighbors=_GE1,
+                      train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_GE0),
+    DimeNetPPSpec: dict(hidden_channels=_GE1, num_blocks=_GE1, int_emb_size=_GE1, basis_emb_size=_GE1,
+                        out_emb_channels=_GE1, num_spherical=_GE1, num_radial=_GE1, force_weight=_GE0,
+                        batch_size=_GE1, lr=_GT0),
     ModelConfig: dict(layers=_GE1, hidden=_GE1, dropout=_BELOW1, heads=_GE1, alpha=_FRACTION, lambda_=_GT0),
     TrainingConfig: dict(epochs=_GE1, lr=_GT0, weight_decay=_GE0, seed=_GE0, eval_every=_GE1,
                          checkpoint_every=_GE0, warmup_epochs=_GE0, threads_per_worker=_GE1,
@@ -350,8 +351,8 @@ BOUNDS: dict[type, dict[str, Bound]] = {
     PartitionConfig: dict(seed=_GE0),
     ResourcesConfig: dict(mem_mb_per_worker=_GE1, runtime_min=_GE1, gpus_per_worker=_GE0,
                           workers_per_node=_GE1),
-    RunSpec: dict(workers=_GE1, stages=_GE1, chunks=_GE1, seed=_GE0, epochs=_GE1),
-    RunConfig: dict(workers=_GE1, stages=_GE1, ways=_GE1, chunks=_GE1),
+    RunSpec: dict(workers=_GE1, stages=_GE1, chunks=_GE1, seed=_GE0, epochs=_GE1, data_parallel=_GE1),
+    RunConfig: dict(workers=_GE1, stages=_GE1, ways=_GE1, chunks=_GE1, data_parallel=_GE1),
 }
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # dataset, model and run names: safe in paths
 # Outputs never go here (a typo or a `..` too many in `results:` must not write into the
