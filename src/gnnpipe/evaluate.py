@@ -47,12 +47,18 @@ def exact_metrics(model: GNN, block: Block, x: Tensor, y: Tensor, masks: dict[st
 
 def load_checkpoint(path: str | Path) -> dict:
     """A checkpoint written by the trainer, loaded safely (``weights_only=True``)."""
+    from .checkpoint import digest
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise GnnPipeError(f"{path}: no checkpoint; run the 'train' rule for this run first") from None
     except Exception as e:  # unpickling errors, truncated zip
         raise GnnPipeError(f"{path}: not a readable checkpoint ({e}); delete it and re-run 'train'") from None
+    want = state.pop("digest", None) if isinstance(state, dict) else None
+    if want is not None and want != digest(state):
+        raise GnnPipeError(f"{path}: its digest does not match its contents (damaged or edited); delete it "
+                           f"and re-run 'train'")
+    return state
 
 
 _PATHS = ("graph_path", "store_path", "out_dir", "systems_path")  # where the run lies, not what it is
