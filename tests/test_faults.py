@@ -270,3 +270,38 @@ def test_torchrun_max_restarts_resumes_by_itself(tmp_path):
     assert_same_run(ref, cfg)
     done, = mlflow_runs(cfg)
     assert done.info.status == "FINISHED"
+
+
+# --------------------------------------------------------------------------- through Snakemake
+@pytest.mark.slow
+def test_killed_worker_under_snakemake_then_rerun_completes(tmp_path):
+    import yaml
+
+    from test_workflow import TINY, snakemake
+
+    conf = yaml.safe_load(TINY.read_text())
+    conf["training"].update(checkpoint_every=2)
+    conf["runs"] = [{"mode": "graph", "dataset": "tiny", "model": "gcnii4", "workers": 2}]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(conf))
+    rid = next(iter(resolve_runs(load_workflow_config(conf))))
+    out = tmp_path / "results" / "runs" / rid
+    target = f"results/runs/{rid}/eval.json"
+
+    os.environ["GNNPIPE_TEST_KILL"] = "1:3"  # inherited by the train job's workers
+    try:
+        res = snakemake(tmp_path, tmp_path / "config.yaml", "--cores", "2", target)
+    finally:
+        del os.environ["GNNPIPE_TEST_KILL"]
+    assert res.returncode != 0
+    log = (tmp_path / "logs" / "train" / f"{rid}.log").read_text()
+    assert "rank 0: the worker group broke: rank 1 (pid " in log, log[-3000:]
+    assert not (out / "model.pt").exists() and not (out / "metrics.json").exists()
+    assert json.loads((out / "resume" / "manifest.json").read_text())["epochs_done"] == 2
+
+    res = snakemake(tmp_path, tmp_path / "config.yaml", "--cores", "2", target)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming" in (tmp_path / "logs" / "train" / f"{rid}.log").read_text()
+    rec = json.loads((out / "metrics.json").read_text())
+    assert [r["epoch"] for r in rec["history"]] == list(range(6)) and (out / "eval.json").exists()
+    res = snakemake(tmp_path, tmp_path / "config.yaml", "-n", target)
+    assert "Nothing to be done" in res.stdout + res.stderr

@@ -62,6 +62,7 @@ def load_checkpoint(path: str | Path) -> dict:
 
 
 _PATHS = ("graph_path", "store_path", "out_dir", "systems_path")  # where the run lies, not what it is
+_OPERATIONAL = ("dist_timeout_s", "max_restarts")  # how a run is kept alive, not what it computes
 
 
 def _graph_hash(cfg: RunConfig):
@@ -81,6 +82,7 @@ def run_fingerprint(cfg: RunConfig) -> dict[str, str | None]:
     content hashes of the graph and (parallel modes) the chunk store, read from their
     attributes (cheap). Written into every checkpoint; ``evaluate`` compares them."""
     conf = {k: v for k, v in to_dict(cfg).items() if k not in _PATHS}
+    conf["training"] = {k: v for k, v in conf["training"].items() if k not in _OPERATIONAL}
     fp = {"config_hash": hashlib.sha256(json.dumps(conf, sort_keys=True).encode()).hexdigest(),
           "graph_hash": _graph_hash(cfg),
           "store_hash": None}

@@ -16,6 +16,10 @@ stderr and an ``mlflow_error`` in ``metrics.json`` (with ``mlflow_run_id: null``
 an error exit that would make Snakemake delete the finished outputs. A run whose logging
 fails half-way is ended ``FAILED`` with the error as its ``gnnpipe.error`` tag.
 
+A training job's run is opened at its start (``start_training``, one burst): a job that
+fails is ended ``FAILED`` by whichever rank survives (``mark_failed``), and a resumed job
+continues the same run id (kept in its checkpoint) instead of creating another.
+
 Open the UI with ``mlflow ui --backend-store-uri sqlite:///$PWD/results/mlflow.db``.
 """
 

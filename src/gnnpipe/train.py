@@ -13,9 +13,12 @@ Several nodes (Slurm or by hand)::
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
              --rdzv-endpoint $HEAD:29500 -m gnnpipe.cli train --run-config run.yaml
 
-The trainer branches once on the mode to build an engine (``engine.Engine``), then runs
-the epochs, reduces the per-rank statistics, checkpoints, and on rank 0 writes the run
-record ``<out_dir>/metrics.json`` (DESIGN.md §6) and logs the run to MLflow.
+The trainer branches once on the mode to build an engine (``engine.Engine``), resumes
+from the run's last complete checkpoint (``checkpoint.py``; ``--restart`` discards it),
+then runs the epochs, reduces the per-rank statistics, checkpoints, and on rank 0 writes
+the run record ``<out_dir>/metrics.json`` (DESIGN.md §6) and logs the run to MLflow.
+A failure ends every rank promptly with one line (a dead peer named, a non-finite loss or
+gradient with its epoch, rank and tensor) and the MLflow run ``FAILED``.
 """
 
 from __future__ import annotations
