@@ -171,7 +171,11 @@ def test_dist_timeout_is_a_training_key_the_environment_overrides(tmp_path, monk
     cfg.mode = "graph"
     seen = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: seen.append(timeout))
+    prefixes = []
+    monkeypatch.setattr(dist, "rendezvous", lambda url, timeout: iter([("store", 0, cfg.workers)]))
+    monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: prefixes.append(prefix))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout, **kw: seen.append(timeout))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a torchrun restart: keys of its own
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda: cfg.workers)
     monkeypatch.setenv("RANK", "0")
@@ -180,3 +184,4 @@ def test_dist_timeout_is_a_training_key_the_environment_overrides(tmp_path, monk
     monkeypatch.setenv("GNNPIPE_DIST_TIMEOUT", "7")
     train.init_distributed(cfg, train.torch.device("cpu"))
     assert seen == [datetime.timedelta(seconds=42), datetime.timedelta(seconds=7)]
+    assert prefixes == ["gnnpipe/attempt-1"] * 2

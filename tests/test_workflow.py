@@ -121,6 +121,7 @@ def test_slurm_profile_places_a_multi_node_gpu_run(tmp_path):
         c["resources"] = {"gpus_per_worker": 1, "workers_per_node": 2, "mem_mb_per_worker": 3000, "runtime_min": 45}
         c["runs"] = [{"mode": "graph", "dataset": "tiny", "model": "gcn2", "workers": 4},
                      {"mode": "pipeline", "dataset": "tiny", "model": "gcnii4", "workers": 2}]
+        c.setdefault("training", {})["max_restarts"] = 2  # a crashed group is restarted, and resumes
 
     res = snakemake(tmp_path, write_config(tmp_path, edit), "-n", "-p", "--profile", str(ROOT / "profiles" / "slurm"))
     assert res.returncode == 0, res.stderr
@@ -136,11 +137,11 @@ def test_slurm_profile_places_a_multi_node_gpu_run(tmp_path):
         "nodes": "2", "tasks": "2", "cpus_per_task": "2", "gres": "gpu:2", "mpi": "srun", "mem_mb": "6000",
         "runtime": "45", "slurm_account": "<your_account>"}
     assert cmd4.startswith("export OMP_NUM_THREADS=1 ")
-    assert ("srun --nodes 2 --ntasks-per-node 1 torchrun --nnodes 2 --nproc-per-node 2 --rdzv-id $SLURM_JOB_ID "
+    assert ("srun --nodes 2 --ntasks-per-node 1 torchrun --nnodes 2 --nproc-per-node 2 --max-restarts 2 --rdzv-id $SLURM_JOB_ID "
             "--rdzv-backend c10d --rdzv-endpoint") in cmd4
     res2, cmd2 = jobs["tiny-gcnii4-pipeline-s2c8-seed0"]
     assert res2["nodes"] == "1" and res2["gres"] == "gpu:2" and "mpi" not in res2
-    assert "torchrun --nnodes 1 --nproc-per-node 2 --standalone" in cmd2 and "srun" not in cmd2
+    assert "torchrun --nnodes 1 --nproc-per-node 2 --max-restarts 2 --standalone" in cmd2 and "srun" not in cmd2
 
     # what the Slurm plugin makes of these resources
     class Resources(dict):

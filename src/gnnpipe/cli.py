@@ -114,7 +114,7 @@ def _train(a):
     from .config import load_run_config
     from .train import run
 
-    run(load_run_config(a.run_config))
+    run(load_run_config(a.run_config), restart=a.restart)
 
 
 def _evaluate(a):
@@ -210,10 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_materialize)
 
     t = sub.add_parser("train", help="train one run (under torchrun for parallel modes)",
-                       description="Train one run from its resolved config. Modes graph, pipeline and "
+                       description="Train one run from its resolved config, resuming from its last "
+                                   "complete checkpoint if it has one. Modes graph, pipeline and "
                                    "hybrid run under torchrun: torchrun --standalone --nproc-per-node P "
                                    "-m gnnpipe.cli train --run-config run.yaml")
     t.add_argument("--run-config", required=True, help="results/runs/<run_id>/run.yaml")
+    t.add_argument("--restart", action="store_true",
+                   help="discard the run's checkpoint (<out_dir>/resume) and train from epoch 0; without it "
+                        "a rerun resumes from the last complete checkpoint, and one of another config or "
+                        "data is refused (environment: GNNPIPE_RESTART=1)")
     t.set_defaults(func=_train)
 
     e = sub.add_parser("evaluate", help="exact full-graph inference of a trained run",

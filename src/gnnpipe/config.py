@@ -169,6 +169,9 @@ class TrainingConfig:
     # how long a worker waits for the others in a collective before the run fails, seconds
     # (torch.distributed's timeout; the environment variable GNNPIPE_DIST_TIMEOUT overrides it)
     dist_timeout_s: int = 600
+    # parallel runs of the workflow: torchrun --max-restarts (a crashed worker group is restarted
+    # and resumes from the last complete checkpoint); 0: a failure ends the job
+    max_restarts: int = 0
 
 
 @dataclass
@@ -345,7 +348,7 @@ BOUNDS: dict[type, dict[str, Bound]] = {
     ModelConfig: dict(layers=_GE1, hidden=_GE1, dropout=_BELOW1, heads=_GE1, alpha=_FRACTION, lambda_=_GT0),
     TrainingConfig: dict(epochs=_GE1, lr=_GT0, weight_decay=_GE0, seed=_GE0, eval_every=_GE1,
                          checkpoint_every=_GE0, warmup_epochs=_GE0, threads_per_worker=_GE1,
-                         dist_timeout_s=_GE1),
+                         dist_timeout_s=_GE1, max_restarts=_GE0),
     PipelineConfig: _PIPELINE,
     PipelineOverride: _PIPELINE,
     PartitionConfig: dict(seed=_GE0),

@@ -40,10 +40,24 @@ class Engine(Protocol):
 
     def predicted_bytes(self) -> int: ...
 
+    def state_dict(self) -> dict: ...  # this rank's training state, for a resumable checkpoint
+
+    def load_state_dict(self, state: dict) -> None: ...
+
 
 def make_optimizer(params, cfg: TrainingConfig) -> torch.optim.Optimizer:
     """Adam with L2 weight decay, the optimizer of every mode (so modes are comparable)."""
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def train_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The training state of a module and its optimizer (what ``Engine.state_dict`` holds)."""
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def load_train_state(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
+    model.load_state_dict(state["model"])  # strict: a shard of another layout raises
+    opt.load_state_dict(state["optimizer"])
 
 
 def ce_sum(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:

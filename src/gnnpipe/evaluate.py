@@ -47,15 +47,22 @@ def exact_metrics(model: GNN, block: Block, x: Tensor, y: Tensor, masks: dict[st
 
 def load_checkpoint(path: str | Path) -> dict:
     """A checkpoint written by the trainer, loaded safely (``weights_only=True``)."""
+    from .checkpoint import digest
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise GnnPipeError(f"{path}: no checkpoint; run the 'train' rule for this run first") from None
     except Exception as e:  # unpickling errors, truncated zip
         raise GnnPipeError(f"{path}: not a readable checkpoint ({e}); delete it and re-run 'train'") from None
+    want = state.pop("digest", None) if isinstance(state, dict) else None
+    if want is not None and want != digest(state):
+        raise GnnPipeError(f"{path}: its digest does not match its contents (damaged or edited); delete it "
+                           f"and re-run 'train'")
+    return state
 
 
 _PATHS = ("graph_path", "store_path", "out_dir", "systems_path")  # where the run lies, not what it is
+_OPERATIONAL = ("dist_timeout_s", "max_restarts")  # how a run is kept alive, not what it computes
 
 
 def _graph_hash(cfg: RunConfig):
@@ -75,6 +82,7 @@ def run_fingerprint(cfg: RunConfig) -> dict[str, str | None]:
     content hashes of the graph and (parallel modes) the chunk store, read from their
     attributes (cheap). Written into every checkpoint; ``evaluate`` compares them."""
     conf = {k: v for k, v in to_dict(cfg).items() if k not in _PATHS}
+    conf["training"] = {k: v for k, v in conf["training"].items() if k not in _OPERATIONAL}
     fp = {"config_hash": hashlib.sha256(json.dumps(conf, sort_keys=True).encode()).hexdigest(),
           "graph_hash": _graph_hash(cfg),
           "store_hash": None}

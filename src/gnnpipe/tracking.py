@@ -16,6 +16,10 @@ stderr and an ``mlflow_error`` in ``metrics.json`` (with ``mlflow_run_id: null``
 an error exit that would make Snakemake delete the finished outputs. A run whose logging
 fails half-way is ended ``FAILED`` with the error as its ``gnnpipe.error`` tag.
 
+A training job's run is opened at its start (``start_training``, one burst): a job that
+fails is ended ``FAILED`` by whichever rank survives (``mark_failed``), and a resumed job
+continues the same run id (kept in its checkpoint) instead of creating another.
+
 Open the UI with ``mlflow ui --backend-store-uri sqlite:///$PWD/results/mlflow.db``.
 """
 
@@ -50,8 +54,9 @@ def tracking_uri(cfg: RunConfig) -> str:
 
 
 @contextlib.contextmanager
-def _store_lock(uri: str) -> Iterator[None]:
-    """Exclusive lock for a SQLite (or file) store; a no-op for servers."""
+def _store_lock(uri: str, wait: float | None = None) -> Iterator[None]:
+    """Exclusive lock for a SQLite (or file) store; a no-op for servers. ``wait``: the longest
+    wait for it (default ``GNNPIPE_MLFLOW_LOCK_TIMEOUT``)."""
     if uri.startswith("sqlite:///"):
         lock = Path(uri[len("sqlite:///"):]).with_suffix(".lock")
     elif "://" not in uri or uri.startswith("file:"):
@@ -60,7 +65,7 @@ def _store_lock(uri: str) -> Iterator[None]:
         yield
         return
     lock.parent.mkdir(parents=True, exist_ok=True)
-    wait = float(os.environ.get("GNNPIPE_MLFLOW_LOCK_TIMEOUT", LOCK_TIMEOUT_S))
+    wait = float(os.environ.get("GNNPIPE_MLFLOW_LOCK_TIMEOUT", LOCK_TIMEOUT_S)) if wait is None else wait
     with open(lock, "a") as fh:
         deadline = time.monotonic() + wait
         while True:
@@ -78,7 +83,7 @@ def _store_lock(uri: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _client(cfg: RunConfig):
+def _client(cfg: RunConfig, lock_wait: float | None = None):
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -86,7 +91,7 @@ def _client(cfg: RunConfig):
     if uri.startswith(("http://", "https://")):
         for key, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
-    with _store_lock(uri):
+    with _store_lock(uri, lock_wait):
         client = MlflowClient(tracking_uri=uri)
         exp = client.get_experiment_by_name(EXPERIMENT)
         if exp is None:
@@ -116,15 +121,71 @@ def _warn(what: str, e: BaseException, where: Path) -> None:
           f"mlflow_error): {_one_line(e)}", file=sys.stderr)
 
 
-def log_training(cfg: RunConfig, record: dict, out_dir: Path) -> str | None:
+def _tags(cfg: RunConfig) -> dict:
+    return {"mode": cfg.mode, "dataset": cfg.dataset_name, "model": cfg.model.kind, "gnnpipe.run_id": cfg.run_id}
+
+
+def start_training(cfg: RunConfig, prior: str | None, *, resumed_at: int, superseded: str | None = None) -> str | None:
+    """At the start of a training attempt (rank 0, one short burst): the MLflow run it logs to.
+
+    ``prior``: the run an earlier attempt of the same run logged to (kept in the checkpoint);
+    it is set RUNNING again (its error tag kept as ``gnnpipe.previous_error``), so a resumed
+    run is one MLflow run, not a duplicate. Else a new RUNNING run. ``superseded``: a run that
+    ``--restart`` abandons, ended FAILED if it was left RUNNING. An outage is a warning and None
+    (the final burst then creates the run, as without a checkpoint).
+    """
+    try:
+        with _client(cfg) as (client, exp_id):
+            if superseded:
+                with contextlib.suppress(Exception):
+                    if client.get_run(superseded).info.status == "RUNNING":
+                        client.set_tag(superseded, "gnnpipe.error", "abandoned: training restarted (--restart)")
+                        client.set_terminated(superseded, status="FAILED")
+            if prior:
+                try:
+                    run = client.get_run(prior)
+                except Exception:  # the store was replaced: a new run
+                    run = None
+                if run is not None and run.info.lifecycle_stage == "active":
+                    client.update_run(prior, status="RUNNING")
+                    error = run.data.tags.get("gnnpipe.error")
+                    if error:
+                        client.set_tag(prior, "gnnpipe.previous_error", error)
+                        client.delete_tag(prior, "gnnpipe.error")
+                    client.set_tag(prior, "gnnpipe.resumed_at_epoch", str(resumed_at))
+                    return prior
+            return client.create_run(exp_id, run_name=cfg.run_id, tags=_tags(cfg)).info.run_id
+    except Exception as e:
+        print(f"gnnpipe: warning: MLflow could not open the run at the start of training, it is "
+              f"logged at the end instead: {_one_line(e)}", file=sys.stderr)
+        return None
+
+
+#: the longest wait for the store's lock on the failure path: torchrun gives a stopped worker 30 s
+FAIL_LOCK_WAIT_S = 10.0
+
+
+def mark_failed(cfg: RunConfig, run_id: str, error: str) -> None:
+    """End ``run_id`` FAILED with ``error`` as its ``gnnpipe.error`` tag (any rank, on the way
+    out of a failed attempt); never raises, waits at most ``FAIL_LOCK_WAIT_S`` for the lock."""
+    try:
+        with _client(cfg, lock_wait=FAIL_LOCK_WAIT_S) as (client, _):
+            client.set_tag(run_id, "gnnpipe.error", error[:5000])
+            client.set_terminated(run_id, status="FAILED")
+    except Exception as e:
+        print(f"gnnpipe: warning: MLflow run {run_id} could not be marked FAILED: {_one_line(e)}", file=sys.stderr)
+
+
+def log_training(cfg: RunConfig, record: dict, out_dir: Path, run_id: str | None = None) -> str | None:
     """Log one finished training run (params, per-epoch metrics, artifacts); return its id.
 
+    ``run_id``: the run ``start_training`` opened (else one is created now).
     Writes ``out_dir/metrics.json`` (with ``mlflow_run_id`` set) before logging it. On any
     failure: a warning, ``metrics.json`` with ``mlflow_run_id: null`` and ``mlflow_error``,
     and None; never an exception (the training is done and must not be thrown away).
     """
     try:
-        return _log_training(cfg, record, out_dir)
+        return _log_training(cfg, record, out_dir, run_id)
     except Exception as e:
         record["mlflow_run_id"], record["mlflow_error"] = None, _one_line(e)
         write_json(out_dir / "metrics.json", record)
@@ -147,11 +208,9 @@ def _failing_run(client, rid: str):
         raise RuntimeError(f"MLflow run {rid} ended FAILED: {_one_line(e)}") from e
 
 
-def _log_training(cfg: RunConfig, record: dict, out_dir: Path) -> str:
+def _log_training(cfg: RunConfig, record: dict, out_dir: Path, run_id: str | None) -> str:
     with _client(cfg) as (client, exp_id):
-        run = client.create_run(exp_id, run_name=cfg.run_id, tags={
-            "mode": cfg.mode, "dataset": cfg.dataset_name, "model": cfg.model.kind, "gnnpipe.run_id": cfg.run_id})
-        rid = run.info.run_id
+        rid = run_id or client.create_run(exp_id, run_name=cfg.run_id, tags=_tags(cfg)).info.run_id
         with _failing_run(client, rid):
             _log_run(client, rid, cfg, record, out_dir)
     return rid

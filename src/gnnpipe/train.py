@@ -13,27 +13,36 @@ Several nodes (Slurm or by hand)::
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
              --rdzv-endpoint $HEAD:29500 -m gnnpipe.cli train --run-config run.yaml
 
-The trainer branches once on the mode to build an engine (``engine.Engine``), then runs
-the epochs, reduces the per-rank statistics, checkpoints, and on rank 0 writes the run
-record ``<out_dir>/metrics.json`` (DESIGN.md §6) and logs the run to MLflow.
+The trainer branches once on the mode to build an engine (``engine.Engine``), resumes
+from the run's last complete checkpoint (``checkpoint.py``; ``--restart`` discards it),
+then runs the epochs, reduces the per-rank statistics, checkpoints, and on rank 0 writes
+the run record ``<out_dir>/metrics.json`` (DESIGN.md §6) and logs the run to MLflow.
+A failure ends every rank promptly with one line (a dead peer named, a non-finite loss or
+gradient with its epoch, rank and tensor) and the MLflow run ``FAILED``.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import resource
+import signal
+import socket
 import statistics
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from . import checkpoint as ckpt
 from .config import RunConfig, dump_run_config, to_dict
-from .engine import DTYPES, EpochStats, ce_sum, make_optimizer
+from .engine import DTYPES, EpochStats, ce_sum, load_train_state, make_optimizer, train_state
 from .evaluate import exact_metrics, graph_tensors, run_fingerprint
 from .graph import read_graph
 from .io import GnnPipeError, atomic_path, write_json, write_text
@@ -65,6 +74,9 @@ class SingleEngine:
         self.opt.zero_grad(set_to_none=True)
         logits = self.model(self.x, self.block)  # (N, C)
         loss = ce_sum(logits, self.y, self.masks["train"]) / self.n_train
+        if not bool(torch.isfinite(loss)):  # before its gradients: the loss is the cause
+            raise NonFiniteError(f"epoch {epoch}, rank 0: non-finite training loss ({float(loss.detach())}): "
+                                 f"training diverged (lower training.lr?)")
         loss.backward()
         self.opt.step()
         return EpochStats(loss=float(loss.detach()), compute_s=time.perf_counter() - t0)
@@ -74,6 +86,12 @@ class SingleEngine:
 
     def full_state_dict(self):
         return self.model.state_dict()
+
+    def state_dict(self) -> dict:
+        return train_state(self.model, self.opt)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_train_state(self.model, self.opt, state)
 
     def predicted_bytes(self) -> int:
         return 0
@@ -98,8 +116,13 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> tuple[int, int]:
             f"{cfg.workers} -m gnnpipe.cli train --run-config <run.yaml>")
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(
-            seconds=int(os.environ.get("GNNPIPE_DIST_TIMEOUT") or cfg.training.dist_timeout_s)))
+        timeout = datetime.timedelta(seconds=int(os.environ.get("GNNPIPE_DIST_TIMEOUT") or cfg.training.dist_timeout_s))
+        # torchrun --max-restarts keeps one store for every attempt (torch 2.13, --standalone): the
+        # keys of a restarted group get a prefix of their own, or its ranks read the dead group's addresses
+        store, r, w = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"gnnpipe/attempt-{attempt}", store), rank=r,
+                                world_size=w, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != cfg.workers:
         raise GnnPipeError(f"run {cfg.run_id} needs {cfg.workers} workers but torchrun started {world}; "
@@ -148,38 +171,198 @@ class _Reducer:
         return t.tolist()
 
 
+# --------------------------------------------------------------------------- failures
+class NonFiniteError(GnnPipeError):
+    """A non-finite loss or gradient: the run diverged (it stops at once, exit non-zero)."""
+
+
+class WorkerLost(GnnPipeError):
+    """A peer died or the group was stopped: this rank cannot go on (it exits non-zero)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM: torchrun stops the surviving workers of a failed group; Slurm at the time limit."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated("SIGTERM")
+
+
+# What a rank sees when a *peer* died (gloo, NCCL, the c10d store).
+BROKEN_GROUP = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
+                "Timed out", "timed out", "NCCL communicator was aborted", "DistNetworkError",
+                "DistBackendError", "Connection refused")
+
+
+@dataclass
+class _Attempt:
+    """What the failure path of one training attempt needs to know."""
+
+    cfg: RunConfig
+    rank: int
+    world: int
+    epoch: Optional[int] = None  # the epoch being trained (None: set-up or the end)
+    peers: list = field(default_factory=list)  # (host, pid) of every rank
+    mlflow_run_id: Optional[str] = None
+
+    def where(self) -> str:
+        at = f"epoch {self.epoch}" if self.epoch is not None else "outside the epochs"
+        return f"{at}, rank {self.rank}"
+
+    def dead_peers(self, wait_s: float = 3.0) -> list[str]:
+        """The ranks on this host whose process is gone (or a zombie): who broke the group.
+        A killed process closes its sockets before it is a zombie: look again for ``wait_s``."""
+        host, deadline = socket.gethostname(), time.monotonic() + wait_s
+        while True:
+            out = [f"rank {r} (pid {pid})" for r, (h, pid) in enumerate(self.peers)
+                   if r != self.rank and h == host and not _alive(pid)]
+            if out or time.monotonic() > deadline:
+                return out
+            time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed child stays a zombie until torchrun reaps it
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())[:600]
+
+
+def _failure(att: _Attempt, e: BaseException) -> BaseException:
+    """The exception a failed attempt ends with (a GnnPipeError: one line, exit 2, where the
+    cause is known), after ending its MLflow run FAILED with the reason as a tag."""
+    out = e
+    if isinstance(e, GnnPipeError):
+        line = str(e)
+    elif isinstance(e, KeyboardInterrupt):
+        line = f"interrupted at {att.where()}"
+    elif isinstance(e, Terminated) or (att.world > 1 and any(m in str(e) for m in BROKEN_GROUP)):
+        dead = att.dead_peers()
+        cause = (f"{', '.join(dead)} died" if dead else
+                 "a peer failed or was stopped (see the other ranks' logs and torchrun's failure summary)")
+        how = "stopped by SIGTERM" if isinstance(e, Terminated) else _one_line(e)
+        line = (f"{att.where()}: the worker group broke: {cause} ({how}); rerun to resume from the last "
+                f"complete checkpoint")
+        out = WorkerLost(line)
+    else:
+        line = f"{att.where()}: {_one_line(e)}"
+    if att.mlflow_run_id:
+        from .tracking import mark_failed
+        mark_failed(att.cfg, att.mlflow_run_id, line if line.startswith("rank") else f"rank {att.rank}: {line}")
+    return out
+
+
+def _finite_grads(engine, att: _Attempt):
+    """An optimizer pre-step hook: a non-finite gradient stops the run before the step."""
+    named = engine.named_parameters() if not hasattr(engine, "model") else dict(engine.model.named_parameters())
+    names = {id(p): n for n, p in named.items()}
+
+    def hook(opt, args, kwargs):
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            return
+        bad = next(p for g in opt.param_groups for p in g["params"]
+                   if p.grad is not None and not bool(torch.isfinite(p.grad).all()))
+        raise NonFiniteError(f"{att.where()}: non-finite gradient of {names.get(id(bad), '?')} "
+                             f"{tuple(bad.shape)}: training diverged (lower training.lr?); stopped before "
+                             f"the optimizer step")
+    return hook
+
+
+def _fault_injection(att: _Attempt, epoch: int) -> None:
+    """Tests only: ``GNNPIPE_TEST_KILL=<rank>:<epoch>`` makes that rank SIGKILL itself inside the
+    epoch's first module forward (a worker dying mid-epoch); not after a torchrun restart."""
+    spec = os.environ.get("GNNPIPE_TEST_KILL")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    rank, at = (int(v) for v in spec.split(":"))
+    if (rank, at) == (att.rank, epoch):
+        torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda *a: os.kill(os.getpid(), signal.SIGKILL))
+
+
 # --------------------------------------------------------------------------- the loop
-def run(cfg: RunConfig, *, progress: bool = True) -> Optional[dict]:
-    """Train one run. Returns the run record on rank 0 (None elsewhere)."""
+def run(cfg: RunConfig, *, progress: bool = True, restart: bool = False) -> Optional[dict]:
+    """Train one run, resuming from its last complete checkpoint (``restart``, or the environment's
+    ``GNNPIPE_RESTART=1``: discard it). Returns the run record on rank 0 (None elsewhere)."""
+    restart = restart or os.environ.get("GNNPIPE_RESTART", "0") not in ("", "0")
     torch.set_num_threads(max(int(os.environ.get("OMP_NUM_THREADS", 0)) or cfg.training.threads_per_worker, 1))
     device = _device()
     rank, world = init_distributed(cfg, device)
-    groups = comm = None
-    if cfg.mode != "single":
-        from .parallel.comm import Communicator
-        dims = ParallelDims(cfg.mode, world, cfg.stages, cfg.ways, cfg.data_parallel)
-        groups = build_groups(dims, rank)
-        comm = Communicator(groups, device)
+    att = _Attempt(cfg, rank, world)
+    on_main = threading.current_thread() is threading.main_thread()
+    old_handler = signal.signal(signal.SIGTERM, _raise_terminated) if on_main else None
     try:
-        record = _train(cfg, build_engine(cfg, groups, comm, device), comm, rank, world, device, progress)
+        att.peers = ckpt.World(rank, world).gather((socket.gethostname(), os.getpid()))
+        groups = comm = None
+        if cfg.mode != "single":
+            from .parallel.comm import Communicator
+            dims = ParallelDims(cfg.mode, world, cfg.stages, cfg.ways, cfg.data_parallel)
+            groups = build_groups(dims, rank)
+            comm = Communicator(groups, device)
+        engine = build_engine(cfg, groups, comm, device)
+        return _train(cfg, engine, comm, att, device, progress, restart)
+    except BaseException as e:
+        if on_main:  # torchrun's SIGTERM must not cut the failure path short (it SIGKILLs after 30 s)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        failure = _failure(att, e)
+        if failure is e:
+            raise
+        raise failure from e
     finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, old_handler)
         if cfg.mode != "single" and dist.is_initialized():
             dist.destroy_process_group()
-    return record
 
 
-def _train(cfg: RunConfig, engine, comm, rank: int, world: int, device, progress: bool) -> Optional[dict]:
+def _open_mlflow(cfg: RunConfig, att: _Attempt, manifest: Optional[dict], fp: dict, superseded, start: int):
+    """Rank 0 opens (or reopens) the MLflow run; every rank learns its id (the failure path)."""
+    rid = None
+    if att.rank == 0:
+        from .tracking import start_training
+        prior = (manifest or {}).get("mlflow_run_id") or ckpt.read_mlflow_id(cfg.out_dir, fp)
+        rid = start_training(cfg, prior, resumed_at=start, superseded=superseded)
+        if rid:
+            ckpt.write_mlflow_id(cfg.out_dir, fp, rid)
+    att.mlflow_run_id = ckpt.World(att.rank, att.world).gather(rid)[0]
+
+
+def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, restart: bool) -> Optional[dict]:
     tc = cfg.training
+    rank, world = att.rank, att.world
     out_dir = Path(cfg.out_dir)
     reduce = _Reducer(comm, world)
-    history, times, splits = [], [], []
+    fp = run_fingerprint(cfg)
+    ranks = ckpt.World(rank, world)
+    superseded = ckpt.read_mlflow_id(out_dir, None) if restart and rank == 0 else None
+    manifest = ckpt.resume(out_dir, ranks, engine, device, fingerprint=fp, epochs=tc.epochs, restart=restart)
+    start = manifest["epochs_done"] if manifest else 0
+    history = list(manifest["history"]) if manifest else []
+    if rank == 0 and manifest:
+        print(f"gnnpipe: resuming {cfg.run_id} after epoch {start - 1} ({out_dir / ckpt.RESUME_DIR})",
+              file=sys.stderr)
+    _open_mlflow(cfg, att, manifest, fp, superseded, start)
+    engine.opt.register_step_pre_hook(_finite_grads(engine, att))
     last_eval: dict[str, float] = {}
     bar = None
     if rank == 0 and progress:
         from tqdm import tqdm
-        bar = tqdm(total=tc.epochs, desc=f"train {cfg.run_id}", unit="epoch", file=sys.stderr,
+        bar = tqdm(total=tc.epochs, initial=start, desc=f"train {cfg.run_id}", unit="epoch", file=sys.stderr,
                    disable=not sys.stderr.isatty() and not os.environ.get("GNNPIPE_PROGRESS"))
-    for epoch in range(tc.epochs):
+    for epoch in range(start, tc.epochs):
+        att.epoch = epoch
+        _fault_injection(att, epoch)
         if comm is not None:
             comm.set_epoch(epoch)
         if world > 1:
@@ -187,6 +370,9 @@ def _train(cfg: RunConfig, engine, comm, rank: int, world: int, device, progress
         t0 = time.perf_counter()
         stats = engine.train_epoch(epoch)
         wall = time.perf_counter() - t0
+        if not math.isfinite(stats.loss):  # the reduced loss: every rank stops here together
+            raise NonFiniteError(f"{att.where()}: non-finite training loss ({stats.loss}): training "
+                                 f"diverged (lower training.lr?)")
         sent = comm.epoch_bytes(epoch) if comm is not None else 0
         wall_max, = reduce([wall], "max")
         compute, comm_s, bubble, sent_total = reduce(
@@ -200,26 +386,28 @@ def _train(cfg: RunConfig, engine, comm, rank: int, world: int, device, progress
             last_eval = engine.evaluate()
             row.update({k: v for k, v in last_eval.items() if k != "loss"})
         history.append(row)
-        if epoch >= tc.warmup_epochs or tc.epochs <= tc.warmup_epochs:
-            times.append(wall_max)
-            splits.append(row)
         if tc.checkpoint_every and (epoch + 1) % tc.checkpoint_every == 0 and epoch != tc.epochs - 1:
             _checkpoint(engine, out_dir / "checkpoint.pt", epoch, cfg, rank)  # never model.pt: see _checkpoint
+            ckpt.save(out_dir, ranks, engine, device, epochs_done=epoch + 1, fingerprint=fp, run_id=cfg.run_id,
+                      history=history, mlflow_run_id=att.mlflow_run_id)
         if bar is not None:
             val = last_eval.get("val_acc") if not cfg.atomic else last_eval.get("val_energy_mae")
             bar.set_postfix(loss=f"{stats.loss:.4f}", val=f"{val if val is not None else float('nan'):.3f}")
             bar.update()
+    att.epoch = None
     if bar is not None:
         bar.close()
     _checkpoint(engine, out_dir / "model.pt", tc.epochs - 1, cfg, rank)
     peak, = reduce([float(peak_memory_bytes(device))], "max")
     if rank != 0:
         return None
-    record = _record(cfg, engine, history, times, splits, last_eval, int(peak))
+    timed = [r for r in history if r["epoch"] >= tc.warmup_epochs or tc.epochs <= tc.warmup_epochs]
+    record = _record(cfg, engine, history, [r["epoch_time_s"] for r in timed], timed, last_eval, int(peak))
     write_text(out_dir / "run.resolved.yaml", dump_run_config(cfg))
     write_json(out_dir / "metrics.json", record)  # kept even if MLflow fails below
     from .tracking import log_training
-    log_training(cfg, record, out_dir)  # sets record["mlflow_run_id"], rewrites metrics.json
+    log_training(cfg, record, out_dir, att.mlflow_run_id)  # sets record["mlflow_run_id"], rewrites metrics.json
+    ckpt.finish(out_dir)  # complete: a later train of this run starts from epoch 0
     return record
 
 
@@ -271,7 +459,8 @@ def _checkpoint(engine, path: Path, epoch: int, cfg: RunConfig, rank: int) -> No
     state = engine.full_state_dict()  # collective in model-parallel modes: every rank calls it
     if rank != 0:
         return
+    payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "epoch": epoch,
+               "epochs_done": epoch + 1, "run_id": cfg.run_id, "config": to_dict(cfg), **run_fingerprint(cfg)}
+    payload["digest"] = ckpt.digest(payload)  # a flipped bit is refused by evaluate.load_checkpoint
     with atomic_path(path, ".pt") as tmp:
-        torch.save({"model": {k: v.detach().cpu() for k, v in state.items()}, "epoch": epoch,
-                    "epochs_done": epoch + 1, "run_id": cfg.run_id, "config": to_dict(cfg),
-                    **run_fingerprint(cfg)}, tmp)
+        torch.save(payload, tmp)

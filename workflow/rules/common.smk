@@ -221,6 +221,8 @@ def train_launcher(wildcards) -> str:
     if run.mode == "single":
         return "gnnpipe"
     torchrun = f"torchrun --nnodes {layout['nodes']} --nproc-per-node {layout['per_node']}"
+    if run.training.max_restarts:  # a restarted worker group resumes from the last complete checkpoint
+        torchrun += f" --max-restarts {run.training.max_restarts}"
     if layout["nodes"] == 1:
         return f"{torchrun} --standalone -m gnnpipe.cli"
     # The rendezvous is on the node the batch script runs on (the allocation's first node),

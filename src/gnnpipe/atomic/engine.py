@@ -288,6 +288,14 @@ class AtomicEngine:
     def full_state_dict(self):
         return self.model.state_dict()
 
+    def state_dict(self) -> dict:
+        from ..engine import train_state
+        return train_state(self.model, self.opt)
+
+    def load_state_dict(self, state: dict) -> None:
+        from ..engine import load_train_state
+        load_train_state(self.model, self.opt, state)
+
     def graph_info(self) -> dict:
         return {"num_nodes": int(len(self.systems["z"])), "num_edges": int(len(self.graphs["edge_src"])),
                 "in_features": 0, "num_triplets": int(len(self.graphs["idx_kj"])),

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from ..config import RunConfig
 from ..costmodel import first_input, graph_parallel_bytes
-from ..engine import DTYPES, EpochStats, ce_sum, correct_counts, make_optimizer
+from ..engine import DTYPES, EpochStats, ce_sum, correct_counts, load_train_state, make_optimizer, train_state
 from ..io import GnnPipeError
 from ..models.block import Block
 from ..models.model import GNN
@@ -224,6 +224,13 @@ class GraphEngine:
     def full_state_dict(self) -> Optional[dict[str, Tensor]]:
         """Weights are replicated: rank 0 returns its own, under the single-process names."""
         return self.model.state_dict() if self.part == 0 else None
+
+    def state_dict(self) -> dict:
+        """This rank's training state (weights and Adam's moments, the same on every part)."""
+        return train_state(self.model, self.opt)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_train_state(self.model, self.opt, state)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.params)

@@ -727,6 +727,42 @@ class PipelineEngine:
                     state[k] = piece.view(shapes[k]).clone()
         return OrderedDict((k, state[k]) for k, _, _ in self.full_keys)
 
+    #: the buffers of a ``History`` that carry over from epoch to epoch
+    _BUFFERS = ("cur", "hist", "snap", "grad")
+
+    def state_dict(self) -> dict:
+        """This stage's training state: its weights and Adam's moments, the convs it owns, and
+        the history buffers (values, snapshot or moving average, gradients waiting for the next
+        epoch), which a resumed run must continue from exactly."""
+        out = {"model": self.local_state_dict(), "optimizer": self.opt.state_dict(), "layers": list(self.layers),
+               "buffers": {l: {k: getattr(st, k) for k in self._BUFFERS if getattr(st, k) is not None}
+                           for l, st in self.hist.items()}}
+        if self.needs_x0 and not self.first:
+            out["x0buf"] = self.x0buf
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        if list(state["layers"]) != self.layers:
+            raise ValueError(f"stage {self.stage} owns convs {self.layers}, the checkpoint's stage owned "
+                             f"{list(state['layers'])} (pipeline.balance 'profile' measures, it may differ)")
+        model = state["model"]
+        for prefix, m in self.owned:
+            m.load_state_dict({k[len(prefix) + 1:]: v for k, v in model.items() if k.startswith(prefix + ".")})
+        if len(model) != len(self.local_state_dict()):
+            raise ValueError(f"the checkpoint holds {len(model)} weights, stage {self.stage} has "
+                             f"{len(self.local_state_dict())}")
+        self.opt.load_state_dict(state["optimizer"])
+        targets = [(f"buffers.{l}.{k}", getattr(st, k), state["buffers"].get(l, {}).get(k))
+                   for l, st in self.hist.items() for k in self._BUFFERS]
+        if self.needs_x0 and not self.first:
+            targets.append(("x0buf", self.x0buf, state.get("x0buf")))
+        for name, t, saved in targets:
+            if (t is None) != (saved is None) or (t is not None and t.shape != saved.shape):
+                raise ValueError(f"{name}: {None if saved is None else tuple(saved.shape)} in the checkpoint, "
+                                 f"{None if t is None else tuple(t.shape)} here")
+            if t is not None:
+                t.copy_(saved)
+
     def _by_dtype(self, stage: int) -> list[tuple[torch.dtype, list[str]]]:
         groups: dict[torch.dtype, list[str]] = {}
         for k, _, dtype in self.full_keys:

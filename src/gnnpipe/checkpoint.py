@@ -1,0 +1,259 @@
+"""Resumable training state: a rank-sharded checkpoint that counts only once every rank wrote it.
+
+Layout under ``<out_dir>/resume/``::
+
+    epoch-000008/rank-0.pt     each rank's own state (engine.state_dict(): weights, optimizer,
+    epoch-000008/rank-1.pt     pipeline buffers ...; its RNG states), written by that rank
+    manifest.json              written last, by rank 0, after every shard is on disk
+    mlflow.json                the MLflow run this training logs to (kept across resumes)
+
+A checkpoint round: every rank writes its shard atomically (temp + rename) into the
+round's directory, the ranks gather the shards' digests (a collective: it is also the
+barrier), then rank 0 renames the new manifest over the old one and deletes the older
+rounds. A crash at any point leaves the previous manifest, which names only complete
+rounds; a rank's shard is never overwritten in place. The manifest carries the run's
+fingerprint (``evaluate.run_fingerprint``), the world size, the epochs done, the run's
+history so far and the MLflow run id; every shard and the manifest carry a SHA-256 over
+their contents, so a flipped bit is refused, not trained on. The out_dir must be one
+file system for all ranks (a shared one across nodes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from .io import GnnPipeError, atomic_path, write_json
+
+FORMAT = 1
+RESUME_DIR = "resume"
+MANIFEST = "manifest.json"
+MLFLOW_FILE = "mlflow.json"
+FINGERPRINT_KEYS = ("config_hash", "graph_hash", "store_hash")
+
+
+def resume_dir(out_dir) -> Path:
+    return Path(out_dir) / RESUME_DIR
+
+
+# --------------------------------------------------------------------------- digests, RNG
+def digest(obj: Any) -> str:
+    """SHA-256 over a nested structure of dicts, lists, tensors and scalars (keys in order)."""
+    h = hashlib.sha256()
+    _feed(h, obj)
+    return h.hexdigest()
+
+
+def _feed(h, o) -> None:
+    if isinstance(o, torch.Tensor):
+        t = o.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}:".encode())
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    elif isinstance(o, dict):
+        h.update(b"{")
+        for k in sorted(o, key=str):
+            h.update(f"{k!r}=".encode())
+            _feed(h, o[k])
+        h.update(b"}")
+    elif isinstance(o, (list, tuple)):
+        h.update(b"[")
+        for v in o:
+            _feed(h, v)
+        h.update(b"]")
+    else:
+        h.update(f"{type(o).__name__}:{o!r};".encode())
+
+
+def to_cpu(o: Any) -> Any:
+    """A copy of ``o`` with every tensor cloned to the CPU (what a shard holds)."""
+    if isinstance(o, torch.Tensor):
+        return o.detach().to("cpu", copy=True)
+    if isinstance(o, dict):
+        return {k: to_cpu(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return type(o)(to_cpu(v) for v in o)
+    return o
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's random states: torch CPU (and CUDA), NumPy's and Python's global ones."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    py = random.getstate()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            "numpy": [kind, torch.as_tensor(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+            "python": [py[0], list(py[1]), py[2]]}
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+
+
+# --------------------------------------------------------------------------- the world's view
+class World:
+    """The collectives a checkpoint round needs: gather a small object from every rank."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def gather(self, obj) -> list:
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def agree(self, error: Optional[str]) -> None:
+        """Raise on every rank if any rank failed (so that no rank waits for a peer that gave up)."""
+        errors = [(r, e) for r, e in enumerate(self.gather(error)) if e]
+        if errors:
+            r, e = errors[0]
+            raise GnnPipeError(e if r == self.rank or self.size == 1 else f"rank {r}: {e}")
+
+
+# --------------------------------------------------------------------------- save
+def save(out_dir, world: World, engine, device, *, epochs_done: int, fingerprint: dict, run_id: str,
+         history: list, mlflow_run_id: Optional[str]) -> None:
+    """One checkpoint round (every rank calls it): shards, the digests' gather, the manifest."""
+    root = resume_dir(out_dir)
+    name = f"epoch-{epochs_done:06d}"
+    shard = {"format": FORMAT, "rank": world.rank, "world_size": world.size, "epochs_done": epochs_done,
+             **{k: fingerprint.get(k) for k in FINGERPRINT_KEYS},
+             "state": to_cpu(engine.state_dict()), "rng": rng_state(device)}
+    shard["digest"] = digest(shard)
+    (root / name).mkdir(parents=True, exist_ok=True)
+    with atomic_path(root / name / f"rank-{world.rank}.pt", ".pt") as tmp:
+        torch.save(shard, tmp)
+    digests = world.gather(shard["digest"])  # every shard is on disk once this returns
+    if world.rank != 0:
+        return
+    manifest = {"format": FORMAT, "run_id": run_id, "epochs_done": epochs_done, "world_size": world.size,
+                "dir": name, "shards": digests, **{k: fingerprint.get(k) for k in FINGERPRINT_KEYS},
+                "mlflow_run_id": mlflow_run_id, "history": history}
+    manifest["digest"] = digest(manifest)
+    write_json(root / MANIFEST, manifest)
+    for old in root.glob("epoch-*"):  # rounds no manifest names any more
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- load
+def _refusal(path: Path, why: str) -> str:
+    return (f"{path}: {why}; to discard it and train from epoch 0, rerun with `gnnpipe train --restart` "
+            f"(or GNNPIPE_RESTART=1, e.g. under Snakemake)")
+
+
+def read_manifest(out_dir) -> Optional[dict]:
+    """The last complete checkpoint's manifest, None when there is none; damage is an error."""
+    path = resume_dir(out_dir) / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        ok = isinstance(manifest, dict) and manifest.pop("digest", None) == digest(manifest)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise GnnPipeError(_refusal(path, f"not readable ({e})")) from None
+    if not ok:
+        raise GnnPipeError(_refusal(path, "its digest does not match its contents (damaged or edited)"))
+    return manifest
+
+
+def check_manifest(manifest: dict, out_dir, *, fingerprint: dict, world_size: int, epochs: int) -> None:
+    """Refuse a checkpoint of another run: other config, graph, chunk store or world size."""
+    path = resume_dir(out_dir) / MANIFEST
+    if manifest.get("format") != FORMAT:
+        raise GnnPipeError(_refusal(path, f"checkpoint format {manifest.get('format')}, this gnnpipe "
+                                          f"reads {FORMAT}"))
+    for key, what in (("config_hash", "config"), ("graph_hash", "graph"), ("store_hash", "chunk store")):
+        if manifest.get(key) != fingerprint.get(key):
+            raise GnnPipeError(_refusal(path, f"a checkpoint of another {what} ({key} "
+                                              f"{str(manifest.get(key))[:12]}, the run's is now "
+                                              f"{str(fingerprint.get(key))[:12]})"))
+    if manifest["world_size"] != world_size:
+        raise GnnPipeError(_refusal(path, f"written by {manifest['world_size']} workers, this run has "
+                                          f"{world_size}"))
+    if not 0 < manifest["epochs_done"] < epochs:
+        raise GnnPipeError(_refusal(path, f"after {manifest['epochs_done']} epochs, the run has {epochs}"))
+
+
+def load_shard(out_dir, manifest: dict, rank: int) -> dict:
+    """This rank's shard of the manifest's round, its digest checked against both records."""
+    path = resume_dir(out_dir) / manifest["dir"] / f"rank-{rank}.pt"
+    try:
+        shard = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise GnnPipeError(_refusal(path, "missing (is the out_dir on a file system every node "
+                                          "shares?)")) from None
+    except Exception as e:  # unpickling errors, a truncated or flipped zip
+        raise GnnPipeError(_refusal(path, f"not a readable checkpoint ({' '.join(str(e).split())[:300]})")) from None
+    want = shard.pop("digest", None) if isinstance(shard, dict) else None
+    if want is None or want != digest(shard) or want != manifest["shards"][rank]:
+        raise GnnPipeError(_refusal(path, "its digest does not match its contents or the manifest "
+                                          "(damaged, edited, or from another round)"))
+    return shard
+
+
+def resume(out_dir, world: World, engine, device, *, fingerprint: dict, epochs: int,
+           restart: bool) -> Optional[dict]:
+    """Every rank: restore the last complete checkpoint into ``engine`` and the RNGs; return
+    its manifest (None: train from epoch 0). ``restart`` discards whatever is there.
+    Every rank raises if any rank cannot resume (with that rank's reason)."""
+    root = resume_dir(out_dir)
+    if restart:
+        if world.rank == 0 and root.exists():
+            shutil.rmtree(root)
+        world.gather(None)  # nobody reads while rank 0 deletes
+        return None
+    manifest, error = None, None
+    try:
+        manifest = read_manifest(out_dir)
+        if manifest is not None:
+            check_manifest(manifest, out_dir, fingerprint=fingerprint, world_size=world.size, epochs=epochs)
+            shard = load_shard(out_dir, manifest, world.rank)
+            try:
+                engine.load_state_dict(shard["state"])
+            except (RuntimeError, KeyError, ValueError) as e:
+                raise GnnPipeError(_refusal(root / manifest["dir"], f"rank {world.rank}'s shard does not "
+                                            f"fit the engine: {' '.join(str(e).split())[:300]}")) from None
+            set_rng_state(shard["rng"], device)
+    except GnnPipeError as e:
+        error = str(e)
+    world.agree(error)
+    return manifest
+
+
+# --------------------------------------------------------------------------- the MLflow run id
+def read_mlflow_id(out_dir, fingerprint: Optional[dict]) -> Optional[str]:
+    """The MLflow run an earlier attempt of this run (same fingerprint; None: any) logged to."""
+    path = resume_dir(out_dir) / MLFLOW_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if fingerprint is not None and any(data.get(k) != fingerprint.get(k) for k in FINGERPRINT_KEYS):
+        return None
+    return data.get("run_id")
+
+
+def write_mlflow_id(out_dir, fingerprint: dict, run_id: str) -> None:
+    write_json(resume_dir(out_dir) / MLFLOW_FILE,
+               {"run_id": run_id, **{k: fingerprint.get(k) for k in FINGERPRINT_KEYS}})
+
+
+def finish(out_dir) -> None:
+    """The run is complete (model.pt and metrics.json written): its resume state is dropped."""
+    shutil.rmtree(resume_dir(out_dir), ignore_errors=True)
+

@@ -1,0 +1,339 @@
+"""Fault injection (issue 11): killed workers end the job promptly and the rerun resumes to the
+same bits; failed runs are FAILED in MLflow; a diverging run stops; damaged checkpoints and
+chunk stores are refused.
+
+The worker kills are real: ``GNNPIPE_TEST_KILL=<rank>:<epoch>`` makes that rank SIGKILL
+itself inside the epoch's first module forward, under a real torchrun (gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gnnpipe.config import dump_run_config, load_workflow_config, resolve_runs
+from gnnpipe.graph import write_graph
+from gnnpipe.io import GnnPipeError
+from gnnpipe.partition import partition_graph
+from gnnpipe.store import materialize
+from test_partition import random_graph
+from test_train import _KilledAt
+
+TIMINGS = {"epoch_time_s", "compute_s", "comm_s", "bubble_s"}
+
+
+def setup_run(root: Path, mode: str = "single", workers: int = 1, *, epochs: int = 8, checkpoint_every: int = 2,
+              model=None, pipeline=None, **training):
+    """A tiny node-classification run under ``root/results`` (graph, chunk store, run.yaml)."""
+    wf = load_workflow_config({
+        "results": str(root / "results"), "datasets": {"tiny": {}},
+        "models": {"m": model or {"kind": "gcn", "layers": 3, "hidden": 8, "dropout": 0.5}},
+        "training": {"epochs": epochs, "eval_every": 2, "checkpoint_every": checkpoint_every, "lr": 0.02,
+                     **training},
+        **({"pipeline": pipeline} if pipeline else {}),
+        "runs": [{"mode": mode, "dataset": "tiny", "model": "m", "workers": workers,
+                  **({"stages": workers} if mode == "pipeline" else {})}]})
+    cfg = next(iter(resolve_runs(wf).values()))
+    g = random_graph(n=90, avg_degree=5, seed=3)
+    write_graph(cfg.graph_path, g)
+    if mode != "single":
+        Path(cfg.store_path).parent.mkdir(parents=True, exist_ok=True)
+        materialize(g, partition_graph(g, "metis", cfg.chunks, seed=0), cfg.store_path)
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.out_dir) / "run.yaml").write_text(dump_run_config(cfg))
+    return cfg
+
+
+def db(cfg) -> str:
+    return f"sqlite:///{Path(cfg.out_dir).parents[1] / 'mlflow.db'}"
+
+
+def torchrun(cfg, *extra, env=None, timeout=240):
+    """``gnnpipe train`` under a real torchrun; returns (process, seconds)."""
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": db(cfg), **(env or {})}
+    e.pop("GNNPIPE_TEST_KILL", None) if "GNNPIPE_TEST_KILL" not in (env or {}) else None
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(cfg.workers), *extra, "-m", "gnnpipe.cli", "train", "--run-config",
+                           str(Path(cfg.out_dir) / "run.yaml")], capture_output=True, text=True, env=e,
+                          timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+def weights(cfg) -> dict:
+    return torch.load(Path(cfg.out_dir) / "model.pt", weights_only=True)["model"]
+
+
+def history(cfg) -> list:
+    rec = json.loads((Path(cfg.out_dir) / "metrics.json").read_text())
+    return [{k: v for k, v in row.items() if k not in TIMINGS} for row in rec["history"]]
+
+
+def assert_same_run(a, b) -> None:
+    wa, wb = weights(a), weights(b)
+    assert list(wa) == list(wb)
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    assert history(a) == history(b)
+
+
+def mlflow_runs(cfg):
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri=db(cfg))
+    exp = client.get_experiment_by_name("gnnpipe")
+    return client.search_runs([exp.experiment_id]) if exp else []
+
+
+@pytest.fixture(autouse=True)
+def _isolated_mlflow(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("GNNPIPE_TEST_KILL", raising=False)
+    monkeypatch.delenv("GNNPIPE_RESTART", raising=False)
+
+
+def interrupted_run(monkeypatch, cfg, at):
+    from gnnpipe import train
+    build = train.build_engine
+    with monkeypatch.context() as m:
+        m.setattr(train, "build_engine", lambda *a: _KilledAt(build(*a), at))
+        with pytest.raises(KeyboardInterrupt):
+            train.run(cfg, progress=False)
+
+
+# --------------------------------------------------------------------------- one process
+def test_single_resume_is_bit_identical_and_one_mlflow_run(tmp_path, monkeypatch):
+    from gnnpipe.train import run
+
+    ref = setup_run(tmp_path / "ref")
+    run(ref, progress=False)
+    cfg = setup_run(tmp_path / "cut")
+    interrupted_run(monkeypatch, cfg, at=5)  # checkpoints after epochs 2 and 4: resumes at 4
+    out = Path(cfg.out_dir)
+    assert not (out / "model.pt").exists() and not (out / "metrics.json").exists()
+    manifest = json.loads((out / "resume" / "manifest.json").read_text())
+    assert manifest["epochs_done"] == 4 and len(manifest["history"]) == 4
+    failed, = mlflow_runs(cfg)
+    assert failed.info.status == "FAILED" and "interrupted at epoch 5" in failed.data.tags["gnnpipe.error"]
+
+    rec = run(cfg, progress=False)
+    assert_same_run(ref, cfg)  # dropout 0.5: the RNG state was restored too
+    done, = mlflow_runs(cfg)
+    assert done.info.run_id == failed.info.run_id == rec["mlflow_run_id"] and done.info.status == "FINISHED"
+    assert "gnnpipe.error" not in done.data.tags and done.data.tags["gnnpipe.resumed_at_epoch"] == "4"
+    assert not (out / "resume").exists()  # finished: a later train starts over
+
+
+def test_foreign_checkpoint_is_refused_until_restart(tmp_path, monkeypatch):
+    from gnnpipe.train import run
+
+    cfg = setup_run(tmp_path)
+    interrupted_run(monkeypatch, cfg, at=3)
+    first, = mlflow_runs(cfg)
+    other = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, lr=0.05))
+    with pytest.raises(GnnPipeError, match=r"resume/manifest.json: a checkpoint of another config "
+                                           r"\(config_hash .*gnnpipe train --restart"):
+        run(other, progress=False)
+    rec = run(other, progress=False, restart=True)
+    assert [r["epoch"] for r in rec["history"]] == list(range(8))  # from epoch 0
+    runs = {r.info.run_id: r for r in mlflow_runs(cfg)}
+    assert rec["mlflow_run_id"] != first.info.run_id and runs[rec["mlflow_run_id"]].info.status == "FINISHED"
+    assert runs[first.info.run_id].info.status == "FAILED"
+
+
+def test_diverging_run_stops_with_one_line(tmp_path, capsys):
+    """lr = 1e4 on a 10-layer GCN: the first non-finite loss ends the run (exit 2, one line). (A 3-layer
+    GCN's loss stays finite at lr = 1e4 here: 1e13 to 1e35, dead ReLUs; only non-finite values stop.)"""
+    from gnnpipe import cli
+
+    cfg = setup_run(tmp_path, epochs=30, lr=1e4, model={"kind": "gcn", "layers": 10, "hidden": 16, "dropout": 0.0})
+    assert cli.main(["train", "--run-config", str(Path(cfg.out_dir) / "run.yaml")]) == 2
+    stderr = capsys.readouterr().err
+    err = [line for line in stderr.splitlines() if line.startswith("gnnpipe:")]
+    assert len(err) == 1 and "Traceback" not in stderr, stderr
+    assert err[0].startswith("gnnpipe: error: epoch 1, rank 0: non-finite training loss (")
+    assert not (Path(cfg.out_dir) / "metrics.json").exists() and not (Path(cfg.out_dir) / "model.pt").exists()
+    run, = mlflow_runs(cfg)
+    assert run.info.status == "FAILED" and "non-finite" in run.data.tags["gnnpipe.error"]
+
+
+def _flip_bit(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def _tensor_offset(path: Path) -> int:
+    """Where the largest stored tensor's bytes lie in a torch zip checkpoint."""
+    import zipfile
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "rb") as f:  # local header: 30 bytes + name + extra
+        f.seek(info.header_offset + 26)
+        n, m = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+    return info.header_offset + 30 + n + m + info.file_size // 2
+
+
+def test_bit_flipped_checkpoints_are_refused(tmp_path, monkeypatch):
+    from gnnpipe.evaluate import evaluate_run
+    from gnnpipe.train import run
+
+    cfg = setup_run(tmp_path)
+    interrupted_run(monkeypatch, cfg, at=5)
+    out = Path(cfg.out_dir)
+    shard, = (out / "resume").glob("epoch-*/rank-0.pt")
+    _flip_bit(shard, _tensor_offset(shard))
+    with pytest.raises(GnnPipeError, match=r"rank-0.pt: its digest does not match its contents.*--restart"):
+        run(cfg, progress=False)
+    _flip_bit(out / "checkpoint.pt", _tensor_offset(out / "checkpoint.pt"))
+    with pytest.raises(GnnPipeError, match=r"checkpoint.pt: its digest does not match its contents"):
+        evaluate_run(cfg, checkpoint=out / "checkpoint.pt", allow_partial=True)
+    manifest = out / "resume" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"epochs_done": 4', '"epochs_done": 2'))
+    with pytest.raises(GnnPipeError, match=r"manifest.json: its digest does not match its contents"):
+        run(cfg, progress=False)
+
+
+def test_bit_flipped_chunk_store_is_refused(tmp_path):
+    import h5py
+
+    from gnnpipe.store import open_run_store
+
+    cfg = setup_run(tmp_path, "graph", 2)
+    with h5py.File(cfg.store_path, "r") as f:
+        offset = f["parts/1/features"].id.get_offset()  # contiguous: the raw bytes in the file
+    assert offset is not None
+    _flip_bit(Path(cfg.store_path), offset + 5)
+    with open_run_store(cfg, 2) as store:
+        store.part(0)
+        with pytest.raises(GnnPipeError, match=r"content hash of /parts/1/features does not match its data"):
+            store.part(1)
+
+
+# --------------------------------------------------------------------------- real torchrun, SIGKILL
+PARALLEL = {
+    # kill rank 1 of graph P = 2; kill rank 0 (stage 0, the one that writes manifests and logs) of S = 2
+    "graph-P2": dict(mode="graph", workers=2, kill=1),
+    "pipeline-S2": dict(mode="pipeline", workers=2, kill=0,
+                        model={"kind": "gcn", "layers": 4, "hidden": 8, "dropout": 0.5},
+                        pipeline={"chunks_per_stage": 2, "grad_correction": False, "momentum": 0.5,
+                                  "snapshot_every": 0}),
+}
+
+
+@pytest.mark.parametrize("case", list(PARALLEL))
+def test_killed_worker_ends_the_job_and_the_rerun_resumes_exactly(tmp_path, case):
+    spec = dict(PARALLEL[case])
+    kill = spec.pop("kill")
+    ref = setup_run(tmp_path / "ref", **spec)
+    proc, _ = torchrun(ref)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    cfg = setup_run(tmp_path / "cut", **spec)
+    proc, took = torchrun(cfg, env={"GNNPIPE_TEST_KILL": f"{kill}:5"})
+    assert proc.returncode != 0 and took < 60, (took, proc.stderr[-3000:])
+    survivor = 1 - kill
+    assert f"rank {survivor}: the worker group broke: rank {kill} (pid " in proc.stderr, proc.stderr[-3000:]
+    out = Path(cfg.out_dir)
+    assert not (out / "model.pt").exists() and not (out / "metrics.json").exists()
+    failed, = mlflow_runs(cfg)
+    assert failed.info.status == "FAILED"
+    assert f"rank {kill} (pid" in failed.data.tags["gnnpipe.error"]
+
+    proc, _ = torchrun(cfg)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming" in proc.stderr and "after epoch 3" in proc.stderr
+    assert_same_run(ref, cfg)
+    done, = mlflow_runs(cfg)
+    assert done.info.run_id == failed.info.run_id and done.info.status == "FINISHED"
+
+
+def test_torchrun_max_restarts_resumes_by_itself(tmp_path):
+    spec = dict(PARALLEL["graph-P2"])
+    spec.pop("kill")
+    ref = setup_run(tmp_path / "ref", **spec)
+    cfg = setup_run(tmp_path / "cut", **spec)
+    proc, _ = torchrun(ref)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, _ = torchrun(cfg, "--max-restarts", "1", env={"GNNPIPE_TEST_KILL": "1:5"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming" in proc.stderr
+    assert_same_run(ref, cfg)
+    done, = mlflow_runs(cfg)
+    assert done.info.status == "FINISHED"
+
+
+# --------------------------------------------------------------------------- through Snakemake
+@pytest.mark.slow
+def test_killed_worker_under_snakemake_then_rerun_completes(tmp_path):
+    import yaml
+
+    from test_workflow import TINY, snakemake
+
+    conf = yaml.safe_load(TINY.read_text())
+    conf["training"].update(checkpoint_every=2)
+    conf["runs"] = [{"mode": "graph", "dataset": "tiny", "model": "gcnii4", "workers": 2}]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(conf))
+    rid = next(iter(resolve_runs(load_workflow_config(conf))))
+    out = tmp_path / "results" / "runs" / rid
+    target = f"results/runs/{rid}/eval.json"
+
+    os.environ["GNNPIPE_TEST_KILL"] = "1:3"  # inherited by the train job's workers
+    try:
+        res = snakemake(tmp_path, tmp_path / "config.yaml", "--cores", "2", target)
+    finally:
+        del os.environ["GNNPIPE_TEST_KILL"]
+    assert res.returncode != 0
+    log = (tmp_path / "logs" / "train" / f"{rid}.log").read_text()
+    assert "rank 0: the worker group broke: rank 1 (pid " in log, log[-3000:]
+    assert not (out / "model.pt").exists() and not (out / "metrics.json").exists()
+    assert json.loads((out / "resume" / "manifest.json").read_text())["epochs_done"] == 2
+
+    res = snakemake(tmp_path, tmp_path / "config.yaml", "--cores", "2", target)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming" in (tmp_path / "logs" / "train" / f"{rid}.log").read_text()
+    rec = json.loads((out / "metrics.json").read_text())
+    assert [r["epoch"] for r in rec["history"]] == list(range(6)) and (out / "eval.json").exists()
+    res = snakemake(tmp_path, tmp_path / "config.yaml", "-n", target)
+    assert "Nothing to be done" in res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_atomic_graph_mode_killed_and_resumed_is_bit_identical(tmp_path):
+    """DimeNet++ graph P = 2 (several optimizer steps per epoch): a killed worker, a resumed rerun,
+    the weights of a run that never stopped."""
+    from gnnpipe.atomic import data
+
+    def atomic_run(root: Path):
+        wf = load_workflow_config({
+            "results": str(root / "results"), "datasets": {"slabs": {"kind": "atoms"}},
+            "models": {"dpp": {"kind": "dimenetpp", "dimenetpp": {"preset": "small", "num_blocks": 1,
+                                                                  "batch_size": 2, "lr": 0.001}}},
+            "training": {"epochs": 5, "eval_every": 5, "checkpoint_every": 2, "weight_decay": 0.0},
+            "runs": [{"mode": "graph", "dataset": "slabs", "model": "dpp", "workers": 2}]})
+        cfg = next(iter(resolve_runs(wf).values()))
+        systems = data.generate(10, size=(2, 2, 2), seed=2, progress=False)
+        Path(cfg.graph_path).parent.mkdir(parents=True, exist_ok=True)
+        digest = data.write_systems(cfg.systems_path, systems)
+        data.write_graphs(cfg.graph_path, data.build_graphs(systems, 4.0, 8, progress=False), 4.0, 8, digest)
+        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.out_dir) / "run.yaml").write_text(dump_run_config(cfg))
+        return cfg
+
+    ref, cfg = atomic_run(tmp_path / "ref"), atomic_run(tmp_path / "cut")
+    proc, _ = torchrun(ref)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, took = torchrun(cfg, env={"GNNPIPE_TEST_KILL": "1:3"})
+    assert proc.returncode != 0 and took < 60 and "rank 1 (pid " in proc.stderr, proc.stderr[-3000:]
+    proc, _ = torchrun(cfg)
+    assert proc.returncode == 0 and "after epoch 1" in proc.stderr, proc.stderr[-3000:]
+    assert_same_run(ref, cfg)
