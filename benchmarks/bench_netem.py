@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -48,7 +49,7 @@ from gnnpipe.parallel.dims import resolve_layout  # noqa: E402
 from gnnpipe.report import Predictor, load_run, rel_error  # noqa: E402
 
 # shape -> (nodes, avg degree): as large as a few minutes per link allow on 2 cores
-SIZES = {"reddit-like": (4000, 200.0), "physics-like": (4000, None)}
+SIZES = {"reddit-like": (8000, 150.0), "physics-like": (4000, None)}
 TOLERANCE = 0.25
 
 
@@ -186,6 +187,7 @@ def main(argv=None) -> dict:
             row.update(measured(run))
             row.update(predicted(predictors[link], run, row["epoch_time_s"]))
         out["runs"].append(row)
+        write_json(a.out, out)  # after every run: a run cut short keeps what it measured
         msg = (f"epoch {row['epoch_time_s']:.2f}s (comm {row['breakdown_s']['comm']:.2f}), "
                f"{row['comm_bytes_per_epoch']:,} B; model {row['prediction']['epoch_s']:.2f}s "
                f"({row['epoch_error']:+.0%})" if "epoch_time_s" in row and row.get("prediction")
@@ -238,6 +240,8 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    # SIGTERM (timeout, a scheduler) as an exception: the namespaces are torn down on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         main()
     except GnnPipeError as e:
