@@ -216,10 +216,17 @@ def train_resource(name):
 
 
 def train_launcher(wildcards) -> str:
-    """How ``gnnpipe train`` is started: one process, torchrun on a node, or srun + torchrun."""
+    """How ``gnnpipe train`` is started: one process, torchrun on a node, srun + torchrun, or
+    (``GNNPIPE_NETEM`` set) one torchrun per namespace of an emulated cluster."""
     run, layout = RUNS[wildcards.run_id], LAYOUT[wildcards.run_id]
     if run.mode == "single":
         return "gnnpipe"
+    netem = os.environ.get("GNNPIPE_NETEM")  # an emulated cluster's prefix (python -m gnnpipe.netem up)
+    if netem:
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,5}", netem):
+            raise WorkflowError(f"GNNPIPE_NETEM: a namespace prefix (1-6 lowercase letters/digits), got {netem!r}")
+        # one torchrun agent per namespace <prefix>0..P-1, over the emulated links
+        return f"python -m gnnpipe.netem launch --prefix {netem} --workers {run.workers} -- -m gnnpipe.cli"
     torchrun = f"torchrun --nnodes {layout['nodes']} --nproc-per-node {layout['per_node']}"
     if run.training.max_restarts:  # a restarted worker group resumes from the last complete checkpoint
         torchrun += f" --max-restarts {run.training.max_restarts}"
