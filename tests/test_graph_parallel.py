@@ -248,7 +248,7 @@ def test_report_predicts_the_measured_bytes_without_the_input_cache(world, graph
     graph_path = tmp_path / "graph.h5"
     write_graph(graph_path, graph)
     cfg = dataclasses.replace(run_cfg("", p, kind, "float64", True, cache=False), graph_path=str(graph_path),
-                              partitioning=PartitionConfig(method="metis", seed=1))
+                              out_dir=str(tmp_path), partitioning=PartitionConfig(method="metis", seed=1))
     (tmp_path / "run.yaml").write_text(dump_run_config(cfg))
     record = {"mode": "graph", "world_size": p, "stages": 1, "ways": p, "chunks": p, "dtype_bytes": 8}
     pred = Predictor("cpu-2core")(Run(record, None, tmp_path))
