@@ -239,7 +239,8 @@ def test_report_predicts_the_measured_bytes_without_the_input_cache(world, graph
     the bytes measured; booking GCN's as "exchanged" over-predicts by M·F·b."""
     from gnnpipe.config import dump_run_config
     from gnnpipe.graph import write_graph
-    from gnnpipe.report import Predictor, Run
+    from gnnpipe.report.predictions import Predictor
+    from gnnpipe.report.records import Run
 
     p, _, res = world
     case = (kind, "float64", True, False)
@@ -248,7 +249,7 @@ def test_report_predicts_the_measured_bytes_without_the_input_cache(world, graph
     graph_path = tmp_path / "graph.h5"
     write_graph(graph_path, graph)
     cfg = dataclasses.replace(run_cfg("", p, kind, "float64", True, cache=False), graph_path=str(graph_path),
-                              partitioning=PartitionConfig(method="metis", seed=1))
+                              out_dir=str(tmp_path), partitioning=PartitionConfig(method="metis", seed=1))
     (tmp_path / "run.yaml").write_text(dump_run_config(cfg))
     record = {"mode": "graph", "world_size": p, "stages": 1, "ways": p, "chunks": p, "dtype_bytes": 8}
     pred = Predictor("cpu-2core")(Run(record, None, tmp_path))

@@ -271,7 +271,7 @@ def test_tiny_config_end_to_end(tmp_path):
     # report; the partition statistics are the rule's output, not a cache beside graph.h5
     from gnnpipe.costmodel import load_hardware
     from gnnpipe.graph import read_graph_attrs
-    from gnnpipe.plan import stats_cache_path
+    from gnnpipe.planning.stats import stats_cache_path
 
     fitted = {(r.dataset_name, s.model, tmp_path / r.graph_path) for s in wf.runs
               for r in [runs[run_id(wf, s)]] if r.model.kind != "mlp"}

@@ -228,7 +228,7 @@ class ResourcesConfig:
 
 @dataclass
 class CostModelConfig:
-    """The cost model the report sets beside every measured run (gnnpipe.plan)."""
+    """The cost model the report sets beside every measured run (gnnpipe.planning)."""
 
     hardware: str = "cpu-2core"  # profile name under config/hardware, or a YAML file
     # Fit the profile's compute rates to each (dataset, model) on this machine first

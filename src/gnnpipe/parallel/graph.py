@@ -15,7 +15,7 @@ One training step::
                                                      aggregated while the halo is in flight
     loss  = sum of CE over own train rows / global train count
     backward: halo gradients go back by the same all-to-all and are scatter-added into the
-              owners' rows (derivation in comm.py, "halo exchange"); overlapped with the inner rows
+              owners' rows (derivation in parallel/halo.py); overlapped with the inner rows
     bucketed sum all-reduce of the weight gradients (flat buffers), Adam
 
 Because degrees are whole-graph degrees and every part holds all in-edges of its rows,
@@ -54,7 +54,8 @@ from ..io import GnnPipeError
 from ..models.block import Block
 from ..models.model import GNN
 from ..store import ChunkStore, open_run_store
-from .comm import Communicator, HaloPlan, finish_halo, halo_exchange, start_halo
+from .comm import Communicator
+from .halo import HaloPlan, finish_halo, halo_exchange, start_halo
 
 def split_block(block: Block, n_inner: int, n_own: int) -> tuple[Block, Block]:
     """The local block cut at ``n_inner``: inner rows against own rows only, and the
