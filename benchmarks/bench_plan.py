@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_plan.py --out /tmp/plan.json --hardware 8xgpu-nvlink
 
 The Reddit-shaped and the Coauthor-Physics-shaped synthetic graphs (``reddit-like``,
-``physics-like``), a 32-layer GCN of hidden width 100 (DESIGN.md's deep model), 8
+``physics-like``), a 32-layer GCN of hidden width 100 (docs/DESIGN.md's deep model), 8
 workers, on each ``--hardware`` profile (default: 8 GPUs over PCIe, NCCL-class and
 staged through host memory over gloo as the GNNPipe and PipeGCN codes run). Physics is
 generated at its real size (34,493 nodes); Reddit's 1.1·10^8 edges are too many for

@@ -230,7 +230,7 @@ DEEP = ModelConfig(kind="gcn", layers=32, hidden=100, dropout=0.5)
 
 # Mirror ratios Σ M / N of METIS partitions into K parts, measured with `gnnpipe plan` on
 # the synthetic shapes (reddit-like at 10^5 nodes, physics-like at its full 34,493), then
-# scaled by one factor to the figures DESIGN.md §3 gives for the real graphs at 8 parts
+# scaled by one factor to the figures docs/DESIGN.md §3 gives for the real graphs at 8 parts
 # (Reddit 2.1 N, Coauthor-Physics 0.3 N) with ``override_mirror_ratio``.
 REDDIT_LIKE = {2: 0.995, 4: 2.866, 8: 5.679, 16: 9.542, 32: 13.843}
 PHYSICS_LIKE = {2: 0.453, 4: 0.846, 8: 1.187, 16: 1.546, 32: 2.020}

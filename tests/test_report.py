@@ -19,7 +19,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def record(run_id, mode, model="gcnii", layers=32, hidden=64, workers=1, stages=1, ways=1, chunks=1,
            epoch_time=0.1, split=(0.08, 0.02, 0.0), sent=0, predicted=0, peak=10**8, test_acc=0.8,
            epochs=6, dataset="synth"):
-    """A run record shaped like DESIGN.md §6, with a history that evaluates every other epoch."""
+    """A run record shaped like docs/DESIGN.md §6, with a history that evaluates every other epoch."""
     history = []
     for e in range(epochs):
         evald = e % 2 == 1

@@ -15,7 +15,7 @@ Several nodes (Slurm or by hand)::
 
 The trainer branches once on the mode to build an engine (``engine.Engine``), then runs
 the epochs, reduces the per-rank statistics, checkpoints, and on rank 0 writes the run
-record ``<out_dir>/metrics.json`` (DESIGN.md §6) and logs the run to MLflow.
+record ``<out_dir>/metrics.json`` (docs/DESIGN.md §6) and logs the run to MLflow.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def build_engine(cfg: RunConfig, groups: Optional[ProcessGroups], comm, device):
     if cfg.mode == "single":
         return SingleEngine(cfg, device)
     if cfg.mode == "graph":
-        from .parallel.graph import GraphEngine
+        from .parallel.graph_parallel import GraphEngine
         return GraphEngine(cfg, groups, comm, device)
     if cfg.mode == "pipeline":
         from .parallel.pipeline import PipelineEngine
@@ -223,7 +223,7 @@ def _train(cfg: RunConfig, engine, comm, rank: int, world: int, device, progress
     return record
 
 
-#: OC20 S2EF metrics of atomic runs, at the top of the run record (DESIGN.md §4)
+#: OC20 S2EF metrics of atomic runs, at the top of the run record (docs/DESIGN.md §4)
 ATOMIC_METRICS = ("energy_mae", "force_mae", "force_cos", "efwt")
 
 
@@ -232,7 +232,7 @@ def _median(values):
 
 
 def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
-    """The run record (DESIGN.md §6); parallel-only fields are 0/1 for ``single``."""
+    """The run record (docs/DESIGN.md §6); parallel-only fields are 0/1 for ``single``."""
     graph_info = engine.graph_info() if hasattr(engine, "graph_info") else {
         "num_nodes": engine.num_nodes, "num_edges": engine.num_edges, "in_features": engine.in_features}
     bytes_timed = [r["comm_bytes"] for r in splits]

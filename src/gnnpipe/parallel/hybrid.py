@@ -1,4 +1,4 @@
-r"""Hybrid: ``S`` pipeline stages x ``G`` graph-parallel ways (DESIGN.md §4 "Hybrid").
+r"""Hybrid: ``S`` pipeline stages x ``G`` graph-parallel ways (docs/DESIGN.md §4 "Hybrid").
 
 ``S · G`` processes, stage-major (``rank = stage · G + way``, ``dims.py``). Stage ``s``
 owns a contiguous block of convs (``balance.py``, as GNNPipe); way ``g`` owns a

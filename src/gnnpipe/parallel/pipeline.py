@@ -1,4 +1,4 @@
-r"""GNNPipe: pipelined layer-level model parallelism over graph chunks (DESIGN.md §4).
+r"""GNNPipe: pipelined layer-level model parallelism over graph chunks (docs/DESIGN.md §4).
 
 ``S`` processes, one per **stage**; stage ``s`` owns a contiguous block of convs
 (``balance.py`` chooses it; stage 0 also runs the encoder, the last stage the decoder
@@ -46,7 +46,7 @@ after that row's chunk was already back-propagated. By default such a gradient w
 in the buffer and is delivered in the next epoch (a stale gradient, the mirror image of
 a stale embedding).
 
-**Convergence techniques** (``PipelineConfig``; DESIGN.md §4):
+**Convergence techniques** (``PipelineConfig``; docs/DESIGN.md §4):
 
 1. ``shuffle_chunks``: a new chunk order every epoch, the same on every stage
    (``numpy.random.default_rng((seed, epoch))``), so that no chunk is always the one that

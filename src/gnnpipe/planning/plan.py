@@ -182,7 +182,7 @@ def plan(graph_stats: dict, model: ModelConfig, in_features: int, num_classes: i
     ``nodes_per_part``, ``edges_per_part``, ``mirrors``, ``inner_per_part``) for every
     K > 1 a layout uses (:func:`part_counts`: the ways and the chunks). ``first_input``:
     the graph engine caches the first conv's input halo at set-up (``"local"``, its
-    default); ``"exchanged"`` is DESIGN.md's upper bound. ``pipeline_cfg``: buffers and
+    default); ``"exchanged"`` is docs/DESIGN.md's upper bound. ``pipeline_cfg``: buffers and
     recompute of the pipeline engine (defaults: ``PipelineConfig()``).
     """
     pc = pipeline_cfg or PipelineConfig()

@@ -116,7 +116,7 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
         f"{len(runs)} runs over {len({r['dataset'] for r in runs})} dataset(s). Epoch times are "
         "medians over the timed epochs (wall time of the slowest rank; the split is the mean over "
         "ranks); bytes are sent per epoch, summed over ranks, training traffic only; "
-        "*predicted* is the closed form of DESIGN.md §4; peak memory is the maximum over ranks. "
+        "*predicted* is the closed form of docs/DESIGN.md §4; peak memory is the maximum over ranks. "
         f"Accuracies come from exact full-graph inference of the final model (eval.json, {n_eval} "
         f"of {len(runs)} runs), else from the run record.",
         "",

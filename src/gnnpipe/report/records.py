@@ -17,7 +17,7 @@ from typing import Optional
 from ..io import GnnPipeError
 from .predictions import Prediction
 
-#: The run record fields the report reads (a subset of DESIGN.md §6).
+#: The run record fields the report reads (a subset of docs/DESIGN.md §6).
 REQUIRED = ("run_id", "mode", "dataset", "num_nodes", "num_edges", "in_features", "model", "layers",
             "hidden", "world_size", "stages", "ways", "chunks", "epochs", "epoch_time_s",
             "epoch_time_breakdown_s", "comm_bytes_per_epoch", "comm_bytes_predicted",

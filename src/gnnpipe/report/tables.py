@@ -259,7 +259,7 @@ def pooled_section(group: tuple, aggs: list[Aggregate]) -> str:
 
 
 # --------------------------------------------------------------------------- pipeline techniques
-#: The pipeline's convergence techniques (DESIGN.md §4, ``PipelineConfig``) as table columns.
+#: The pipeline's convergence techniques (docs/DESIGN.md §4, ``PipelineConfig``) as table columns.
 TECHNIQUES_HEADER = ["run", "S×G", "chunks", "shuffle", "grad correction", "snapshot", "momentum",
                      "test acc", "Δ test vs single (pt)"]
 
@@ -314,7 +314,7 @@ def techniques_section(group: tuple, runs: list[Run], aggs: list[Aggregate]) -> 
 
 TECHNIQUES_INTRO = (
     "The pipeline and hybrid runs of each dataset × model whose convergence techniques "
-    "(DESIGN.md §4; the `pipeline:` block of the run's run.yaml) are not all set alike, as in "
+    "(docs/DESIGN.md §4; the `pipeline:` block of the run's run.yaml) are not all set alike, as in "
     "an ablation (config/experiments/ablation.yaml): shuffle = a new chunk order every epoch, "
     "grad correction = stale gradients dropped and fresh cross-chunk ones scaled (×scale), "
     "snapshot = not-yet-computed rows read from a snapshot refreshed every N epochs, "

@@ -1,6 +1,6 @@
 """Graph parallelism: P workers, one graph partition each, every layer on every worker.
 
-The baseline GNNPipe is compared against (DESIGN.md §4), built to be strong, not a
+The baseline GNNPipe is compared against (docs/DESIGN.md §4), built to be strong, not a
 strawman (compare PipeGCN / BNS-GCN / SAR without their approximations: this engine is
 exact). Worker ``p`` reads only part ``p`` of the chunk store: its rows
 ``[start, end)`` (renumbered so that the ``n_inner`` rows without an outside neighbour
@@ -29,7 +29,7 @@ Bytes per epoch (``costmodel.graph_parallel_bytes``, ``costmodel.first_input``):
 ``cache_input_halo`` (default), otherwise its rows forward and, only when its input is
 learned (an encoder: GCNII, ResGCN+), their gradients back: raw features need no
 gradient, which is the one place this differs from the ``2 · Σ_p M_p · Σ_l d_l · b``
-upper bound of DESIGN.md. Plus the ring all-reduce of the parameters,
+upper bound of docs/DESIGN.md. Plus the ring all-reduce of the parameters,
 ``2 (P-1) · num_params · b``.
 
 Run it through the trainer::
