@@ -40,6 +40,10 @@ class Engine(Protocol):
 
     def predicted_bytes(self) -> int: ...
 
+    def graph_info(self) -> dict: ...  # the run record's num_nodes, num_edges, in_features
+
+    def extra_info(self) -> dict: ...  # what the run record keeps about this mode ("extra")
+
 
 def make_optimizer(params, cfg: TrainingConfig) -> torch.optim.Optimizer:
     """Adam with L2 weight decay, the optimizer of every mode (so modes are comparable)."""

@@ -78,6 +78,12 @@ class SingleEngine:
     def predicted_bytes(self) -> int:
         return 0
 
+    def graph_info(self) -> dict:
+        return {"num_nodes": self.num_nodes, "num_edges": self.num_edges, "in_features": self.in_features}
+
+    def extra_info(self) -> dict:
+        return {}
+
 
 # --------------------------------------------------------------------------- process set-up
 def _device() -> torch.device:
@@ -233,8 +239,7 @@ def _median(values):
 
 def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
     """The run record (docs/DESIGN.md §6); parallel-only fields are 0/1 for ``single``."""
-    graph_info = engine.graph_info() if hasattr(engine, "graph_info") else {
-        "num_nodes": engine.num_nodes, "num_edges": engine.num_edges, "in_features": engine.in_features}
+    graph_info = engine.graph_info()
     bytes_timed = [r["comm_bytes"] for r in splits]
     record = {
         "run_id": cfg.run_id, "mode": cfg.mode, "dataset": cfg.dataset_name, **graph_info,
@@ -252,7 +257,7 @@ def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
         "test_acc": last_eval.get("test_acc"), "final_loss": history[-1]["loss"] if history else None,
         **({k: last_eval.get(k) for k in ATOMIC_METRICS} if cfg.atomic else {}),
         "mlflow_run_id": None,
-        "extra": engine.extra_info() if hasattr(engine, "extra_info") else {},
+        "extra": engine.extra_info(),
         "history": history,
     }
     if cfg.atomic:  # interaction blocks and their width; the edge split's ways
