@@ -4,7 +4,7 @@
 #   snakemake --profile profiles/slurm                     # on a Slurm cluster
 #   snakemake --cores 2 --configfile .test/config.yaml --replace-workflow-config
 #
-# DAG: dataset_spec -> download -> partition -> materialize -> run_config -> train
+# DAG: dataset_spec -> build_graph -> partition -> materialize -> run_config -> train
 #      -> evaluate -> report   (docs/WORKFLOW.md)
 from snakemake.utils import min_version
 

@@ -28,7 +28,7 @@ Measurements (medians of ``--reps``, after a warm-up):
 
 ``--write-profile`` turns them into a hardware profile (1-thread rates per worker, since
 each worker runs one compute thread by default). ``--check`` fits the rates to a real
-graph and model (``gnnpipe.plan.calibrate``), trains ``single`` for a few epochs and
+graph and model (``gnnpipe.planning.calibrate.calibrate``), trains ``single`` for a few epochs and
 compares measured with predicted epoch times, and does the same for every run record
 under ``--runs-dir`` (any mode) whose graph is the checked one.
 """
@@ -49,7 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from gnnpipe.io import write_json, write_text  # noqa: E402
-from gnnpipe.plan import median_time as _median  # noqa: E402
+from gnnpipe.planning.calibrate import median_time as _median  # noqa: E402
 
 
 def _graph_csr(n: int, deg: int, seed: int = 0):
@@ -71,7 +71,7 @@ def kernel_rates(reps: int, threads: int, n: int = 20000, deg: int = 16, clock: 
     timed on ``clock`` (``cpu``: this thread's CPU time, one thread only)."""
     from functools import partial
 
-    from gnnpipe.plan import median_time
+    from gnnpipe.planning.calibrate import median_time
 
     _median = partial(median_time, clock=clock)  # noqa: N806
     from gnnpipe.models.ops import gcn_aggregate, self_loop_csr
@@ -242,7 +242,7 @@ def process_rss_gib() -> float:
     (torch, h5py, the engines): what its ru_maxrss holds before the run's first tensor."""
     import subprocess
 
-    code = ("import resource, torch, torch.distributed, h5py, gnnpipe.train, gnnpipe.parallel.graph, "
+    code = ("import resource, torch, torch.distributed, h5py, gnnpipe.train, gnnpipe.parallel.graph_parallel, "
             "gnnpipe.parallel.hybrid; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
@@ -351,7 +351,7 @@ def _yaml_block(obj) -> list[str]:
 def _single_epochs(graph_path: str, model_cfg, epochs: int, threads: int, clock: str = "wall") -> list[float]:
     from gnnpipe.config import (GraphParallelConfig, PartitionConfig, PipelineConfig, RunConfig,
                                 TrainingConfig)
-    from gnnpipe.train import SingleEngine
+    from gnnpipe.parallel.single import SingleEngine
 
     torch.set_num_threads(threads)
     cfg = RunConfig(run_id="bench", mode="single", dataset_name="bench", graph_path=graph_path,
@@ -359,7 +359,7 @@ def _single_epochs(graph_path: str, model_cfg, epochs: int, threads: int, clock:
                     training=TrainingConfig(epochs=epochs, threads_per_worker=threads),
                     partitioning=PartitionConfig(), pipeline=PipelineConfig(),
                     graph_parallel=GraphParallelConfig())
-    from gnnpipe.plan import CLOCKS
+    from gnnpipe.planning.calibrate import CLOCKS
 
     now = CLOCKS[clock]
     eng = SingleEngine(cfg, torch.device("cpu"))
@@ -382,7 +382,10 @@ def check(graph_path: str, model_cfg, hw_name: str, epochs: int, threads: int,
     """
     from gnnpipe import costmodel as cm
     from gnnpipe.graph import read_graph
-    from gnnpipe.plan import build_model, calibrate, cached_graph_stats, model_shape, plan, predict_layout
+    from gnnpipe.planning.calibrate import calibrate
+    from gnnpipe.planning.plan import plan, predict_layout
+    from gnnpipe.planning.shape import build_model, model_shape
+    from gnnpipe.planning.stats import cached_graph_stats
 
     graph = read_graph(graph_path)
     hw = cm.load_hardware(hw_name)

@@ -39,7 +39,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, PipelineConfig, RunConfig,
@@ -78,7 +77,7 @@ def _worker(rank: int, world: int, cfg_dict: dict, epochs: int, warmup: int) -> 
 
     from gnnpipe.parallel.comm import Communicator
     from gnnpipe.parallel.dims import ParallelDims, build_groups
-    from gnnpipe.parallel.graph import peak_memory
+    from gnnpipe.parallel.graph_parallel import peak_memory
     from gnnpipe.train import build_engine
 
     cfg = from_dict(RunConfig, cfg_dict)

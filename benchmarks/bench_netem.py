@@ -46,7 +46,8 @@ from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, P
 from gnnpipe.costmodel import load_hardware  # noqa: E402
 from gnnpipe.io import GnnPipeError, write_json, write_text  # noqa: E402
 from gnnpipe.parallel.dims import resolve_layout  # noqa: E402
-from gnnpipe.report import Predictor, load_run, rel_error  # noqa: E402
+from gnnpipe.report.predictions import Predictor, rel_error  # noqa: E402
+from gnnpipe.report.records import load_run  # noqa: E402
 
 # shape -> (nodes, avg degree): as large as a few minutes per link allow on 2 cores
 SIZES = {"reddit-like": (8000, 150.0), "physics-like": (4000, None)}

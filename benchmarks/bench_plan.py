@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_plan.py --out /tmp/plan.json --hardware 8xgpu-nvlink
 
 The Reddit-shaped and the Coauthor-Physics-shaped synthetic graphs (``reddit-like``,
-``physics-like``), a 32-layer GCN of hidden width 100 (DESIGN.md's deep model), 8
+``physics-like``), a 32-layer GCN of hidden width 100 (docs/DESIGN.md's deep model), 8
 workers, on each ``--hardware`` profile (default: 8 GPUs over PCIe, NCCL-class and
 staged through host memory over gloo as the GNNPipe and PipeGCN codes run). Physics is
 generated at its real size (34,493 nodes); Reddit's 1.1·10^8 edges are too many for
@@ -20,7 +20,7 @@ and the plan's printed reason; the same is printed. Each is the command line
     gnnpipe plan --graph G.h5 [--at-nodes N --mirror-ratio 8:2.1] --kind gcn --layers 32 \\
         --hidden 100 --hardware PROFILE --workers 8
 
-run in process (``gnnpipe.plan.run_plan``).
+run in process (``gnnpipe.planning.plan.run_plan``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from gnnpipe.config import SyntheticConfig
 from gnnpipe.data.synthetic import generate
 from gnnpipe.graph import write_graph
 from gnnpipe.io import write_json
-from gnnpipe.plan import run_plan
+from gnnpipe.planning.plan import run_plan
 
 MODEL = {"kind": "gcn", "layers": 32, "hidden": 100, "dropout": 0.5}
 REDDIT_NODES = 232_965

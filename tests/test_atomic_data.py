@@ -80,7 +80,7 @@ def test_h5_round_trip_and_refusals(tmp_path, systems):
         data.read_graphs(gp, "another")
     with h5py.File(p, "r+") as f:  # an edited attribute
         f.attrs["num_systems"] = 99
-    with pytest.raises(GnnPipeError, match="content hash mismatch.*rule download"):
+    with pytest.raises(GnnPipeError, match="content hash mismatch.*rule build_systems"):
         data.read_systems(p)
     data.write_systems(p, systems)
     with h5py.File(p, "r+") as f:  # a flipped value

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gnnpipe.parallel.comm import (Communicator, HaloPlan, bucket_tensors, finish_halo, halo_exchange,
-                                   ring_allreduce_bytes, start_halo)
+from gnnpipe.parallel.comm import Communicator, bucket_tensors, ring_allreduce_bytes
+from gnnpipe.parallel.halo import HaloPlan, finish_halo, halo_exchange, start_halo
 from gnnpipe.parallel.testing import SpawnError, spawn_multi_process
 
 

@@ -3,10 +3,10 @@ the workflow, the engines, the cost model and ``gnnpipe plan`` share."""
 
 import pytest
 
-from gnnpipe import plan as pl
 from gnnpipe.config import ConfigError, load_workflow_config, resolve_runs
 from gnnpipe.io import GnnPipeError
 from gnnpipe.parallel.dims import ParallelDims, check_layout, default_chunks, resolve_layout
+from gnnpipe.planning.plan import layouts
 
 
 def test_ranks_are_replica_then_stage_major():
@@ -88,7 +88,7 @@ def test_workflow_and_plan_agree_on_six_workers_two_stages():
         "models": {"gcn4": {"kind": "gcn", "layers": 4, "hidden": 16}},
         "runs": [{"mode": "hybrid", "dataset": "synth", "model": "gcn4", "workers": 6, "stages": 2}]})
     (run,) = resolve_runs(wf).values()
-    planned = [lay for lay in pl.layouts(6, 4, wf.pipeline.chunks_per_stage) if lay[:2] == ("hybrid", 2)]
+    planned = [lay for lay in layouts(6, 4, wf.pipeline.chunks_per_stage) if lay[:2] == ("hybrid", 2)]
     assert planned == [("hybrid", 2, 3, 9)]
     assert (run.mode, run.stages, run.ways, run.chunks) == planned[0]
     assert run.run_id == "synth-gcn4-hybrid-s2g3c9-seed0"

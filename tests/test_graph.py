@@ -42,7 +42,7 @@ def test_refuses_other_version(tmp_path):
     write_graph(tmp_path / "g.h5", tiny_graph())
     with h5py.File(tmp_path / "g.h5", "a") as f:
         f.attrs["format_version"] = FORMAT_VERSION + 1
-    with pytest.raises(GnnPipeError, match=r"g\.h5: graph format version .* 'download' rule"):
+    with pytest.raises(GnnPipeError, match=r"g\.h5: graph format version .* 'build_graph' rule"):
         read_graph(tmp_path / "g.h5")
 
 
@@ -63,7 +63,7 @@ def test_refuses_truncated_file(tmp_path):
 
 
 def test_missing_file_names_the_rule(tmp_path):
-    with pytest.raises(GnnPipeError, match="no such graph file; build it with the 'download' rule"):
+    with pytest.raises(GnnPipeError, match="no such graph file; build it with the 'build_graph' rule"):
         read_graph(tmp_path / "absent.h5")
 
 

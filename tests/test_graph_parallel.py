@@ -27,7 +27,7 @@ from gnnpipe.models.model import GNN
 from gnnpipe.parallel.comm import Communicator
 from gnnpipe.parallel.dims import ParallelDims, build_groups
 from gnnpipe.costmodel import graph_parallel_bytes
-from gnnpipe.parallel.graph import GraphEngine, split_block
+from gnnpipe.parallel.graph_parallel import GraphEngine, split_block
 from gnnpipe.parallel.testing import spawn_multi_process
 from gnnpipe.partition import partition_graph
 from gnnpipe.store import ChunkStore, materialize
@@ -239,7 +239,8 @@ def test_report_predicts_the_measured_bytes_without_the_input_cache(world, graph
     the bytes measured; booking GCN's as "exchanged" over-predicts by M·F·b."""
     from gnnpipe.config import dump_run_config
     from gnnpipe.graph import write_graph
-    from gnnpipe.report import Predictor, Run
+    from gnnpipe.report.predictions import Predictor
+    from gnnpipe.report.records import Run
 
     p, _, res = world
     case = (kind, "float64", True, False)
@@ -264,7 +265,7 @@ def test_comm_time_is_accounted(world):
 
 
 def test_closed_form_generalises_design_formula():
-    # GCN, L layers: DESIGN.md's 2 ΣM (F + (L-1) H) b is the "exchanged" form
+    # GCN, L layers: docs/DESIGN.md's 2 ΣM (F + (L-1) H) b is the "exchanged" form
     mirrors, F, H, L = [10, 7, 3], 50, 16, 4
     dims = [F] + [H] * (L - 1)
     full = graph_parallel_bytes(mirrors, dims, 4, 1000, 3, "exchanged")

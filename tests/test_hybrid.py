@@ -34,7 +34,7 @@ from gnnpipe.parallel.hybrid import HybridEngine, check_hybrid_config
 from gnnpipe.parallel.testing import spawn_multi_process
 from gnnpipe.partition import partition_graph
 from gnnpipe.store import ChunkStore, materialize
-from test_partition import make_graph, random_graph
+from helpers import make_graph, random_graph
 
 TOL = 1e-10
 OFF = dict(shuffle_chunks=False, grad_correction=False, snapshot_every=0, momentum=0.0, recompute=False)
@@ -108,7 +108,7 @@ def reference_training(cfg: RunConfig):
 def _worker(rank, world, jobs):
     from gnnpipe.parallel.comm import Communicator
     from gnnpipe.parallel.dims import ParallelDims, build_groups
-    from gnnpipe.parallel.graph import GraphEngine
+    from gnnpipe.parallel.graph_parallel import GraphEngine
     from gnnpipe.parallel.pipeline import PipelineEngine
 
     engines = {"hybrid": HybridEngine, "pipeline": PipelineEngine, "graph": GraphEngine}

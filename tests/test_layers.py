@@ -20,36 +20,11 @@ import torch.nn.functional as F
 
 from gnnpipe.models import Block, GATConv, GCNConv, GCNIIConv, ResGCNLayer, SAGEConv
 from gnnpipe.models import ops
+from helpers import F64, TOL, chunk_splits, partition_splits, random_csr
 
-F64 = torch.float64
-TOL = dict(atol=1e-12, rtol=1e-12)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny problems on one thread: an OpenMP region on two oversubscribed cores (other
-    test processes running) costs milliseconds per op, for no gain at these sizes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # --------------------------------------------------------------------------- graphs and blocks
-def random_graph(n: int, p: float, seed: int, *, symmetric: bool = False, isolated: int = 0):
-    """A random in-edge CSR without self loops; the last ``isolated`` nodes have no in-edges."""
-    rng = np.random.default_rng(seed)
-    adj = rng.random((n, n)) < p
-    if symmetric:
-        adj = adj | adj.T
-    np.fill_diagonal(adj, False)
-    if isolated:
-        adj[n - isolated:, :] = False  # rows = destinations
-    indptr = np.concatenate([[0], np.cumsum(adj.sum(1))]).astype(np.int64)
-    indices = np.nonzero(adj)[1].astype(np.int64)
-    return indptr, indices
-
-
 def dense_adj(indptr, indices, n_src=None) -> torch.Tensor:
     """``A[i, j] = 1`` for every edge ``j -> i`` (in float64)."""
     n = len(indptr) - 1
@@ -57,37 +32,6 @@ def dense_adj(indptr, indices, n_src=None) -> torch.Tensor:
     rows = np.repeat(np.arange(n), np.diff(indptr))
     a[rows, indices] = 1.0
     return a
-
-
-def chunk_splits(indptr, indices, bounds):
-    """GNNPipe: ``(block, dst_ids, src_ids)`` per chunk ``[s, e)``, sources = the whole graph."""
-    n = len(indptr) - 1
-    deg_in, deg_out = np.diff(indptr), np.bincount(indices, minlength=n)
-    out = []
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        blk = Block.from_numpy(indptr[s:e + 1] - indptr[s], indices[indptr[s]:indptr[e]], n, s,
-                               deg_in[s:e], deg_out, F64)
-        out.append((blk, np.arange(s, e), np.arange(n)))
-    return out
-
-
-def partition_splits(indptr, indices, assign):
-    """Graph parallelism: per part, dst = own rows, src = own rows then the halo (offset 0)."""
-    n = len(indptr) - 1
-    deg_in, deg_out = np.diff(indptr), np.bincount(indices, minlength=n)
-    out = []
-    for p in np.unique(assign):
-        own = np.nonzero(assign == p)[0]
-        srcs = [indices[indptr[v]:indptr[v + 1]] for v in own]
-        halo = np.setdiff1d(np.concatenate(srcs), own)
-        src_ids = np.concatenate([own, halo])
-        local = np.full(n, -1)
-        local[src_ids] = np.arange(len(src_ids))
-        sub_ptr = np.concatenate([[0], np.cumsum([len(s) for s in srcs])])
-        sub_idx = local[np.concatenate(srcs)]
-        blk = Block.from_numpy(sub_ptr, sub_idx, len(src_ids), 0, deg_in[own], deg_out[src_ids], F64)
-        out.append((blk, own, src_ids))
-    return out
 
 
 def all_splits(indptr, indices, seed=0):
@@ -219,7 +163,7 @@ def test_make_csr_transpose_matches_dense(kernel):
 
 
 def test_self_loop_csr_matches_dense(kernel):
-    indptr, indices = random_graph(9, 0.3, 1, isolated=2)
+    indptr, indices = random_csr(9, 0.3, 1, isolated=2)
     (blk, dst, _), *_ = chunk_splits(indptr, indices, [3, 8])
     csr = ops.self_loop_csr(blk)
     dense = csr.matrix(torch.ones(csr.nnz, dtype=F64)).to_dense()
@@ -230,7 +174,7 @@ def test_self_loop_csr_matches_dense(kernel):
 
 
 def test_compact_block_reads_only_used_rows():
-    indptr, indices = random_graph(12, 0.15, 2, isolated=3)
+    indptr, indices = random_csr(12, 0.15, 2, isolated=3)
     (blk, dst, _), _ = chunk_splits(indptr, indices, [4, 7, 12])
     sub, used = ops.compact(blk)
     expect = np.union1d(indices[indptr[4]:indptr[7]], dst)
@@ -297,7 +241,7 @@ def test_spmm_empty_block(kernel):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", [(5, 4), (4, 9)])  # both orders of transform / aggregate
 def test_conv_matches_dense(kind, shape, kernel):
-    indptr, indices = random_graph(12, 0.25, seed=4, isolated=2)  # directed, with zero in-degree
+    indptr, indices = random_csr(12, 0.25, seed=4, isolated=2)  # directed, with zero in-degree
     a = dense_adj(indptr, indices)
     block = Block.full(indptr, indices, F64)
     conv = setup(kind, *shape)
@@ -318,7 +262,7 @@ def test_conv_matches_dense(kind, shape, kernel):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_conv_gradcheck(kind):
-    indptr, indices = random_graph(6, 0.4, seed=5, isolated=1)
+    indptr, indices = random_csr(6, 0.4, seed=5, isolated=1)
     block = Block.full(indptr, indices, F64)
     conv = setup(kind, 3, 2)
     x = torch.randn(6, conv.in_dim, dtype=F64, requires_grad=True)
@@ -327,7 +271,7 @@ def test_conv_gradcheck(kind):
 
 
 def test_zero_in_degree_rows():
-    indptr, indices = random_graph(8, 0.5, seed=6, isolated=3)
+    indptr, indices = random_csr(8, 0.5, seed=6, isolated=3)
     block = Block.full(indptr, indices, F64)
     deg_out = torch.as_tensor(np.bincount(indices, minlength=8), dtype=F64)
     x = torch.randn(8, 4, dtype=F64)
@@ -348,7 +292,7 @@ def test_zero_in_degree_rows():
 def test_conv_same_on_every_split(kind, symmetric, kernel):
     """Whole graph vs chunks vs partitions+halo: same rows, same summed gradients."""
     n = 23
-    indptr, indices = random_graph(n, 0.2, seed=7, symmetric=symmetric, isolated=2)
+    indptr, indices = random_csr(n, 0.2, seed=7, symmetric=symmetric, isolated=2)
     conv = setup(kind, 6, 4)
     h = torch.randn(n, conv.in_dim, dtype=F64, requires_grad=True)
     x0 = torch.randn(n, conv.in_dim, dtype=F64, requires_grad=True)
@@ -397,14 +341,14 @@ def test_reprs():
 def test_gcnii_needs_x0_and_beta():
     conv = GCNIIConv(4, layer=2, lambda_=0.5)
     assert conv.beta == pytest.approx(math.log(0.5 / 2 + 1))
-    indptr, indices = random_graph(5, 0.5, 0)
+    indptr, indices = random_csr(5, 0.5, 0)
     with pytest.raises(ValueError, match="x0_dst"):
         conv(torch.randn(5, 4), Block.full(indptr, indices))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_float32_matches_float64(kind):
-    indptr, indices = random_graph(30, 0.15, seed=8)
+    indptr, indices = random_csr(30, 0.15, seed=8)
     conv64 = setup(kind, 6, 5)
     conv32 = make_conv(kind, 6, conv64.out_dim if kind != "gat" else 5)
     conv32.load_state_dict({k: v.float() for k, v in conv64.state_dict().items()})
@@ -419,7 +363,7 @@ def test_float32_matches_float64(kind):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_matches_cpu(kind):
-    indptr, indices = random_graph(40, 0.15, seed=9)
+    indptr, indices = random_csr(40, 0.15, seed=9)
     conv = setup(kind, 6, 4)
     x = torch.randn(40, conv.in_dim, dtype=F64, requires_grad=True)
     x0 = torch.randn(40, conv.in_dim, dtype=F64)
@@ -435,7 +379,7 @@ def test_cuda_matches_cpu(kind):
 
 
 def test_gat_attention_dropout_only_in_training():
-    indptr, indices = random_graph(15, 0.3, seed=10)
+    indptr, indices = random_csr(15, 0.3, seed=10)
     block = Block.full(indptr, indices, F64)
     torch.manual_seed(0)
     plain = GATConv(4, 3, heads=2).double()

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from gnnpipe.config import ModelConfig
 from gnnpipe.models import GNN, Block, GraphLayer
 from gnnpipe.models.model import KINDS
-from test_layers import F64, TOL, chunk_splits, one_thread, partition_splits, random_graph  # noqa: F401
+from helpers import F64, TOL, chunk_splits, partition_splits, random_csr
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 GRAPH_KINDS = [k for k in KINDS if k != "mlp"]
 
@@ -74,7 +76,7 @@ def test_gat_heads_must_divide_hidden():
 
 
 def test_forward_refuses_non_square_block_for_stacks():
-    indptr, indices = random_graph(10, 0.3, 0)
+    indptr, indices = random_csr(10, 0.3, 0)
     (blk, _, _), _ = chunk_splits(indptr, indices, [0, 4, 10])
     with pytest.raises(ValueError, match="square"):
         model("gcn").double()(torch.randn(10, 7, dtype=F64), blk)
@@ -82,7 +84,7 @@ def test_forward_refuses_non_square_block_for_stacks():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_forward_is_encode_convs_decode(kind):
-    indptr, indices = random_graph(15, 0.2, 1)
+    indptr, indices = random_csr(15, 0.2, 1)
     block = Block.full(indptr, indices, F64)
     m = perturbed(kind).eval()
     x = torch.randn(15, 7, dtype=F64)
@@ -102,7 +104,7 @@ def test_layerwise_blocks_match_whole_graph(kind, split):
     with a halo exchange before every layer, done by hand in one process.
     """
     n = 21
-    indptr, indices = random_graph(n, 0.2, seed=2, symmetric=True, isolated=1)
+    indptr, indices = random_csr(n, 0.2, seed=2, symmetric=True, isolated=1)
     labels = torch.randint(0, 4, (n,))
     x = torch.randn(n, 7, dtype=F64)
     full_model = perturbed(kind)
@@ -140,7 +142,7 @@ def test_reset_parameters_equals_fresh_init(kind):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_runs_in_dtype(kind, dtype):
-    indptr, indices = random_graph(20, 0.2, 4)
+    indptr, indices = random_csr(20, 0.2, 4)
     m = model(kind, dropout=0.3).to(dtype).train()
     out = m(torch.randn(20, 7, dtype=dtype), Block.full(indptr, indices, dtype))
     assert out.dtype == dtype and out.shape == (20, 4)
@@ -165,7 +167,7 @@ def test_first_layer_aggregates_static_features_once(kind, monkeypatch):
     """Raw features (no gradient, same tensor) are aggregated once and reused; the result
     is exact, and a new or modified feature tensor is never served the memo."""
     from gnnpipe.models import ops
-    indptr, indices = random_graph(20, 0.2, 5)
+    indptr, indices = random_csr(20, 0.2, 5)
     block = Block.full(indptr, indices, F64)
     m = perturbed(kind, layers=2)
     fresh = perturbed(kind, layers=2)

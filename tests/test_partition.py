@@ -3,30 +3,11 @@
 import numpy as np
 import pytest
 
-from gnnpipe.graph import Graph, csr_from_edges
+from gnnpipe.graph import Graph
 from gnnpipe.io import GnnPipeError
 from gnnpipe.partition import (METHODS, partition_graph, partition_stats, read_partition,
                                symmetric_adjacency, write_partition)
-
-
-def make_graph(src, dst, n, *, features=3, classes=3, seed=0, symmetrize=True) -> Graph:
-    """A graph with the edges ``src -> dst`` and random features, labels and masks."""
-    indptr, indices = csr_from_edges(np.asarray(src), np.asarray(dst), n, symmetrize=symmetrize)
-    rng = np.random.default_rng(seed)
-    split = rng.integers(0, 3, n)
-    return Graph(indptr, indices, rng.normal(size=(n, features)).astype(np.float32),
-                 rng.integers(0, classes, n).astype(np.int64), split == 0, split == 1, split == 2,
-                 classes, name="test", symmetric=symmetrize)
-
-
-def random_graph(n=300, avg_degree=8, seed=0, *, local=0.8, symmetrize=True) -> Graph:
-    """Mostly-local random edges (so METIS has structure to find) plus random long ones."""
-    rng = np.random.default_rng(seed)
-    m = n * avg_degree // 2
-    dst = rng.integers(0, n, m)
-    near = (dst + rng.integers(1, 6, m)) % n
-    src = np.where(rng.random(m) < local, near, rng.integers(0, n, m))
-    return make_graph(src, dst, n, seed=seed, symmetrize=symmetrize)
+from helpers import make_graph, random_graph
 
 
 def brute_force_stats(graph: Graph, a: np.ndarray, parts: int) -> dict:

@@ -37,7 +37,7 @@ from gnnpipe.parallel.pipeline import History, PipelineEngine, check_pipeline_co
 from gnnpipe.parallel.testing import spawn_multi_process
 from gnnpipe.partition import partition_graph
 from gnnpipe.store import ChunkStore, materialize
-from test_partition import make_graph, random_graph
+from helpers import make_graph, random_graph
 
 KINDS = ("gcn", "sage", "gat", "gcnii", "resgcn")
 OFF = dict(shuffle_chunks=False, grad_correction=False, snapshot_every=0, momentum=0.0, recompute=False)

@@ -3,7 +3,6 @@ recommendation and its memory filter, the paper's two regimes, the CLI, calibrat
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
@@ -11,7 +10,11 @@ import numpy as np
 import pytest
 
 from gnnpipe import costmodel as cm
-from gnnpipe import plan as pl
+from gnnpipe.cli import build_parser
+from gnnpipe.planning import calibrate as cal
+from gnnpipe.planning import plan as pl
+from gnnpipe.planning import shape as sh
+from gnnpipe.planning import stats as ps
 from gnnpipe.config import ModelConfig
 from gnnpipe.graph import Graph, csr_from_edges, write_graph
 from gnnpipe.io import GnnPipeError
@@ -53,7 +56,7 @@ def test_layouts_of_eight_workers():
 def test_partition_summary_matches_brute_force():
     g = _graph()
     a = np.random.default_rng(1).integers(0, 3, g.num_nodes)
-    st = pl.partition_summary(g, a, 3)
+    st = ps.partition_summary(g, a, 3)
     inner = [0, 0, 0]
     for v in range(g.num_nodes):
         nbrs = g.indices[g.indptr[v]:g.indptr[v + 1]]
@@ -66,7 +69,7 @@ def test_partition_summary_matches_brute_force():
 
 def test_chunk_ways_are_blocks_of_the_chunk_partition():
     g = _graph(n=500)
-    st = pl.graph_stats(g, [8])
+    st = ps.graph_stats(g, [8])
     assert set(st["chunk_ways"]["8"]) == {"2", "4"}
     from gnnpipe.partition import partition_graph
 
@@ -81,22 +84,22 @@ def test_chunk_ways_are_blocks_of_the_chunk_partition():
 def test_stats_cache_is_reused_extended_and_invalidated(tmp_path, monkeypatch):
     path = tmp_path / "graph.h5"
     write_graph(path, _graph())
-    first = pl.cached_graph_stats(path, [2, 4])
-    assert pl.stats_cache_path(path).exists() and set(first["partitions"]) == {"2", "4"}
+    first = ps.cached_graph_stats(path, [2, 4])
+    assert ps.stats_cache_path(path).exists() and set(first["partitions"]) == {"2", "4"}
     computed = []
-    real = pl.graph_stats
+    real = ps.graph_stats
 
     def spy(graph, parts, **kw):
         computed.append(list(parts))
         return real(graph, parts, **kw)
 
-    monkeypatch.setattr(pl, "graph_stats", spy)
-    assert pl.cached_graph_stats(path, [2, 4]) == first and computed == []  # from the cache
-    both = pl.cached_graph_stats(path, [4, 8])
+    monkeypatch.setattr(ps, "graph_stats", spy)
+    assert ps.cached_graph_stats(path, [2, 4]) == first and computed == []  # from the cache
+    both = ps.cached_graph_stats(path, [4, 8])
     assert computed == [[8]] and set(both["partitions"]) == {"2", "4", "8"}
     assert both["partitions"]["4"] == first["partitions"]["4"]
     write_graph(path, _graph(seed=5))  # another graph at the same path: the cache is stale
-    pl.cached_graph_stats(path, [2])
+    ps.cached_graph_stats(path, [2])
     assert computed[-1] == [2]
 
 
@@ -114,57 +117,57 @@ def _sample(n, ratios, e_per_n=10.0, parts=(2, 8), inner=0.5):
 def test_extrapolation_fits_log_n():
     f = lambda n: 0.2 + 0.1 * math.log(n)  # noqa: E731
     samples = [_sample(n, {2: f(n) / 4, 8: f(n)}) for n in (1000, 4000, 16000)]
-    out = pl.extrapolate_stats(samples, 256000)
+    out = ps.extrapolate_stats(samples, 256000)
     assert out["partitions"]["8"]["mirrors_over_n"] == pytest.approx(f(256000))
     assert sum(out["partitions"]["8"]["mirrors"]) == pytest.approx(f(256000) * 256000)
     assert sum(out["partitions"]["8"]["nodes_per_part"]) == pytest.approx(256000)
     assert out["num_edges"] == 2_560_000  # E/N of the largest sample
     assert [s["num_nodes"] for s in out["extrapolated_from"]] == [1000, 4000, 16000]
-    one = pl.extrapolate_stats(samples[:1], 50000, 123456)
+    one = ps.extrapolate_stats(samples[:1], 50000, 123456)
     assert one["partitions"]["8"]["mirrors_over_n"] == pytest.approx(f(1000))  # one sample: constant
     assert sum(one["partitions"]["2"]["edges_per_part"]) == pytest.approx(123456)
     # a fit cannot exceed the (G-1) N mirrors a partition can have
     steep = [_sample(n, {2: 0.1 * n / 1000, 8: 1.0}) for n in (1000, 2000)]
-    assert pl.extrapolate_stats(steep, 10**6)["partitions"]["2"]["mirrors_over_n"] == 1.0
+    assert ps.extrapolate_stats(steep, 10**6)["partitions"]["2"]["mirrors_over_n"] == 1.0
 
 
 def test_mirror_ratio_override():
     s = _sample(1000, {2: 1.0, 8: 4.0})
-    out = pl.override_mirror_ratio(s, 8, 2.0)
+    out = ps.override_mirror_ratio(s, 8, 2.0)
     assert out["partitions"]["8"]["mirrors_over_n"] == pytest.approx(2.0)
     assert sum(out["partitions"]["2"]["mirrors"]) == pytest.approx(500.0)  # same factor, 1/2
     assert out["mirror_override"]["factor"] == pytest.approx(0.5)
     with pytest.raises(GnnPipeError, match="no 4-part partition"):
-        pl.override_mirror_ratio(s, 4, 1.0)
+        ps.override_mirror_ratio(s, 4, 1.0)
 
 
 # --------------------------------------------------------------------------- model shape
 def test_model_shape_of_a_gcn_and_a_gcnii():
-    gnn = pl.build_model(GCN, 12, 4)
-    shape = pl.model_shape(gnn)
+    gnn = sh.build_model(GCN, 12, 4)
+    shape = sh.model_shape(gnn)
     assert shape.exchange_dims == gnn.exchange_dims() == [12] + [16] * 7
     assert not shape.layers[0].input_grad and all(l.input_grad for l in shape.layers[1:])
     assert shape.num_params == sum(p.numel() for p in gnn.parameters())
-    g2 = pl.build_model(ModelConfig(kind="gcnii", layers=4, hidden=8), 12, 4)
-    s2 = pl.model_shape(g2)
+    g2 = sh.build_model(ModelConfig(kind="gcnii", layers=4, hidden=8), 12, 4)
+    s2 = sh.model_shape(g2)
     assert s2.carries_x0 and s2.x0_dim == 8 and s2.encoder == ((12, 8),) and s2.decoder == ((8, 4),)
     assert s2.num_params == sum(p.numel() for p in g2.parameters())
     with pytest.raises(GnnPipeError, match="no graph layers"):
-        pl.model_shape(pl.build_model(ModelConfig(kind="mlp", layers=2), 12, 4))
+        sh.model_shape(sh.build_model(ModelConfig(kind="mlp", layers=2), 12, 4))
 
 
 # --------------------------------------------------------------------------- the plan
 @pytest.fixture(scope="module")
 def small_stats():
     g = _graph(n=2000, extra=2000)
-    return pl.graph_stats(g, pl.part_counts(4, GCN.layers, 4)), g
+    return ps.graph_stats(g, pl.part_counts(4, GCN.layers, 4)), g
 
 
 def test_plan_bytes_are_the_closed_forms(small_stats):
     stats, g = small_stats
     hw = cm.load_hardware("8xgpu-pcie")
     p = pl.plan(stats, GCN, g.num_features, g.num_classes, hw, 4)
-    gnn = pl.build_model(GCN, g.num_features, g.num_classes)
+    gnn = sh.build_model(GCN, g.num_features, g.num_classes)
     n_params = sum(q.numel() for q in gnn.parameters())
     rows = {(r.mode, r.stages, r.ways): r for r in p.rows}
     graph = rows[("graph", 1, 4)]
@@ -227,7 +230,7 @@ DEEP = ModelConfig(kind="gcn", layers=32, hidden=100, dropout=0.5)
 
 # Mirror ratios Σ M / N of METIS partitions into K parts, measured with `gnnpipe plan` on
 # the synthetic shapes (reddit-like at 10^5 nodes, physics-like at its full 34,493), then
-# scaled by one factor to the figures DESIGN.md §3 gives for the real graphs at 8 parts
+# scaled by one factor to the figures docs/DESIGN.md §3 gives for the real graphs at 8 parts
 # (Reddit 2.1 N, Coauthor-Physics 0.3 N) with ``override_mirror_ratio``.
 REDDIT_LIKE = {2: 0.995, 4: 2.866, 8: 5.679, 16: 9.542, 32: 13.843}
 PHYSICS_LIKE = {2: 0.453, 4: 0.846, 8: 1.187, 16: 1.546, 32: 2.020}
@@ -237,7 +240,7 @@ PHYSICS_INNER = {2: 0.547, 4: 0.411, 8: 0.340, 16: 0.273, 32: 0.178}
 def _reddit():
     N = 232_965
     st = _uniform_stats("reddit", N, 492 * N, 602, 41, REDDIT_LIKE, {k: 0.0 for k in REDDIT_LIKE})
-    return pl.override_mirror_ratio(st, 8, 2.1)
+    return ps.override_mirror_ratio(st, 8, 2.1)
 
 
 def test_reddit_regime_bytes_and_links():
@@ -277,7 +280,7 @@ def test_physics_regime_graph_parallelism_wins(hardware, balance):
     """Coauthor-Physics' shape (N = 34,493, 14.4 edges per node, F = 8,415, Σ M = 0.3 N at 8
     parts): few mirrors, and the 8415-wide first conv cannot be spread over stages."""
     N = 34_493
-    st = pl.override_mirror_ratio(_uniform_stats("physics", N, int(14.4 * N), 8415, 5, PHYSICS_LIKE,
+    st = ps.override_mirror_ratio(_uniform_stats("physics", N, int(14.4 * N), 8415, 5, PHYSICS_LIKE,
                                                  PHYSICS_INNER), 8, 0.3)
     p = pl.plan(st, DEEP, 8415, 5, cm.load_hardware(hardware), 8, balance=balance)
     rows = {r.mode: r for r in p.rows}
@@ -293,8 +296,7 @@ def test_cli_plan_from_stats_file(tmp_path, capsys):
                         {2: 0.8, 4: 0.6, 8: 0.4, 16: 0.2})
     stats = tmp_path / "stats.json"
     stats.write_text(json.dumps(st))
-    parser = argparse.ArgumentParser()
-    pl.add_plan_parser(parser.add_subparsers(dest="command"))
+    parser = build_parser()
     out = tmp_path / "plan.json"
     a = parser.parse_args(["plan", "--stats", str(stats), "--layers", "4", "--hidden", "8",
                            "--hardware", "8xgpu-nvlink", "--workers", "4", "--out", str(out),
@@ -329,14 +331,14 @@ def test_run_plan_on_a_graph_file(tmp_path):
 
 def test_calibrate_fits_positive_rates_on_the_real_layers():
     g = _graph(n=800, extra=800)
-    hw = pl.calibrate(g, ModelConfig(kind="gcn", layers=3, hidden=16), cm.load_hardware("cpu-2core"),
+    hw = cal.calibrate(g, ModelConfig(kind="gcn", layers=3, hidden=16), cm.load_hardware("cpu-2core"),
                       rows=(128, 512), reps=1)
     fit = hw.measured["calibration"]
     assert all(math.isfinite(v) and v > 0 for k, v in fit["rates"].items() if k != "layer_overhead_us")
     assert hw.dense_gflops == fit["rates"].get("dense_gflops", hw.dense_gflops)
     # each distinct conv (3 here), forward and forward+backward, on 2 block shapes at 2 sizes
     assert sum(m["what"].startswith("conv") for m in fit["measurements"]) == 3 * 2 * 2 * 2
-    st = pl.graph_stats(g, pl.part_counts(2, 3, 4))
+    st = ps.graph_stats(g, pl.part_counts(2, 3, 4))
     assert pl.plan(st, ModelConfig(kind="gcn", layers=3, hidden=16), 12, 4, hw, 2).best is not None
 
 
@@ -377,10 +379,10 @@ def test_calibrate_command_writes_a_profile_the_report_finds(tmp_path):
     e = fit["single_epoch_s"]
     assert hw.single_worker_speedup == fit["single_worker_speedup"] == max(1.0, e["cold"] / e["warm"]) >= 1.0
     assert set(fit["warm_rates"]) == set(fit["rates"])
-    assert pl.find_calibration(out.parent, model, digest).name == hw.name
-    assert pl.find_calibration(out.parent, ModelConfig(kind="gcn", layers=4, hidden=16), digest) is None
-    assert pl.find_calibration(out.parent, model, digest, "float64") is None
-    assert pl.find_calibration(out.parent, model, "another graph") is None
+    assert cal.find_calibration(out.parent, model, digest).name == hw.name
+    assert cal.find_calibration(out.parent, ModelConfig(kind="gcn", layers=4, hidden=16), digest) is None
+    assert cal.find_calibration(out.parent, model, digest, "float64") is None
+    assert cal.find_calibration(out.parent, model, "another graph") is None
 
 
 def test_plan_stats_command_writes_where_it_is_told(tmp_path):
@@ -392,5 +394,5 @@ def test_plan_stats_command_writes_where_it_is_told(tmp_path):
     assert main(["plan-stats", "--graph", str(graph_path), "--parts", "2", "4", "--out", str(out)]) == 0
     st = json.loads(out.read_text())
     assert set(st["partitions"]) == {"2", "4"} and st["num_nodes"] == 600
-    assert not pl.stats_cache_path(graph_path).exists()
-    assert st["partitions"]["2"] == pl.graph_stats(_graph(), [2])["partitions"]["2"]
+    assert not ps.stats_cache_path(graph_path).exists()
+    assert st["partitions"]["2"] == ps.graph_stats(_graph(), [2])["partitions"]["2"]

@@ -1,4 +1,4 @@
-"""report.py on synthetic run records: the table, the graph ÷ pipeline ratios, the plots."""
+"""gnnpipe.report on synthetic run records: the table, the graph ÷ pipeline ratios, the plots."""
 
 import json
 import math
@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from gnnpipe.io import GnnPipeError
-from gnnpipe.report import build_report, fmt_bytes, fmt_ratio, fmt_s, load_run, plot_curves, ratio
+from gnnpipe.report import build_report
+from gnnpipe.report.plots import plot_curves
+from gnnpipe.report.records import load_run
+from gnnpipe.report.tables import fmt_bytes, fmt_ratio, fmt_s, ratio
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -16,7 +19,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def record(run_id, mode, model="gcnii", layers=32, hidden=64, workers=1, stages=1, ways=1, chunks=1,
            epoch_time=0.1, split=(0.08, 0.02, 0.0), sent=0, predicted=0, peak=10**8, test_acc=0.8,
            epochs=6, dataset="synth"):
-    """A run record shaped like DESIGN.md §6, with a history that evaluates every other epoch."""
+    """A run record shaped like docs/DESIGN.md §6, with a history that evaluates every other epoch."""
     history = []
     for e in range(epochs):
         evald = e % 2 == 1
@@ -152,7 +155,8 @@ def test_formatting_of_bytes_times_and_ratios():
 
 
 def test_comparisons_pair_graph_with_model_parallel_runs_of_equal_workers():
-    from gnnpipe.report import Run, comparisons
+    from gnnpipe.report.records import Run
+    from gnnpipe.report.tables import comparisons
 
     runs = [Run(record(rid, mode, workers=p, stages=s, ways=g)) for rid, mode, p, s, g in [
         ("g2", "graph", 2, 1, 2), ("g4", "graph", 4, 1, 4), ("p2", "pipeline", 2, 2, 1),
@@ -170,7 +174,8 @@ def _seeded(root, mode, seed, workers=1, stages=1, ways=1, chunks=1, **kw):
 
 
 def test_seeds_are_pooled_into_mean_and_std_and_ratios_of_the_means(tmp_path):
-    from gnnpipe.report import Run, aggregate, comparisons
+    from gnnpipe.report.records import Run, aggregate
+    from gnnpipe.report.tables import comparisons
 
     root = tmp_path / "runs"
     dirs = []
@@ -213,7 +218,9 @@ def test_seeds_are_pooled_into_mean_and_std_and_ratios_of_the_means(tmp_path):
 
 
 def test_mean_std_and_error_formatting():
-    from gnnpipe.report import fmt_err, mean_std, rel_error
+    from gnnpipe.report.predictions import rel_error
+    from gnnpipe.report.records import mean_std
+    from gnnpipe.report.tables import fmt_err
 
     assert mean_std([1.0, None, 3.0]) == (2.0, pytest.approx(math.sqrt(2)), 2)
     assert mean_std([5]) == (5.0, None, 1) and mean_std([None]) == (None, None, 0)
@@ -256,8 +263,10 @@ def _with_run_yaml(d: Path, rec: dict, graph_path: Path, pipeline=None) -> None:
 def test_cost_model_prediction_beside_each_run_and_unavailable_ones(tmp_path, graph_file):
     from gnnpipe import costmodel as cm
     from gnnpipe.config import ModelConfig, PipelineConfig
-    from gnnpipe.plan import build_model, cached_graph_stats, model_shape, predict_layout
-    from gnnpipe.report import PREDICTION_HEADER
+    from gnnpipe.planning.plan import predict_layout
+    from gnnpipe.planning.shape import build_model, model_shape
+    from gnnpipe.planning.stats import cached_graph_stats
+    from gnnpipe.report.tables import PREDICTION_HEADER
 
     hw = cm.load_hardware("cpu-2core")
     gnn = build_model(ModelConfig(kind="gcn", layers=4, hidden=8), 8, 3)
@@ -332,7 +341,7 @@ def _table(text: str) -> tuple[list[str], list[list[str]]]:
 
 def test_pipeline_techniques_table_of_an_ablation(tmp_path):
     from gnnpipe.config import PipelineConfig
-    from gnnpipe.report import TECHNIQUES_HEADER
+    from gnnpipe.report.tables import TECHNIQUES_HEADER
 
     root, graph = tmp_path / "runs", tmp_path / "no-graph.h5"  # predict=False: no graph read
     pipe = dict(workers=2, stages=2, chunks=8)
@@ -383,7 +392,7 @@ def test_pipeline_techniques_table_of_an_ablation(tmp_path):
     assert rows[4] == ["`abl-lost`", "2×1", "8", "—", "—", "—", "—", "0.7700", delta("abl-lost")]
     assert [r[-1] for r in rows[1:]] == ["-0.58", "-2.00", "-5.42", "-4.00"]
     # the variants are not pooled as seeds of one layout: one "Over seeds" row each
-    from gnnpipe.report import aggregate, load_runs
+    from gnnpipe.report.records import aggregate, load_runs
 
     runs = load_runs(dirs)
     aggs = [a for a in aggregate(runs, {}) if a["mode"] == "pipeline" and a.group[1] == "gcnii"]
@@ -392,7 +401,8 @@ def test_pipeline_techniques_table_of_an_ablation(tmp_path):
 
 def test_no_pipeline_techniques_section_when_the_settings_agree(tmp_path):
     from gnnpipe.config import PipelineConfig
-    from gnnpipe.report import has_technique_ablation, load_run
+    from gnnpipe.report.records import load_run
+    from gnnpipe.report.tables import has_technique_ablation
 
     root, graph = tmp_path / "runs", tmp_path / "no-graph.h5"
     dirs = [write_run(root, record("same-single", "single"))]

@@ -8,7 +8,7 @@ import torch
 from gnnpipe.io import GnnPipeError
 from gnnpipe.partition import partition_graph, partition_stats
 from gnnpipe.store import FORMAT_VERSION, NODE_ARRAYS, ChunkStore, materialize
-from test_partition import make_graph, random_graph
+from helpers import make_graph, random_graph
 
 
 def aggregate(block, x_src: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,7 @@ def test_an_unreachable_tracking_server_keeps_the_finished_run(tmp_path, monkeyp
 
     from gnnpipe.cli import main
     from gnnpipe.config import dump_run_config
-    from test_train import run_cfg
+    from helpers import run_cfg
 
     _no_mlflow_http_env(monkeypatch)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")

@@ -6,40 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from gnnpipe.config import load_workflow_config, resolve_runs
-from gnnpipe.graph import Graph, csr_from_edges, write_graph
+from gnnpipe.graph import write_graph
+from helpers import run_cfg, two_community_graph
 
 RECORD_FIELDS = {
     "run_id", "mode", "dataset", "num_nodes", "num_edges", "in_features", "model", "layers", "hidden",
     "world_size", "stages", "ways", "chunks", "epochs", "dtype_bytes", "epoch_time_s",
     "epoch_time_breakdown_s", "comm_bytes_per_epoch", "comm_bytes_predicted", "peak_mem_bytes",
     "train_acc", "val_acc", "test_acc", "final_loss", "mlflow_run_id", "history"}
-
-
-def two_community_graph(n=200, seed=0) -> Graph:
-    """Two dense communities, weakly linked; features carry a faint class signal."""
-    rng = np.random.default_rng(seed)
-    labels = (np.arange(n) >= n // 2).astype(np.int64)
-    src = rng.integers(0, n, 6 * n)
-    same = rng.random(6 * n) < 0.9
-    half = n // 2
-    dst = np.where(same, (src // half) * half + rng.integers(0, half, 6 * n), rng.integers(0, n, 6 * n))
-    indptr, indices = csr_from_edges(src, dst, n)
-    x = (rng.normal(size=(n, 8)) + 0.5 * labels[:, None]).astype(np.float32)
-    split = rng.permutation(n)
-    masks = [np.isin(np.arange(n), split[a:b]) for a, b in ((0, n // 2), (n // 2, 3 * n // 4), (3 * n // 4, n))]
-    return Graph(indptr, indices, x, labels, *masks, num_classes=2, name="two")
-
-
-def run_cfg(tmp_path, model, epochs=30, **training):
-    wf = load_workflow_config({
-        "results": str(tmp_path / "results"),
-        "datasets": {"two": {}}, "models": {"m": model},
-        "training": {"epochs": epochs, "eval_every": 5, "checkpoint_every": 10, "lr": 0.02, **training},
-        "runs": [{"mode": "single", "dataset": "two", "model": "m"}]})
-    cfg = next(iter(resolve_runs(wf).values()))
-    write_graph(cfg.graph_path, two_community_graph())
-    return cfg
 
 
 @pytest.fixture(autouse=True)

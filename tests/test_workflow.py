@@ -7,46 +7,25 @@ repository's results/.
 
 import dataclasses
 import json
-import os
 import re
 import subprocess
-import sys
 import types
 import typing
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from gnnpipe.config import BOUNDS, WorkflowConfig, load_workflow_config, resolve_runs, run_id
+from helpers import ROOT, TINY, snakemake, write_config
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "config" / "config.yaml"
-TINY = ROOT / ".test" / "config.yaml"
 SCHEMA = ROOT / "workflow" / "schemas" / "config.schema.yaml"
-
-
-def snakemake(workdir: Path, configfile: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    for var in ("MLFLOW_TRACKING_URI", "GNNPIPE_EXPERIMENT"):
-        env.pop(var, None)
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir),
-           "--configfile", str(configfile), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def job_counts(output: str) -> dict[str, int]:
     table = output[output.index("Job stats:"):]
     return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "total"}
-
-
-def write_config(tmp_path: Path, edit) -> Path:
-    cfg = yaml.safe_load(TINY.read_text())
-    edit(cfg)
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 # ----------------------------------------------------------------------------- static checks
@@ -71,8 +50,8 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
     atoms = {r.dataset_name for r in runs.values() if r.atomic}
     assert atoms, "the default config trains an atomic model too"
     assert job_counts(out) == {
-        "all": 1, "dataset_spec": len(node) + len(atoms), "download": len(node), "partition": len(stores),
-        "materialize": len(stores), "download_atoms": len(atoms), "atom_graphs": len(atoms),
+        "all": 1, "dataset_spec": len(node) + len(atoms), "build_graph": len(node), "partition": len(stores),
+        "materialize": len(stores), "build_systems": len(atoms), "atom_graphs": len(atoms),
         "run_config": len(runs), "train": len(runs), "evaluate": len(runs), "report": 1,
         "plan_stats": len(node), "calibrate": len(fitted)}
     for d, m in fitted:
@@ -272,7 +251,7 @@ def test_tiny_config_end_to_end(tmp_path):
     # report; the partition statistics are the rule's output, not a cache beside graph.h5
     from gnnpipe.costmodel import load_hardware
     from gnnpipe.graph import read_graph_attrs
-    from gnnpipe.plan import stats_cache_path
+    from gnnpipe.planning.stats import stats_cache_path
 
     fitted = {(r.dataset_name, s.model, tmp_path / r.graph_path) for s in wf.runs
               for r in [runs[run_id(wf, s)]] if r.model.kind != "mlp"}

@@ -150,6 +150,45 @@ def _runs(a):
         print(f"{rid}\t{r.mode}\tworkers={r.workers} stages={r.stages} ways={r.ways} chunks={r.chunks}")
 
 
+def _plan(a):
+    from .config import load_yaml
+    from .planning.plan import run_plan
+
+    data = {}
+    if a.model:
+        data = load_yaml(a.model) or {}
+        if not isinstance(data, dict):
+            raise GnnPipeError(f"{a.model}: a model config is a mapping")
+    for key in ("kind", "layers", "hidden"):
+        if getattr(a, key) is not None:
+            data[key] = getattr(a, key)
+    run_plan(a.graph, data, a.hardware, a.workers, a.out, stats_path=a.stats, at_nodes=a.at_nodes,
+             at_edges=a.at_edges, chunks_per_stage=a.chunks_per_stage, dtype=a.dtype, method=a.method,
+             seed=a.seed, overlap=a.overlap, balance=a.balance, calibrate_rates=a.calibrate,
+             threads=a.threads, mirror_ratio=a.mirror_ratio, first_input=a.first_input, clock=a.clock)
+
+
+def _calibrate(a):
+    from .planning.calibrate import calibrate_run, write_hardware
+
+    write_hardware(calibrate_run(a.run_config, a.hardware, clock=a.clock), a.out)
+
+
+def _plan_stats(a):
+    from .planning.stats import cached_graph_stats
+
+    cached_graph_stats(a.graph, a.parts, method=a.method, seed=a.seed, balance_edges=a.balance_edges,
+                       progress=True, cache_file=a.out)
+
+
+def _ratio(text: str) -> tuple[int, float]:
+    try:
+        g, r = text.split(":")
+        return int(g), float(r)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected PARTS:RATIO such as 8:2.1, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gnnpipe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -255,10 +294,80 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--resolve", metavar="RUN_ID", help="print this run's resolved config as YAML")
     s.set_defaults(func=_runs)
 
-    from .plan import add_calibrate_parser, add_plan_parser, add_stats_parser
-    add_plan_parser(sub)
-    add_calibrate_parser(sub)
-    add_stats_parser(sub)
+    from .costmodel import FIRST_INPUT
+    from .planning.calibrate import CLOCKS
+    from .planning.shape import DTYPE_BYTES
+
+    pl = sub.add_parser(
+        "plan", help="predict and compare graph / pipeline / hybrid layouts on a cluster",
+        description="Predict, for every layout of --workers workers (graph parallelism, GNNPipe, "
+                    "hybrid), the bytes per epoch (exact), the epoch time, the pipeline bubble and "
+                    "the peak memory per worker on a hardware profile, and recommend the fastest "
+                    "that fits. Partition statistics are computed with METIS on the graph and "
+                    "cached next to it.")
+    pl.add_argument("--graph", action="append", help="graph.h5 (repeat: samples of one shape to "
+                                                     "extrapolate to --at-nodes)")
+    pl.add_argument("--stats", help="a plan statistics JSON instead of --graph")
+    pl.add_argument("--at-nodes", type=int, help="extrapolate the statistics to this many nodes")
+    pl.add_argument("--at-edges", type=int, help="... and this many stored edges (default: same E/N)")
+    pl.add_argument("--mirror-ratio", metavar="G:R", type=_ratio,
+                    help="scale every partition's mirrors so that G parts have R*N (e.g. 8:2.1, a "
+                         "published figure for the graph the statistics stand in for)")
+    pl.add_argument("--model", help="YAML of the model config (a models.<name> entry)")
+    pl.add_argument("--kind", choices=["gcn", "sage", "gat", "gcnii", "resgcn"], help="override model.kind")
+    pl.add_argument("--layers", type=int, help="override model.layers")
+    pl.add_argument("--hidden", type=int, help="override model.hidden")
+    pl.add_argument("--hardware", required=True,
+                    help="a profile name under config/hardware (e.g. 8xgpu-pcie) or a YAML file")
+    pl.add_argument("--workers", type=int, required=True, help="number of workers P")
+    pl.add_argument("--chunks-per-stage", type=int, default=4, help="pipeline chunks C = this x S")
+    pl.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
+    pl.add_argument("--method", default="metis", choices=["metis", "random", "contiguous"])
+    pl.add_argument("--seed", type=int, default=0, help="partition seed")
+    pl.add_argument("--balance", default="estimate", choices=["uniform", "estimate", "profile"],
+                    help="stage split, as pipeline.balance")
+    pl.add_argument("--no-overlap", dest="overlap", action="store_false",
+                    help="graph parallelism without overlap of inner rows and halo exchange")
+    pl.add_argument("--first-input", default="local", choices=list(FIRST_INPUT),
+                    help="graph parallelism's first conv: input halo cached at set-up (local, the "
+                         "engine's default), rows forward only, or rows and gradients (exchanged)")
+    pl.add_argument("--calibrate", action="store_true",
+                    help="fit the compute rates to this machine on the (last) graph first")
+    pl.add_argument("--threads", type=int, default=1, help="compute threads per worker for --calibrate")
+    pl.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                    help="--calibrate timing: wall clock, or the thread's CPU time (a shared machine)")
+    pl.add_argument("--out", help="write the plan as JSON here")
+    pl.set_defaults(func=_plan)
+
+    c = sub.add_parser(
+        "calibrate", help="fit a hardware profile's compute rates to a run's graph and model",
+        description="Time every distinct conv of the run's model forward and backward on samples "
+                    "of its graph (and the bare kernels), fit the cost model's compute rates "
+                    "(dense FLOP/s, sparse and elementwise values/s, random numbers/s, per-call "
+                    "overhead) and write the profile with those rates as YAML. The links keep the "
+                    "profile's values. Takes a few seconds.")
+    c.add_argument("--run-config", required=True, help="results/runs/<run_id>/run.yaml of a run to fit to")
+    c.add_argument("--hardware", required=True, help="base profile: a name under config/hardware or a YAML file")
+    c.add_argument("--clock", default="cpu", choices=sorted(CLOCKS),
+                   help="cpu (default): the timing thread's CPU time, blind to other jobs on the "
+                        "machine; wall: wall-clock time (used anyway for several threads per worker)")
+    c.add_argument("--out", required=True, help="profile to write (YAML)")
+    c.set_defaults(func=_calibrate)
+
+    ps = sub.add_parser(
+        "plan-stats", help="partition statistics the cost model needs, as JSON",
+        description="Partition the graph into each of --parts parts (as the partition rule does) "
+                    "and write the statistics the cost model reads: rows, inner rows, in-edges and "
+                    "mirrors per part. An existing file for the same graph content, method and seed "
+                    "is extended, not recomputed.")
+    ps.add_argument("--graph", required=True, help="graph.h5")
+    ps.add_argument("--parts", type=int, nargs="*", default=[],
+                    help="part counts (none: the graph's sizes only)")
+    ps.add_argument("--method", default="metis", choices=["metis", "random", "contiguous"])
+    ps.add_argument("--seed", type=int, default=0)
+    ps.add_argument("--no-balance-edges", dest="balance_edges", action="store_false")
+    ps.add_argument("--out", required=True, help="statistics JSON to write")
+    ps.set_defaults(func=_plan_stats)
     return p
 
 

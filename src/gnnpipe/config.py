@@ -176,7 +176,7 @@ class TrainingConfig:
 
 @dataclass
 class PipelineConfig:
-    """GNNPipe chunk pipeline and its convergence techniques (DESIGN.md §4)."""
+    """GNNPipe chunk pipeline and its convergence techniques (docs/DESIGN.md §4)."""
 
     chunks_per_stage: int = 4  # C = chunks_per_stage * S unless a run sets chunks
     shuffle_chunks: bool = True  # technique 1
@@ -207,7 +207,7 @@ class GraphParallelConfig:
     overlap: bool = True  # aggregate inner rows while halo rows are in flight
     # Input features never change: fetch the halo's features once at set-up and compute
     # the first layer's sources locally (no layer-0 exchange per epoch). False: exchange
-    # them every epoch (the DESIGN.md §4 count, less the input gradients nobody needs).
+    # them every epoch (the docs/DESIGN.md §4 count, less the input gradients nobody needs).
     cache_input_halo: bool = True
 
 
@@ -231,7 +231,7 @@ class ResourcesConfig:
 
 @dataclass
 class CostModelConfig:
-    """The cost model the report sets beside every measured run (gnnpipe.plan)."""
+    """The cost model the report sets beside every measured run (gnnpipe.planning)."""
 
     hardware: str = "cpu-2core"  # profile name under config/hardware, or a YAML file
     # Fit the profile's compute rates to each (dataset, model) on this machine first

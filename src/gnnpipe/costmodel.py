@@ -2,7 +2,7 @@
 
 Pure functions of sizes and a hardware profile: no torch, no process group. The closed
 forms here are the single source of the byte counts that the engines' ``predicted_bytes()``
-and ``gnnpipe plan`` both use (docs/ARCHITECTURE.md, DESIGN.md §4).
+and ``gnnpipe plan`` both use (docs/ARCHITECTURE.md, docs/DESIGN.md §4).
 
 Bytes (``b`` bytes per value, ``d_l`` the input width of conv ``l`` = ``GNN.exchange_dims()``)
 
@@ -77,7 +77,7 @@ def _halo_values(exchange_dims: Sequence[int], first_input: str) -> int:
     """Values one mirror costs per epoch over all convs, both directions.
 
     ``first_input``: what the first conv's input costs: ``"exchanged"`` (rows forward,
-    gradients back: DESIGN.md's ``2 · Σ_l d_l``), ``"forward"`` (raw features: rows forward
+    gradients back: docs/DESIGN.md's ``2 · Σ_l d_l``), ``"forward"`` (raw features: rows forward
     only, no gradient) or ``"local"`` (the input halo is cached at set-up: nothing).
     """
     if first_input not in FIRST_INPUT:

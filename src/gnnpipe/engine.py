@@ -15,8 +15,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import TrainingConfig
+from .io import GnnPipeError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class NonFiniteError(GnnPipeError):
+    """A non-finite loss or gradient: the run diverged (it stops at once, exit non-zero)."""
 
 
 @dataclass
@@ -43,6 +48,10 @@ class Engine(Protocol):
     def state_dict(self) -> dict: ...  # this rank's training state, for a resumable checkpoint
 
     def load_state_dict(self, state: dict) -> None: ...
+
+    def graph_info(self) -> dict: ...  # the run record's num_nodes, num_edges, in_features
+
+    def extra_info(self) -> dict: ...  # what the run record keeps about this mode ("extra")
 
 
 def make_optimizer(params, cfg: TrainingConfig) -> torch.optim.Optimizer:

@@ -145,7 +145,7 @@ def write_graph(path: str | os.PathLike, graph: Graph) -> str:
 
 
 def _refuse(path, why: str) -> GnnPipeError:
-    return GnnPipeError(f"{path}: {why}. Delete it and rebuild it with the 'download' rule "
+    return GnnPipeError(f"{path}: {why}. Delete it and rebuild it with the 'build_graph' rule "
                         f"(snakemake {path}) or `gnnpipe data`.")
 
 
@@ -155,7 +155,7 @@ def read_graph_attrs(path: str | os.PathLike) -> dict:
         with h5py.File(path, "r") as f:
             attrs = dict(f.attrs)
     except FileNotFoundError:
-        raise GnnPipeError(f"{path}: no such graph file; build it with the 'download' rule") from None
+        raise GnnPipeError(f"{path}: no such graph file; build it with the 'build_graph' rule") from None
     except OSError as e:
         raise _refuse(path, f"not a readable HDF5 file ({e})") from None
     version = attrs.get("format_version")

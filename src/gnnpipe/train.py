@@ -16,7 +16,7 @@ Several nodes (Slurm or by hand)::
 The trainer branches once on the mode to build an engine (``engine.Engine``), resumes
 from the run's last complete checkpoint (``checkpoint.py``; ``--restart`` discards it),
 then runs the epochs, reduces the per-rank statistics, checkpoints, and on rank 0 writes
-the run record ``<out_dir>/metrics.json`` (DESIGN.md §6) and logs the run to MLflow.
+the run record ``<out_dir>/metrics.json`` (docs/DESIGN.md §6) and logs the run to MLflow.
 A failure ends every rank promptly with one line (a dead peer named, a non-finite loss or
 gradient with its epoch, rank and tensor) and the MLflow run ``FAILED``.
 """
@@ -42,59 +42,10 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from .config import RunConfig, dump_run_config, to_dict
-from .engine import DTYPES, EpochStats, ce_sum, load_train_state, make_optimizer, train_state
-from .evaluate import exact_metrics, graph_tensors, run_fingerprint
-from .graph import read_graph
+from .engine import DTYPES, NonFiniteError
+from .evaluate import run_fingerprint
 from .io import GnnPipeError, atomic_path, write_json, write_text
-from .models.block import Block
-from .models.model import GNN
 from .parallel.dims import ParallelDims, ProcessGroups, build_groups
-
-
-class SingleEngine:
-    """The whole graph and the whole model in one process: the accuracy reference."""
-
-    comm = None
-
-    def __init__(self, cfg: RunConfig, device: torch.device):
-        self.cfg = cfg
-        dtype = DTYPES[cfg.training.dtype]
-        graph = read_graph(cfg.graph_path)
-        self.num_nodes, self.num_edges, self.in_features = graph.num_nodes, graph.num_edges, graph.num_features
-        self.block = Block.full(graph.indptr, graph.indices, dtype).to(device)
-        self.x, self.y, self.masks = graph_tensors(graph, dtype, device)
-        self.n_train = max(int(self.masks["train"].sum()), 1)
-        torch.manual_seed(cfg.training.seed)
-        self.model = GNN(cfg.model, graph.num_features, graph.num_classes).to(device, dtype)
-        self.opt = make_optimizer(self.model.parameters(), cfg.training)
-
-    def train_epoch(self, epoch: int) -> EpochStats:
-        t0 = time.perf_counter()
-        self.model.train()
-        self.opt.zero_grad(set_to_none=True)
-        logits = self.model(self.x, self.block)  # (N, C)
-        loss = ce_sum(logits, self.y, self.masks["train"]) / self.n_train
-        if not bool(torch.isfinite(loss)):  # before its gradients: the loss is the cause
-            raise NonFiniteError(f"epoch {epoch}, rank 0: non-finite training loss ({float(loss.detach())}): "
-                                 f"training diverged (lower training.lr?)")
-        loss.backward()
-        self.opt.step()
-        return EpochStats(loss=float(loss.detach()), compute_s=time.perf_counter() - t0)
-
-    def evaluate(self) -> dict[str, float]:
-        return exact_metrics(self.model, self.block, self.x, self.y, self.masks)
-
-    def full_state_dict(self):
-        return self.model.state_dict()
-
-    def state_dict(self) -> dict:
-        return train_state(self.model, self.opt)
-
-    def load_state_dict(self, state: dict) -> None:
-        load_train_state(self.model, self.opt, state)
-
-    def predicted_bytes(self) -> int:
-        return 0
 
 
 # --------------------------------------------------------------------------- process set-up
@@ -136,9 +87,10 @@ def build_engine(cfg: RunConfig, groups: Optional[ProcessGroups], comm, device):
         from .atomic.engine import AtomicEngine
         return AtomicEngine(cfg, comm, device, groups)
     if cfg.mode == "single":
+        from .parallel.single import SingleEngine
         return SingleEngine(cfg, device)
     if cfg.mode == "graph":
-        from .parallel.graph import GraphEngine
+        from .parallel.graph_parallel import GraphEngine
         return GraphEngine(cfg, groups, comm, device)
     if cfg.mode == "pipeline":
         from .parallel.pipeline import PipelineEngine
@@ -172,10 +124,6 @@ class _Reducer:
 
 
 # --------------------------------------------------------------------------- failures
-class NonFiniteError(GnnPipeError):
-    """A non-finite loss or gradient: the run diverged (it stops at once, exit non-zero)."""
-
-
 class WorkerLost(GnnPipeError):
     """A peer died or the group was stopped: this rank cannot go on (it exits non-zero)."""
 
@@ -411,7 +359,7 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
     return record
 
 
-#: OC20 S2EF metrics of atomic runs, at the top of the run record (DESIGN.md §4)
+#: OC20 S2EF metrics of atomic runs, at the top of the run record (docs/DESIGN.md §4)
 ATOMIC_METRICS = ("energy_mae", "force_mae", "force_cos", "efwt")
 
 
@@ -420,9 +368,8 @@ def _median(values):
 
 
 def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
-    """The run record (DESIGN.md §6); parallel-only fields are 0/1 for ``single``."""
-    graph_info = engine.graph_info() if hasattr(engine, "graph_info") else {
-        "num_nodes": engine.num_nodes, "num_edges": engine.num_edges, "in_features": engine.in_features}
+    """The run record (docs/DESIGN.md §6); parallel-only fields are 0/1 for ``single``."""
+    graph_info = engine.graph_info()
     bytes_timed = [r["comm_bytes"] for r in splits]
     record = {
         "run_id": cfg.run_id, "mode": cfg.mode, "dataset": cfg.dataset_name, **graph_info,
@@ -440,7 +387,7 @@ def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
         "test_acc": last_eval.get("test_acc"), "final_loss": history[-1]["loss"] if history else None,
         **({k: last_eval.get(k) for k in ATOMIC_METRICS} if cfg.atomic else {}),
         "mlflow_run_id": None,
-        "extra": engine.extra_info() if hasattr(engine, "extra_info") else {},
+        "extra": engine.extra_info(),
         "history": history,
     }
     if cfg.atomic:  # interaction blocks and their width; the edge split's ways

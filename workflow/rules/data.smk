@@ -12,7 +12,7 @@ rule dataset_spec:
         "printf '%s' {params.text:q} > {output.spec} 2> {log}"
 
 
-rule download:
+rule build_graph:
     """Generate (synthetic), download or read (ogb) or load (files) the graph.h5 of a node dataset."""
     input:
         unpack(dataset_inputs),
@@ -28,7 +28,7 @@ rule download:
         " --out {output.graph} --stats {output.stats} > {log} 2>&1"
 
 
-rule download_atoms:
+rule build_systems:
     """Generate (EMT slabs + adsorbates) or read (ASE db / extxyz) an atoms dataset: systems.h5."""
     input:
         unpack(dataset_inputs),

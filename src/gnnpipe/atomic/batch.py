@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 

@@ -4,7 +4,7 @@ Two HDF5 files per dataset (h5py; ``format_version``, a ``content_hash`` over ev
 *and* the attributes, written atomically; a reader refuses another version or kind, a
 missing array, a truncated, bit-flipped or edited file, naming the rule that rebuilds it):
 
-* ``results/data/<ds>/systems.h5`` (rule ``download``): concatenated ``z`` (N,), ``pos``
+* ``results/data/<ds>/systems.h5`` (rule ``build_systems``): concatenated ``z`` (N,), ``pos``
   (N, 3) Å, ``fixed`` (N,), ``forces`` (N, 3) eV/Å; per system ``cell`` (S, 3, 3), ``pbc``
   (S, 3), ``energy`` (S,) eV, ``split`` (S,) 0/1/2 = train/val/test; ``atom_ptr`` (S+1,).
 * ``results/data/<ds>/graphs.h5`` (rule ``atom_graphs``): per system the directed edges
@@ -159,7 +159,6 @@ def radius_graph(pos: np.ndarray, cell: np.ndarray, pbc: np.ndarray, cutoff: flo
     Returns ``src`` (j), ``dst`` (i), ``shift`` (E, 3) = n·cell, sorted by (i, distance); each
     target keeps its ``max_neighbors`` nearest (ties by source, then image, stable).
     """
-    n = len(pos)
     reps = []
     for ax in range(3):
         if pbc[ax]:
@@ -313,7 +312,7 @@ def write_systems(path, systems: dict, params: dict | None = None) -> str:
 
 
 def read_systems(path) -> dict:
-    arrays, attrs = read_h5(path, "systems", SYSTEM_ARRAYS, "download")
+    arrays, attrs = read_h5(path, "systems", SYSTEM_ARRAYS, "build_systems")
     arrays["fixed"], arrays["pbc"] = arrays["fixed"].astype(bool), arrays["pbc"].astype(bool)
     return {**arrays, "source": attrs["source"], "content_hash": attrs["content_hash"]}
 

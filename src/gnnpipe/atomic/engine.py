@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..engine import DTYPES, EpochStats, load_train_state, make_optimizer, train_state
 from .dimenetpp import DimeNetPP, energy_and_forces
 from .parallel import EdgeGroup, shard_graph, with_pos
 
@@ -126,7 +127,6 @@ class AtomicEngine:
     """Modes ``single`` and ``graph`` (P ways × D replicas) for atomic models (see the module docstring)."""
 
     def __init__(self, cfg, comm, device, groups=None):
-        from ..engine import DTYPES, make_optimizer
         from ..io import GnnPipeError
         from .data import read_graphs, read_systems
         from .dimenetpp import DimeNetPP, count_parameters
@@ -198,7 +198,6 @@ class AtomicEngine:
     def train_epoch(self, epoch: int):
         import time
 
-        from ..engine import EpochStats
         t0 = time.perf_counter()
         comm0 = self.comm.epoch_comm_s(epoch) if self.comm is not None else 0.0
         self.model.train()
@@ -289,11 +288,9 @@ class AtomicEngine:
         return self.model.state_dict()
 
     def state_dict(self) -> dict:
-        from ..engine import train_state
         return train_state(self.model, self.opt)
 
     def load_state_dict(self, state: dict) -> None:
-        from ..engine import load_train_state
         load_train_state(self.model, self.opt, state)
 
     def graph_info(self) -> dict:

@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from ..report.plots import figure, history_panel, save
+from ..report.tables import DASH, fmt_bytes, fmt_s, md_table
+
 METRICS = ("energy_mae", "force_mae", "force_cos", "efwt")
 HEADER = ["run", "mode", "P × D", "params", "epoch", "bytes/epoch", "predicted", "peak mem",
           "energy MAE (eV)", "baseline MAE", "force MAE (eV/Å)", "force cos", "EFwT"]
@@ -27,10 +30,10 @@ def _metric(run, key):
 
 
 def _f(x, spec=".4f") -> str:
-    return "—" if x is None else format(x, spec)
+    return DASH if x is None else format(x, spec)
 
 
-def run_row(run, fmt_s, fmt_bytes) -> list[str]:
+def run_row(run) -> list[str]:
     r, extra = run.record, run.record.get("extra") or {}
     return [f"`{run.run_id}`", r["mode"], f"{r['ways']} × {r.get('data_parallel', 1)}",
             f"{extra.get('parameters', 0):,}", fmt_s(r["epoch_time_s"]), fmt_bytes(r["comm_bytes_per_epoch"]),
@@ -39,20 +42,13 @@ def run_row(run, fmt_s, fmt_bytes) -> list[str]:
             _f(_metric(run, "force_cos"), ".3f"), _f(_metric(run, "efwt"), ".3f")]
 
 
-def plot_curves(dataset: str, runs: list, path: Path, figure, save) -> None:
+def plot_curves(dataset: str, runs: list, path: Path) -> None:
     fig, axes = figure(13, 3.8, nrows=1, ncols=3)
     for ax, (key, title) in zip(axes, [("loss", "training loss (normalised)"),
                                        ("val_energy_mae", "validation energy MAE (eV)"),
                                        ("val_force_mae", "validation force MAE (eV/Å)")]):
-        for run in runs:
-            pts = [(h["epoch"], h[key]) for h in run["history"] if h.get(key) is not None]
-            if pts:
-                xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o" if key != "loss" else None, markersize=3,
-                        label=f"{run['mode']} P={run['ways']}×{run.record.get('data_parallel', 1)}")
-        ax.set_title(title)
-        ax.set_xlabel("epoch")
-        ax.grid(alpha=0.3)
+        history_panel(ax, runs, key, title,
+                      lambda run: f"{run['mode']} P={run['ways']}×{run.record.get('data_parallel', 1)}")
         if key == "loss":
             ax.set_yscale("log")
     axes[0].legend(fontsize=7)
@@ -60,7 +56,7 @@ def plot_curves(dataset: str, runs: list, path: Path, figure, save) -> None:
     save(fig, path)
 
 
-def section(runs: list, plots_dir: Path, rel, *, md_table, fmt_s, fmt_bytes, figure, save) -> str:
+def section(runs: list, plots_dir: Path, rel) -> str:
     """Markdown of the atomic runs (empty string when there are none)."""
     if not runs:
         return ""
@@ -76,7 +72,7 @@ def section(runs: list, plots_dir: Path, rel, *, md_table, fmt_s, fmt_bytes, fig
            "*predicted* bytes: the closed form `gnnpipe.atomic.engine.step_bytes`.", ""]
     for ds, members in by_ds.items():
         png = plots_dir / f"atomic_curves_{ds}.png"
-        plot_curves(ds, members, png, figure, save)
-        out += [f"### {ds}", "", md_table(HEADER, [run_row(r, fmt_s, fmt_bytes) for r in members]), "",
+        plot_curves(ds, members, png)
+        out += [f"### {ds}", "", md_table(HEADER, [run_row(r) for r in members]), "",
                 f"![loss and validation MAE per epoch, {ds}]({rel(png)})", ""]
     return "\n".join(out)

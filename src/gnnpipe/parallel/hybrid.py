@@ -1,4 +1,4 @@
-r"""Hybrid: ``S`` pipeline stages x ``G`` graph-parallel ways (DESIGN.md §4 "Hybrid").
+r"""Hybrid: ``S`` pipeline stages x ``G`` graph-parallel ways (docs/DESIGN.md §4 "Hybrid").
 
 ``S · G`` processes, stage-major (``rank = stage · G + way``, ``dims.py``). Stage ``s``
 owns a contiguous block of convs (``balance.py``, as GNNPipe); way ``g`` owns a
@@ -95,7 +95,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from typing import Optional
 
 import numpy as np
@@ -108,7 +107,7 @@ from ..io import GnnPipeError
 from ..models.block import Block
 from ..store import ChunkStore
 from .dims import check_layout
-from .pipeline import SPLITS, PipelineEngine, _Clock, _Epoch, check_schedule_config
+from .pipeline import SPLITS, EpochClock, EpochState, PipelineEngine, check_schedule_config
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +242,7 @@ class HybridEngine(PipelineEngine):
         self.mirrors, self.nodes_per_way = v[1:1 + G], v[1 + G:]
 
     def _exchange_rows(self, src: Tensor, send_idx: Tensor, send_rows, recv_rows, op: str,
-                       clock: Optional[_Clock] = None) -> Tensor:
+                       clock: Optional[EpochClock] = None) -> Tensor:
         """All-to-all in the stage group: ``src[send_idx]`` out, the received rows back."""
         if self.G == 1:
             return src.new_zeros((0, *src.shape[1:]))
@@ -260,14 +259,14 @@ class HybridEngine(PipelineEngine):
         scale = torch.where(p_halo < me, self.pc.grad_scale, 1.0).to(self.dtype)
         return scale[p_halo <= me][:, None]
 
-    def _exchange_halo(self, l: int, c: int, clock: _Clock) -> None:
+    def _exchange_halo(self, l: int, c: int, clock: EpochClock) -> None:
         """This step's rows of conv ``l``'s input, to the ways whose halo lists them."""
         j = c - self.way * self.Cw
         cur = self.hist[l].cur
         got = self._exchange_rows(cur, self.send_idx[j], self.send_rows[j], self.recv_rows[j], "halo", clock)
         cur[self.recv_pos[j]] = got
 
-    def _route(self, l: int, c: int, gsrc: Optional[Tensor], ep: _Epoch, clock: _Clock) -> Optional[Tensor]:
+    def _route(self, l: int, c: int, gsrc: Optional[Tensor], ep: EpochState, clock: EpochClock) -> Optional[Tensor]:
         """The pipeline's routing, then the step's exchange: the accumulated gradients of the halo
         rows owned by the other ways' step chunks go to their owners (and are zeroed here), and
         what the other ways accumulated for this chunk's rows is added to its own-row gradient."""
@@ -284,13 +283,13 @@ class HybridEngine(PipelineEngine):
             g_own.index_add_(0, self.send_idx[j] - self._rows(c)[0], back)
         return g_own
 
-    def _reduce_grads(self, clock: _Clock) -> None:
+    def _reduce_grads(self, clock: EpochClock) -> None:
         """The ways' gradients of this stage's weights, summed (bucketed ring all-reduce)."""
         for p in self.params:  # a parameter without a gradient still takes part in the all-reduce
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.G > 1:
-            clock._sync()
+            clock.sync()
             t0 = time.perf_counter()
             self.comm.all_reduce_coalesced_([p.grad for p in self.params], group=self.group,
                                             op="grad_allreduce")

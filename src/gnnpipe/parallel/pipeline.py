@@ -1,4 +1,4 @@
-r"""GNNPipe: pipelined layer-level model parallelism over graph chunks (DESIGN.md §4).
+r"""GNNPipe: pipelined layer-level model parallelism over graph chunks (docs/DESIGN.md §4).
 
 ``S`` processes, one per **stage**; stage ``s`` owns a contiguous block of convs
 (``balance.py`` chooses it; stage 0 also runs the encoder, the last stage the decoder
@@ -46,7 +46,7 @@ after that row's chunk was already back-propagated. By default such a gradient w
 in the buffer and is delivered in the next epoch (a stale gradient, the mirror image of
 a stale embedding).
 
-**Convergence techniques** (``PipelineConfig``; DESIGN.md §4):
+**Convergence techniques** (``PipelineConfig``; docs/DESIGN.md §4):
 
 1. ``shuffle_chunks``: a new chunk order every epoch, the same on every stage
    (``numpy.random.default_rng((seed, epoch))``), so that no chunk is always the one that
@@ -215,8 +215,8 @@ class History:
 
 
 @dataclass(eq=False)
-class _Epoch:
-    """What one epoch's phases share."""
+class EpochState:
+    """What one epoch's phases share (public: the hybrid engine's phases take it too)."""
 
     order: list[int]  # forward order of the chunks
     fresh: dict  # chunk -> which of its halo rows are fresh (bool, (M_c,))
@@ -226,8 +226,9 @@ class _Epoch:
     h0_graph: Optional[Tensor] = None  # the encoder's output with its graph (stage 0)
 
 
-class _Clock:
-    """Blocked time by kind; compute is the epoch's remainder."""
+class EpochClock:
+    """Blocked time by kind; compute is the epoch's remainder (public: the hybrid engine books
+    its halo exchanges and all-reduce on it)."""
 
     def __init__(self, comm, device: torch.device):
         self.comm, self.cuda = comm, device.type == "cuda"
@@ -235,12 +236,12 @@ class _Clock:
         self.bubble = self.comm_s = 0.0
         self.t0 = time.perf_counter()
 
-    def _sync(self):
+    def sync(self):
         if self.cuda:
             torch.cuda.synchronize(self.device)  # pending kernels are compute, not waiting
 
     def wait(self, work, kind: str):
-        self._sync()
+        self.sync()
         t = time.perf_counter()
         out = self.comm.wait(work)
         dt = time.perf_counter() - t
@@ -251,7 +252,7 @@ class _Clock:
         return out
 
     def stats(self, loss: float) -> EpochStats:
-        self._sync()
+        self.sync()
         wall = time.perf_counter() - self.t0
         return EpochStats(loss=loss, compute_s=max(wall - self.bubble - self.comm_s, 0.0),
                           comm_s=self.comm_s, bubble_s=self.bubble)
@@ -457,7 +458,7 @@ class PipelineEngine:
     # ------------------------------------------------------------------ training
     def train_epoch(self, epoch: int) -> EpochStats:
         """One GPipe epoch: all forwards, all backwards (reverse order), one optimizer step."""
-        clock = _Clock(self.comm, self.device)
+        clock = EpochClock(self.comm, self.device)
         self._train_mode(True)
         self.opt.zero_grad(set_to_none=True)
         ep = self._begin_epoch(epoch)
@@ -471,17 +472,17 @@ class PipelineEngine:
         loss = float(self._all_reduce_timed(loss_sum.reshape(1), clock)[0])
         return clock.stats(loss)
 
-    def _reduce_grads(self, clock: _Clock) -> None:
+    def _reduce_grads(self, clock: EpochClock) -> None:
         """Sum the weight gradients over the replicas of this stage: one replica here."""
 
-    def _begin_epoch(self, epoch: int) -> "_Epoch":
+    def _begin_epoch(self, epoch: int) -> "EpochState":
         Cw = self.Cw
         order = chunk_order(Cw, epoch, self.cfg.training.seed, self.pc.shuffle_chunks)  # in the way's block
         pos = np.empty(Cw, dtype=np.int64)
         pos[order] = np.arange(Cw)
         pos_t = torch.as_tensor(pos).to(self.device)
         base = self.way * Cw
-        ep = _Epoch([base + int(j) for j in order], {})
+        ep = EpochState([base + int(j) for j in order], {})
         for c in self.my_chunks:
             # fresh: the halo rows whose chunk comes earlier in the order (read fresh, gradient
             # delivered in time); equal position: another way's chunk of the same step (hybrid)
@@ -518,7 +519,7 @@ class PipelineEngine:
             works[c] = self.comm.irecv(buf, src, op=op, tag=tag0 + c)
         return works
 
-    def _forward_phase(self, ep: "_Epoch", clock: _Clock) -> Tensor:
+    def _forward_phase(self, ep: "EpochState", clock: EpochClock) -> Tensor:
         """Every chunk through this stage's convs, in order; returns the last stage's loss sum."""
         recompute = self.pc.recompute
         recvs = {} if self.first else self._post_recvs(ep.order, self.prev, self._stage_in_width(),
@@ -557,11 +558,11 @@ class PipelineEngine:
             clock.wait(w, "comm")
         return loss_sum
 
-    def _exchange_halo(self, l: int, c: int, clock: _Clock) -> None:
+    def _exchange_halo(self, l: int, c: int, clock: EpochClock) -> None:
         """Before conv ``l`` of chunk ``c``: bring in the rows other ways computed at this step
         (none: one way)."""
 
-    def _backward_phase(self, ep: "_Epoch", clock: _Clock) -> None:
+    def _backward_phase(self, ep: "EpochState", clock: EpochClock) -> None:
         """Every chunk back through this stage's convs, in reverse order, conv by conv."""
         C, top = self.C, self.layers[-1]
         rev = ep.order[::-1]
@@ -604,7 +605,7 @@ class PipelineEngine:
         for w in sends:
             clock.wait(w, "comm")
 
-    def _route(self, l: int, c: int, gsrc: Optional[Tensor], ep: "_Epoch", clock: _Clock) -> Optional[Tensor]:
+    def _route(self, l: int, c: int, gsrc: Optional[Tensor], ep: "EpochState", clock: EpochClock) -> Optional[Tensor]:
         """Split conv ``l``'s input gradient of chunk ``c`` (own rows, then halo rows): the halo
         part goes to the gradient buffer for the chunks that own those rows; returns the
         gradient of the chunk's own input rows, with what other chunks delivered to them."""
@@ -626,8 +627,8 @@ class PipelineEngine:
             st.grad.index_add_(0, halo, g_halo)
         return g_own
 
-    def _all_reduce_timed(self, t: Tensor, clock: _Clock) -> Tensor:
-        clock._sync()
+    def _all_reduce_timed(self, t: Tensor, clock: EpochClock) -> Tensor:
+        clock.sync()
         t0 = time.perf_counter()
         self.comm.all_reduce_(t, op="control")
         clock.bubble += time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """Graph parallelism: P workers, one graph partition each, every layer on every worker.
 
-The baseline GNNPipe is compared against (DESIGN.md §4), built to be strong, not a
+The baseline GNNPipe is compared against (docs/DESIGN.md §4), built to be strong, not a
 strawman (compare PipeGCN / BNS-GCN / SAR without their approximations: this engine is
 exact). Worker ``p`` reads only part ``p`` of the chunk store: its rows
 ``[start, end)`` (renumbered so that the ``n_inner`` rows without an outside neighbour
@@ -15,7 +15,7 @@ One training step::
                                                      aggregated while the halo is in flight
     loss  = sum of CE over own train rows / global train count
     backward: halo gradients go back by the same all-to-all and are scatter-added into the
-              owners' rows (derivation in comm.py, "halo exchange"); overlapped with the inner rows
+              owners' rows (derivation in parallel/halo.py); overlapped with the inner rows
     bucketed sum all-reduce of the weight gradients (flat buffers), Adam
 
 Because degrees are whole-graph degrees and every part holds all in-edges of its rows,
@@ -29,7 +29,7 @@ Bytes per epoch (``costmodel.graph_parallel_bytes``, ``costmodel.first_input``):
 ``cache_input_halo`` (default), otherwise its rows forward and, only when its input is
 learned (an encoder: GCNII, ResGCN+), their gradients back: raw features need no
 gradient, which is the one place this differs from the ``2 · Σ_p M_p · Σ_l d_l · b``
-upper bound of DESIGN.md. Plus the ring all-reduce of the parameters,
+upper bound of docs/DESIGN.md. Plus the ring all-reduce of the parameters,
 ``2 (P-1) · num_params · b``.
 
 Run it through the trainer::
@@ -54,7 +54,8 @@ from ..io import GnnPipeError
 from ..models.block import Block
 from ..models.model import GNN
 from ..store import ChunkStore, open_run_store
-from .comm import Communicator, HaloPlan, finish_halo, halo_exchange, start_halo
+from .comm import Communicator
+from .halo import HaloPlan, finish_halo, halo_exchange, start_halo
 
 def split_block(block: Block, n_inner: int, n_own: int) -> tuple[Block, Block]:
     """The local block cut at ``n_inner``: inner rows against own rows only, and the

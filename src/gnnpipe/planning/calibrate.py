@@ -1,0 +1,245 @@
+"""Calibration: the cost model's compute rates fitted to this machine, on samples of the real
+graph and the real model (:func:`calibrate`), for one run (:func:`calibrate_run`, the
+workflow's ``calibrate`` rule), and found again for a report (:func:`find_calibration`)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .. import costmodel as cm
+from ..config import ModelConfig, to_dict
+from ..io import GnnPipeError
+from .plan import predict_layout
+from .shape import DTYPE_BYTES, build_model, model_shape
+
+FLUSH_BYTES = 128 * 2**20
+#: Clocks for timing: wall time, or this thread's CPU time (blind to time spent
+#: descheduled on a shared machine; the same as wall time for one compute thread on an
+#: idle core).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def median_time(fn, reps: int, flush=None, clock: str = "wall") -> float:
+    """Median time of ``fn()`` over ``reps`` calls on ``clock``, after one warm-up call;
+    ``flush()`` (untimed) runs before each timed call."""
+    now = CLOCKS[clock]
+    fn()
+    ts = []
+    for _ in range(reps):
+        if flush is not None:
+            flush()
+        t0 = now()
+        fn()
+        ts.append(now() - t0)
+    return float(statistics.median(ts))
+
+
+def sample_blocks(graph, rows: int, dtype):
+    """Two blocks of the real graph's first ``rows`` destination rows (node ids are the
+    dataset's; a synthetic graph's are a random permutation): a *chunk* against the whole
+    graph (the pipeline's shape) and a *part* against its own rows plus halo (graph
+    parallelism's shape)."""
+    from ..models.block import Block
+
+    n = min(int(rows), graph.num_nodes)
+    indptr = graph.indptr[:n + 1]
+    idx = graph.indices[:int(indptr[-1])]
+    deg_in, deg_out = graph.in_degrees(), graph.out_degrees()
+    chunk = Block.from_numpy(indptr, idx, graph.num_nodes, 0, deg_in[:n], deg_out, dtype)
+    halo = np.unique(idx[idx >= n])
+    src = np.concatenate([np.arange(n, dtype=np.int64), halo])
+    remap = np.full(graph.num_nodes, -1, dtype=np.int64)
+    remap[src] = np.arange(src.shape[0])
+    part = Block.from_numpy(indptr, remap[idx], src.shape[0], 0, deg_in[:n], deg_out[src], dtype)
+    return chunk, part
+
+
+def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = None, *,
+              rows: Sequence[int] = (2048, 8192), reps: int = 5, threads: int = 1,
+              dtype: str = "float32", clock: str = "wall", evict: bool = True) -> cm.Hardware:
+    """Fit the compute rates of ``hardware`` to this machine, on the real graph and model.
+
+    Times (median of ``reps``), with ``threads`` compute threads: each distinct conv of
+    the model forward and backward on a chunk block and a part block of ``rows``
+    destination rows (:func:`sample_blocks`), the encoder/decoder, and the bare kernels
+    (a matmul, the CSR SpMM, an elementwise op, dropout). The cost model's work counts of every
+    measurement are fitted to its time by non-negative least squares on relative errors,
+    giving seconds per dense FLOP, per sparse value, per elementwise value and per call.
+    The result is ``hardware`` (or a one-node CPU profile) with those rates and the fit
+    in ``measured["calibration"]``. ``clock``: ``"wall"``, or ``"cpu"`` (this thread's CPU
+    time; only meaningful with ``threads=1``) to fit the rates of the work itself on a
+    machine that other jobs share. ``evict=False``: time with warm caches (what a
+    single process sees; :func:`calibrate_run`).
+    """
+    if clock not in CLOCKS:
+        raise GnnPipeError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    if clock == "cpu" and threads != 1:
+        raise GnnPipeError("calibrate: clock='cpu' times this thread only; use threads=1")
+    import torch
+    from scipy.optimize import nnls
+
+    from ..models.ops import gcn_aggregate
+
+    tdtype = {"float32": torch.float32, "float64": torch.float64}[dtype]
+    # An epoch's tensors far exceed the caches, a sample's do not: evict them before each
+    # timed call (a write over twice a large L3), or the rates come out several times too fast.
+    flush = torch.zeros(FLUSH_BYTES // 4) if evict else None
+    cold = (lambda: flush.add_(1.0)) if evict else None  # noqa: E731
+
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(int(threads))
+    try:
+        gnn = build_model(model_cfg, graph.num_features, graph.num_classes).to(tdtype)
+        gnn.train()
+        shape = model_shape(gnn)
+        gen = torch.Generator().manual_seed(0)
+        X, y, names = [], [], []
+
+        def add(name, work: cm.Work, seconds: float):
+            X.append([work.dense, work.sparse, work.elem, work.rng, work.calls])
+            y.append(seconds)
+            names.append(name)
+
+        seen = set()
+        with torch.random.fork_rng():
+            for r in rows:
+                for bname, block in zip(("chunk", "part"), sample_blocks(graph, r, tdtype)):
+                    for l, (conv, spec) in enumerate(zip(gnn.convs, shape.layers)):
+                        key = (spec, r, bname)
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        h = torch.randn(block.n_src, spec.d_in, dtype=tdtype, generator=gen)
+                        h.requires_grad_(spec.input_grad)
+                        x0 = (torch.randn(block.n_dst, spec.d_in, dtype=tdtype, generator=gen)
+                              if gnn.needs_x0 else None)
+                        lc = cm.layer_cost(spec, block.n_dst, block.n_src, block.nnz)
+                        out = {}
+
+                        def fwd():
+                            out["y"] = conv(h, block, x0)
+
+                        def bwd():
+                            conv.zero_grad(set_to_none=True)
+                            out["y"] = conv(h, block, x0)
+                            out["y"].sum().backward()
+
+                        tf = median_time(fwd, reps, cold, clock)
+                        tfb = median_time(bwd, reps, cold, clock)
+                        add(f"conv{l} {spec.kind} {spec.d_in}->{spec.d_out} {bname} {r} fwd", lc.fwd, tf)
+                        add(f"conv{l} {spec.kind} {spec.d_in}->{spec.d_out} {bname} {r} fwd+bwd",
+                            lc.training(), tfb)
+                    # bare kernels on this block: SpMM and a matmul at the hidden width
+                    d = shape.layers[-1].d_in
+                    xs = torch.randn(block.n_src, d, dtype=tdtype, generator=gen)
+                    add(f"spmm {bname} {r} width {d}", cm.Work(sparse=(block.nnz + block.n_dst) * d),
+                        median_time(lambda: gcn_aggregate(xs, block), reps, cold, clock))
+                    w = torch.randn(d, d, dtype=tdtype, generator=gen)
+                    add(f"matmul {block.n_src}x{d}x{d}", cm.Work(dense=2.0 * block.n_src * d * d),
+                        median_time(lambda: xs @ w, reps, cold, clock))
+                    add(f"relu+add {block.n_src}x{d}", cm.Work(elem=2.0 * block.n_src * d),
+                        median_time(lambda: torch.relu(xs).add_(1.0), reps, cold, clock))
+                    add(f"dropout {block.n_src}x{d}", cm.Work(rng=block.n_src * d, elem=block.n_src * d),
+                        median_time(lambda: torch.nn.functional.dropout(xs, 0.5), reps, cold, clock))
+                n = min(r, graph.num_nodes)
+                if shape.encoder:
+                    x = torch.randn(n, graph.num_features, dtype=tdtype, generator=gen)
+                    add(f"encoder {n} rows", cm.rowwise_work(shape.encoder, n, False, shape.encoder_dropout),
+                        median_time(lambda: gnn.encode(x).sum().backward(), reps, cold, clock))
+                if shape.decoder:
+                    hd = torch.randn(n, shape.decoder[0][0], dtype=tdtype, generator=gen).requires_grad_()
+                    add(f"decoder {n} rows", cm.rowwise_work(shape.decoder, n, True),
+                        median_time(lambda: gnn.decode(hd).sum().backward(), reps, cold, clock))
+    finally:
+        torch.set_num_threads(old_threads)
+
+    A = np.asarray(X, dtype=float)
+    t = np.asarray(y, dtype=float)
+    scale = A.max(axis=0)
+    scale[scale == 0] = 1.0
+    coef, _ = nnls((A / scale) / t[:, None], np.ones_like(t))  # relative errors
+    coef = coef / scale  # seconds per unit of each kind of work
+    pred = A @ coef
+    base = hardware or cm.Hardware(name="calibrated-cpu", workers_per_node=max(1, os.cpu_count() or 1),
+                                   memory_gib=8.0, dense_gflops=1.0, sparse_gvalues=1.0,
+                                   elementwise_gvalues=1.0, intra_bandwidth_gbs=1.0,
+                                   intra_latency_us=50.0, nodes=1)
+    rates = {}
+    for key, c in (("dense_gflops", coef[0]), ("sparse_gvalues", coef[1]),
+                   ("elementwise_gvalues", coef[2]), ("random_gvalues", coef[3])):
+        if c > 0:
+            rates[key] = float(1.0 / c / 1e9)
+    rates["layer_overhead_us"] = float(coef[4] * 1e6)
+    rel = (pred - t) / t
+    fit = {"threads": int(threads), "dtype": dtype, "clock": clock, "graph": graph.name, "model": to_dict(model_cfg),
+           "rows": list(rows), "reps": reps,
+           "rates": rates, "median_abs_rel_error": float(np.median(np.abs(rel))),
+           "max_abs_rel_error": float(np.max(np.abs(rel))),
+           "measurements": [{"what": nm, "seconds": float(s), "predicted": float(pr)}
+                            for nm, s, pr in zip(names, t, pred)]}
+    return replace(base, **rates, measured={**base.measured, "calibration": fit})
+
+
+def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> cm.Hardware:
+    """:func:`calibrate` on what one run trains: its graph, model, dtype and threads per
+    worker. The result is named ``<profile>+<dataset>`` and keeps the profile's links; its
+    ``measured["calibration"]`` records the model config and the graph's content hash, so
+    that a report can match it to the runs it stands for (:func:`find_calibration`)."""
+    from ..config import RunConfig, load_run_config
+    from ..graph import read_graph, read_graph_attrs
+
+    cfg = run_config if isinstance(run_config, RunConfig) else load_run_config(run_config)
+    hw = hardware if isinstance(hardware, cm.Hardware) else cm.load_hardware(hardware)
+    threads = cfg.training.threads_per_worker
+    if clock == "cpu" and threads != 1:
+        clock = "wall"  # the CPU clock of one thread says nothing about a team of threads
+    graph = read_graph(cfg.graph_path)
+    out = calibrate(graph, cfg.model, hw, threads=threads, dtype=cfg.training.dtype, clock=clock)
+    # A process training alone keeps its tensors in cache from conv to conv; the workers of
+    # a parallel run, between exchanges, do not (measured: single-process epochs match the
+    # warm rates, parallel workers' compute the cold ones). The ratio of the two predicted
+    # single-process epochs is the profile's single_worker_speedup.
+    warm = calibrate(graph, cfg.model, hw, threads=threads, dtype=cfg.training.dtype, clock=clock, evict=False)
+    gnn = build_model(cfg.model, graph.num_features, graph.num_classes)
+    sizes = {"num_nodes": graph.num_nodes, "num_edges": graph.num_edges, "partitions": {}}
+    epoch = {name: predict_layout(sizes, gnn, model_shape(gnn), h, "single", 1, 1, 1,
+                                  dtype_bytes=DTYPE_BYTES[cfg.training.dtype]).epoch_s
+             for name, h in (("cold", out), ("warm", warm))}
+    speedup = max(1.0, epoch["cold"] / epoch["warm"])
+    fit = {**out.measured["calibration"], "dataset": cfg.dataset_name,
+           "graph_hash": str(read_graph_attrs(cfg.graph_path)["content_hash"]),
+           "warm_rates": warm.measured["calibration"]["rates"], "single_epoch_s": epoch,
+           "single_worker_speedup": speedup}
+    return replace(out, name=f"{hw.name}+{cfg.dataset_name}", single_worker_speedup=speedup,
+                   description=f"{hw.description}; compute rates fitted to {cfg.model.kind} "
+                               f"{cfg.model.layers}x{cfg.model.hidden} on {cfg.dataset_name}",
+                   measured={**out.measured, "calibration": fit})
+
+
+def write_hardware(hw: cm.Hardware, path: str | os.PathLike) -> None:
+    """Write a profile as YAML that :func:`gnnpipe.costmodel.load_hardware` reads back."""
+    import yaml
+
+    from ..io import write_text
+
+    write_text(path, yaml.safe_dump(hw.as_dict(), sort_keys=False))
+
+
+def find_calibration(directory: str | os.PathLike, model_cfg: ModelConfig, graph_hash: str,
+                     dtype: str = "float32") -> Optional[cm.Hardware]:
+    """The profile in ``directory`` (``*.yaml``, written by :func:`calibrate_run`) fitted to
+    this model config, dtype and graph content, or None."""
+    want = to_dict(model_cfg)
+    for path in sorted(Path(directory).glob("*.yaml")):
+        hw = cm.load_hardware(path)
+        fit = hw.measured.get("calibration") or {}
+        if fit.get("model") == want and fit.get("graph_hash") == graph_hash and fit.get("dtype") == dtype:
+            return hw
+    return None
