@@ -223,6 +223,10 @@ def test_oversubscription_shares_cores_links_and_waits_per_exchange():
     shared, own = (_est(shape, "graph", 1, 4, 4, _hw(**dict(cpu, workers_per_node=k), intra_latency_us=0.0),
                         first_input="local") for k in (2, 4))
     assert shared.stage_times[0]["halo_fwd_s"] == pytest.approx(2 * own.stage_times[0]["halo_fwd_s"])
+    # ... unless the link is a rate of its own (a NIC, an emulated link measured under load)
+    nic = _est(shape, "graph", 1, 4, 4, _hw(**cpu, intra_latency_us=0.0, link_on_cores=False), first_input="local")
+    assert nic.stage_times[0]["halo_fwd_s"] == pytest.approx(own.stage_times[0]["halo_fwd_s"])
+    assert nic.compute_s == pytest.approx(shared.compute_s)  # the compute still shares the cores
 
 
 def test_single_worker_speedup_applies_to_one_process_only():
@@ -420,3 +424,32 @@ def test_first_input_is_what_the_graph_engine_books(kind, uncached):
     gnn = GNN(ModelConfig(kind=kind, layers=2, hidden=8, heads=2), 6, 3)
     assert cm.first_input(gnn, GraphParallelConfig(cache_input_halo=True)) == "local"
     assert cm.first_input(gnn, GraphParallelConfig(cache_input_halo=False)) == uncached
+
+
+def test_profile_loader_knows_every_hardware_field():
+    """load_hardware types a profile with _HardwareFields: a Hardware field it lacks would be an
+    'unknown key' in every profile that sets it."""
+    from dataclasses import fields
+
+    from gnnpipe.costmodel import Hardware, _HardwareFields
+
+    typed = {(f.name, str(f.type), f.default) for f in fields(_HardwareFields)}
+    assert typed == {(f.name, str(f.type), f.default) for f in fields(Hardware) if f.name != "measured"}
+
+
+def test_pipeline_transfers_are_stages_of_their_own():
+    """The pipeline sends asynchronously: on a slow link the links pace the chunks (the epoch
+    is about C transfers each way, not C x (compute + transfer)), and the sender's cores pay
+    only the share of a transfer that does not proceed while they compute."""
+    shape = _gcn_shape(L=8)
+    S, C = 4, 16
+    slow = _est(shape, "pipeline", S, 1, C, _hw(intra_bandwidth_gbs=0.01, intra_latency_us=0.0))
+    link_f = max(r["link_fwd_s"] for r in slow.stage_times)
+    link_b = max(r["link_bwd_s"] for r in slow.stage_times)
+    assert link_f > 20 * max(r["F"] for r in slow.stage_times)  # the link is the slow step
+    paced = (C + S - 2) * link_f + (C + S - 2) * link_b  # C transfers each way, S - 1 links deep
+    assert paced < slow.epoch_s < paced * 1.1
+    # comm_overlap 0 (a CPU copying over loopback): a sending stage's step is its compute and
+    # the copy, so the fill through the S - 1 senders takes one more copy each, each way
+    copied = _est(shape, "pipeline", S, 1, C, _hw(intra_bandwidth_gbs=0.01, intra_latency_us=0.0, comm_overlap=0.0))
+    assert copied.epoch_s == pytest.approx(slow.epoch_s + (S - 1) * (link_f + link_b), rel=0.02)

@@ -32,8 +32,9 @@ counts follow the layers' own choice of transform-then-aggregate or the reverse
 latency inside a node (optionally a bisection limit, e.g. two CPU sockets under PCIe),
 a NIC per node shared by its workers between nodes. More workers than cores
 (``oversubscribe``, the CPU profile): compute and loopback transfers run at the share of
-a core each worker gets, and every blocking exchange costs ``oversubscribed_wait_us`` more
-(its peers must each get a turn on a core first).
+a core each worker gets (not a link of its own rate: ``link_on_cores: false``), and every
+blocking exchange costs ``oversubscribed_wait_us`` more (its peers must each get a turn on
+a core first).
 
 Memory (:func:`estimate`): per worker, the graph structure of its rows (the CSR and its
 cached transpose, ``STRUCT_BYTES_PER_ENTRY`` per stored entry), input features of its
@@ -207,6 +208,11 @@ class Hardware:
     # all-reduce) costs on top of its transfer, because the peers it waits for must each get
     # their turn on a core first (about a scheduler time slice; bench_calibrate measures it)
     oversubscribed_wait_us: float = 0.0
+    # Oversubscribed only: the link's bytes are copied by the cores the workers compute on
+    # (loopback, shared memory), so each worker gets its share of the link as of a core.
+    # False where the link is a rate of its own: a NIC, or an emulated link whose rate was
+    # measured with every worker on the cores (benchmarks/bench_netem.py)
+    link_on_cores: bool = True
     # the share of a transfer that proceeds while its worker computes: 1 where a DMA engine
     # or the NIC moves the bytes (GPUs), less where the worker's own cores copy them (gloo
     # over loopback on a CPU; bench_calibrate measures it)
@@ -350,6 +356,7 @@ class _HardwareFields:
     nodes: Optional[int] = None
     oversubscribe: bool = False
     oversubscribed_wait_us: float = 0.0
+    link_on_cores: bool = True
     comm_overlap: float = 1.0
     process_overhead_gib: float = 0.0
     inter_bandwidth_gbs: Optional[float] = None
@@ -657,6 +664,11 @@ def _allreduce_seconds(nbytes: float, group: int, spans_nodes: bool, groups_per_
     return 2.0 * (group - 1) / group * nbytes / bw + buckets * 2.0 * (group - 1) * lat
 
 
+def _row_time(row: dict) -> float:
+    """What one (stage, way) adds per chunk to the pipeline: its steps and its links."""
+    return row["F"] + row["B"] + row["encoder_s"] + max(row["link_fwd_s"], row["link_bwd_s"])
+
+
 def _check_layout(mode: str, shape: ModelShape, stages: int, ways: int, chunks: int,
                   bounds: Sequence[tuple[int, int]], way_stats: WayStats,
                   chunk_stats: Optional[WayStats]) -> None:
@@ -723,7 +735,8 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
         wpn = math.ceil(P / hw.nodes)  # ... of the nodes there are: all workers sit on them
         # the cores move the bytes too (loopback), at the share of a core a worker gets,
         # and every blocking exchange waits for its peers' turns on a core
-        hw = replace(hw, intra_bandwidth_gbs=hw.intra_bandwidth_gbs / slowdown)
+        if hw.link_on_cores:
+            hw = replace(hw, intra_bandwidth_gbs=hw.intra_bandwidth_gbs / slowdown)
         wait = hw.oversubscribed_wait_us * 1e-6
     eff = (hw.shared_node_efficiency if P > 1 else hw.single_worker_speedup) / slowdown
     dims = shape.exchange_dims
@@ -775,17 +788,25 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
                                    False, shape.encoder_dropout).seconds(hw, eff)
             n_row = way_stats.nodes[g] / cw  # rows per chunk crossing a stage boundary
             rank = s * G + g
+            # The chunk's rows to the same way of the next stage, their gradients back: sent
+            # asynchronously (receives posted up front), so a transfer is a pipeline stage of
+            # its own, the link, overlapping the next chunk's compute; the sender's cores pay
+            # the share of it that does not proceed during compute (1 - comm_overlap), and a
+            # receive on oversubscribed cores waits for the sender's turn (``wait``)
             p2p_f = p2p_b = 0.0
-            if s < S - 1:  # the chunk's rows to the same way of the next stage
+            if s < S - 1:
                 p2p_f = _p2p_seconds(n_row * dims[bnd] * b * x0, rank // wpn == (rank + G) // wpn,
-                                     min(G, wpn), hw) + wait
-            if s > 0:  # their gradients back to the previous stage
+                                     min(G, wpn), hw)
+            if s > 0:
                 p2p_b = _p2p_seconds(n_row * dims[a] * b * x0, rank // wpn == (rank - G) // wpn,
-                                     min(G, wpn), hw) + wait
+                                     min(G, wpn), hw)
+            own_f = (1.0 - hw.comm_overlap) * p2p_f + (wait if s < S - 1 else 0.0)
+            own_b = (1.0 - hw.comm_overlap) * p2p_b + (wait if s > 0 else 0.0)
             row = dict(stage=s, way=g, fwd_compute_s=f, bwd_compute_s=bw, encoder_s=enc,
                        halo_fwd_s=halo_f, halo_bwd_s=halo_b, p2p_fwd_s=p2p_f * cw, p2p_bwd_s=p2p_b * cw,
-                       F=(f + halo_f) / cw + p2p_f, B=(bw + halo_b) / cw + p2p_b)
-            if worst is None or row["F"] + row["B"] + enc > worst["F"] + worst["B"] + worst["encoder_s"]:
+                       link_fwd_s=p2p_f, link_bwd_s=p2p_b,
+                       F=(f + halo_f) / cw + own_f, B=(bw + halo_b) / cw + own_b)
+            if worst is None or _row_time(row) > _row_time(worst):
                 worst = row
         worst["allreduce_s"] = _allreduce_seconds(params[s] * b, G, G > wpn, max(1, wpn // G), hw) \
             + (wait if G > 1 else 0.0)
@@ -794,9 +815,13 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
 
     Fs = [r["F"] for r in stage_rows]
     Bs = [r["B"] for r in stage_rows]
-    # GPipe: every chunk's forward through the stages, then every backward in reverse;
-    # stage 0's encoder runs before the first chunk and its backward after the last
-    pipe = sum(Fs) + (cw - 1) * max(Fs) + sum(Bs) + (cw - 1) * max(Bs) + stage_rows[0]["encoder_s"]
+    # GPipe: every chunk's forward through the stages and the links between them, then every
+    # backward in reverse; the slowest of those 2S - 1 steps paces the other chunks; stage
+    # 0's encoder runs before the first chunk and its backward after the last
+    steps_f = Fs + [r["link_fwd_s"] for r in stage_rows[:-1]]
+    steps_b = Bs + [r["link_bwd_s"] for r in stage_rows[1:]]
+    pipe = sum(steps_f) + (cw - 1) * max(steps_f) + sum(steps_b) + (cw - 1) * max(steps_b) \
+        + stage_rows[0]["encoder_s"]
     epoch = pipe + max(r["allreduce_s"] + r["optimizer_s"] for r in stage_rows)
     busy = [r["fwd_compute_s"] + r["bwd_compute_s"] + r["encoder_s"] for r in stage_rows]
     slow = max(range(S), key=lambda k: Fs[k] + Bs[k] + stage_rows[k]["encoder_s"] / cw)
