@@ -219,6 +219,8 @@ def summarise(out: dict, links: dict[str, Hardware]) -> None:
 def repredict(path: str, work: Path) -> dict:
     """``--predict-only``: the cost model again on the runs of an earlier JSON (their run
     directories under ``work``), with the profiles as they are now; nothing is trained."""
+    if not Path(path).is_file():
+        raise GnnPipeError(f"--predict-only: {path}: no such benchmark JSON (run bench_netem.py without it first)")
     out = json.loads(Path(path).read_text())
     links = {name: load_hardware(name) for name in out["links"]}
     for row in out["runs"]:
