@@ -252,8 +252,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--degree", type=float, default=None)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--epochs", type=int, default=2, help="timed epochs")
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--epochs", type=int, default=3, help="timed epochs (the median is reported)")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="untimed epochs first (here the first two are 2-5x slower than the rest)")
     ap.add_argument("--work-dir", default="results/bench/work/netem")
     ap.add_argument("--prefix", default=netem.PREFIX)
     ap.add_argument("--timeout", type=float, default=900, help="per run, seconds")

@@ -274,6 +274,38 @@ def test_layer_cost_matches_the_models_flop_estimate():
         assert c.fwd.dense + 2 * c.fwd.sparse == pytest.approx(conv.cost(n, e))
 
 
+
+@pytest.mark.parametrize("conv_cls,kind", [("GCNConv", "gcn"), ("SAGEConv", "sage")])
+def test_memoised_first_conv_costs_its_matmuls_only(conv_cls, kind):
+    """A first conv on raw features memoises ``A x`` (static_aggregate): per epoch it costs
+    only its matmuls, which is the layers' own ``cost`` (and what calibrate times, after
+    its warm-up call); with the input rebuilt every epoch (``memoised=False``) the
+    aggregation is back."""
+    import gnnpipe.models.gcn as gcn
+    import gnnpipe.models.sage as sage
+
+    conv = getattr(gcn if kind == "gcn" else sage, conv_cls)(512, 16, static_input=True)
+    n, e = 1000, 20000
+    spec = cm.LayerSpec(kind, 512, 16, input_grad=False, static_input=True)
+    c = cm.layer_cost(spec, n, n, e)
+    assert c.fwd.sparse == c.bwd.sparse == 0
+    assert c.fwd.dense == pytest.approx(conv.cost(n, e))
+    assert c.bwd.dense == c.fwd.dense  # the weight gradients; no input gradient
+    fresh = cm.layer_cost(spec, n, n, e, memoised=False)
+    assert fresh.fwd.sparse > 0
+    assert fresh.fwd.sparse == cm.layer_cost(cm.LayerSpec(kind, 512, 16, input_grad=False), n, n, e).fwd.sparse
+
+
+def test_model_shape_marks_the_memoised_first_conv():
+    from gnnpipe.config import ModelConfig
+    from gnnpipe.planning.shape import build_model, model_shape
+
+    shape = model_shape(build_model(ModelConfig(kind="gcn", layers=3, hidden=8), 32, 4))
+    assert [l.static_input for l in shape.layers] == [True, False, False]
+    gcnii = model_shape(build_model(ModelConfig(kind="gcnii", layers=3, hidden=8), 32, 4))
+    assert not any(l.static_input for l in gcnii.layers)  # conv 0 reads the encoder's output
+
+
 # --------------------------------------------------------------------------- memory
 @pytest.mark.parametrize("history", [2, 3])
 def test_pipeline_buffers_are_n_rows_by_widths(history):

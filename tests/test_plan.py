@@ -246,8 +246,8 @@ def _reddit():
 def test_reddit_regime_bytes_and_links():
     """Reddit's shape, 32-layer GCN hidden 100, 8 GPUs on PCIe: the pipeline moves ~L/3
     fewer bytes; whether that buys time depends on the links. Over gloo (host-staged) it
-    wins; over NCCL-class PCIe compute dominates and the plan says below which link speed
-    the pipeline would win."""
+    wins clearly; over NCCL-class PCIe compute dominates, the two are close, and the plan
+    says above which link speed graph parallelism would win."""
     st, N = _reddit(), 232_965
     nccl = pl.plan(st, DEEP, 602, 41, cm.load_hardware("8xgpu-pcie"), 8)
     gloo = pl.plan(st, DEEP, 602, 41, cm.load_hardware("8xgpu-pcie-gloo"), 8)
@@ -263,10 +263,15 @@ def test_reddit_regime_bytes_and_links():
     assert (g.mode, pp.mode) == ("graph", "pipeline")
     assert g.epoch_s > pp.epoch_s and gloo.best.mode != "graph"
     assert "The pipeline wins" in gloo.reason
+    # over NCCL-class PCIe compute dominates: the two are within 10 % (the pipeline ahead
+    # since conv 0's aggregation of the 602-wide input is memoised, not paid per chunk), and
+    # links a little faster than the profile's would make graph parallelism the winner
     g, pp = nccl.rows[0], nccl.rows[1]
-    assert g.epoch_s < pp.epoch_s and nccl.best.mode == "graph"
-    assert nccl.break_even is not None and 0.1 < nccl.break_even["factor"] < 1
-    assert "on slower links the pipeline wins" in nccl.reason
+    assert abs(g.epoch_s / pp.epoch_s - 1) < 0.1
+    assert gloo.rows[0].epoch_s / gloo.rows[1].epoch_s > 1.5 * g.epoch_s / pp.epoch_s
+    assert nccl.best.mode == "pipeline"
+    assert nccl.break_even is not None and 1 < nccl.break_even["factor"] < 2
+    assert "on faster links graph parallelism wins" in nccl.reason
     sens = nccl.sensitivity
     graph_t = [sens[str(k)]["graph 1x8 c8"] for k in pl.SENSITIVITY]
     pipe_t = [sens[str(k)]["pipeline 8x1 c32"] for k in pl.SENSITIVITY]
@@ -278,18 +283,23 @@ def test_reddit_regime_bytes_and_links():
 @pytest.mark.parametrize("balance", ["estimate", "profile"])
 def test_physics_regime_graph_parallelism_wins(hardware, balance):
     """Coauthor-Physics' shape (N = 34,493, 14.4 edges per node, F = 8,415, Σ M = 0.3 N at 8
-    parts): few mirrors, and the 8415-wide first conv cannot be spread over stages."""
+    parts): few mirrors, and the 8415-wide first conv cannot be spread over stages, so
+    graph parallelism wins on NCCL-class links."""
     N = 34_493
     st = ps.override_mirror_ratio(_uniform_stats("physics", N, int(14.4 * N), 8415, 5, PHYSICS_LIKE,
                                                  PHYSICS_INNER), 8, 0.3)
     p = pl.plan(st, DEEP, 8415, 5, cm.load_hardware(hardware), 8, balance=balance)
     rows = {r.mode: r for r in p.rows}
-    # a clear win; over gloo (host-staged, comm_overlap < 1) the pipeline's asynchronous
-    # stage-to-stage transfers still overlap its compute, which narrows the gap to ~1.2x
-    assert p.best.mode == "graph" and rows["pipeline"].epoch_s > 1.15 * rows["graph"].epoch_s
-    assert "Graph parallelism wins" in p.reason
-    if balance == "profile":
-        assert rows["pipeline"].stage_bounds[0] == (0, 1) and "8415-wide input" in p.reason
+    if hardware == "8xgpu-pcie":  # NCCL: a clear win
+        assert p.best.mode == "graph" and rows["pipeline"].epoch_s > 1.5 * rows["graph"].epoch_s
+        assert "Graph parallelism wins" in p.reason
+    else:
+        # over gloo (host-staged, comm_overlap < 1) graph parallelism's halo costs as much
+        # as the pipeline's stage-0 bottleneck: a tie within 10 % (the pipeline's transfers
+        # are asynchronous and overlap its compute; conv 0's aggregation is memoised)
+        assert abs(rows["pipeline"].epoch_s / rows["graph"].epoch_s - 1) < 0.1
+    if balance == "profile":  # the 8415-wide first conv takes more than its share of a stage
+        assert rows["pipeline"].stage_bounds[0][1] < 32 // 8
 
 
 # --------------------------------------------------------------------------- entry points

@@ -385,6 +385,9 @@ class LayerSpec:
     head_dim: int = 0  # gat: width of one head (d_out = heads * head_dim when heads are concatenated)
     input_grad: bool = True  # False for a first conv fed raw features (no gradient flows there)
     params: int = 0
+    # gcn/sage first conv on raw features: it memoises the aggregation of an input that comes
+    # back unchanged (``gnnpipe.models.ops.static_aggregate``), paid once a run, not per epoch
+    static_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -475,11 +478,25 @@ def _linear_aggregate(n_dst, n_src, m, d_in, d_out, input_grad) -> LayerCost:
                      temp_src=d_out)  # saves its input x: the block's source rows themselves
 
 
-def layer_cost(spec: LayerSpec, n_dst: float, n_src: float, nnz: float) -> LayerCost:
+def layer_cost(spec: LayerSpec, n_dst: float, n_src: float, nnz: float,
+               memoised: Optional[bool] = None) -> LayerCost:
     """Work of conv ``spec`` on a block of ``n_dst`` destinations, ``n_src`` sources and
-    ``nnz`` stored in-edges (self loops, where the layer adds them, on top)."""
+    ``nnz`` stored in-edges (self loops, where the layer adds them, on top).
+
+    ``memoised`` (default ``spec.static_input``): the conv's input is the same tensor every
+    call, so its aggregation is memoised and costs nothing per epoch (a first conv on raw
+    features, held for the run: single, GNNPipe's stage 0, graph parallelism with the input
+    halo cached); False where the input is rebuilt every epoch (its halo forwarded anew)."""
     k, d_in, d_out = spec.kind, float(spec.d_in), float(spec.d_out)
-    if k == "gcn":
+    memo = spec.static_input if memoised is None else bool(memoised and spec.static_input)
+    if k in ("gcn", "sage") and memo:  # (A x) W with A x memoised: the matmul and its weight gradient
+        mm = 2.0 * n_dst * d_in * d_out
+        c = LayerCost(Work(dense=mm), Work(dense=mm), saved_dst=d_in)
+        if k == "sage":
+            c.fwd.dense += mm  # the self term, and its weight gradient
+            c.bwd.dense += mm
+            c.saved_dst += d_in
+    elif k == "gcn":
         c = _linear_aggregate(n_dst, n_src, nnz + n_dst, d_in, d_out, spec.input_grad)
     elif k == "sage":
         c = _linear_aggregate(n_dst, n_src, nnz, d_in, d_out, spec.input_grad)
@@ -754,7 +771,8 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
             f = bw = halo_f = halo_b = 0.0
             for n_c, e_c, src_c in _chunks_of_way(g, cw, way_stats, chunk_stats):
                 for l in range(a, bnd):
-                    lc = layer_cost(shape.layers[l], n_c, src_c, e_c)
+                    lc = layer_cost(shape.layers[l], n_c, src_c, e_c,
+                                    memoised=not (l == 0 and first_input == "forward"))
                     gf, gb = (_gather_work(n_c, src_c, dims[l], shape.layers[l].input_grad)
                               if src_c > n_c else (Work(), Work()))
                     fwd, bwd = lc.fwd + gf, lc.bwd + gb

@@ -38,7 +38,8 @@ def model_shape(model) -> cm.ModelShape:
                                       act=layer.act, dropout=layer.dropout > 0,
                                       heads=getattr(conv, "heads", 1),
                                       head_dim=getattr(conv, "out_dim_head", 0),
-                                      input_grad=not first_raw, params=params))
+                                      input_grad=not first_raw, params=params,
+                                      static_input=first_raw and bool(getattr(conv, "static_input", False))))
         elif isinstance(layer, GCNIIConv):
             specs.append(cm.LayerSpec("gcnii", layer.in_dim, layer.out_dim, act=True,
                                       dropout=layer.dropout > 0, params=params))
