@@ -259,6 +259,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--prefix", default=netem.PREFIX)
     ap.add_argument("--timeout", type=float, default=900, help="per run, seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-pin", action="store_true",
+                    help="leave the workers' CPUs to the kernel (default: netem.cpu_slices, neighbouring "
+                         "ranks sharing a CPU where there are more workers than CPUs)")
     ap.add_argument("--predict-only", action="store_true",
                     help="train nothing: predict the runs of --out again (their run directories under "
                          "--work-dir) with the profiles as they are now, and rewrite --out")
@@ -282,7 +285,8 @@ def main(argv=None) -> dict:
     runs_plan = plan_runs(a.modes, a.workers)
     out = {"benchmark": "netem", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                       "loadavg_before": os.getloadavg(), "netem_delay_supported": netem.netem_supported()},
+                       "loadavg_before": os.getloadavg(), "pinned_cpus": not a.no_pin,
+                       "netem_delay_supported": netem.netem_supported()},
            "model": dataclasses.asdict(model), "epochs_timed": a.epochs, "warmup": a.warmup,
            "tolerance": TOLERANCE, "datasets": {}, "links": {}, "runs": []}
     cfgs = []  # (dataset, mode, p, RunConfig without out_dir)
@@ -346,7 +350,7 @@ def main(argv=None) -> dict:
         try:
             out["links"][link] = {"configured": el, "check": {}}
             for p in sorted(set(a.workers)):
-                sub = netem.Cluster(p, cluster.rate_gbit, cluster.delay_us, a.prefix)
+                sub = netem.Cluster(p, cluster.rate_gbit, cluster.delay_us, a.prefix, pin_cpus=not a.no_pin)
                 out["links"][link]["check"][str(p)] = chk = netem.check(sub, mib=32)
                 print(f"[netem] {link} P={p}: all_to_all {chk['gbit_per_worker']:.2f} Gb/s per worker, "
                       f"latency {chk['latency_us']:.0f} us", file=sys.stderr, flush=True)
@@ -355,7 +359,7 @@ def main(argv=None) -> dict:
                     continue
                 run_dir = work / "runs" / link / f"{shape}-{mode}-p{p}"
                 cfg = RunConfig(run_id=f"netem-{link}-{shape}-{mode}-p{p}", out_dir=str(run_dir), **kw)
-                sub = netem.Cluster(p, cluster.rate_gbit, cluster.delay_us, a.prefix)
+                sub = netem.Cluster(p, cluster.rate_gbit, cluster.delay_us, a.prefix, pin_cpus=not a.no_pin)
                 res = train(cfg, run_dir, sub, a.timeout, env)
                 lay = {k: kw[k] for k in ("stages", "ways", "chunks")}
                 record(shape, mode, p, lay, link, run_dir, res, out["links"][link]["check"][str(p)])
