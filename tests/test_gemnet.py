@@ -15,6 +15,7 @@ from gnnpipe.atomic.gemnet import (GemNetT, GemNetTConfig, count_parameters, cou
                                    preset, step_bytes)
 from gnnpipe.atomic.gemnet_layers import CircularBasis, PolynomialEnvelope, RadialBasis, fit_scale_factors
 from gnnpipe.atomic.parallel import EdgeGroup, shard_graph, single_graph, with_pos
+from gnnpipe.atomic.protocol import ATOMIC_MODELS, DimeNetPPModel
 from gnnpipe.parallel.testing import spawn_multi_process
 from test_atomic_parallel import _concat
 from test_dimenetpp import f64  # noqa: F401 - the float64 fixture
@@ -213,6 +214,39 @@ def test_scale_factors_are_fitted_once_stored_and_loaded(f64):
             assert abs(stats[0] / stats[1] - 1) < 1e-9, name
     with pytest.raises(ValueError, match="not on a shard"):
         fit_scale_factors(m, [shard_graph(b, 2, 0, None)])
+
+
+# --------------------------------------------------------------------------- protocol
+def test_the_registry_builds_both_kinds_on_one_protocol(f64):
+    from gnnpipe.atomic.dimenetpp import DimeNetPP, energy_and_forces
+    from gnnpipe.registry import UnknownKind
+
+    assert ATOMIC_MODELS.names() == ("dimenetpp", "gemnet_t")
+    with pytest.raises(UnknownKind, match="known: dimenetpp, gemnet_t"):
+        ATOMIC_MODELS["gemnet"]
+    gem = ATOMIC_MODELS["gemnet_t"]
+    assert gem.preset("default").force_head == "direct" and gem.preset("small").force_head == "gradient"
+    assert gem.preset("xl", num_blocks=None).num_blocks == 6 and "triplet_rank" in gem.index_sets
+    assert gem.count_parameters(gem.preset("small")) == count_parameters(preset("small"))
+    b = _batch(4, dimers=1)
+    for kind, cfg in [("gemnet_t", dataclasses.replace(TINY, force_head="gradient")),
+                      ("dimenetpp", ATOMIC_MODELS["dimenetpp"].preset("small", cutoff=CUTOFF))]:
+        torch.manual_seed(0)
+        model = ATOMIC_MODELS[kind].build(cfg).double()
+        out = model(single_graph(b))
+        assert set(out) == {"energy", "forces"} and out["energy"].shape == (b["num_systems"],)
+        assert out["forces"].shape == (len(b["z"]), 3)
+    # DimeNet++ through the adapter: the same state dict and numbers as DimeNetPP itself
+    assert isinstance(model, DimeNetPPModel)
+    plain = DimeNetPP(model.cfg).double()
+    plain.load_state_dict(model.state_dict())
+    g = single_graph(b)
+    e, f = energy_and_forces(plain, with_pos(g, g.pos.clone().requires_grad_(True)), create_graph=False)
+    out = model(g)
+    torch.testing.assert_close(out["energy"].detach(), e.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(out["forces"].detach(), f.detach(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="id_swap"):
+        _model("direct")(dataclasses.replace(g, id_swap=None))
 
 
 def test_memory_estimate_is_within_5_percent_of_a_measured_step(f64):
