@@ -36,24 +36,19 @@ from .data import triplets
 __all__ = ["radius_graph", "reverse_edges", "triplets", "triplet_rank", "system_graph"]
 
 
-def _match_rows(table: np.ndarray, query: np.ndarray) -> np.ndarray:
-    """(Q,) for each row of ``query`` the index of the equal row of ``table`` (rows unique), or -1."""
-    both = np.concatenate([table, query])
-    _, inv = np.unique(both, axis=0, return_inverse=True)
-    inv = inv.reshape(-1)
-    where = np.full(int(inv.max(initial=-1)) + 1, -1, dtype=np.int64)
-    where[inv[:len(table)]] = np.arange(len(table))
-    return where[inv[len(table):]]
-
-
 def _reverse(src: np.ndarray, dst: np.ndarray, image: np.ndarray) -> np.ndarray:
-    key = np.column_stack([src, dst, image]).astype(np.int64)
-    rev = np.column_stack([dst, src, -image]).astype(np.int64)
-    swap = _match_rows(key, rev)
-    if (swap < 0).any():
-        e = int(np.nonzero(swap < 0)[0][0])
+    """The index of edge ``(dst, src, -image)`` for every edge ``(src, dst, image)``: the edges and
+    their reverses, each sorted the same way, line up row for row when the set is symmetric."""
+    table = np.lexsort((image[:, 2], image[:, 1], image[:, 0], dst, src))
+    query = np.lexsort((-image[:, 2], -image[:, 1], -image[:, 0], src, dst))
+    same = (src[table] == dst[query]) & (dst[table] == src[query]) & np.all(image[table] == -image[query], axis=1)
+    if not same.all():
+        rows = {(int(a), int(b), *map(int, n)) for a, b, n in zip(src, dst, image)}
+        e = next(e for e in range(len(src)) if (int(dst[e]), int(src[e]), *map(int, -image[e])) not in rows)
         raise GnnPipeError(f"the edge set is not symmetric: edge {e} ({int(src[e])} -> {int(dst[e])}, image "
                            f"{image[e].tolist()}) has no reverse edge; build it with atomic.neighbors.radius_graph")
+    swap = np.empty(len(src), dtype=np.int64)
+    swap[query] = table
     return swap
 
 
