@@ -56,8 +56,9 @@ def _max_error(res: list, ref) -> float:
     energy, forces, grads = ref
     err = 0.0
     for r in res:
-        err = max(err, float((r["energy"] - energy).abs().max()), float((r["forces"] - forces[r["lo"]:r["hi"]]).abs().max()),
-                  *(float((x - y).abs().max()) for x, y in zip(r["grads"], grads)))
+        diffs = [r["energy"] - energy, r["forces"] - forces[r["lo"]:r["hi"]]]
+        diffs += [x - y for x, y in zip(r["grads"], grads)]
+        err = max(err, *(float(d.abs().max()) for d in diffs))
     return err
 
 

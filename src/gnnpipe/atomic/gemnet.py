@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from .batch import AtomGraph, gradient_forces
 from .gemnet_layers import (INV_SQRT2, CircularBasis, CircularDown, Dense, EfficientBilinear, RadialBasis,
-                            ResidualLayer, ScaleFactor, he_orthogonal_, mlp)
+                            ResidualLayer, ScaleFactor, mlp)
 
 
 @dataclass

@@ -183,7 +183,8 @@ class RadialBasis(nn.Module):
 
     def forward(self, d: Tensor) -> Tensor:
         x = d / self.cutoff
-        return self.envelope(x).unsqueeze(-1) * torch.exp(-self.gamma * (x.unsqueeze(-1) - self.centres.to(x.dtype)) ** 2)
+        gauss = torch.exp(-self.gamma * (x.unsqueeze(-1) - self.centres.to(x.dtype)) ** 2)
+        return self.envelope(x).unsqueeze(-1) * gauss
 
 
 class CircularBasis(nn.Module):
