@@ -8,7 +8,7 @@ is ``v = pos[i] - pos[j] - shift``. A triplet ``k -> j -> i`` pairs an input edg
 same image (``shift_kj + shift_ji != 0`` keeps a periodic ``k == i``).
 
 The model never sees a process group. It computes on the edges and triplets this view
-holds and calls four reductions whose meaning is the same in one process and sharded:
+holds and calls reductions whose meaning is the same in one process and sharded:
 
 ============================  =========================  ===================================
 call                          one process (this class)   a rank of a P-way group (parallel)
@@ -19,6 +19,8 @@ call                          one process (this class)   a rank of a P-way group
   (N, w) -> (N_own, w)                                   block (gradient: all-gather)
 ``sum_systems(x_own)``        scatter-add over systems   local scatter-add + all-reduce
   (N_own, w) -> (B, w)                                   (gradient: identity, see parallel)
+``gather_atoms(x_own)``       identity                   all-gather of the atom blocks
+  (N_own, w) -> (N, w)                                   (gradient: sum-reduce-scatter)
 ============================  =========================  ===================================
 
 ``edges_to_atoms(msg)`` = ``sum_atoms(scatter_add(msg over dst))``: the sum of every edge
@@ -34,13 +36,25 @@ Index conventions (all int64):
   ``[0, E_loc)``;
 * ``kj_src, kj_dst, kj_shift``: the geometry of each triplet's input edge (it may be
   another rank's), so that angles and the spherical basis are computed locally.
+
+Index sets only some models declare (``None`` where the batch was built without them):
+
+* ``id_swap`` (E_loc,): the reverse edge ``i -> j`` (image ``-shift``) of each local edge
+  ``j -> i``, an index into the **gathered** edge rows ``[0, E)``; needs a symmetric edge
+  set (``gnnpipe.atomic.neighbors``). GemNet's message of the reverse direction.
+* ``triplet_rank`` (T_loc,): the triplet's rank among the triplets of its output edge
+  (``0 .. count-1`` in triplet order): its column in the padded (E_loc, K_max) layout of
+  GemNet's efficient bilinear layer. A triplet lives on the rank of its output edge, so all
+  of an edge's triplets are on one rank and the ranks are the unsharded ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable, Optional
 
+import torch
 from torch import Tensor
 
 
@@ -63,6 +77,8 @@ class AtomGraph:
     num_edges: int  # E, edges of the whole batch (over all ranks)
     atom_lo: int = 0  # this view's own atoms: [atom_lo, atom_hi)
     atom_hi: int = -1
+    id_swap: Optional[Tensor] = None  # (E_loc,) reverse edge, into the gathered edges [0, E)
+    triplet_rank: Optional[Tensor] = None  # (T_loc,) rank among the output edge's triplets
 
     def __post_init__(self):
         if self.atom_hi < 0:
@@ -108,6 +124,10 @@ class AtomGraph:
         out = x_own.new_zeros((self.num_systems, *x_own.shape[1:]))
         return out.index_add(0, self.system[self.own_atoms], x_own)
 
+    def gather_atoms(self, x_own: Tensor) -> Tensor:
+        """(N_own, w) per own atom -> (N, w): every atom's row, in atom order."""
+        return x_own
+
     def edges_to_atoms(self, msg: Tensor) -> Tensor:
         """(E_loc, w) edge messages -> (N_own, w): their sum into each own target atom."""
         partial = msg.new_zeros((self.num_atoms, *msg.shape[1:])).index_add(0, self.edge_dst, msg)
@@ -119,3 +139,19 @@ class AtomGraph:
             return t.to(device=device, dtype=dtype if (dtype is not None and t.is_floating_point()) else t.dtype)
         return dataclasses.replace(self, **{f.name: mv(getattr(self, f.name)) for f in dataclasses.fields(self)
                                             if isinstance(getattr(self, f.name), Tensor)})
+
+
+def gradient_forces(energy_of: Callable[[AtomGraph], Tensor], g: AtomGraph, create_graph: bool) -> dict:
+    """``{"energy": energy_of(g) (B,), "forces": -dE/dpos (N_own, 3)}``: energy-conserving forces.
+
+    ``g.pos`` is differentiated (a leaf copy that requires grad is made if it does not); the
+    view's ``-dE/dpos`` is a partial sum over its edges that ``sum_atoms`` completes (a
+    reduce-scatter when sharded). ``create_graph=True`` keeps the graph for a loss on the
+    forces (double backward, training).
+    """
+    with torch.enable_grad():
+        if not g.pos.requires_grad:
+            g = dataclasses.replace(g, pos=g.pos.detach().requires_grad_(True))
+        energy = energy_of(g)
+        dpos, = torch.autograd.grad(energy.sum(), g.pos, create_graph=create_graph)
+    return {"energy": energy, "forces": -g.sum_atoms(dpos)}

@@ -23,6 +23,9 @@ collective's backward is the adjoint of its forward *with that convention*:
   drops the other ranks' contributions: fairchem's first ``gp_utils`` had that bug.)
 * ``sum_atoms`` (reduce-scatter of per-rank partial sums to atom blocks): the adjoint of
   a reduce-scatter is an all-gather.
+* ``gather_atoms`` (all-gather of the own atom blocks, e.g. GemNet's updated atom embeddings
+  that local edges read at both ends): the same argument as ``gather_edges``, every
+  consumer is rank-local, so the backward is a **sum**-reduce-scatter to the owners.
 * ``sum_systems`` (all-reduce of per-system partial sums): every rank then holds the same
   energies and computes the energy loss on them *replicated*; counting that replicated
   loss once, ``dL/dx_r = dL/dE`` on every rank, so the backward is the **identity**
@@ -55,11 +58,12 @@ from torch import Tensor
 
 from ..io import GnnPipeError
 from .batch import AtomGraph
+from .neighbors import triplet_rank
 
 OP_GATHER_EDGES = "edge_all_gather"  # forward all-gathers of edge rows (and their adjoints' adjoints)
 OP_SCATTER_EDGES = "edge_reduce_scatter"  # sum-reduce-scatters of edge-row gradients
-OP_SCATTER_ATOMS = "atom_reduce_scatter"  # per-atom partial sums to their owners
-OP_GATHER_ATOMS = "atom_all_gather"  # adjoint of the above
+OP_SCATTER_ATOMS = "atom_reduce_scatter"  # per-atom partial sums to their owners (and gather_atoms' adjoint)
+OP_GATHER_ATOMS = "atom_all_gather"  # every atom's row (gather_atoms), and sum_atoms' adjoint
 OP_SYSTEMS = "system_all_reduce"  # per-system energies
 OP_GRADS = "grad_allreduce"  # parameter gradients, graph group then data-parallel group
 
@@ -157,6 +161,9 @@ class ShardedAtomGraph(AtomGraph):
     def sum_systems(self, x_own: Tensor) -> Tensor:
         return _SumReplicated.apply(super().sum_systems(x_own), self.group, OP_SYSTEMS)
 
+    def gather_atoms(self, x_own: Tensor) -> Tensor:
+        return _GatherRows.apply(x_own, self.group, self.atom_sizes, OP_GATHER_ATOMS, OP_SCATTER_ATOMS)
+
 
 # --------------------------------------------------------------------------- building views
 def _t(a, dtype=None) -> Tensor:
@@ -173,7 +180,10 @@ def shard_graph(b: dict, parts: int, rank: int, group: Optional[EdgeGroup], dtyp
     """Rank ``rank``'s view of batch ``b`` split ``parts`` ways (``parts == 1``: an ``AtomGraph``).
 
     ``b`` holds numpy arrays: ``z, pos, system, edge_src, edge_dst, edge_shift, idx_kj, idx_ji``
-    with batch-level ids (``graphs.batch_arrays``) and ``num_systems``.
+    with batch-level ids (``graphs.batch_arrays``) and ``num_systems``; optionally ``id_swap``
+    (the reverse of each edge, batch-level ids: ``neighbors.reverse_edges``). ``triplet_rank``
+    is derived from ``idx_ji`` here (``neighbors.triplet_rank``), before the split, so every
+    rank holds the unsharded ranks of its triplets.
     """
     n, e = int(len(b["z"])), int(len(b["edge_src"]))
     if parts > e:
@@ -194,7 +204,9 @@ def shard_graph(b: dict, parts: int, rank: int, group: Optional[EdgeGroup], dtyp
         edge_shift=_t(shift[e0:e1], dtype),
         idx_kj=_t(kj, torch.long), idx_ji=_t(idx_ji[keep] - e0, torch.long),
         kj_src=_t(src[kj], torch.long), kj_dst=_t(dst[kj], torch.long), kj_shift=_t(shift[kj], dtype),
-        num_edges=e, atom_lo=a0, atom_hi=a1)
+        num_edges=e, atom_lo=a0, atom_hi=a1,
+        id_swap=_t(np.asarray(b["id_swap"])[e0:e1], torch.long) if b.get("id_swap") is not None else None,
+        triplet_rank=_t(triplet_rank(idx_ji, e)[keep], torch.long))
     g = AtomGraph(**kw) if parts == 1 else ShardedAtomGraph(**kw, edge_sizes=esz, atom_sizes=asz, group=group)
     return g.to(device) if device is not None else g
 

@@ -1,0 +1,362 @@
+"""GemNet-T / GemNet-dT (gnnpipe.atomic.gemnet): sizes, bases, the efficient bilinear layer, forces,
+symmetries, scale factors, the protocol registry, and exact graph parallelism (float64, 1e-10)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gnnpipe.atomic import neighbors as nb
+from gnnpipe.atomic.gemnet import (GemNetT, GemNetTConfig, count_parameters, count_scale_factors, memory_per_worker,
+                                   preset, step_bytes)
+from gnnpipe.atomic.gemnet_layers import CircularBasis, PolynomialEnvelope, RadialBasis, fit_scale_factors
+from gnnpipe.atomic.parallel import EdgeGroup, shard_graph, single_graph, with_pos
+from gnnpipe.atomic.protocol import ATOMIC_MODELS, DimeNetPPModel
+from gnnpipe.parallel.testing import spawn_multi_process
+from test_atomic_parallel import _concat
+from test_dimenetpp import f64  # noqa: F401 - the float64 fixture
+
+CUTOFF = 3.0
+TINY = GemNetTConfig(num_spherical=3, num_radial=4, num_blocks=2, emb_size_atom=5, emb_size_edge=6,
+                     emb_size_trip=3, emb_size_rbf=3, emb_size_cbf=2, emb_size_bil_trip=4, num_before_skip=1,
+                     num_after_skip=1, num_concat=1, num_atom=1, cutoff=CUTOFF, num_elements=10)
+
+
+# --------------------------------------------------------------------------- systems
+def _spread(rng, n: int, cell: np.ndarray, pbc, box=None) -> np.ndarray:
+    """n positions at least 0.9 Å apart (images included): the bases are smooth there."""
+    while True:
+        pos = rng.random((n, 3)) @ (cell if box is None else np.eye(3) * box)
+        if len(nb.radius_graph(pos, cell, pbc, 0.9)[0]) == 0:
+            return pos
+
+
+def _system(rng, kind: str, dimers: int = 0) -> dict:
+    """One system with a symmetric radius graph: ``periodic`` (4 atoms in a 2.8 Å box: neighbours
+    on their own images), ``molecule`` (5 atoms), ``dimers`` (isolated pairs: edges, no triplets)."""
+    if kind == "periodic":
+        cell, pbc = np.array([[2.8, 0, 0], [0.3, 2.9, 0], [0.2, 0.1, 3.0]]), (True, True, True)
+        pos = _spread(rng, 4, cell, pbc)
+    elif kind == "molecule":
+        cell, pbc = np.zeros((3, 3)), (False, False, False)
+        pos = _spread(rng, 5, cell, pbc, box=2.2)
+    else:
+        cell, pbc = np.zeros((3, 3)), (False, False, False)
+        pos = np.array([[10.0 * (a // 2), 1.2 * (a % 2), 0.0] for a in range(2 * dimers)])
+    g = nb.system_graph(pos, cell, pbc, CUTOFF)
+    n = len(pos)
+    return dict(z=rng.integers(1, 10, n), pos=pos, system=np.zeros(n, dtype=np.int64), num_systems=1,
+                edge_src=g["edge_src"], edge_dst=g["edge_dst"], edge_shift=g["edge_shift"], idx_kj=g["idx_kj"],
+                idx_ji=g["idx_ji"], energy=rng.normal(size=1), forces=rng.normal(size=(n, 3)),
+                fixed=rng.random(n) < 0.2)
+
+
+def _with_swap(b: dict) -> dict:
+    return {**b, "id_swap": nb.reverse_edges(b["edge_src"], b["edge_dst"], b["edge_shift"])}
+
+
+def _batch(seed: int, dimers: int = 55) -> dict:
+    """A periodic system, a molecule, and a tail of dimers long enough that a rank holds no triplets."""
+    rng = np.random.default_rng(seed)
+    systems = [_system(rng, "periodic"), _system(rng, "molecule")]
+    systems += [_system(rng, "dimers", dimers)] if dimers else []
+    return _with_swap(_concat(systems))
+
+
+def _model(head: str, cfg: GemNetTConfig = TINY, fit_on=None) -> GemNetT:
+    torch.manual_seed(0)
+    m = GemNetT(dataclasses.replace(cfg, force_head=head)).double()
+    if fit_on is not None:
+        fit_scale_factors(m, fit_on)
+    return m
+
+
+def _run(model, b: dict, **kw):
+    g = single_graph(b)
+    out = model(g if not kw else dataclasses.replace(g, **kw))
+    return out["energy"].detach(), out["forces"].detach()
+
+
+# --------------------------------------------------------------------------- sizes
+def test_parameter_counts_match_fairchem():
+    """fairchem-core's gp-gemnet-dT / gp-gemnet-xl built with its own code: 31,671,825 and
+    292,939,552 (83 embedding rows, 17 / 32 frozen scale factors counted), trainable 31,671,808 and
+    292,939,520. Ours at num_elements=83: the same trainable count, plus the scale factors
+    (buffers here). Our 95-row default adds 12 rows of the atom embedding."""
+    for name, trainable, scales in [("default", 31_671_808, 17), ("xl", 292_939_520, 32)]:
+        cfg = preset(name, num_elements=83)
+        assert count_parameters(cfg) == trainable
+        assert count_scale_factors(cfg) == scales
+        assert count_parameters(preset(name)) == trainable + 12 * cfg.emb_size_atom
+    small = preset("small")
+    assert count_parameters(small) == sum(p.numel() for p in GemNetT(small).parameters())
+
+
+# --------------------------------------------------------------------------- bases
+def test_bases_equal_scipys_functions(f64):
+    from scipy import special, stats
+
+    d = torch.linspace(0.05, 5.95, 50)
+    rbf = RadialBasis(16, 6.0, 5)(d).numpy()
+    x = d.numpy()[:, None] / 6.0
+    mu, sigma = np.linspace(0, 1, 16), 1 / 15
+    env = PolynomialEnvelope(5)(d / 6.0).numpy()[:, None]
+    gauss = stats.norm.pdf(x, mu, sigma) * sigma * math.sqrt(2 * math.pi)
+    np.testing.assert_allclose(rbf, env * gauss, rtol=1e-12, atol=1e-15)
+    # the envelope: 1 at 0; value, slope and curvature 0 at the cutoff; 0 beyond
+    u = np.polynomial.Polynomial([1, 0, 0, 0, 0, -21, 35, -15])
+    np.testing.assert_allclose(env[:, 0], u(x[:, 0]), rtol=1e-10, atol=1e-13)
+    assert [abs(u.deriv(k)(1.0)) < 1e-12 for k in range(3)] == [True] * 3
+    assert float(PolynomialEnvelope(5)(torch.tensor([1.0, 1.5])).abs().max()) == 0.0
+    cos = torch.linspace(-1, 1, 41)
+    got = CircularBasis(7)(cos).numpy()
+    theta = np.arccos(cos.numpy())
+    want = np.stack([special.sph_harm_y(l, 0, theta, 0.0).real for l in range(7)], 1)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+# --------------------------------------------------------------------------- triplets
+def test_efficient_bilinear_equals_a_naive_sum_and_fairchems_orientation(f64):
+    """The padded bilinear layer equals the sum triplet by triplet; and the triplet interaction
+    (our k -> j -> i triplets, the reverse edge by id_swap) equals a literal transcription of
+    fairchem's order: triplets b -> a <- c sharing their target, the reverse aggregate swapped in."""
+    b = _batch(0, dimers=2)
+    g = single_graph(b)
+    model = _model("direct")
+    trip = model.int_blocks[0].trip
+    e, t = g.num_local_edges, g.num_local_triplets
+    torch.manual_seed(1)
+    rad, sph, x = torch.randn(e, TINY.emb_size_cbf, TINY.num_spherical), torch.randn(t, TINY.num_spherical), \
+        torch.randn(t, TINY.emb_size_trip)
+    got = trip.bilinear(rad, sph, x, g.idx_ji, g.triplet_rank)
+    per = torch.einsum("tcs,ts,ti,ico->to", rad[g.idx_ji], sph, x, trip.bilinear.weight)
+    naive = per.new_zeros((e, per.shape[1])).index_add(0, g.idx_ji, per)
+    torch.testing.assert_close(got, naive, rtol=1e-12, atol=1e-12)
+
+    # fairchem's order, edge by edge: X[c->a] = Σ_{b->a != c->a} bilinear(rad(d_ca), Y(cos φ_cab), x_ba)
+    dst, swap = g.edge_dst.tolist(), g.id_swap
+    v = g.edge_vectors()
+    u = v / v.norm(dim=-1, keepdim=True)  # from source image to target
+    rbf = model.radial(v.norm(dim=-1))
+    m = torch.randn(e, TINY.emb_size_edge)
+    xb = trip.dense_ba(m)
+    xb = trip.down(trip.scale_rbf(xb * trip.mlp_rbf(model.mlp_rbf3(rbf)), ref=xb))
+    rad3 = model.mlp_cbf3(rbf)
+    agg = []
+    for ca in range(e):
+        terms = [torch.einsum("cs,s,i,ico->o", rad3[ca], model.circular((u[ca] * u[ba]).sum()), xb[ba],
+                              trip.bilinear.weight)
+                 for ba in range(e) if dst[ba] == dst[ca] and ba != ca]
+        agg.append(torch.stack(terms).sum(0) if terms else torch.zeros(TINY.emb_size_bil_trip))
+    agg = torch.stack(agg)
+    want = (trip.up_ca(agg) + trip.up_ac(agg)[swap]) / math.sqrt(2)
+    sph_ours = model.circular(-(u[g.idx_ji] * u[g.idx_kj]).sum(-1))
+    torch.testing.assert_close(trip(m, model.mlp_rbf3(rbf), rad3, sph_ours, g), want, rtol=1e-10, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- physics
+def test_gemnet_t_forces_are_finite_differences(f64):
+    b = _batch(1, dimers=1)
+    m = _model("gradient")
+    _, forces = _run(m, b)
+    g = single_graph(b)
+    for i, k in [(0, 0), (2, 1), (6, 2), (9, 0)]:
+        pos = g.pos.clone()
+        pos[i, k] += 1e-6
+        up = float(m(with_pos(g, pos))["energy"].sum().detach())
+        pos[i, k] -= 2e-6
+        down = float(m(with_pos(g, pos))["energy"].sum().detach())
+        assert abs(-(up - down) / 2e-6 - float(forces[i, k])) < 1e-6
+    assert float(forces.abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("head", ["gradient", "direct"])
+def test_invariances_and_equivariance(head, f64):
+    b = _batch(2, dimers=1)
+    m = _model(head)
+    rot = torch.linalg.qr(torch.randn(3, 3, generator=torch.Generator().manual_seed(3)))[0].numpy()
+    e0, f0 = _run(m, b)
+    e1, f1 = _run(m, {**b, "pos": b["pos"] @ rot.T, "edge_shift": b["edge_shift"] @ rot.T})
+    torch.testing.assert_close(e1, e0, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(f1, f0 @ torch.as_tensor(rot).T, rtol=1e-9, atol=1e-9)
+    e2, f2 = _run(m, {**b, "pos": b["pos"] + np.array([0.7, -1.3, 2.1])})
+    torch.testing.assert_close(e2, e0, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(f2, f0, rtol=1e-9, atol=1e-9)
+    assert float(f0.abs().max()) > 1e-3 and float(e0.abs().min()) > 1e-3
+
+
+def test_scale_factors_are_fitted_once_stored_and_loaded(f64):
+    b = _batch(3, dimers=1)
+    g = single_graph(b)
+    m = _model("direct")
+    fitted = fit_scale_factors(m, [g])
+    assert len(fitted) == count_scale_factors(TINY) == 3 * 2 + 2 * 3
+    assert all(v > 0 for v in fitted.values()) and any(abs(v - 1) > 0.1 for v in fitted.values())
+    state = m.state_dict()
+    keys = [k for k in state if k.endswith("scale_factor")]
+    assert len(keys) == len(fitted) and not any(n.endswith("scale_factor") for n, _ in m.named_parameters())
+    again = _model("direct")
+    assert not torch.allclose(_run(again, b)[0], _run(m, b)[0])
+    again.load_state_dict(state)
+    torch.testing.assert_close(_run(again, b)[0], _run(m, b)[0], rtol=0, atol=0)
+    # fitted in execution order, each with the earlier ones fitted: every factor's output has its
+    # reference's variance on the fitting data
+    for name, module in m.named_modules():
+        if name in fitted:
+            module._stats = stats = [0.0, 0.0, 0]
+            with torch.no_grad():
+                m.embed(g)
+            module._stats = None
+            assert abs(stats[0] / stats[1] - 1) < 1e-9, name
+    with pytest.raises(ValueError, match="not on a shard"):
+        fit_scale_factors(m, [shard_graph(b, 2, 0, None)])
+
+
+# --------------------------------------------------------------------------- protocol
+def test_the_registry_builds_both_kinds_on_one_protocol(f64):
+    from gnnpipe.atomic.dimenetpp import DimeNetPP, energy_and_forces
+    from gnnpipe.registry import UnknownKind
+
+    assert ATOMIC_MODELS.names() == ("dimenetpp", "gemnet_t")
+    with pytest.raises(UnknownKind, match="known: dimenetpp, gemnet_t"):
+        ATOMIC_MODELS["gemnet"]
+    gem = ATOMIC_MODELS["gemnet_t"]
+    assert gem.preset("default").force_head == "direct" and gem.preset("small").force_head == "gradient"
+    assert gem.preset("xl", num_blocks=None).num_blocks == 6 and "triplet_rank" in gem.index_sets
+    assert gem.count_parameters(gem.preset("small")) == count_parameters(preset("small"))
+    b = _batch(4, dimers=1)
+    for kind, cfg in [("gemnet_t", dataclasses.replace(TINY, force_head="gradient")),
+                      ("dimenetpp", ATOMIC_MODELS["dimenetpp"].preset("small", cutoff=CUTOFF))]:
+        torch.manual_seed(0)
+        model = ATOMIC_MODELS[kind].build(cfg).double()
+        out = model(single_graph(b))
+        assert set(out) == {"energy", "forces"} and out["energy"].shape == (b["num_systems"],)
+        assert out["forces"].shape == (len(b["z"]), 3)
+    # DimeNet++ through the adapter: the same state dict and numbers as DimeNetPP itself
+    assert isinstance(model, DimeNetPPModel)
+    plain = DimeNetPP(model.cfg).double()
+    plain.load_state_dict(model.state_dict())
+    g = single_graph(b)
+    e, f = energy_and_forces(plain, with_pos(g, g.pos.clone().requires_grad_(True)), create_graph=False)
+    out = model(g)
+    torch.testing.assert_close(out["energy"].detach(), e.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(out["forces"].detach(), f.detach(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="id_swap"):
+        _model("direct")(dataclasses.replace(g, id_swap=None))
+
+
+def test_memory_estimate_is_within_5_percent_of_a_measured_step(f64):
+    """memory_per_worker's edge, triplet and atom parts against the activations autograd keeps
+    (distinct storages) in a training step of each head, at widths the constants were not
+    derived at."""
+    b = _batch(5, dimers=0)
+    cfg = dataclasses.replace(preset("small", cutoff=CUTOFF), emb_size_edge=24, emb_size_atom=16)
+    g = single_graph(b)
+    e, t, n = g.num_local_edges, g.num_local_triplets, g.num_atoms
+    kmax = int(g.triplet_rank.max()) + 1
+    assert len({e, t, n, kmax}) == 4
+    for head in ("gradient", "direct"):
+        model = _model(head, cfg)
+        seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = {"triplet": 0, "edge": 0, "atom": 0}
+        rows = {t: "triplet", e: "edge", n: "atom"}
+
+        def pack(x):  # distinct storages, by the first dimension that is not 1; padded slots count as triplets
+            ptr, dims = x.untyped_storage().data_ptr(), [d for d in x.shape if d != 1]
+            if ptr not in seen and x.is_floating_point() and dims and dims[0] in rows:
+                seen.add(ptr)
+                part = "triplet" if dims[0] == e and kmax in dims[1:] and x.dim() == 3 else rows[dims[0]]
+                saved[part] += x.untyped_storage().nbytes()
+            return x
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            out = model(g)
+            (out["energy"].pow(2).sum() + out["forces"].pow(2).sum()).backward()
+        padding = g.num_local_edges * (int(g.triplet_rank.max()) + 1) / t
+        est = memory_per_worker(model.cfg, n, e, t, 1, dtype_bytes=8, padding=padding)
+        for part in saved:
+            assert abs(est[part] / saved[part] - 1) < 0.05, (head, part, est[part], saved[part])  # measured < 1 %
+
+
+# --------------------------------------------------------------------------- graph parallelism
+def _step(model, g, b: dict, systems: int, atoms: int, reduce_grads):
+    """Energies, own forces and summed parameter gradients of an energy + force loss whose share
+    over the ranks sums to the single-process loss (energy term replicated, counted once)."""
+    model.train()
+    out = model(g)
+    own = slice(g.atom_lo, g.atom_hi)
+    loss = ((out["energy"] - torch.as_tensor(b["energy"])) ** 2).sum() / systems \
+        + ((out["forces"] - torch.as_tensor(b["forces"][own])) ** 2).sum() / (3 * atoms)
+    model.zero_grad(set_to_none=False)
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    reduce_grads(grads)
+    return out["energy"].detach(), out["forces"].detach(), grads
+
+
+def _sharded(rank: int, world: int, batches: list, ways: int, states: dict) -> dict:
+    """One rank of the engine's layout (``rank = replica · P + way``, its groups from ParallelDims)."""
+    from gnnpipe.parallel.comm import Communicator
+    from gnnpipe.parallel.dims import ParallelDims, build_groups
+
+    torch.set_default_dtype(torch.float64)
+    groups = build_groups(ParallelDims("graph", world, ways=ways, data=world // ways), rank)
+    replica, way = groups.replica_index, groups.way_index
+    comm = Communicator()
+    union = _concat(batches)
+    b = batches[replica]
+    g = shard_graph(b, ways, way, EdgeGroup(comm, groups.stage, ways, way))
+
+    def reduce(gs):
+        comm.all_reduce_coalesced_(gs, group=groups.stage)
+        if groups.data is not None:
+            comm.all_reduce_coalesced_(gs, group=groups.data, op="dp_allreduce")
+    out = {"lo": g.atom_lo, "hi": g.atom_hi, "replica": replica, "rank": rank, "triplets": g.num_local_triplets}
+    for epoch, head in enumerate(("gradient", "direct")):
+        comm.set_epoch(epoch)
+        model = _model(head)
+        model.load_state_dict(states[head])
+        out[head] = _step(model, g, b, union["num_systems"], len(union["z"]), reduce)
+        out[f"{head}_sent"] = sum(v["sent"] for v in comm.ledger_dict()[epoch].values())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ways,replicas", [(2, 1), (3, 1), (4, 1), (2, 2)])
+def test_gemnet_sharded_matches_unsharded(ways, replicas):
+    """GemNet-T and GemNet-dT on P ways × D replicas, a periodic system, a molecule and a rank
+    without triplets: energies, forces and every parameter gradient equal single-process training
+    on the union of the replicas' batches (float64, 1e-10), and the ledger the closed form."""
+    batches = [_batch(10 + d) for d in range(replicas)]
+    union = _with_swap(_concat(batches))
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref, states = {}, {}
+        for head in ("gradient", "direct"):  # scale factors fitted once, on one process, then loaded
+            model = _model(head, fit_on=[single_graph(union)])
+            states[head] = model.state_dict()
+            ref[head] = _step(model, single_graph(union), union, union["num_systems"], len(union["z"]),
+                              lambda gs: None)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    res = spawn_multi_process(_sharded, ways * replicas, batches, ways, states, timeout=120)
+    assert any(r["triplets"] == 0 for r in res), "the case must include a rank with no triplets"
+    names = [n for n, _ in _model("direct").named_parameters()]
+    for head in ("gradient", "direct"):
+        energy, forces, grads = ref[head]  # the union's, cut into the replicas' batches
+        energy = energy.split([b["num_systems"] for b in batches])
+        forces = forces.split([len(b["z"]) for b in batches])
+        for r in res:
+            e, f, gr = r[head]
+            torch.testing.assert_close(e, energy[r["replica"]], rtol=0, atol=1e-10)
+            torch.testing.assert_close(f, forces[r["replica"]][r["lo"]:r["hi"]], rtol=0, atol=1e-10)
+            bad = [(n, float((x - y).abs().max())) for n, x, y in zip(names, gr, grads)
+                   if not torch.allclose(x, y, rtol=0, atol=1e-10)]
+            assert len(gr) == len(grads) and not bad, f"{head}, rank {r['rank']}: gradients differ: {bad}"
+        cfg = dataclasses.replace(TINY, force_head=head)
+        want = step_bytes(cfg, [len(b["edge_src"]) for b in batches], [len(b["z"]) for b in batches],
+                          [b["num_systems"] for b in batches], ways, 8, count_parameters(cfg))
+        assert sum(r[f"{head}_sent"] for r in res) == want, head
