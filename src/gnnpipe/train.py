@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from .config import RunConfig, dump_run_config, to_dict
+from .config import BOUNDS, RunConfig, TrainingConfig, dump_run_config, to_dict
 from .engine import DTYPES, NonFiniteError
 from .evaluate import run_fingerprint
 from .io import GnnPipeError, atomic_path, write_json, write_text
@@ -57,6 +57,21 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def dist_timeout_s(cfg: RunConfig) -> int:
+    """``training.dist_timeout_s``, or the environment's ``GNNPIPE_DIST_TIMEOUT`` (same bounds)."""
+    text = os.environ.get("GNNPIPE_DIST_TIMEOUT")
+    if not text:
+        return cfg.training.dist_timeout_s
+    bound = BOUNDS[TrainingConfig]["dist_timeout_s"]
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not bound.ok(value):
+        raise GnnPipeError(f"GNNPIPE_DIST_TIMEOUT: {text!r} must be whole seconds {bound.text()}")
+    return value
+
+
 def init_distributed(cfg: RunConfig, device: torch.device) -> tuple[int, int]:
     """Join the torchrun world (``single`` needs none); return (rank, world_size)."""
     if cfg.mode == "single":
@@ -67,7 +82,7 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> tuple[int, int]:
             f"{cfg.workers} -m gnnpipe.cli train --run-config <run.yaml>")
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=int(os.environ.get("GNNPIPE_DIST_TIMEOUT") or cfg.training.dist_timeout_s))
+        timeout = datetime.timedelta(seconds=dist_timeout_s(cfg))
         # torchrun --max-restarts keeps one store for every attempt (torch 2.13, --standalone): the
         # keys of a restarted group get a prefix of their own, or its ranks read the dead group's addresses
         store, r, w = next(dist.rendezvous("env://", timeout=timeout))
