@@ -52,6 +52,34 @@ def setup_run(root: Path, mode: str = "single", workers: int = 1, *, epochs: int
     return cfg
 
 
+def setup_atomic_run(root: Path, mode: str = "graph", workers: int = 2, *, epochs: int = 5):
+    """A tiny DimeNet++ run on 10 EMT slabs under ``root/results`` (systems.h5, graphs.h5, run.yaml)."""
+    from gnnpipe.atomic import data
+
+    wf = load_workflow_config({
+        "results": str(root / "results"), "datasets": {"slabs": {"kind": "atoms"}},
+        "models": {"dpp": {"kind": "dimenetpp", "dimenetpp": {"preset": "small", "num_blocks": 1,
+                                                              "batch_size": 2, "lr": 0.001}}},
+        "training": {"epochs": epochs, "eval_every": 5, "checkpoint_every": 2, "weight_decay": 0.0},
+        "runs": [{"mode": mode, "dataset": "slabs", "model": "dpp", "workers": workers}]})
+    cfg = next(iter(resolve_runs(wf).values()))
+    systems = data.generate(10, size=(2, 2, 2), seed=2, progress=False)
+    Path(cfg.graph_path).parent.mkdir(parents=True, exist_ok=True)
+    digest = data.write_systems(cfg.systems_path, systems)
+    data.write_graphs(cfg.graph_path, data.build_graphs(systems, 4.0, 8, progress=False), 4.0, 8, digest)
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.out_dir) / "run.yaml").write_text(dump_run_config(cfg))
+    return cfg
+
+
+def one_error_line(capsys) -> str:
+    """The single ``gnnpipe: error:`` line a failed command printed (and no traceback)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("gnnpipe:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
 def db(cfg) -> str:
     return f"sqlite:///{Path(cfg.out_dir).parents[1] / 'mlflow.db'}"
 
@@ -155,10 +183,7 @@ def test_diverging_run_stops_with_one_line(tmp_path, capsys):
 
     cfg = setup_run(tmp_path, epochs=30, lr=1e4, model={"kind": "gcn", "layers": 10, "hidden": 16, "dropout": 0.0})
     assert cli.main(["train", "--run-config", str(Path(cfg.out_dir) / "run.yaml")]) == 2
-    stderr = capsys.readouterr().err
-    err = [line for line in stderr.splitlines() if line.startswith("gnnpipe:")]
-    assert len(err) == 1 and "Traceback" not in stderr, stderr
-    assert err[0].startswith("gnnpipe: error: epoch 1, rank 0: non-finite training loss (")
+    assert one_error_line(capsys).startswith("gnnpipe: error: epoch 1, rank 0: non-finite training loss (")
     assert not (Path(cfg.out_dir) / "metrics.json").exists() and not (Path(cfg.out_dir) / "model.pt").exists()
     run, = mlflow_runs(cfg)
     assert run.info.status == "FAILED" and "non-finite" in run.data.tags["gnnpipe.error"]
@@ -217,6 +242,23 @@ def test_bit_flipped_chunk_store_is_refused(tmp_path):
         store.part(0)
         with pytest.raises(GnnPipeError, match=r"content hash of /parts/1/features does not match its data"):
             store.part(1)
+
+
+@pytest.mark.parametrize("which", ["chunk store", "graphs.h5"])
+def test_evaluate_on_a_truncated_file_is_one_line(tmp_path, capsys, which):
+    """Issue 21, item 5: a truncated chunk store (graph run) or graphs.h5 (atomic run) was a raw
+    OSError from h5py in `gnnpipe evaluate`."""
+    from gnnpipe import cli
+
+    cfg = setup_run(tmp_path, "graph", 2) if which == "chunk store" else setup_atomic_run(tmp_path)
+    damaged = Path(cfg.store_path if which == "chunk store" else cfg.graph_path)
+    damaged.write_bytes(damaged.read_bytes()[:3000])
+    torch.save({"model": {}, "config_hash": "x", "epochs_done": cfg.training.epochs},
+               Path(cfg.out_dir) / "model.pt")
+    assert cli.main(["evaluate", "--run-config", str(Path(cfg.out_dir) / "run.yaml")]) == 2
+    line = one_error_line(capsys)
+    rule = "materialize" if which == "chunk store" else "atom_graphs"
+    assert line.startswith(f"gnnpipe: error: {damaged}: not a readable HDF5 file (") and f"(rule {rule} " in line
 
 
 # --------------------------------------------------------------------------- real torchrun, SIGKILL
@@ -311,25 +353,7 @@ def test_killed_worker_under_snakemake_then_rerun_completes(tmp_path):
 def test_atomic_graph_mode_killed_and_resumed_is_bit_identical(tmp_path):
     """DimeNet++ graph P = 2 (several optimizer steps per epoch): a killed worker, a resumed rerun,
     the weights of a run that never stopped."""
-    from gnnpipe.atomic import data
-
-    def atomic_run(root: Path):
-        wf = load_workflow_config({
-            "results": str(root / "results"), "datasets": {"slabs": {"kind": "atoms"}},
-            "models": {"dpp": {"kind": "dimenetpp", "dimenetpp": {"preset": "small", "num_blocks": 1,
-                                                                  "batch_size": 2, "lr": 0.001}}},
-            "training": {"epochs": 5, "eval_every": 5, "checkpoint_every": 2, "weight_decay": 0.0},
-            "runs": [{"mode": "graph", "dataset": "slabs", "model": "dpp", "workers": 2}]})
-        cfg = next(iter(resolve_runs(wf).values()))
-        systems = data.generate(10, size=(2, 2, 2), seed=2, progress=False)
-        Path(cfg.graph_path).parent.mkdir(parents=True, exist_ok=True)
-        digest = data.write_systems(cfg.systems_path, systems)
-        data.write_graphs(cfg.graph_path, data.build_graphs(systems, 4.0, 8, progress=False), 4.0, 8, digest)
-        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.out_dir) / "run.yaml").write_text(dump_run_config(cfg))
-        return cfg
-
-    ref, cfg = atomic_run(tmp_path / "ref"), atomic_run(tmp_path / "cut")
+    ref, cfg = setup_atomic_run(tmp_path / "ref"), setup_atomic_run(tmp_path / "cut")
     proc, _ = torchrun(ref)
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc, took = torchrun(cfg, env={"GNNPIPE_TEST_KILL": "1:3"})

@@ -65,15 +65,26 @@ _PATHS = ("graph_path", "store_path", "out_dir", "systems_path")  # where the ru
 _OPERATIONAL = ("dist_timeout_s", "max_restarts")  # how a run is kept alive, not what it computes
 
 
+def _content_hash(path, rule: str) -> str:
+    """The ``content_hash`` attribute of an HDF5 file (cheap); an unreadable file is one line
+    naming it and the rule that rebuilds it."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            return str(f.attrs.get("content_hash", ""))
+    except OSError as e:  # missing, truncated, not HDF5
+        raise GnnPipeError(f"{path}: not a readable HDF5 file ({' '.join(str(e).split())[:200]}); delete it "
+                           f"and rerun the workflow (rule {rule} rebuilds it)") from None
+
+
 def _graph_hash(cfg: RunConfig):
     """The content hash of the run's graph file: graph.h5, or an atomic run's graphs.h5 (which
     records the hash of its systems.h5 in turn)."""
     if not cfg.graph_path:
         return None
     if cfg.atomic:
-        import h5py
-        with h5py.File(cfg.graph_path, "r") as f:
-            return str(f.attrs.get("content_hash", ""))
+        return _content_hash(cfg.graph_path, "atom_graphs")
     return str(read_graph_attrs(cfg.graph_path)["content_hash"])
 
 
@@ -87,9 +98,7 @@ def run_fingerprint(cfg: RunConfig) -> dict[str, str | None]:
           "graph_hash": _graph_hash(cfg),
           "store_hash": None}
     if cfg.store_path and Path(cfg.store_path).exists():
-        import h5py
-        with h5py.File(cfg.store_path, "r") as f:
-            fp["store_hash"] = str(f.attrs.get("content_hash", ""))
+        fp["store_hash"] = _content_hash(cfg.store_path, "materialize")
     return fp
 
 
