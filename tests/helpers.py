@@ -131,3 +131,36 @@ def write_config(tmp_path: Path, edit) -> Path:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+# --------------------------------------------------------------------------- faults
+class _FullFile:
+    """A file whose every write fails as on a full disk."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+    def write(self, data):
+        import errno
+
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def full_disk_open(match: str):
+    """An ``open`` whose files with ``match`` in their path cannot be written (ENOSPC): patch it
+    over ``gnnpipe.io.open`` (``monkeypatch.setattr(gnnpipe.io, "open", ..., raising=False)``)."""
+    import builtins
+
+    def fake_open(path, *args, **kwargs):
+        f = builtins.open(path, *args, **kwargs)
+        return _FullFile(f) if match in str(path) else f
+    return fake_open

@@ -8,6 +8,7 @@ itself inside the epoch's first module forward, under a real torchrun (gloo on C
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -113,9 +114,9 @@ def assert_same_run(a, b) -> None:
     assert history(a) == history(b)
 
 
-def mlflow_runs(cfg):
+def mlflow_runs(cfg, uri=None):
     from mlflow.tracking import MlflowClient
-    client = MlflowClient(tracking_uri=db(cfg))
+    client = MlflowClient(tracking_uri=uri or db(cfg))
     exp = client.get_experiment_by_name("gnnpipe")
     return client.search_runs([exp.experiment_id]) if exp else []
 
@@ -259,6 +260,116 @@ def test_evaluate_on_a_truncated_file_is_one_line(tmp_path, capsys, which):
     line = one_error_line(capsys)
     rule = "materialize" if which == "chunk store" else "atom_graphs"
     assert line.startswith(f"gnnpipe: error: {damaged}: not a readable HDF5 file (") and f"(rule {rule} " in line
+
+
+# --------------------------------------------------------------------------- a full disk (issue 21, item 4)
+def error_lines(capsys) -> list[str]:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return [line for line in err.splitlines() if line.startswith("gnnpipe: error:")]
+
+
+@pytest.mark.parametrize("store", ["elsewhere", "on the full disk"])
+def test_a_full_disk_in_a_checkpoint_round_is_one_line_and_recorded_in_mlflow(tmp_path, monkeypatch, capsys, store):
+    """The disk fills during the second checkpoint round (a patched write says ENOSPC, as a full disk
+    does): one line naming the shard and ENOSPC, the first round kept; MLflow FAILED when the store
+    is elsewhere, else RUNNING and the outcome recorded by the next attempt, which resumes."""
+    import errno
+
+    from gnnpipe import cli, io as gio, tracking
+    from helpers import full_disk_open
+
+    client = tracking._client
+
+    def store_on_the_full_disk(cfg, lock_wait=None):  # mark_failed (only it waits FAIL_LOCK_WAIT_S) fails
+        if lock_wait == tracking.FAIL_LOCK_WAIT_S:
+            raise OSError(errno.ENOSPC, "database or disk is full")
+        return client(cfg, lock_wait)
+
+    cfg = setup_run(tmp_path)
+    out, run_yaml = Path(cfg.out_dir), str(Path(cfg.out_dir) / "run.yaml")
+    with monkeypatch.context() as m:
+        m.setattr(gio, "open", full_disk_open("epoch-000004"), raising=False)
+        if store != "elsewhere":
+            m.setattr(tracking, "_client", store_on_the_full_disk)
+        assert cli.main(["train", "--run-config", run_yaml]) == 2
+    line, = error_lines(capsys)
+    shard = out / "resume" / "epoch-000004" / "rank-0.pt"
+    assert line.startswith(f"gnnpipe: error: {shard}: cannot write it: No space left on device (ENOSPC)"), line
+    assert json.loads((out / "resume" / "manifest.json").read_text())["epochs_done"] == 2
+    assert not (out / "model.pt").exists() and not list(shard.parent.glob("*"))  # no temp file left either
+    run, = mlflow_runs(cfg)
+    if store == "elsewhere":
+        assert run.info.status == "FAILED" and "(ENOSPC)" in run.data.tags["gnnpipe.error"]
+    else:
+        assert run.info.status == "RUNNING"
+
+    assert cli.main(["train", "--run-config", run_yaml]) == 0
+    assert "resuming" in capsys.readouterr().err
+    done, = mlflow_runs(cfg)
+    assert done.info.run_id == run.info.run_id and done.info.status == "FINISHED"
+    assert "rank-0.pt: cannot write it: No space left on device (ENOSPC)" in done.data.tags["gnnpipe.previous_error"]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 3 MiB tmpfs (root only): a disk that really fills."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+class _FillsDiskAt:
+    """An engine that fills ``filler``'s file system to the last byte when it reaches epoch ``at``."""
+
+    def __init__(self, engine, at, filler: Path):
+        self._engine, self._at, self._filler = engine, at, filler
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def train_epoch(self, epoch):
+        if epoch == self._at:
+            with open(self._filler, "wb", buffering=0) as f:
+                for size in (65536, 4096, 1):
+                    with contextlib.suppress(OSError):
+                        while True:
+                            f.write(b"\0" * size)
+        return self._engine.train_epoch(epoch)
+
+
+def test_a_really_full_disk_is_one_line_naming_the_file(small_tmpfs, tmp_path, monkeypatch, capsys):
+    """Issue 21, item 4 on a real tmpfs: the disk fills in epoch 3; the checkpoint after it fails with
+    one line (path, ENOSPC) instead of torch's "unexpected pos" and a traceback; the round of epoch 2
+    is kept, the MLflow store (elsewhere) has the run FAILED with that line; freed, the rerun resumes."""
+    from gnnpipe import cli, train
+    from gnnpipe.graph import write_graph
+
+    cfg = setup_run(small_tmpfs, epochs=6, model={"kind": "gcn", "layers": 2, "hidden": 128, "dropout": 0.0})
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    filler, run_yaml = small_tmpfs / "filler", str(Path(cfg.out_dir) / "run.yaml")
+    build = train.build_engine
+    with monkeypatch.context() as m:
+        m.setattr(train, "build_engine", lambda *a: _FillsDiskAt(build(*a), 3, filler))
+        assert cli.main(["train", "--run-config", run_yaml]) == 2
+    line, = error_lines(capsys)
+    assert line.startswith(f"gnnpipe: error: {cfg.out_dir}/checkpoint.pt: cannot write it: No space left on "
+                           f"device (ENOSPC); nothing was replaced"), line
+    assert json.loads((Path(cfg.out_dir) / "resume" / "manifest.json").read_text())["epochs_done"] == 2
+    run, = mlflow_runs(cfg, os.environ["MLFLOW_TRACKING_URI"])
+    assert run.info.status == "FAILED" and "checkpoint.pt: cannot write it: No space left on device (ENOSPC)" in \
+        run.data.tags["gnnpipe.error"]
+    with pytest.raises(GnnPipeError, match=r"graph.h5: cannot write it: No space left on device \(ENOSPC\)"):
+        write_graph(small_tmpfs / "graph.h5", random_graph(n=300, avg_degree=8))  # h5py's error too
+
+    filler.unlink()
+    assert cli.main(["train", "--run-config", run_yaml]) == 0
+    assert "after epoch 1" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- real torchrun, SIGKILL

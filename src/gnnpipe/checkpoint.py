@@ -30,7 +30,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .io import GnnPipeError, atomic_path, write_json
+from .io import GnnPipeError, write_json, write_torch
 
 FORMAT = 1
 RESUME_DIR = "resume"
@@ -134,20 +134,29 @@ def save(out_dir, world: World, engine, device, *, epochs_done: int, fingerprint
              **{k: fingerprint.get(k) for k in FINGERPRINT_KEYS},
              "state": to_cpu(engine.state_dict()), "rng": rng_state(device)}
     shard["digest"] = digest(shard)
-    (root / name).mkdir(parents=True, exist_ok=True)
-    with atomic_path(root / name / f"rank-{world.rank}.pt", ".pt") as tmp:
-        torch.save(shard, tmp)
+    # every rank stops, with the line of the rank that failed, if a shard cannot be written (a
+    # full disk): none waits for a peer that gave up; the previous round stays the one to resume
+    world.agree(_written(lambda: write_torch(root / name / f"rank-{world.rank}.pt", shard)))
     digests = world.gather(shard["digest"])  # every shard is on disk once this returns
-    if world.rank != 0:
-        return
     manifest = {"format": FORMAT, "run_id": run_id, "epochs_done": epochs_done, "world_size": world.size,
                 "dir": name, "shards": digests, **{k: fingerprint.get(k) for k in FINGERPRINT_KEYS},
                 "mlflow_run_id": mlflow_run_id, "history": history}
     manifest["digest"] = digest(manifest)
-    write_json(root / MANIFEST, manifest)
+    world.agree(_written(lambda: write_json(root / MANIFEST, manifest)) if world.rank == 0 else None)
+    if world.rank != 0:
+        return
     for old in root.glob("epoch-*"):  # rounds no manifest names any more
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _written(write) -> Optional[str]:
+    """Run ``write``; the one-line reason it could not write (None: written)."""
+    try:
+        write()
+    except GnnPipeError as e:
+        return str(e)
+    return None
 
 
 # --------------------------------------------------------------------------- load
@@ -251,6 +260,24 @@ def read_mlflow_id(out_dir, fingerprint: Optional[dict]) -> Optional[str]:
 def write_mlflow_id(out_dir, fingerprint: dict, run_id: str) -> None:
     write_json(resume_dir(out_dir) / MLFLOW_FILE,
                {"run_id": run_id, **{k: fingerprint.get(k) for k in FINGERPRINT_KEYS}})
+
+
+def note_unrecorded_failure(out_dir, error: str) -> None:
+    """Keep the reason a failed attempt could not write into its MLflow run (the store was
+    unreachable or on the full disk) for the next attempt to record; best effort."""
+    path = resume_dir(out_dir) / MLFLOW_FILE
+    try:
+        data = json.loads(path.read_text())
+        write_json(path, {**data, "unrecorded_error": error})
+    except (OSError, ValueError, GnnPipeError):
+        pass
+
+
+def read_unrecorded_failure(out_dir) -> Optional[str]:
+    try:
+        return json.loads((resume_dir(out_dir) / MLFLOW_FILE).read_text()).get("unrecorded_error")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def finish(out_dir) -> None:

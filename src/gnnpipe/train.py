@@ -44,7 +44,7 @@ from . import checkpoint as ckpt
 from .config import BOUNDS, RunConfig, TrainingConfig, dump_run_config, to_dict
 from .engine import DTYPES, NonFiniteError
 from .evaluate import run_fingerprint
-from .io import GnnPipeError, atomic_path, write_json, write_text
+from .io import GnnPipeError, write_json, write_text, write_torch
 from .parallel.dims import ParallelDims, ProcessGroups, build_groups
 
 
@@ -221,7 +221,9 @@ def _failure(att: _Attempt, e: BaseException) -> BaseException:
         line = f"{att.where()}: {_one_line(e)}"
     if att.mlflow_run_id:
         from .tracking import mark_failed
-        mark_failed(att.cfg, att.mlflow_run_id, line if line.startswith("rank") else f"rank {att.rank}: {line}")
+        line = line if line.startswith("rank") else f"rank {att.rank}: {line}"
+        if not mark_failed(att.cfg, att.mlflow_run_id, line):
+            ckpt.note_unrecorded_failure(att.cfg.out_dir, line)
     return out
 
 
@@ -295,7 +297,8 @@ def _open_mlflow(cfg: RunConfig, att: _Attempt, manifest: Optional[dict], fp: di
     if att.rank == 0:
         from .tracking import start_training
         prior = (manifest or {}).get("mlflow_run_id") or ckpt.read_mlflow_id(cfg.out_dir, fp)
-        rid = start_training(cfg, prior, resumed_at=start, superseded=superseded)
+        rid = start_training(cfg, prior, resumed_at=start, superseded=superseded,
+                             unrecorded=ckpt.read_unrecorded_failure(cfg.out_dir))
         if rid:
             ckpt.write_mlflow_id(cfg.out_dir, fp, rid)
     att.mlflow_run_id = ckpt.World(att.rank, att.world).gather(rid)[0]
@@ -350,7 +353,7 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
             row.update({k: v for k, v in last_eval.items() if k != "loss"})
         history.append(row)
         if tc.checkpoint_every and (epoch + 1) % tc.checkpoint_every == 0 and epoch != tc.epochs - 1:
-            _checkpoint(engine, out_dir / "checkpoint.pt", epoch, cfg, rank)  # never model.pt: see _checkpoint
+            _checkpoint(engine, out_dir / "checkpoint.pt", epoch, cfg, ranks)  # never model.pt: see _checkpoint
             ckpt.save(out_dir, ranks, engine, device, epochs_done=epoch + 1, fingerprint=fp, run_id=cfg.run_id,
                       history=history, mlflow_run_id=att.mlflow_run_id)
         if bar is not None:
@@ -360,7 +363,7 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
     att.epoch = None
     if bar is not None:
         bar.close()
-    _checkpoint(engine, out_dir / "model.pt", tc.epochs - 1, cfg, rank)
+    _checkpoint(engine, out_dir / "model.pt", tc.epochs - 1, cfg, ranks)
     peak, = reduce([float(peak_memory_bytes(device))], "max")
     if rank != 0:
         return None
@@ -411,7 +414,7 @@ def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
     return record
 
 
-def _checkpoint(engine, path: Path, epoch: int, cfg: RunConfig, rank: int) -> None:
+def _checkpoint(engine, path: Path, epoch: int, cfg: RunConfig, ranks: ckpt.World) -> None:
     """Save the weights after ``epoch`` with what they were trained from (``run_fingerprint``).
 
     Intermediate checkpoints go to ``checkpoint.pt``, the finished model alone to ``model.pt``
@@ -419,10 +422,13 @@ def _checkpoint(engine, path: Path, epoch: int, cfg: RunConfig, rank: int) -> No
     ``evaluate`` or Snakemake would take for the result.
     """
     state = engine.full_state_dict()  # collective in model-parallel modes: every rank calls it
-    if rank != 0:
-        return
-    payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "epoch": epoch,
-               "epochs_done": epoch + 1, "run_id": cfg.run_id, "config": to_dict(cfg), **run_fingerprint(cfg)}
-    payload["digest"] = ckpt.digest(payload)  # a flipped bit is refused by evaluate.load_checkpoint
-    with atomic_path(path, ".pt") as tmp:
-        torch.save(payload, tmp)
+    error = None
+    if ranks.rank == 0:
+        payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "epoch": epoch,
+                   "epochs_done": epoch + 1, "run_id": cfg.run_id, "config": to_dict(cfg), **run_fingerprint(cfg)}
+        payload["digest"] = ckpt.digest(payload)  # a flipped bit is refused by evaluate.load_checkpoint
+        try:
+            write_torch(path, payload)
+        except GnnPipeError as e:  # a full disk: every rank ends with this line, none waits for rank 0
+            error = str(e)
+    ranks.agree(error)
