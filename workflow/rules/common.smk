@@ -172,8 +172,11 @@ def calibration_run_config(wildcards) -> str:
 
 # ----------------------------------------------------------------------------- data
 def dataset_spec_text(wildcards) -> str:
-    """The dataset's config as YAML: what dataset.yaml holds (and its rerun trigger)."""
-    return yaml.safe_dump(to_dict(WF.datasets[wildcards.dataset]), sort_keys=False)
+    """The dataset's config as YAML: what dataset.yaml holds (and its rerun trigger). Only its
+    own kind's section: a new key of another kind (say atoms.min_distance) must not rebuild it."""
+    ds = WF.datasets[wildcards.dataset]
+    own = {k: v for k, v in to_dict(ds).items() if not isinstance(v, dict) or k == ds.kind}  # sections: dicts
+    return yaml.safe_dump(own, sort_keys=False)
 
 
 def dataset_inputs(wildcards) -> dict:
