@@ -167,14 +167,89 @@ def test_foreign_checkpoint_is_refused_until_restart(tmp_path, monkeypatch):
     interrupted_run(monkeypatch, cfg, at=3)
     first, = mlflow_runs(cfg)
     other = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, lr=0.05))
-    with pytest.raises(GnnPipeError, match=r"resume/manifest.json: a checkpoint of another config "
-                                           r"\(config_hash .*gnnpipe train --restart"):
+    with pytest.raises(GnnPipeError, match=r"resume/manifest.json: a checkpoint of another config: training.lr "
+                                           r"0.02 -> 0.05; to discard it .*gnnpipe train --restart"):
         run(other, progress=False)
     rec = run(other, progress=False, restart=True)
     assert [r["epoch"] for r in rec["history"]] == list(range(8))  # from epoch 0
     runs = {r.info.run_id: r for r in mlflow_runs(cfg)}
     assert rec["mlflow_run_id"] != first.info.run_id and runs[rec["mlflow_run_id"]].info.status == "FINISHED"
     assert runs[first.info.run_id].info.status == "FAILED"
+
+
+def test_a_resume_ignores_operational_keys_and_names_the_others(tmp_path, monkeypatch):
+    """Issue 21, item 7: changing only checkpoint_every refused the resume as "another config" without
+    naming the key. Now checkpoint cadence, timeouts and restarts are left out (the resumed run is the
+    uninterrupted one, bit for bit) and a real difference is named."""
+    from gnnpipe.train import run
+
+    ref = setup_run(tmp_path / "ref")
+    run(ref, progress=False)
+    cfg = setup_run(tmp_path / "cut")
+    interrupted_run(monkeypatch, cfg, at=5)  # resumes after epoch 3 (the checkpoint of epoch 4)
+    for change in ({"lr": 0.05, "seed": 3}, {"epochs": 9}):
+        other = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, **change))
+        with pytest.raises(GnnPipeError) as err:
+            run(other, progress=False)
+        keys = "; ".join(f"training.{k} {getattr(cfg.training, k)!r} -> {v!r}" for k, v in sorted(change.items()))
+        assert f"manifest.json: a checkpoint of another config: {keys}; to discard it" in str(err.value)
+    operational = dataclasses.replace(cfg, training=dataclasses.replace(
+        cfg.training, checkpoint_every=3, dist_timeout_s=60, max_restarts=2))
+    rec = run(operational, progress=False)
+    assert rec["history"][0]["epoch"] == 0 and len(rec["history"]) == 8
+    assert_same_run(ref, cfg)
+    from gnnpipe.evaluate import evaluate_run  # the finished model.pt is the run's under either cadence
+    assert evaluate_run(cfg)["test_acc"] == pytest.approx(rec["test_acc"])
+
+
+FIXTURE_V1 = Path(__file__).parent / "fixtures" / "fingerprint-v1"
+
+
+def v1_run(tmp_path: Path, out: str, **training):
+    """The fixture's run (written by gnnpipe before fingerprint v2, see its make.py) in ``tmp_path``."""
+    import shutil
+
+    from gnnpipe.config import load_run_config
+
+    shutil.copytree(FIXTURE_V1, tmp_path / "v1")
+    cfg = load_run_config(FIXTURE_V1 / "run.yaml")
+    return dataclasses.replace(cfg, graph_path=str(tmp_path / "v1" / "graph.h5"), out_dir=str(tmp_path / "v1" / out),
+                               training=dataclasses.replace(cfg.training, **training))
+
+
+def test_a_model_of_fingerprint_v1_still_evaluates(tmp_path):
+    """A model.pt of gnnpipe before fingerprint v2 carries its config whole: compared key by key,
+    it evaluates (and with only the cadence changed too), and another config is named."""
+    from gnnpipe.evaluate import evaluate_run
+
+    cfg = v1_run(tmp_path, "finished")
+    assert 0 <= evaluate_run(cfg)["test_acc"] <= 1
+    assert evaluate_run(dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, checkpoint_every=1)))
+    other = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, lr=0.1))
+    with pytest.raises(GnnPipeError, match=r"model.pt: trained from another config: training.lr 0.05 -> 0.1 "):
+        evaluate_run(other)
+
+
+def test_a_resume_state_of_fingerprint_v1_resumes_or_says_what_to_do(tmp_path):
+    """A manifest of gnnpipe before fingerprint v2 has the hash of its config only: while this
+    gnnpipe's config hashes the same, the run resumes to the weights of the run that never stopped
+    (the fixture's finished model); else one line says to restart."""
+    from gnnpipe import evaluate
+    from gnnpipe.config import to_dict
+    from gnnpipe.train import run
+
+    cfg = v1_run(tmp_path, "interrupted")
+    manifest = json.loads((FIXTURE_V1 / "interrupted" / "resume" / "manifest.json").read_text())
+    if evaluate._hash(evaluate._fingerprinted(to_dict(cfg), 1)) != manifest["config_hash"]:
+        with pytest.raises(GnnPipeError, match=r"manifest.json: a checkpoint of another config, or one of gnnpipe "
+                                               r"before fingerprint v2, .*rerun with `gnnpipe train --restart`"):
+            run(cfg, progress=False)
+        return
+    rec = run(cfg, progress=False)
+    assert [r["epoch"] for r in rec["history"]] == [0, 1, 2, 3]
+    done = torch.load(Path(cfg.out_dir) / "model.pt", weights_only=True)["model"]
+    want = torch.load(FIXTURE_V1 / "finished" / "model.pt", weights_only=True)["model"]
+    assert list(done) == list(want) and all(torch.equal(done[k], want[k]) for k in want)
 
 
 def test_diverging_run_stops_with_one_line(tmp_path, capsys):

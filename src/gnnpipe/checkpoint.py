@@ -14,7 +14,9 @@ rounds. A crash at any point leaves the previous manifest, which names only comp
 rounds; a rank's shard is never overwritten in place. The manifest carries the run's
 fingerprint (``evaluate.run_fingerprint``), the world size, the epochs done, the run's
 history so far and the MLflow run id; every shard and the manifest carry a SHA-256 over
-their contents, so a flipped bit is refused, not trained on. The out_dir must be one
+their contents, so a flipped bit is refused, not trained on. The fingerprint keeps the config
+key by key (version 2), so a refusal names the keys that differ; a manifest of version 1 (its
+hash only) resumes when the hash still matches and is refused with that said otherwise. The out_dir must be one
 file system for all ranks (a shared one across nodes).
 """
 
@@ -36,7 +38,8 @@ FORMAT = 1
 RESUME_DIR = "resume"
 MANIFEST = "manifest.json"
 MLFLOW_FILE = "mlflow.json"
-FINGERPRINT_KEYS = ("config_hash", "graph_hash", "store_hash")
+FINGERPRINT_KEYS = ("config_hash", "graph_hash", "store_hash")  # in shards and mlflow.json
+MANIFEST_FINGERPRINT = ("fingerprint_version", "fingerprint_config", *FINGERPRINT_KEYS)
 
 
 def resume_dir(out_dir) -> Path:
@@ -139,7 +142,7 @@ def save(out_dir, world: World, engine, device, *, epochs_done: int, fingerprint
     world.agree(_written(lambda: write_torch(root / name / f"rank-{world.rank}.pt", shard)))
     digests = world.gather(shard["digest"])  # every shard is on disk once this returns
     manifest = {"format": FORMAT, "run_id": run_id, "epochs_done": epochs_done, "world_size": world.size,
-                "dir": name, "shards": digests, **{k: fingerprint.get(k) for k in FINGERPRINT_KEYS},
+                "dir": name, "shards": digests, **{k: fingerprint.get(k) for k in MANIFEST_FINGERPRINT},
                 "mlflow_run_id": mlflow_run_id, "history": history}
     manifest["digest"] = digest(manifest)
     world.agree(_written(lambda: write_json(root / MANIFEST, manifest)) if world.rank == 0 else None)
@@ -180,17 +183,18 @@ def read_manifest(out_dir) -> Optional[dict]:
     return manifest
 
 
-def check_manifest(manifest: dict, out_dir, *, fingerprint: dict, world_size: int, epochs: int) -> None:
-    """Refuse a checkpoint of another run: other config, graph, chunk store or world size."""
+def check_manifest(manifest: dict, out_dir, *, cfg, fingerprint: dict, world_size: int, epochs: int) -> None:
+    """Refuse a checkpoint of another run: other config (the keys named), graph, chunk store or
+    world size."""
+    from .evaluate import fingerprint_mismatch
+
     path = resume_dir(out_dir) / MANIFEST
     if manifest.get("format") != FORMAT:
         raise GnnPipeError(_refusal(path, f"checkpoint format {manifest.get('format')}, this gnnpipe "
                                           f"reads {FORMAT}"))
-    for key, what in (("config_hash", "config"), ("graph_hash", "graph"), ("store_hash", "chunk store")):
-        if manifest.get(key) != fingerprint.get(key):
-            raise GnnPipeError(_refusal(path, f"a checkpoint of another {what} ({key} "
-                                              f"{str(manifest.get(key))[:12]}, the run's is now "
-                                              f"{str(fingerprint.get(key))[:12]})"))
+    why = fingerprint_mismatch(manifest, cfg, fingerprint)
+    if why:
+        raise GnnPipeError(_refusal(path, f"a checkpoint of {why}"))
     if manifest["world_size"] != world_size:
         raise GnnPipeError(_refusal(path, f"written by {manifest['world_size']} workers, this run has "
                                           f"{world_size}"))
@@ -215,7 +219,7 @@ def load_shard(out_dir, manifest: dict, rank: int) -> dict:
     return shard
 
 
-def resume(out_dir, world: World, engine, device, *, fingerprint: dict, epochs: int,
+def resume(out_dir, world: World, engine, device, *, cfg, fingerprint: dict, epochs: int,
            restart: bool) -> Optional[dict]:
     """Every rank: restore the last complete checkpoint into ``engine`` and the RNGs; return
     its manifest (None: train from epoch 0). ``restart`` discards whatever is there.
@@ -230,7 +234,7 @@ def resume(out_dir, world: World, engine, device, *, fingerprint: dict, epochs: 
     try:
         manifest = read_manifest(out_dir)
         if manifest is not None:
-            check_manifest(manifest, out_dir, fingerprint=fingerprint, world_size=world.size, epochs=epochs)
+            check_manifest(manifest, out_dir, cfg=cfg, fingerprint=fingerprint, world_size=world.size, epochs=epochs)
             shard = load_shard(out_dir, manifest, world.rank)
             try:
                 engine.load_state_dict(shard["state"])

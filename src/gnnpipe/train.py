@@ -312,7 +312,8 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
     fp = run_fingerprint(cfg)
     ranks = ckpt.World(rank, world)
     superseded = ckpt.read_mlflow_id(out_dir, None) if restart and rank == 0 else None
-    manifest = ckpt.resume(out_dir, ranks, engine, device, fingerprint=fp, epochs=tc.epochs, restart=restart)
+    manifest = ckpt.resume(out_dir, ranks, engine, device, cfg=cfg, fingerprint=fp, epochs=tc.epochs,
+                           restart=restart)
     start = manifest["epochs_done"] if manifest else 0
     history = list(manifest["history"]) if manifest else []
     if rank == 0 and manifest:
