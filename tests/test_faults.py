@@ -500,6 +500,122 @@ def test_torchrun_max_restarts_resumes_by_itself(tmp_path):
     assert done.info.status == "FINISHED"
 
 
+# --------------------------------------------------------------------------- orphans and the run's lock (issue 21, item 2)
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (torchrun's workers, for its agent)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(p.name))
+        except (OSError, IndexError):
+            pass
+    return out
+
+
+def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_workers_die_with_their_launcher_and_one_live_job_owns_a_run(tmp_path):
+    """Killing Snakemake's process group (or the torchrun agent alone) left the workers training in
+    sessions of their own: they wrote metrics.json / model.pt after the job had failed, or trained
+    beside a rerun in the same out_dir. Now they die with the agent, a second job is refused while
+    the first lives, and the dead job's lock does not block the rerun."""
+    import signal
+    import socket
+
+    from gnnpipe.train import _alive
+
+    cfg = setup_run(tmp_path, "graph", 2, epochs=20000, checkpoint_every=20, eval_every=1000)
+    out = Path(cfg.out_dir)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": db(cfg)}
+    agents, workers = [], set()
+
+    def launch(name: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "w")
+        agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                  "2", "-m", "gnnpipe.cli", "train", "--run-config", str(out / "run.yaml")],
+                                 stdout=log, stderr=log, env=env, start_new_session=True)  # a group, as Snakemake's
+        agents.append(agent)
+        return agent
+
+    def training(agent) -> list[int]:
+        _wait(lambda: len(_children(agent.pid)) == 2, 60, "two workers")
+        workers.update(_children(agent.pid))
+        return _children(agent.pid)
+
+    def epochs_done():
+        return json.loads((out / "resume" / "manifest.json").read_text())["epochs_done"]
+
+    try:
+        first = launch("first")
+        _wait(lambda: (out / "resume" / "manifest.json").exists(), 120, "the first checkpoint")
+        first_workers = training(first)
+        os.killpg(first.pid, signal.SIGKILL)  # Snakemake's process group, torchrun's agent in it
+        _wait(lambda: not any(_alive(p) for p in first_workers), 10, "the workers to die with their agent")
+        time.sleep(2)
+        assert not (out / "metrics.json").exists() and not (out / "model.pt").exists()
+
+        resumed_at = epochs_done()
+        rerun = launch("rerun")  # the lock of the dead job does not block it
+        _wait(lambda: epochs_done() > resumed_at, 120, "the rerun to resume and checkpoint")
+        assert "resuming" in (tmp_path / "rerun.log").read_text()
+        rerun_workers = training(rerun)
+        proc, _ = torchrun(cfg)  # a second job on the same run, while the rerun trains
+        assert proc.returncode != 0, proc.stderr[-3000:]
+        line = next(l for l in proc.stderr.splitlines() if l.startswith("gnnpipe: error:"))
+        assert f"{out / '.lock'}: run {cfg.run_id} is being trained by another job (host {socket.gethostname()} " \
+               f"pid " in line and "one job at a time writes a run directory" in line, line
+        assert int(line.split(" pid ")[1].split()[0]) in rerun_workers  # the live job's rank 0
+
+        os.kill(rerun.pid, signal.SIGKILL)  # the agent alone
+        _wait(lambda: not any(_alive(p) for p in rerun_workers), 10, "the workers to die with their agent")
+        from gnnpipe.tracking import UNCLOSED
+        run, = mlflow_runs(cfg)  # one MLflow run: the rerun continued it and said how the first ended
+        assert run.info.status == "RUNNING" and run.data.tags["gnnpipe.previous_error"] == UNCLOSED
+    finally:
+        for agent in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+        for pid in workers:  # orphans, where they survive (the defect)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_second_job_is_refused_while_the_first_holds_the_run_and_a_dead_ones_lock_never_blocks(tmp_path, capsys):
+    """One process: a live holder of <out_dir>/.lock (another job) refuses the run with one line naming
+    it; once the holder is dead, its lock file (still naming it) does not block."""
+    import signal
+
+    from gnnpipe import cli
+
+    cfg = setup_run(tmp_path, epochs=2)
+    lock = Path(cfg.out_dir) / ".lock"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"f = open({str(lock)!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX); f.write('host elsewhere pid 4242'); f.flush()\n"
+        "print('held', flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert cli.main(["train", "--run-config", str(Path(cfg.out_dir) / "run.yaml")]) == 2
+        assert one_error_line(capsys) == (
+            f"gnnpipe: error: {lock}: run {cfg.run_id} is being trained by another job (host elsewhere pid 4242); "
+            f"one job at a time writes a run directory: wait for it to end, or stop it")
+        assert not mlflow_runs(cfg)  # refused before anything was opened or written
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert lock.read_text() == "host elsewhere pid 4242"
+    assert cli.main(["train", "--run-config", str(Path(cfg.out_dir) / "run.yaml")]) == 0
+    assert (Path(cfg.out_dir) / "metrics.json").exists()
+
+
 # --------------------------------------------------------------------------- through Snakemake
 @pytest.mark.slow
 def test_killed_worker_under_snakemake_then_rerun_completes(tmp_path):

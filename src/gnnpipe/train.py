@@ -19,11 +19,19 @@ then runs the epochs, reduces the per-rank statistics, checkpoints, and on rank 
 the run record ``<out_dir>/metrics.json`` (docs/DESIGN.md §6) and logs the run to MLflow.
 A failure ends every rank promptly with one line (a dead peer named, a non-finite loss or
 gradient with its epoch, rank and tensor) and the MLflow run ``FAILED``.
+
+One live job owns a run directory: rank 0 holds ``<out_dir>/.lock`` (``flock``, naming its
+host and pid) for the whole attempt, and a second job is refused with one line. A worker
+started by torchrun dies with its agent (``PR_SET_PDEATHSIG``): torchrun puts workers in
+sessions of their own, so killing the agent or Snakemake's process group used to leave them
+training, writing outputs after the job had failed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import fcntl
 import math
 import os
 import resource
@@ -256,6 +264,57 @@ def _fault_injection(att: _Attempt, epoch: int) -> None:
             lambda *a: os.kill(os.getpid(), signal.SIGKILL))
 
 
+# --------------------------------------------------------------------------- one live job per run
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher(launcher: int) -> None:
+    """Under torchrun (Linux): SIGKILL this worker when the agent that started it (pid
+    ``launcher``, read when the process started) dies, however it dies. The signal follows the
+    thread that forked the worker: torch 2.13's agent starts (and restarts) workers from its main
+    thread, whose end is the agent's. An agent already gone (this process adopted) ends it now."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        print(f"gnnpipe: warning: prctl(PR_SET_PDEATHSIG) failed ({os.strerror(ctypes.get_errno())}): this worker "
+              f"would outlive its torchrun agent", file=sys.stderr)
+    elif os.getppid() != launcher:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+LOCK = ".lock"
+
+
+def own_run_dir(cfg: RunConfig, ranks: ckpt.World):
+    """Rank 0 takes ``<out_dir>/.lock`` (``flock``, exclusive) and writes its host and pid in it;
+    a lock another live job holds is one line on every rank. The kernel drops the lock when
+    its holder dies, so a lock file left by a dead job never blocks (on a shared file system
+    across nodes too: NFS supports flock; Lustre wants ``-o flock``). Returns the open lock
+    file (held until it is closed) or None."""
+    fh, error = None, None
+    if ranks.rank == 0:
+        path = Path(cfg.out_dir) / LOCK
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = " ".join(fh.read().split())[:200] or "who, it does not say"
+            fh.close()
+            fh = None
+            error = (f"{path}: run {cfg.run_id} is being trained by another job ({holder}); one job at a time "
+                     f"writes a run directory: wait for it to end, or stop it")
+        else:
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"host {socket.gethostname()} pid {os.getpid()} since "
+                     f"{datetime.datetime.now().isoformat(timespec='seconds')}\n")
+            fh.flush()
+    ranks.agree(error)
+    return fh
+
+
 # --------------------------------------------------------------------------- the loop
 def run(cfg: RunConfig, *, progress: bool = True, restart: bool = False) -> Optional[dict]:
     """Train one run, resuming from its last complete checkpoint (``restart``, or the environment's
@@ -267,8 +326,10 @@ def run(cfg: RunConfig, *, progress: bool = True, restart: bool = False) -> Opti
     att = _Attempt(cfg, rank, world)
     on_main = threading.current_thread() is threading.main_thread()
     old_handler = signal.signal(signal.SIGTERM, _raise_terminated) if on_main else None
+    lock = None
     try:
         att.peers = ckpt.World(rank, world).gather((socket.gethostname(), os.getpid()))
+        lock = own_run_dir(cfg, ckpt.World(rank, world))  # held through the failure path below
         groups = comm = None
         if cfg.mode != "single":
             from .parallel.comm import Communicator
@@ -289,6 +350,8 @@ def run(cfg: RunConfig, *, progress: bool = True, restart: bool = False) -> Opti
             signal.signal(signal.SIGTERM, old_handler)
         if cfg.mode != "single" and dist.is_initialized():
             dist.destroy_process_group()
+        if lock is not None:
+            lock.close()  # releases the flock
 
 
 def _open_mlflow(cfg: RunConfig, att: _Attempt, manifest: Optional[dict], fp: dict, superseded, start: int):
