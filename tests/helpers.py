@@ -116,12 +116,18 @@ def run_cfg(tmp_path, model, epochs=30, **training):
     return cfg
 
 
-def snakemake(workdir: Path, configfile: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def snakemake_command(workdir: Path, configfile: Path, *args: str) -> tuple[list[str], dict]:
+    """The command line and environment of Snakemake on this repository's workflow."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     for var in ("MLFLOW_TRACKING_URI", "GNNPIPE_EXPERIMENT"):
         env.pop(var, None)
     cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir),
            "--configfile", str(configfile), *args]
+    return cmd, env
+
+
+def snakemake(workdir: Path, configfile: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd, env = snakemake_command(workdir, configfile, *args)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 

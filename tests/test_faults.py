@@ -513,6 +513,13 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _is_torchrun(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1].endswith(b"torchrun")
+    except (OSError, IndexError):
+        return False
+
+
 def _wait(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -649,6 +656,52 @@ def test_killed_worker_under_snakemake_then_rerun_completes(tmp_path):
     assert [r["epoch"] for r in rec["history"]] == list(range(6)) and (out / "eval.json").exists()
     res = snakemake(tmp_path, tmp_path / "config.yaml", "-n", target)
     assert "Nothing to be done" in res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_snakemake_killed_with_its_workers_then_unlocked_and_resumed(tmp_path):
+    """The probe of issue 21 (items 2, 7): `kill -9 -- -PGID` of Snakemake mid-train. The workers die
+    too and write nothing; as docs/WORKFLOW.md says, the rerun stops on Snakemake's lock until
+    `--unlock`, then resumes to the end in the same MLflow run."""
+    import signal
+
+    import yaml
+
+    from gnnpipe.train import _alive
+    from helpers import TINY, snakemake, snakemake_command
+
+    conf = yaml.safe_load(TINY.read_text())
+    conf["training"].update(checkpoint_every=20, epochs=300, eval_every=100)
+    conf["runs"] = [{"mode": "graph", "dataset": "tiny", "model": "gcn2", "workers": 2}]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(conf))
+    cfg, = resolve_runs(load_workflow_config({**conf, "results": str(tmp_path / "results")})).values()
+    out, target = Path(cfg.out_dir), f"results/runs/{cfg.run_id}/eval.json"
+    cmd, env = snakemake_command(tmp_path, tmp_path / "config.yaml", "--cores", "2", target)
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    workers = []
+    try:
+        _wait(lambda: (out / "resume" / "manifest.json").exists(), 240, "the first checkpoint")
+        agent, = [pid for sh in _children(first.pid) for pid in _children(sh) if _is_torchrun(pid)]  # snakemake > sh
+        workers = _children(agent)
+        assert len(workers) == 2, workers
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        _wait(lambda: not any(_alive(p) for p in workers), 10, "the workers to die with Snakemake's group")
+        time.sleep(2)
+        assert not (out / "metrics.json").exists() and not (out / "model.pt").exists()
+    finally:
+        for pid in workers:  # orphans, where they survive (the defect)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    res = snakemake(tmp_path, tmp_path / "config.yaml", "--cores", "2", target)
+    assert res.returncode != 0 and "LockException" in res.stderr, res.stderr[-3000:]
+    assert snakemake(tmp_path, tmp_path / "config.yaml", "--unlock").returncode == 0
+    res = snakemake(tmp_path, tmp_path / "config.yaml", "--cores", "2", target)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming" in (tmp_path / "logs" / "train" / f"{cfg.run_id}.log").read_text()
+    run, = mlflow_runs(cfg)
+    assert run.info.status == "FINISHED" and (out / "eval.json").exists()
 
 
 @pytest.mark.slow
