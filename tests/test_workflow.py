@@ -114,7 +114,7 @@ def test_slurm_profile_places_a_multi_node_gpu_run(tmp_path):
                                  "slurm_account")} == {
         "nodes": "2", "tasks": "2", "cpus_per_task": "2", "gres": "gpu:2", "mpi": "srun", "mem_mb": "6000",
         "runtime": "45", "slurm_account": "<your_account>"}
-    assert cmd4.startswith("export OMP_NUM_THREADS=1 ")
+    assert cmd4.startswith("export OMP_NUM_THREADS=1; ")
     assert ("srun --nodes 2 --ntasks-per-node 1 torchrun --nnodes 2 --nproc-per-node 2 --max-restarts 2 --rdzv-id $SLURM_JOB_ID "
             "--rdzv-backend c10d --rdzv-endpoint") in cmd4
     res2, cmd2 = jobs["tiny-gcnii4-pipeline-s2c8-seed0"]
