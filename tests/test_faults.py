@@ -500,7 +500,7 @@ def test_torchrun_max_restarts_resumes_by_itself(tmp_path):
     assert done.info.status == "FINISHED"
 
 
-# --------------------------------------------------------------------------- orphans and the run's lock (issue 21, item 2)
+# --------------------------------------------------------------------------- orphans, the run's lock (issue 21, 2)
 def _children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (torchrun's workers, for its agent)."""
     out = []

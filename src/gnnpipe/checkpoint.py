@@ -16,8 +16,8 @@ fingerprint (``evaluate.run_fingerprint``), the world size, the epochs done, the
 history so far and the MLflow run id; every shard and the manifest carry a SHA-256 over
 their contents, so a flipped bit is refused, not trained on. The fingerprint keeps the config
 key by key (version 2), so a refusal names the keys that differ; a manifest of version 1 (its
-hash only) resumes when the hash still matches and is refused with that said otherwise. The out_dir must be one
-file system for all ranks (a shared one across nodes).
+hash only) resumes while the hash still matches and is refused, saying so, otherwise. The
+out_dir must be one file system for all ranks (a shared one across nodes).
 """
 
 from __future__ import annotations

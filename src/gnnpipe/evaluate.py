@@ -92,6 +92,8 @@ def _defaults() -> dict:
         elif f.default is not dataclasses.MISSING:
             out[f.name] = f.default
     return out
+
+
 def _content_hash(path, rule: str) -> str:
     """The ``content_hash`` attribute of an HDF5 file (cheap); an unreadable file is one line
     naming it and the rule that rebuilds it."""
