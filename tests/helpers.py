@@ -116,12 +116,18 @@ def run_cfg(tmp_path, model, epochs=30, **training):
     return cfg
 
 
-def snakemake(workdir: Path, configfile: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def snakemake_command(workdir: Path, configfile: Path, *args: str) -> tuple[list[str], dict]:
+    """The command line and environment of Snakemake on this repository's workflow."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     for var in ("MLFLOW_TRACKING_URI", "GNNPIPE_EXPERIMENT"):
         env.pop(var, None)
     cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir),
            "--configfile", str(configfile), *args]
+    return cmd, env
+
+
+def snakemake(workdir: Path, configfile: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd, env = snakemake_command(workdir, configfile, *args)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -131,3 +137,36 @@ def write_config(tmp_path: Path, edit) -> Path:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+# --------------------------------------------------------------------------- faults
+class _FullFile:
+    """A file whose every write fails as on a full disk."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+    def write(self, data):
+        import errno
+
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def full_disk_open(match: str):
+    """An ``open`` whose files with ``match`` in their path cannot be written (ENOSPC): patch it
+    over ``gnnpipe.io.open`` (``monkeypatch.setattr(gnnpipe.io, "open", ..., raising=False)``)."""
+    import builtins
+
+    def fake_open(path, *args, **kwargs):
+        f = builtins.open(path, *args, **kwargs)
+        return _FullFile(f) if match in str(path) else f
+    return fake_open

@@ -139,3 +139,99 @@ def test_batch_arrays_offsets(systems):
     assert b["num_systems"] == 2 and b["system"].max() == 1
     assert b["edge_src"][e2:].min() >= n2 and b["idx_kj"][b["idx_ji"] >= e2].min() >= e2
     assert np.all(b["edge_dst"][b["idx_ji"]] != -1) and np.array_equal(b["edge_dst"][b["idx_kj"]], b["edge_src"][b["idx_ji"]])
+
+
+# --------------------------------------------------------------------------- impossible atoms (issue 21, item 3)
+def _labelled(positions, cell, pbc=True, z=(1, 8)):
+    from ase import Atoms
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    a = Atoms(numbers=list(z), positions=positions, cell=cell, pbc=pbc)
+    a.calc = SinglePointCalculator(a, energy=-1.0, forces=np.zeros((len(z), 3)))
+    return a
+
+
+BOX = np.eye(3) * 5.0
+IMPOSSIBLE = {
+    "1e-6 apart": (_labelled([[1, 1, 1], [1 + 1e-6, 1, 1]], BOX),
+                   "frame 1: atom 0 (H) and atom 1 (O) are 1e-06 Å apart, closer than atoms.min_distance (0.5 Å)"),
+    "coincident": (_labelled([[1, 1, 1], [1, 1, 1]], BOX),
+                   "frame 1: atom 0 (H) and atom 1 (O) are 0 Å apart, closer than atoms.min_distance (0.5 Å)"),
+    "across the boundary": (_labelled([[0.1, 1, 1], [4.8, 1, 1]], BOX),
+                            "frame 1: atom 0 (H) and atom 1 (O) in the periodic image (-1, 0, 0) are 0.3 Å apart"),
+    "0.05 A cell": (_labelled([[0, 0, 0], [0.01, 0.01, 0.01]], np.eye(3) * 0.05, z=(29, 29)),
+                    "frame 1: periodic along axis 0 but the cell's height along it is 0.05 Å, below "
+                    "atoms.min_distance (0.5 Å): a zero, degenerate or tiny cell"),
+    "pbc with a zero cell": (_labelled([[0, 0, 0], [1, 0, 0]], np.zeros((3, 3))),
+                             "frame 1: periodic along axis 0 but the cell's height along it is 0 Å"),
+    "degenerate cell": (_labelled([[0, 0, 0], [1, 0, 0]], [[3, 0, 0], [6, 0, 0], [0, 0, 3]]),
+                        "frame 1: periodic along axis 0 but the cell's height along it is 0 Å"),
+    "NaN position": (_labelled([[0, 0, 0], [np.nan, 0, 0]], BOX),
+                     "frame 1: atom 1 (O) has a non-finite position [nan, 0.0, 0.0]"),
+}
+
+
+@pytest.mark.parametrize("case", list(IMPOSSIBLE))
+def test_impossible_structures_are_refused_naming_file_row_and_atoms(tmp_path, case):
+    """Two atoms 1e-6 Å apart trained to force errors of 1e19; coincident atoms were dropped from the
+    graph; a 0.05 Å cell was accepted; pbc with a zero cell was a NaN ValueError in radius_graph; a
+    NaN position said "has no energy and forces"."""
+    import ase.io
+
+    atoms, message = IMPOSSIBLE[case]
+    path = tmp_path / "s.extxyz"
+    ase.io.write(path, [_labelled([[0, 0, 0], [0.97, 0, 0]], BOX), atoms])  # frame 0 is fine (OH)
+    with pytest.raises(GnnPipeError) as err:
+        data.read_structures(path)
+    assert str(err.value).startswith(f"{path}: {message}"), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_the_graph_builder_refuses_an_unchecked_systems_file(tmp_path):
+    """build_graphs checks every system of a systems.h5 (one written by hand or by an older gnnpipe)
+    before radius_graph, which read a zero cell as NaN image counts."""
+    ok = _labelled([[0, 0, 0], [0.97, 0, 0]], BOX)
+    systems = data._pack([(a.numbers, a.positions, np.zeros(2, bool), np.zeros((2, 3)), a.cell.array, a.pbc, -1.0)
+                          for a in (ok, IMPOSSIBLE["pbc with a zero cell"][0])], np.zeros(2), "hand", 0.5)
+    path = tmp_path / "systems.h5"
+    data.write_systems(path, systems)
+    with pytest.raises(GnnPipeError, match=rf"^{path}: system 1: periodic along axis 0 but the cell's height "):
+        data.build_graphs(data.read_systems(path), 4.0, 8, progress=False)
+
+
+def test_min_distance_is_the_configs_and_the_generator_checks_too(tmp_path):
+    import ase.io
+
+    from gnnpipe.config import AtomsConfig
+
+    path = tmp_path / "s.extxyz"
+    ase.io.write(path, [_labelled([[0, 0, 0], [0.4, 0, 0]], BOX)])
+    with pytest.raises(GnnPipeError, match=r"0.4 Å apart, closer than atoms.min_distance \(0.5 Å\)"):
+        data.systems_from_config(AtomsConfig(file=str(path)))
+    systems = data.systems_from_config(AtomsConfig(file=str(path), min_distance=0.3))
+    assert systems["min_distance"] == 0.3
+    data.write_systems(tmp_path / "systems.h5", systems)
+    assert data.read_systems(tmp_path / "systems.h5")["min_distance"] == 0.3  # build_graphs checks with it
+    data.build_graphs(data.read_systems(tmp_path / "systems.h5"), 4.0, 8, progress=False)
+    # bonds are 1.1-2.9 Å long: a 3 Å minimum refuses the first system the generator makes
+    with pytest.raises(GnnPipeError, match=r"^atoms.generate: system 0 \(seed 0, \w+ \+ \w+, rattle 0.05 Å\): atom "
+                                           r"\d+ \(\w+\) and atom \d+ \(\w+\) are \d.\d+ Å apart, closer than "
+                                           r"atoms.min_distance \(3 Å\)$"):
+        data.generate(2, size=(2, 2, 2), seed=0, progress=False, min_distance=3.0)
+
+
+def test_every_reader_of_atoms_goes_through_the_one_check(tmp_path, monkeypatch):
+    """Issue 21, item 8: the generator, the file reader and the graph builder call the same
+    check_structure, once per structure, with the configured minimum distance."""
+    import ase.io
+
+    seen = []
+    monkeypatch.setattr(data, "check_structure", lambda *a, min_distance, where: seen.append((where, min_distance)))
+    systems = data.generate(2, size=(2, 2, 2), seed=0, progress=False, min_distance=0.7)
+    path = tmp_path / "s.extxyz"
+    ase.io.write(path, [_labelled([[0, 0, 0], [0.97, 0, 0]], BOX)] * 3)
+    data.read_structures(path, min_distance=0.6)
+    data.build_graphs(systems, 4.0, 8, progress=False)
+    assert [m for _, m in seen] == [0.7, 0.7, 0.6, 0.6, 0.6, 0.7, 0.7]
+    assert [w.split(":")[-1].split(" (")[0].strip() for w, _ in seen] == \
+        ["system 0", "system 1", "frame 0", "frame 1", "frame 2", "system 0", "system 1"]

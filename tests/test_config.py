@@ -61,6 +61,16 @@ def test_run_config_round_trips_through_yaml(tmp_path):
     (lambda c: c["runs"].append({"mode": "single", "dataset": "synth", "model": "gcn2"}),
      "run ids are not unique"),
     (lambda c: c["runs"][0].update(mode="model"), "config.runs[0].mode: 'model' is not one of"),
+    # keys the run's mode would ignore (issue 21, item 6): data_parallel also entered the run id
+    (lambda c: c["runs"][3].update(data_parallel=2),
+     "config.runs[3].data_parallel: a hybrid run has no data-parallel replicas (only atomic runs in mode graph"),
+    (lambda c: c["runs"][1].update(data_parallel=1), "config.runs[1].data_parallel: a graph run has no"),
+    (lambda c: c["runs"][1].update(stages=3), "config.runs[1].stages: a graph run has no pipeline stages or chunks"),
+    (lambda c: c["runs"][1].update(chunks=6), "config.runs[1].chunks: a graph run has no pipeline stages"),
+    (lambda c: c["runs"][0].update(chunks=2), "config.runs[0].chunks: a single run has no pipeline stages"),
+    (lambda c: c["runs"][1].update(pipeline={"momentum": 0.5}), "config.runs[1].pipeline: a graph run has no"),
+    (lambda c: c["runs"][2].update(stages=1),
+     "config.runs[2].stages: a pipeline run has one stage per worker (2), not 1; remove the key, or use mode hybrid"),
 ])
 def test_bad_config_is_one_clear_error(mutate, message):
     cfg = _wf()
@@ -94,7 +104,7 @@ def test_bools_and_numbers_are_not_confused():
     (lambda c: c["models"]["gcn2"].update({"lambda": 0}), "config.models.gcn2.lambda: 0.0 must be > 0"),
     (lambda c: c.update(training={"lr": float("nan")}), "config.training.lr: expected a finite number, got nan"),
     (lambda c: c.update(training={"weight_decay": float("inf")}), "expected a finite number, got inf"),
-    (lambda c: c.update(training={"dist_timeout_s": 0}), "config.training.dist_timeout_s: 0 must be >= 1"),
+    (lambda c: c.update(training={"dist_timeout_s": 0}), "config.training.dist_timeout_s: 0 must be in [1, 604800]"),
     (lambda c: c["runs"][0].update(epochs=0), "config.runs[0].epochs: 0 must be >= 1"),
     (lambda c: c["runs"][0].update(name="../../escape"), "config.runs[0].name: '../../escape' is not a valid name"),
     (lambda c: c["models"].update({"a/b": {}}), "config.models.a/b: 'a/b' is not a valid name"),
@@ -104,6 +114,23 @@ def test_bools_and_numbers_are_not_confused():
     (lambda c: c.update(results=""), "config.results: must not be empty"),
     (lambda c: c["datasets"]["synth"]["synthetic"].update(label_noise=1.5), "label_noise: 1.5 must be in [0, 1]"),
     (lambda c: c.update(pipeline={"momentum": 1.0}), "config.pipeline.momentum: 1.0 must be in [0, 1)"),
+    # numbers that passed validation, then overflowed at train time (issue 21, item 5)
+    (lambda c: c.update(training={"seed": 2**70}),
+     "config.training.seed: 1180591620717411303424 does not fit in 64 bits"),
+    (lambda c: c.update(training={"seed": 2**40}), "config.training.seed: 1099511627776 must be in [0, 2147483647]"),
+    (lambda c: c["runs"][0].update(seed=2**31), "config.runs[0].seed: 2147483648 must be in [0, 2147483647]"),
+    (lambda c: c.update(partitioning={"seed": 2**32}),
+     "config.partitioning.seed: 4294967296 must be in [0, 2147483647]"),
+    (lambda c: c.update(training={"dist_timeout_s": 10**20}),
+     "config.training.dist_timeout_s: 100000000000000000000 does not"),
+    (lambda c: c.update(training={"dist_timeout_s": 10**9}),
+     "config.training.dist_timeout_s: 1000000000 must be in [1, 604800]"),
+    # paths (issue 21, item 1): anything but control characters, and no Snakemake wildcards
+    (lambda c: c.update(results="res\nults"), "config.results: 'res\\nults' contains the control character '\\n'"),
+    (lambda c: c.update(results="r{x}"), "config.results: 'r{x}' contains { or }, which Snakemake reads as a wildcard"),
+    (lambda c: c["datasets"]["synth"].update(kind="files", files={"edges": "e\t.csv"}),
+     "config.datasets.synth.files.edges: 'e\\t.csv' contains the control character '\\t'"),
+    (lambda c: c["datasets"]["synth"].update(atoms={"file": "s\x7f.db"}), "config.datasets.synth.atoms.file:"),
 ])
 def test_bad_values_are_refused_outside_snakemake_too(mutate, message):
     cfg = _wf()
@@ -114,7 +141,8 @@ def test_bad_values_are_refused_outside_snakemake_too(mutate, message):
 
 
 def test_results_may_be_any_directory_of_the_users(tmp_path):
-    for results in ("results", "../elsewhere/results", str(tmp_path / "scratch"), "/tmp/gnnpipe-results"):
+    for results in ("results", "../elsewhere/results", str(tmp_path / "scratch"), "/tmp/gnnpipe-results",
+                    "my results", "r;touch X;", "it's $HOME `x`"):  # the rules quote every path
         assert load_workflow_config(_wf(results=results)).results == results
 
 
@@ -126,6 +154,9 @@ def test_results_may_be_any_directory_of_the_users(tmp_path):
     (lambda d: d.update(run_id="../../escape"), "run_id: '../../escape' is not a valid name"),
     (lambda d: d.update(out_dir="/etc/runs/x"), "out_dir: '/etc/runs/x' lies in the system directory /etc"),
     (lambda d: d.update(workers=0), "workers: 0 must be >= 1"),
+    (lambda d: d["training"].update(seed=2**70), "training.seed: 1180591620717411303424 does not fit in 64 bits"),
+    (lambda d: d["training"].update(dist_timeout_s=10**20), "training.dist_timeout_s: 100000000000000000000 does"),
+    (lambda d: d["training"].update(seed=2**40), "training.seed: 1099511627776 must be in [0, 2147483647]"),
 ])
 def test_train_refuses_a_bad_run_config(tmp_path, capsys, edit, message):
     """`gnnpipe train --run-config` applies the same checks as the workflow config, before any work."""
@@ -185,3 +216,14 @@ def test_dist_timeout_is_a_training_key_the_environment_overrides(tmp_path, monk
     train.init_distributed(cfg, train.torch.device("cpu"))
     assert seen == [datetime.timedelta(seconds=42), datetime.timedelta(seconds=7)]
     assert prefixes == ["gnnpipe/attempt-1"] * 2
+
+
+@pytest.mark.parametrize("value", ["soon", "0", str(10**20)])
+def test_a_bad_dist_timeout_in_the_environment_is_one_line(monkeypatch, value):
+    from gnnpipe import train
+    from gnnpipe.io import GnnPipeError
+
+    cfg = next(iter(resolve_runs(load_workflow_config(_wf())).values()))
+    monkeypatch.setenv("GNNPIPE_DIST_TIMEOUT", value)
+    with pytest.raises(GnnPipeError, match=r"GNNPIPE_DIST_TIMEOUT: '.*' must be whole seconds in \[1, 604800\]"):
+        train.dist_timeout_s(cfg)

@@ -150,10 +150,11 @@ def test_evaluate_refuses_a_checkpoint_of_another_config_or_graph(tmp_path):
     run(cfg, progress=False)
     model = tmp_path / "results" / "runs" / cfg.run_id / "model.pt"
     longer = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, epochs=3, lr=0.5))
-    with pytest.raises(GnnPipeError, match=r"model\.pt: trained from another config than run .*re-run 'train'"):
+    with pytest.raises(GnnPipeError, match=r"model\.pt: trained from another config: training.lr 0.02 -> 0.5 \(run "
+                                           r".*re-run 'train'"):
         evaluate_run(longer)
     write_graph(cfg.graph_path, two_community_graph(seed=1))
-    with pytest.raises(GnnPipeError, match="trained from another graph than run"):
+    with pytest.raises(GnnPipeError, match=r"trained from another graph \(graph_hash \w+, the run's is now \w+\)"):
         evaluate_run(cfg)
     ckpt = torch.load(model, weights_only=True)
     torch.save({"model": ckpt["model"], "epoch": 2}, model)  # as an older gnnpipe wrote it

@@ -66,7 +66,6 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
         else:
             assert f"torchrun --nnodes 1 --nproc-per-node {run.workers} --standalone -m gnnpipe.cli train" in cmd
         assert f"OMP_NUM_THREADS={run.training.threads_per_worker}" in cmd
-        assert "MLFLOW_TRACKING_URI:-sqlite:///$PWD/results/mlflow.db" in cmd
     assert not (tmp_path / "results").exists()
 
 
@@ -115,7 +114,7 @@ def test_slurm_profile_places_a_multi_node_gpu_run(tmp_path):
                                  "slurm_account")} == {
         "nodes": "2", "tasks": "2", "cpus_per_task": "2", "gres": "gpu:2", "mpi": "srun", "mem_mb": "6000",
         "runtime": "45", "slurm_account": "<your_account>"}
-    assert cmd4.startswith("export OMP_NUM_THREADS=1 ")
+    assert cmd4.startswith("export OMP_NUM_THREADS=1; ")
     assert ("srun --nodes 2 --ntasks-per-node 1 torchrun --nnodes 2 --nproc-per-node 2 --max-restarts 2 --rdzv-id $SLURM_JOB_ID "
             "--rdzv-backend c10d --rdzv-endpoint") in cmd4
     res2, cmd2 = jobs["tiny-gcnii4-pipeline-s2c8-seed0"]
@@ -138,6 +137,73 @@ def test_slurm_profile_places_a_multi_node_gpu_run(tmp_path):
     assert "--gres=gpu:2" in line4 and "--mem 6000" in line4 and "ntasks-per-gpu" not in line4
     line2 = sbatch(res2)
     assert "--nodes=1" in line2 and "--gres=gpu:2" in line2 and "--ntasks" not in line2
+
+
+# ----------------------------------------------------------------------------- shell quoting
+# Interpolations a rule's shell may leave unquoted: command lines built in common.smk from
+# constants and numbers (the launcher expands $SLURM_JOB_ID and $(hostname) in the job's shell).
+SHELL_FRAGMENTS = {"params.launch"}
+
+
+def rule_shells() -> dict[str, str]:
+    """``{rule: shell command template}`` of every rule in workflow/rules/*.smk."""
+    import ast
+
+    shells = {}
+    for smk in sorted((ROOT / "workflow" / "rules").glob("*.smk")):
+        lines = smk.read_text().splitlines()
+        rule = None
+        for i, line in enumerate(lines):
+            if m := re.match(r"rule (\w+):", line):
+                rule = m[1]
+            if re.fullmatch(r"\s+shell:\s*", line):
+                indent = len(line) - len(line.lstrip())
+                body = []
+                for nxt in lines[i + 1:]:
+                    if nxt.strip() and len(nxt) - len(nxt.lstrip()) <= indent:
+                        break
+                    body.append(nxt)
+                shells[rule] = ast.literal_eval("(" + "\n".join(body) + ")")  # adjacent literals: one string
+    return shells
+
+
+def unquoted_fields(template: str) -> list[str]:
+    """The fields of a shell template that are neither ``:q`` nor a known command fragment."""
+    import string
+
+    return [name for _, name, spec, _ in string.Formatter().parse(template)
+            if name is not None and spec != "q" and name not in SHELL_FRAGMENTS]
+
+
+def test_every_interpolation_in_a_rule_shell_is_quoted():
+    """Issue 21 (items 1, 8): `results: "r;touch X;"` ran `touch X`; a path with a space wrote a stray
+    file. A new rule that interpolates a path without `:q` fails here."""
+    assert unquoted_fields("gnnpipe x --out {output.a} --log {log:q} {params.launch}") == ["output.a"]
+    assert unquoted_fields("export X=\"${{HOME}}\"; cat {input:q}") == []  # {{ }}: the shell's own braces
+    shells = rule_shells()
+    rules = set(re.findall(r"^rule (\w+):", "".join(p.read_text() for p in (ROOT / "workflow" / "rules").glob("*.smk")),
+                           re.M))
+    assert set(shells) == rules  # every rule has a shell this test read
+    bad = {rule: unquoted_fields(cmd) for rule, cmd in shells.items() if unquoted_fields(cmd)}
+    assert not bad, f"interpolations without :q in rule shells: {bad}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("results", ["my results", "r;touch X;"])
+def test_results_with_spaces_and_shell_characters_work(tmp_path, results):
+    """The whole DAG of a single run (data, run config, train, evaluate, cost-model statistics,
+    report) under a results directory with a space, a semicolon: it works and runs nothing else."""
+    def edit(c):
+        c.update(results=results, runs=[{"mode": "single", "dataset": "tiny", "model": "mlp", "epochs": 2}])
+        c["cost_model"] = {"calibrate": False}
+
+    work = tmp_path / "work"
+    res = snakemake(work, write_config(tmp_path, edit), "--cores", "2", timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not (work / "X").exists() and not (work / "my").exists() and not (work / "r").exists()
+    assert sorted(p.name for p in work.iterdir()) == sorted([".snakemake", "logs", results])
+    out = work / results
+    assert (out / "report.md").is_file() and json.loads(next(out.glob("runs/*/eval.json")).read_text())["test_acc"]
 
 
 # ----------------------------------------------------------------------------- schema == dataclasses

@@ -14,8 +14,10 @@ rounds. A crash at any point leaves the previous manifest, which names only comp
 rounds; a rank's shard is never overwritten in place. The manifest carries the run's
 fingerprint (``evaluate.run_fingerprint``), the world size, the epochs done, the run's
 history so far and the MLflow run id; every shard and the manifest carry a SHA-256 over
-their contents, so a flipped bit is refused, not trained on. The out_dir must be one
-file system for all ranks (a shared one across nodes).
+their contents, so a flipped bit is refused, not trained on. The fingerprint keeps the config
+key by key (version 2), so a refusal names the keys that differ; a manifest of version 1 (its
+hash only) resumes while the hash still matches and is refused, saying so, otherwise. The
+out_dir must be one file system for all ranks (a shared one across nodes).
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .io import GnnPipeError, atomic_path, write_json
+from .io import GnnPipeError, write_json, write_torch
 
 FORMAT = 1
 RESUME_DIR = "resume"
 MANIFEST = "manifest.json"
 MLFLOW_FILE = "mlflow.json"
-FINGERPRINT_KEYS = ("config_hash", "graph_hash", "store_hash")
+FINGERPRINT_KEYS = ("config_hash", "graph_hash", "store_hash")  # in shards and mlflow.json
+MANIFEST_FINGERPRINT = ("fingerprint_version", "fingerprint_config", *FINGERPRINT_KEYS)
 
 
 def resume_dir(out_dir) -> Path:
@@ -134,20 +137,29 @@ def save(out_dir, world: World, engine, device, *, epochs_done: int, fingerprint
              **{k: fingerprint.get(k) for k in FINGERPRINT_KEYS},
              "state": to_cpu(engine.state_dict()), "rng": rng_state(device)}
     shard["digest"] = digest(shard)
-    (root / name).mkdir(parents=True, exist_ok=True)
-    with atomic_path(root / name / f"rank-{world.rank}.pt", ".pt") as tmp:
-        torch.save(shard, tmp)
+    # every rank stops, with the line of the rank that failed, if a shard cannot be written (a
+    # full disk): none waits for a peer that gave up; the previous round stays the one to resume
+    world.agree(_written(lambda: write_torch(root / name / f"rank-{world.rank}.pt", shard)))
     digests = world.gather(shard["digest"])  # every shard is on disk once this returns
-    if world.rank != 0:
-        return
     manifest = {"format": FORMAT, "run_id": run_id, "epochs_done": epochs_done, "world_size": world.size,
-                "dir": name, "shards": digests, **{k: fingerprint.get(k) for k in FINGERPRINT_KEYS},
+                "dir": name, "shards": digests, **{k: fingerprint.get(k) for k in MANIFEST_FINGERPRINT},
                 "mlflow_run_id": mlflow_run_id, "history": history}
     manifest["digest"] = digest(manifest)
-    write_json(root / MANIFEST, manifest)
+    world.agree(_written(lambda: write_json(root / MANIFEST, manifest)) if world.rank == 0 else None)
+    if world.rank != 0:
+        return
     for old in root.glob("epoch-*"):  # rounds no manifest names any more
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _written(write) -> Optional[str]:
+    """Run ``write``; the one-line reason it could not write (None: written)."""
+    try:
+        write()
+    except GnnPipeError as e:
+        return str(e)
+    return None
 
 
 # --------------------------------------------------------------------------- load
@@ -171,17 +183,18 @@ def read_manifest(out_dir) -> Optional[dict]:
     return manifest
 
 
-def check_manifest(manifest: dict, out_dir, *, fingerprint: dict, world_size: int, epochs: int) -> None:
-    """Refuse a checkpoint of another run: other config, graph, chunk store or world size."""
+def check_manifest(manifest: dict, out_dir, *, cfg, fingerprint: dict, world_size: int, epochs: int) -> None:
+    """Refuse a checkpoint of another run: other config (the keys named), graph, chunk store or
+    world size."""
+    from .evaluate import fingerprint_mismatch
+
     path = resume_dir(out_dir) / MANIFEST
     if manifest.get("format") != FORMAT:
         raise GnnPipeError(_refusal(path, f"checkpoint format {manifest.get('format')}, this gnnpipe "
                                           f"reads {FORMAT}"))
-    for key, what in (("config_hash", "config"), ("graph_hash", "graph"), ("store_hash", "chunk store")):
-        if manifest.get(key) != fingerprint.get(key):
-            raise GnnPipeError(_refusal(path, f"a checkpoint of another {what} ({key} "
-                                              f"{str(manifest.get(key))[:12]}, the run's is now "
-                                              f"{str(fingerprint.get(key))[:12]})"))
+    why = fingerprint_mismatch(manifest, cfg, fingerprint)
+    if why:
+        raise GnnPipeError(_refusal(path, f"a checkpoint of {why}"))
     if manifest["world_size"] != world_size:
         raise GnnPipeError(_refusal(path, f"written by {manifest['world_size']} workers, this run has "
                                           f"{world_size}"))
@@ -206,7 +219,7 @@ def load_shard(out_dir, manifest: dict, rank: int) -> dict:
     return shard
 
 
-def resume(out_dir, world: World, engine, device, *, fingerprint: dict, epochs: int,
+def resume(out_dir, world: World, engine, device, *, cfg, fingerprint: dict, epochs: int,
            restart: bool) -> Optional[dict]:
     """Every rank: restore the last complete checkpoint into ``engine`` and the RNGs; return
     its manifest (None: train from epoch 0). ``restart`` discards whatever is there.
@@ -221,7 +234,7 @@ def resume(out_dir, world: World, engine, device, *, fingerprint: dict, epochs: 
     try:
         manifest = read_manifest(out_dir)
         if manifest is not None:
-            check_manifest(manifest, out_dir, fingerprint=fingerprint, world_size=world.size, epochs=epochs)
+            check_manifest(manifest, out_dir, cfg=cfg, fingerprint=fingerprint, world_size=world.size, epochs=epochs)
             shard = load_shard(out_dir, manifest, world.rank)
             try:
                 engine.load_state_dict(shard["state"])
@@ -251,6 +264,24 @@ def read_mlflow_id(out_dir, fingerprint: Optional[dict]) -> Optional[str]:
 def write_mlflow_id(out_dir, fingerprint: dict, run_id: str) -> None:
     write_json(resume_dir(out_dir) / MLFLOW_FILE,
                {"run_id": run_id, **{k: fingerprint.get(k) for k in FINGERPRINT_KEYS}})
+
+
+def note_unrecorded_failure(out_dir, error: str) -> None:
+    """Keep the reason a failed attempt could not write into its MLflow run (the store was
+    unreachable or on the full disk) for the next attempt to record; best effort."""
+    path = resume_dir(out_dir) / MLFLOW_FILE
+    try:
+        data = json.loads(path.read_text())
+        write_json(path, {**data, "unrecorded_error": error})
+    except (OSError, ValueError, GnnPipeError):
+        pass
+
+
+def read_unrecorded_failure(out_dir) -> Optional[str]:
+    try:
+        return json.loads((resume_dir(out_dir) / MLFLOW_FILE).read_text()).get("unrecorded_error")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def finish(out_dir) -> None:

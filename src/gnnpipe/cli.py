@@ -21,10 +21,13 @@ Every sub-command has its own ``--help``. Errors in the user's input print one l
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from .io import GnnPipeError
+
+LAUNCHER_PID = os.getppid()  # who started this process (torchrun's agent, for a worker), read first thing
 
 
 def _data(a):
@@ -112,8 +115,9 @@ def _materialize(a):
 
 def _train(a):
     from .config import load_run_config
-    from .train import run
+    from .train import die_with_launcher, run
 
+    die_with_launcher(LAUNCHER_PID)
     run(load_run_config(a.run_config), restart=a.restart)
 
 

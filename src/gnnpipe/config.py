@@ -12,8 +12,10 @@ Two shapes of config exist:
 Any unknown key, wrong type or bad value raises ``ConfigError`` with the dotted path
 of the offending key. Both shapes go through the same checks (``from_dict``): types, the
 bounds in ``BOUNDS`` (the JSON schema carries the same ones; a test keeps them equal),
-finite numbers only, names that are safe in paths, and no output directory inside a
-system directory (``check_output_dir``).
+finite numbers and integers that fit in 64 bits only, names that are safe in paths, file
+paths without control characters (``PATHS``; spaces are fine, the rules quote every path),
+and no output directory inside a system directory (``check_output_dir``). A run key its
+mode would ignore (``stages`` on a graph run, ``data_parallel`` on a node run) is refused.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ class AtomsConfig:
     adsorbates: list[str] = field(default_factory=lambda: ["O", "H", "C", "N", "CO", "N2", "NO"])
     slab_size: list[int] = field(default_factory=lambda: [2, 2, 3])  # fcc(111)/(100) repeats, layers last
     rattle: float = 0.05  # Å
+    # Å: two atoms (or an atom and a periodic image) closer than this are refused when the
+    # systems are read or generated (gnnpipe.atomic.checks); the shortest real bond, H2, is 0.74 Å
+    min_distance: float = 0.5
     cutoff: float = 5.0  # Å, radius graph and the model's basis cutoff
     max_neighbors: int = 32  # nearest neighbours kept per atom
     train_fraction: float = 0.8
@@ -302,6 +307,10 @@ class RunConfig:
 
 
 # --------------------------------------------------------------------------- value checks
+def _number(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+
+
 @dataclass(frozen=True)
 class Bound:
     """An interval a number must lie in (``None``: unbounded on that side)."""
@@ -317,8 +326,9 @@ class Bound:
 
     def text(self) -> str:
         if self.hi is None:
-            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
-        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+            return f"{'>' if self.lo_open else '>='} {_number(self.lo)}"
+        return (f"in {'(' if self.lo_open else '['}{_number(self.lo)}, {_number(self.hi)}"
+                f"{')' if self.hi_open else ']'}")
 
     def schema(self) -> dict:
         """The same bound as JSON-schema keywords."""
@@ -332,32 +342,48 @@ class Bound:
 
 _GE0, _GE1, _GE2, _GT0 = Bound(0), Bound(1), Bound(2), Bound(0, lo_open=True)
 _FRACTION, _BELOW1 = Bound(0, 1), Bound(0, 1, hi_open=True)
+# Seeds reach C ints (METIS) as well as torch and NumPy: 2^31 - 1 fits every consumer.
+_SEED = Bound(0, 2**31 - 1)
+# A worker's wait for its peers: a week at the most (torch turns it into milliseconds, and a
+# larger value is a typo, not a plan).
+_TIMEOUT = Bound(1, 7 * 24 * 3600)
 _PIPELINE = dict(chunks_per_stage=_GE1, grad_scale=_GT0, snapshot_every=_GE0, momentum=_BELOW1)
 
 BOUNDS: dict[type, dict[str, Bound]] = {
     SyntheticConfig: dict(num_nodes=_GE2, avg_degree=_GT0, num_features=_GE1, num_classes=_GE2,
                           num_communities=_GE2, intra_fraction=_FRACTION, locality=_FRACTION,
                           degree_exponent=_GT0, feature_signal=_GE0, label_noise=_FRACTION,
-                          train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_GE0),
-    FilesConfig: dict(train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_GE0),
-    AtomsConfig: dict(num_systems=_GE1, rattle=_GE0, cutoff=_GT0, max_neighbors=_GE1,
-                      train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_GE0),
+                          train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
+    FilesConfig: dict(train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
+    AtomsConfig: dict(num_systems=_GE1, rattle=_GE0, min_distance=_GT0, cutoff=_GT0, max_neighbors=_GE1,
+                      train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
     DimeNetPPSpec: dict(hidden_channels=_GE1, num_blocks=_GE1, int_emb_size=_GE1, basis_emb_size=_GE1,
                         out_emb_channels=_GE1, num_spherical=_GE1, num_radial=_GE1, force_weight=_GE0,
                         batch_size=_GE1, lr=_GT0),
     ModelConfig: dict(layers=_GE1, hidden=_GE1, dropout=_BELOW1, heads=_GE1, alpha=_FRACTION, lambda_=_GT0),
-    TrainingConfig: dict(epochs=_GE1, lr=_GT0, weight_decay=_GE0, seed=_GE0, eval_every=_GE1,
+    TrainingConfig: dict(epochs=_GE1, lr=_GT0, weight_decay=_GE0, seed=_SEED, eval_every=_GE1,
                          checkpoint_every=_GE0, warmup_epochs=_GE0, threads_per_worker=_GE1,
-                         dist_timeout_s=_GE1, max_restarts=_GE0),
+                         dist_timeout_s=_TIMEOUT, max_restarts=_GE0),
     PipelineConfig: _PIPELINE,
     PipelineOverride: _PIPELINE,
-    PartitionConfig: dict(seed=_GE0),
+    PartitionConfig: dict(seed=_SEED),
     ResourcesConfig: dict(mem_mb_per_worker=_GE1, runtime_min=_GE1, gpus_per_worker=_GE0,
                           workers_per_node=_GE1),
-    RunSpec: dict(workers=_GE1, stages=_GE1, chunks=_GE1, seed=_GE0, epochs=_GE1, data_parallel=_GE1),
+    RunSpec: dict(workers=_GE1, stages=_GE1, chunks=_GE1, seed=_SEED, epochs=_GE1, data_parallel=_GE1),
     RunConfig: dict(workers=_GE1, stages=_GE1, ways=_GE1, chunks=_GE1, data_parallel=_GE1),
 }
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # dataset, model and run names: safe in paths
+# File and directory paths of each section. Any character but a control character (a newline
+# in a path breaks logs and shells; spaces and quotes are fine, the rules quote every path);
+# in the workflow config, not { or } either: Snakemake reads them as wildcards in the rules' paths.
+PATHS: dict[type, tuple[str, ...]] = {
+    WorkflowConfig: ("results",),
+    OgbConfig: ("root",),
+    FilesConfig: ("edges", "features", "labels", "train_mask", "val_mask", "test_mask"),
+    AtomsConfig: ("file",),
+    CostModelConfig: ("hardware",),
+    RunConfig: ("graph_path", "store_path", "out_dir", "systems_path"),
+}
 # Outputs never go here (a typo or a `..` too many in `results:` must not write into the
 # system). Anything else, relative or absolute, is the user's choice (cluster scratch).
 SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc",
@@ -368,6 +394,17 @@ def check_name(value: str, where: str) -> None:
     if not re.fullmatch(NAME_PATTERN, value):
         raise ConfigError(f"{where}: {value!r} is not a valid name (letters, digits, '.', '_', '-', "
                           f"starting with a letter or digit; it is used in paths)")
+
+
+def check_path(value: str, where: str, *, snakemake: bool) -> None:
+    """Refuse a path with a control character (and, for Snakemake's paths, a brace)."""
+    bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        raise ConfigError(f"{where}: {value!r} contains the control character {bad!r}; a path may "
+                          f"hold spaces and punctuation, not control characters")
+    if snakemake and ("{" in value or "}" in value):
+        raise ConfigError(f"{where}: {value!r} contains {{ or }}, which Snakemake reads as a wildcard "
+                          f"in the rules' paths; rename it")
 
 
 def check_output_dir(value: str, where: str) -> None:
@@ -389,6 +426,10 @@ def _check_values(obj, path: str) -> None:
         if v is not None and not bound.ok(v):
             key = "lambda" if name == "lambda_" else name
             raise ConfigError(f"{path}.{key}: {v!r} must be {bound.text()}")
+    for name in PATHS.get(type(obj), ()):
+        v = getattr(obj, name)
+        if v:
+            check_path(v, f"{path}.{name}", snakemake=not isinstance(obj, RunConfig))
     if isinstance(obj, RunSpec) and obj.name is not None:
         check_name(obj.name, f"{path}.name")
     if isinstance(obj, RunConfig):
@@ -464,6 +505,8 @@ def _convert(tp, value, path):
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        if not -2**63 <= value < 2**63:  # every consumer (torch, NumPy, C) holds at most 64 bits
+            raise ConfigError(f"{path}: {value} does not fit in 64 bits")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -531,12 +574,30 @@ def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
         if atoms_data and run.mode not in ("single", "graph"):
             raise ConfigError(f"{where}.mode: atomic models train in mode single or graph (edge/triplet "
                               f"graph parallelism), not {run.mode}")
+        _refuse_ignored_keys(run, atoms_data, where)
     ids = [run_id(wf, r) for r in wf.runs]
     dup = {i for i in ids if ids.count(i) > 1}
     if dup:
         raise ConfigError(f"config.runs: run ids are not unique: {', '.join(sorted(dup))} "
                           "(give the runs distinct seeds or names)")
     return wf
+
+
+def _refuse_ignored_keys(run: RunSpec, atomic: bool, where: str) -> None:
+    """A key the run's mode would ignore is a mistake the user should hear about (it would
+    also enter the run id or run.yaml without changing what trains)."""
+    kind = f"{'an atomic' if atomic else 'a'} {run.mode} run"
+    staged = run.mode in ("pipeline", "hybrid") and not atomic
+    if run.data_parallel is not None and not (atomic and run.mode == "graph"):
+        raise ConfigError(f"{where}.data_parallel: {kind} has no data-parallel replicas (only atomic "
+                          f"runs in mode graph do); remove the key")
+    for key in ("stages", "chunks", "pipeline"):
+        if getattr(run, key) is not None and not staged:
+            raise ConfigError(f"{where}.{key}: {kind} has no pipeline stages or chunks (only pipeline and "
+                              f"hybrid runs of node models do); remove the key")
+    if run.mode == "pipeline" and run.stages is not None and run.stages != run.workers:
+        raise ConfigError(f"{where}.stages: a pipeline run has one stage per worker ({run.workers}), not "
+                          f"{run.stages}; remove the key, or use mode hybrid for stages x ways")
 
 
 def run_pipeline(wf: WorkflowConfig, spec: RunSpec) -> PipelineConfig:

@@ -2,19 +2,24 @@
 
 Every output of the pipeline is written to a temporary file in the destination
 directory and renamed into place, so that an interrupted job never leaves a
-half-written file that a later job would trust.
+half-written file that a later job would trust. Files get the permissions the umask
+gives (0644 under the usual 022: colleagues on a shared cluster can read results), and
+a write that fails for want of space (or quota, or a file-size limit) is one line naming
+the file and the errno, whatever library was writing (torch, h5py, json).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
-import tempfile
+import re
+import secrets
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -23,24 +28,86 @@ class GnnPipeError(RuntimeError):
     """An error caused by the user's input (config, files), with a message meant for them."""
 
 
+class WriteError(GnnPipeError):
+    """An output could not be written: the disk is full, a quota or a file-size limit was hit."""
+
+
+# what the file system answers when it cannot take a write (EFBIG: a file-size limit, ulimit -f)
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+def disk_errno(e: Optional[BaseException]) -> Optional[int]:
+    """The errno of ``DISK_ERRNOS`` behind ``e``: its own, one in its cause/context chain (torch
+    and h5py wrap the OSError of the write they were doing), or HDF5's ``errno = N`` text."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
+            return e.errno
+        m = re.search(r"errno = (\d+)", str(e))
+        if m and int(m[1]) in DISK_ERRNOS:
+            return int(m[1])
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def write_error(path, e: BaseException) -> Optional[WriteError]:
+    """The one-line error for a failed write of ``path`` (None: not a disk error)."""
+    code = disk_errno(e)
+    if code is None:
+        return None
+    return WriteError(f"{path}: cannot write it: {os.strerror(code)} ({errno.errorcode[code]}); nothing was "
+                      f"replaced: free space on that file system (or raise the limit) and rerun")
+
+
+def _temp_file(path: Path, suffix: str) -> Path:
+    """A new empty file next to ``path``, created with the umask's permissions (unlike mkstemp's
+    0600: results on a shared cluster are for colleagues to read)."""
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}{suffix or '.tmp'}"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path next to ``path``; rename it to ``path`` on success.
 
-    On an exception the temporary file is removed and ``path`` is left untouched.
+    On an exception the temporary file is removed and ``path`` is left untouched; a disk
+    error (``DISK_ERRNOS``) becomes a ``WriteError`` naming ``path``.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix or ".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp_path = _temp_file(path, suffix)
+    except OSError as e:
+        err = write_error(path, e)
+        if err is None:
+            raise
+        raise err from e
     try:
         yield tmp_path
         os.replace(tmp_path, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
-        raise
+        err = write_error(path, e) if not isinstance(e, GnnPipeError) else None
+        if err is None:
+            raise
+        raise err from e
+
+
+def write_torch(path: str | os.PathLike, obj) -> None:
+    """``torch.save(obj)`` to ``path``, atomically. Through a Python file object: torch's own
+    writer reports a full disk as "unexpected pos 128 vs 0", the file object's OSError says ENOSPC."""
+    import torch
+
+    with atomic_path(path, ".pt") as tmp, open(tmp, "wb") as f:
+        torch.save(obj, f)
 
 
 def write_json(path: str | os.PathLike, obj) -> None:

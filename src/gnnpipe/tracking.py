@@ -125,14 +125,23 @@ def _tags(cfg: RunConfig) -> dict:
     return {"mode": cfg.mode, "dataset": cfg.dataset_name, "model": cfg.model.kind, "gnnpipe.run_id": cfg.run_id}
 
 
-def start_training(cfg: RunConfig, prior: str | None, *, resumed_at: int, superseded: str | None = None) -> str | None:
+#: what a resumed run records when its previous attempt never ended it (and left no reason)
+UNCLOSED = ("the previous attempt ended without closing this run (all its workers killed, or the "
+            "tracking store not writable then)")
+
+
+def start_training(cfg: RunConfig, prior: str | None, *, resumed_at: int, superseded: str | None = None,
+                   unrecorded: str | None = None) -> str | None:
     """At the start of a training attempt (rank 0, one short burst): the MLflow run it logs to.
 
     ``prior``: the run an earlier attempt of the same run logged to (kept in the checkpoint);
     it is set RUNNING again (its error tag kept as ``gnnpipe.previous_error``), so a resumed
-    run is one MLflow run, not a duplicate. Else a new RUNNING run. ``superseded``: a run that
-    ``--restart`` abandons, ended FAILED if it was left RUNNING. An outage is a warning and None
-    (the final burst then creates the run, as without a checkpoint).
+    run is one MLflow run, not a duplicate. A prior run still RUNNING was never ended (its
+    attempt was killed, or could not reach the store to mark it FAILED, e.g. on a full disk):
+    its ``previous_error`` is ``unrecorded`` (the reason that attempt could not record) or
+    ``UNCLOSED``. Else a new RUNNING run. ``superseded``: a run that ``--restart`` abandons,
+    ended FAILED if it was left RUNNING. An outage is a warning and None (the final burst then
+    creates the run, as without a checkpoint).
     """
     try:
         with _client(cfg) as (client, exp_id):
@@ -150,8 +159,11 @@ def start_training(cfg: RunConfig, prior: str | None, *, resumed_at: int, supers
                     client.update_run(prior, status="RUNNING")
                     error = run.data.tags.get("gnnpipe.error")
                     if error:
-                        client.set_tag(prior, "gnnpipe.previous_error", error)
                         client.delete_tag(prior, "gnnpipe.error")
+                    elif run.info.status == "RUNNING":
+                        error = unrecorded or UNCLOSED
+                    if error:
+                        client.set_tag(prior, "gnnpipe.previous_error", error[:5000])
                     client.set_tag(prior, "gnnpipe.resumed_at_epoch", str(resumed_at))
                     return prior
             return client.create_run(exp_id, run_name=cfg.run_id, tags=_tags(cfg)).info.run_id
@@ -165,15 +177,19 @@ def start_training(cfg: RunConfig, prior: str | None, *, resumed_at: int, supers
 FAIL_LOCK_WAIT_S = 10.0
 
 
-def mark_failed(cfg: RunConfig, run_id: str, error: str) -> None:
+def mark_failed(cfg: RunConfig, run_id: str, error: str) -> bool:
     """End ``run_id`` FAILED with ``error`` as its ``gnnpipe.error`` tag (any rank, on the way
-    out of a failed attempt); never raises, waits at most ``FAIL_LOCK_WAIT_S`` for the lock."""
+    out of a failed attempt); never raises, waits at most ``FAIL_LOCK_WAIT_S`` for the lock.
+    False: it could not (a warning is printed; the next attempt records the outcome)."""
     try:
         with _client(cfg, lock_wait=FAIL_LOCK_WAIT_S) as (client, _):
             client.set_tag(run_id, "gnnpipe.error", error[:5000])
             client.set_terminated(run_id, status="FAILED")
+        return True
     except Exception as e:
-        print(f"gnnpipe: warning: MLflow run {run_id} could not be marked FAILED: {_one_line(e)}", file=sys.stderr)
+        print(f"gnnpipe: warning: MLflow run {run_id} could not be marked FAILED (the next attempt records "
+              f"it): {_one_line(e)[:300]}", file=sys.stderr)
+        return False
 
 
 def log_training(cfg: RunConfig, record: dict, out_dir: Path, run_id: str | None = None) -> str | None:

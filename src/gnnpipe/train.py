@@ -19,11 +19,19 @@ then runs the epochs, reduces the per-rank statistics, checkpoints, and on rank 
 the run record ``<out_dir>/metrics.json`` (docs/DESIGN.md §6) and logs the run to MLflow.
 A failure ends every rank promptly with one line (a dead peer named, a non-finite loss or
 gradient with its epoch, rank and tensor) and the MLflow run ``FAILED``.
+
+One live job owns a run directory: rank 0 holds ``<out_dir>/.lock`` (``flock``, naming its
+host and pid) for the whole attempt, and a second job is refused with one line. A worker
+started by torchrun dies with its agent (``PR_SET_PDEATHSIG``): torchrun puts workers in
+sessions of their own, so killing the agent or Snakemake's process group used to leave them
+training, writing outputs after the job had failed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import fcntl
 import math
 import os
 import resource
@@ -41,10 +49,10 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from .config import RunConfig, dump_run_config, to_dict
+from .config import BOUNDS, RunConfig, TrainingConfig, dump_run_config, to_dict
 from .engine import DTYPES, NonFiniteError
 from .evaluate import run_fingerprint
-from .io import GnnPipeError, atomic_path, write_json, write_text
+from .io import GnnPipeError, write_json, write_text, write_torch
 from .parallel.dims import ParallelDims, ProcessGroups, build_groups
 
 
@@ -57,6 +65,21 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def dist_timeout_s(cfg: RunConfig) -> int:
+    """``training.dist_timeout_s``, or the environment's ``GNNPIPE_DIST_TIMEOUT`` (same bounds)."""
+    text = os.environ.get("GNNPIPE_DIST_TIMEOUT")
+    if not text:
+        return cfg.training.dist_timeout_s
+    bound = BOUNDS[TrainingConfig]["dist_timeout_s"]
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not bound.ok(value):
+        raise GnnPipeError(f"GNNPIPE_DIST_TIMEOUT: {text!r} must be whole seconds {bound.text()}")
+    return value
+
+
 def init_distributed(cfg: RunConfig, device: torch.device) -> tuple[int, int]:
     """Join the torchrun world (``single`` needs none); return (rank, world_size)."""
     if cfg.mode == "single":
@@ -67,7 +90,7 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> tuple[int, int]:
             f"{cfg.workers} -m gnnpipe.cli train --run-config <run.yaml>")
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=int(os.environ.get("GNNPIPE_DIST_TIMEOUT") or cfg.training.dist_timeout_s))
+        timeout = datetime.timedelta(seconds=dist_timeout_s(cfg))
         # torchrun --max-restarts keeps one store for every attempt (torch 2.13, --standalone): the
         # keys of a restarted group get a prefix of their own, or its ranks read the dead group's addresses
         store, r, w = next(dist.rendezvous("env://", timeout=timeout))
@@ -206,7 +229,9 @@ def _failure(att: _Attempt, e: BaseException) -> BaseException:
         line = f"{att.where()}: {_one_line(e)}"
     if att.mlflow_run_id:
         from .tracking import mark_failed
-        mark_failed(att.cfg, att.mlflow_run_id, line if line.startswith("rank") else f"rank {att.rank}: {line}")
+        line = line if line.startswith("rank") else f"rank {att.rank}: {line}"
+        if not mark_failed(att.cfg, att.mlflow_run_id, line):
+            ckpt.note_unrecorded_failure(att.cfg.out_dir, line)
     return out
 
 
@@ -239,6 +264,57 @@ def _fault_injection(att: _Attempt, epoch: int) -> None:
             lambda *a: os.kill(os.getpid(), signal.SIGKILL))
 
 
+# --------------------------------------------------------------------------- one live job per run
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher(launcher: int) -> None:
+    """Under torchrun (Linux): SIGKILL this worker when the agent that started it (pid
+    ``launcher``, read when the process started) dies, however it dies. The signal follows the
+    thread that forked the worker: torch 2.13's agent starts (and restarts) workers from its main
+    thread, whose end is the agent's. An agent already gone (this process adopted) ends it now."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        print(f"gnnpipe: warning: prctl(PR_SET_PDEATHSIG) failed ({os.strerror(ctypes.get_errno())}): this worker "
+              f"would outlive its torchrun agent", file=sys.stderr)
+    elif os.getppid() != launcher:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+LOCK = ".lock"
+
+
+def own_run_dir(cfg: RunConfig, ranks: ckpt.World):
+    """Rank 0 takes ``<out_dir>/.lock`` (``flock``, exclusive) and writes its host and pid in it;
+    a lock another live job holds is one line on every rank. The kernel drops the lock when
+    its holder dies, so a lock file left by a dead job never blocks (on a shared file system
+    across nodes too: NFS supports flock; Lustre wants ``-o flock``). Returns the open lock
+    file (held until it is closed) or None."""
+    fh, error = None, None
+    if ranks.rank == 0:
+        path = Path(cfg.out_dir) / LOCK
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = " ".join(fh.read().split())[:200] or "who, it does not say"
+            fh.close()
+            fh = None
+            error = (f"{path}: run {cfg.run_id} is being trained by another job ({holder}); one job at a time "
+                     f"writes a run directory: wait for it to end, or stop it")
+        else:
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"host {socket.gethostname()} pid {os.getpid()} since "
+                     f"{datetime.datetime.now().isoformat(timespec='seconds')}\n")
+            fh.flush()
+    ranks.agree(error)
+    return fh
+
+
 # --------------------------------------------------------------------------- the loop
 def run(cfg: RunConfig, *, progress: bool = True, restart: bool = False) -> Optional[dict]:
     """Train one run, resuming from its last complete checkpoint (``restart``, or the environment's
@@ -250,8 +326,10 @@ def run(cfg: RunConfig, *, progress: bool = True, restart: bool = False) -> Opti
     att = _Attempt(cfg, rank, world)
     on_main = threading.current_thread() is threading.main_thread()
     old_handler = signal.signal(signal.SIGTERM, _raise_terminated) if on_main else None
+    lock = None
     try:
         att.peers = ckpt.World(rank, world).gather((socket.gethostname(), os.getpid()))
+        lock = own_run_dir(cfg, ckpt.World(rank, world))  # held through the failure path below
         groups = comm = None
         if cfg.mode != "single":
             from .parallel.comm import Communicator
@@ -272,6 +350,8 @@ def run(cfg: RunConfig, *, progress: bool = True, restart: bool = False) -> Opti
             signal.signal(signal.SIGTERM, old_handler)
         if cfg.mode != "single" and dist.is_initialized():
             dist.destroy_process_group()
+        if lock is not None:
+            lock.close()  # releases the flock
 
 
 def _open_mlflow(cfg: RunConfig, att: _Attempt, manifest: Optional[dict], fp: dict, superseded, start: int):
@@ -280,7 +360,8 @@ def _open_mlflow(cfg: RunConfig, att: _Attempt, manifest: Optional[dict], fp: di
     if att.rank == 0:
         from .tracking import start_training
         prior = (manifest or {}).get("mlflow_run_id") or ckpt.read_mlflow_id(cfg.out_dir, fp)
-        rid = start_training(cfg, prior, resumed_at=start, superseded=superseded)
+        rid = start_training(cfg, prior, resumed_at=start, superseded=superseded,
+                             unrecorded=ckpt.read_unrecorded_failure(cfg.out_dir))
         if rid:
             ckpt.write_mlflow_id(cfg.out_dir, fp, rid)
     att.mlflow_run_id = ckpt.World(att.rank, att.world).gather(rid)[0]
@@ -294,7 +375,8 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
     fp = run_fingerprint(cfg)
     ranks = ckpt.World(rank, world)
     superseded = ckpt.read_mlflow_id(out_dir, None) if restart and rank == 0 else None
-    manifest = ckpt.resume(out_dir, ranks, engine, device, fingerprint=fp, epochs=tc.epochs, restart=restart)
+    manifest = ckpt.resume(out_dir, ranks, engine, device, cfg=cfg, fingerprint=fp, epochs=tc.epochs,
+                           restart=restart)
     start = manifest["epochs_done"] if manifest else 0
     history = list(manifest["history"]) if manifest else []
     if rank == 0 and manifest:
@@ -335,7 +417,7 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
             row.update({k: v for k, v in last_eval.items() if k != "loss"})
         history.append(row)
         if tc.checkpoint_every and (epoch + 1) % tc.checkpoint_every == 0 and epoch != tc.epochs - 1:
-            _checkpoint(engine, out_dir / "checkpoint.pt", epoch, cfg, rank)  # never model.pt: see _checkpoint
+            _checkpoint(engine, out_dir / "checkpoint.pt", epoch, cfg, ranks)  # never model.pt: see _checkpoint
             ckpt.save(out_dir, ranks, engine, device, epochs_done=epoch + 1, fingerprint=fp, run_id=cfg.run_id,
                       history=history, mlflow_run_id=att.mlflow_run_id)
         if bar is not None:
@@ -345,7 +427,7 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
     att.epoch = None
     if bar is not None:
         bar.close()
-    _checkpoint(engine, out_dir / "model.pt", tc.epochs - 1, cfg, rank)
+    _checkpoint(engine, out_dir / "model.pt", tc.epochs - 1, cfg, ranks)
     peak, = reduce([float(peak_memory_bytes(device))], "max")
     if rank != 0:
         return None
@@ -396,7 +478,7 @@ def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
     return record
 
 
-def _checkpoint(engine, path: Path, epoch: int, cfg: RunConfig, rank: int) -> None:
+def _checkpoint(engine, path: Path, epoch: int, cfg: RunConfig, ranks: ckpt.World) -> None:
     """Save the weights after ``epoch`` with what they were trained from (``run_fingerprint``).
 
     Intermediate checkpoints go to ``checkpoint.pt``, the finished model alone to ``model.pt``
@@ -404,10 +486,13 @@ def _checkpoint(engine, path: Path, epoch: int, cfg: RunConfig, rank: int) -> No
     ``evaluate`` or Snakemake would take for the result.
     """
     state = engine.full_state_dict()  # collective in model-parallel modes: every rank calls it
-    if rank != 0:
-        return
-    payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "epoch": epoch,
-               "epochs_done": epoch + 1, "run_id": cfg.run_id, "config": to_dict(cfg), **run_fingerprint(cfg)}
-    payload["digest"] = ckpt.digest(payload)  # a flipped bit is refused by evaluate.load_checkpoint
-    with atomic_path(path, ".pt") as tmp:
-        torch.save(payload, tmp)
+    error = None
+    if ranks.rank == 0:
+        payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "epoch": epoch,
+                   "epochs_done": epoch + 1, "run_id": cfg.run_id, "config": to_dict(cfg), **run_fingerprint(cfg)}
+        payload["digest"] = ckpt.digest(payload)  # a flipped bit is refused by evaluate.load_checkpoint
+        try:
+            write_torch(path, payload)
+        except GnnPipeError as e:  # a full disk: every rank ends with this line, none waits for rank 0
+            error = str(e)
+    ranks.agree(error)

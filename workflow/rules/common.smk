@@ -116,8 +116,8 @@ def run_records(wildcards):
     }
 
 
-def report_run_args(wildcards) -> str:
-    return " ".join(f"--run {rid}" for rid in RUNS)
+def report_run_args(wildcards) -> list[str]:
+    return [arg for rid in RUNS for arg in ("--run", rid)]
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -159,11 +159,10 @@ def whole_machine() -> int:
         return 1
 
 
-def plan_parts(wildcards) -> str:
+def plan_parts(wildcards) -> list[int]:
     """The partitions the cost model needs for a dataset's runs: ways and chunk counts > 1."""
-    parts = {k for r in RUNS.values() if r.dataset_name == wildcards.dataset
-             for k in (r.ways, r.chunks) if k > 1}
-    return " ".join(str(k) for k in sorted(parts))
+    return sorted({k for r in RUNS.values() if r.dataset_name == wildcards.dataset
+                   for k in (r.ways, r.chunks) if k > 1})
 
 
 def calibration_run_config(wildcards) -> str:
@@ -173,8 +172,11 @@ def calibration_run_config(wildcards) -> str:
 
 # ----------------------------------------------------------------------------- data
 def dataset_spec_text(wildcards) -> str:
-    """The dataset's config as YAML: what dataset.yaml holds (and its rerun trigger)."""
-    return yaml.safe_dump(to_dict(WF.datasets[wildcards.dataset]), sort_keys=False)
+    """The dataset's config as YAML: what dataset.yaml holds (and its rerun trigger). Only its
+    own kind's section: a new key of another kind (say atoms.min_distance) must not rebuild it."""
+    ds = WF.datasets[wildcards.dataset]
+    own = {k: v for k, v in to_dict(ds).items() if not isinstance(v, dict) or k == ds.kind}  # sections: dicts
+    return yaml.safe_dump(own, sort_keys=False)
 
 
 def dataset_inputs(wildcards) -> dict:
@@ -239,10 +241,3 @@ def train_launcher(wildcards) -> str:
     return (f"srun --nodes {layout['nodes']} --ntasks-per-node 1 {torchrun} "
             f"--rdzv-id $SLURM_JOB_ID --rdzv-backend c10d --rdzv-endpoint $(hostname):$((29500 + SLURM_JOB_ID % 1000))"
             " -m gnnpipe.cli")
-
-
-def mlflow_db(wildcards) -> str:
-    """Absolute path of the default SQLite store, as the job's shell expands it (the same
-    file gnnpipe.tracking defaults to); MLFLOW_TRACKING_URI overrides it."""
-    db = f"{RESULTS}/mlflow.db"
-    return db if os.path.isabs(db) else f"$PWD/{db}"

@@ -9,7 +9,7 @@ rule dataset_spec:
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
-        "printf '%s' {params.text:q} > {output.spec} 2> {log}"
+        "printf '%s' {params.text:q} > {output.spec:q} 2> {log:q}"
 
 
 rule build_graph:
@@ -24,8 +24,8 @@ rule build_graph:
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
-        "gnnpipe data --spec {input.spec} --name {wildcards.dataset}"
-        " --out {output.graph} --stats {output.stats} > {log} 2>&1"
+        "gnnpipe data --spec {input.spec:q} --name {wildcards.dataset:q}"
+        " --out {output.graph:q} --stats {output.stats:q} > {log:q} 2>&1"
 
 
 rule build_systems:
@@ -40,8 +40,8 @@ rule build_systems:
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
-        "gnnpipe data --spec {input.spec} --name {wildcards.dataset}"
-        " --out {output.systems} --stats {output.stats} > {log} 2>&1"
+        "gnnpipe data --spec {input.spec:q} --name {wildcards.dataset:q}"
+        " --out {output.systems:q} --stats {output.stats:q} > {log:q} 2>&1"
 
 
 rule atom_graphs:
@@ -59,5 +59,5 @@ rule atom_graphs:
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
-        "gnnpipe atom-graphs --systems {input.systems} --cutoff {params.cutoff}"
-        " --max-neighbors {params.max_neighbors} --out {output.graphs} --stats {output.stats} > {log} 2>&1"
+        "gnnpipe atom-graphs --systems {input.systems:q} --cutoff {params.cutoff:q}"
+        " --max-neighbors {params.max_neighbors:q} --out {output.graphs:q} --stats {output.stats:q} > {log:q} 2>&1"

@@ -13,9 +13,9 @@ rule partition:
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
-        "gnnpipe partition --graph {input.graph} --method {wildcards.method}"
-        " --parts {wildcards.parts} --seed {params.seed} {params.balance}"
-        " --out {output.assignment} --stats {output.stats} > {log} 2>&1"
+        "gnnpipe partition --graph {input.graph:q} --method {wildcards.method:q}"
+        " --parts {wildcards.parts:q} --seed {params.seed:q} {params.balance:q}"
+        " --out {output.assignment:q} --stats {output.stats:q} > {log:q} 2>&1"
 
 
 rule materialize:
@@ -30,5 +30,5 @@ rule materialize:
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
-        "gnnpipe materialize --graph {input.graph} --assignment {input.assignment}"
-        " --out {output.store} > {log} 2>&1"
+        "gnnpipe materialize --graph {input.graph:q} --assignment {input.assignment:q}"
+        " --out {output.store:q} > {log:q} 2>&1"

@@ -17,9 +17,9 @@ rule report:
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
-        "gnnpipe report --runs-dir {params.runs_dir} {params.runs}"
-        " --hardware {input.hardware:q} --cost-model-dir {params.cost_dir}"
-        " --out {output.report} --plots {output.plots} > {log} 2>&1"
+        "gnnpipe report --runs-dir {params.runs_dir:q} {params.runs:q}"
+        " --hardware {input.hardware:q} --cost-model-dir {params.cost_dir:q}"
+        " --out {output.report:q} --plots {output.plots:q} > {log:q} 2>&1"
 
 
 rule plan_stats:
@@ -38,8 +38,8 @@ rule plan_stats:
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
-        "gnnpipe plan-stats --graph {input.graph} --parts {params.parts} --method {params.method}"
-        " --seed {params.seed} {params.balance} --out {output.stats} > {log} 2>&1"
+        "gnnpipe plan-stats --graph {input.graph:q} --parts {params.parts:q} --method {params.method:q}"
+        " --seed {params.seed:q} {params.balance:q} --out {output.stats:q} > {log:q} 2>&1"
 
 
 rule calibrate:
@@ -59,5 +59,5 @@ rule calibrate:
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
-        "gnnpipe calibrate --run-config {input.run_config} --hardware {input.hardware:q}"
-        " --out {output.profile} > {log} 2>&1"
+        "gnnpipe calibrate --run-config {input.run_config:q} --hardware {input.hardware:q}"
+        " --out {output.profile:q} > {log:q} 2>&1"

@@ -9,7 +9,7 @@ rule run_config:
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
-        "printf '%s' {params.text:q} > {output.run_config} 2> {log}"
+        "printf '%s' {params.text:q} > {output.run_config:q} 2> {log:q}"
 
 
 rule train:
@@ -32,15 +32,13 @@ rule train:
         tasks_per_gpu=train_resource("tasks_per_gpu"),
         mpi=train_resource("mpi"),
     params:
-        launch=train_launcher,
+        launch=train_launcher,  # a command line built in common.smk (no path in it): not quoted
         omp=WF.training.threads_per_worker,
-        mlflow_db=mlflow_db,
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
-        "export OMP_NUM_THREADS={params.omp}"
-        ' MLFLOW_TRACKING_URI="${{MLFLOW_TRACKING_URI:-sqlite:///{params.mlflow_db}}}";'
-        " {params.launch} train --run-config {input.run_config} > {log} 2>&1"
+        "export OMP_NUM_THREADS={params.omp:q};"
+        " {params.launch} train --run-config {input.run_config:q} > {log:q} 2>&1"
 
 
 rule evaluate:
@@ -57,10 +55,8 @@ rule evaluate:
     resources:
         mem_mb=train_resource("mem_mb"),
         runtime=train_resource("runtime"),
-    params:
-        mlflow_db=mlflow_db,
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
-        'export OMP_NUM_THREADS={threads} MLFLOW_TRACKING_URI="${{MLFLOW_TRACKING_URI:-sqlite:///{params.mlflow_db}}}";'
-        " gnnpipe evaluate --run-config {input.run_config} --out {output.evaluation} > {log} 2>&1"
+        "export OMP_NUM_THREADS={threads:q};"
+        " gnnpipe evaluate --run-config {input.run_config:q} --out {output.evaluation:q} > {log:q} 2>&1"

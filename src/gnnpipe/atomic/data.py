@@ -16,7 +16,10 @@ missing array, a truncated, bit-flipped or edited file, naming the rule that reb
 
 Sources: ``generate`` (the embedded default: ASE fcc(111)/(100) slabs of Cu/Ag/Au/Ni/Pd/Pt/Al
 with a small adsorbate, rattled, bottom layer fixed, labelled by ASE's EMT calculator; no
-internet) and ``read_structures`` (a user's ASE database ``.db`` or extended XYZ).
+internet) and ``read_structures`` (a user's ASE database ``.db`` or extended XYZ). Both, and
+``build_graphs``, pass every structure through ``checks.check_structure`` first (elements,
+finite positions, a sane periodic cell, no two atoms closer than ``atoms.min_distance``, kept
+in ``systems.h5`` as the attribute ``min_distance``).
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ import h5py
 import numpy as np
 
 from ..io import GnnPipeError, atomic_path, hash_arrays
+from .checks import MIN_DISTANCE, check_structure, image_range, periodic_heights
 
 FORMAT_VERSION = 1
-MAX_Z = 94  # the model's element embedding has rows 0..94
 EMT_ELEMENTS = ("Al", "Cu", "Ag", "Au", "Ni", "Pd", "Pt", "H", "C", "N", "O")  # ASE's EMT parameters
 SYSTEM_ARRAYS = ("z", "pos", "fixed", "forces", "cell", "pbc", "energy", "split", "atom_ptr")
 GRAPH_ARRAYS = ("edge_ptr", "triplet_ptr", "edge_src", "edge_dst", "edge_shift", "idx_kj", "idx_ji")
@@ -43,7 +46,7 @@ SLAB_METALS = ("Cu", "Ag", "Au", "Ni", "Pd", "Pt", "Al")
 
 
 # --------------------------------------------------------------------------- structures
-def _pack(structures: list, split: np.ndarray, source: str) -> dict:
+def _pack(structures: list, split: np.ndarray, source: str, min_distance: float) -> dict:
     """Concatenate (z, pos, fixed, forces, cell, pbc, energy) tuples into the systems arrays."""
     z, pos, fixed, forces, cell, pbc, energy = zip(*structures)
     sizes = [len(a) for a in z]
@@ -51,7 +54,8 @@ def _pack(structures: list, split: np.ndarray, source: str) -> dict:
             "fixed": np.concatenate(fixed).astype(bool), "forces": np.concatenate(forces).astype(np.float64),
             "cell": np.stack(cell).astype(np.float64), "pbc": np.stack(pbc).astype(bool),
             "energy": np.asarray(energy, dtype=np.float64), "split": split.astype(np.int8),
-            "atom_ptr": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), "source": source}
+            "atom_ptr": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), "source": source,
+            "min_distance": float(min_distance)}
 
 
 def random_split(n: int, train_fraction: float, val_fraction: float, seed: int) -> np.ndarray:
@@ -70,8 +74,9 @@ def random_split(n: int, train_fraction: float, val_fraction: float, seed: int) 
 
 def generate(num_systems: int = 64, metals=SLAB_METALS, adsorbates=ADSORBATES, size=(2, 2, 3),
              vacuum: float = 6.0, rattle: float = 0.05, seed: int = 0, train_fraction: float = 0.8,
-             val_fraction: float = 0.1, progress: bool = True) -> dict:
-    """Slab + adsorbate systems labelled by EMT (≈15 ms each), fully determined by the arguments."""
+             val_fraction: float = 0.1, progress: bool = True, min_distance: float = MIN_DISTANCE) -> dict:
+    """Slab + adsorbate systems labelled by EMT (≈15 ms each), fully determined by the arguments
+    (a rattle that brings two atoms within ``min_distance`` is refused, naming the system)."""
     from ase.build import add_adsorbate, fcc100, fcc111, molecule
     from ase.calculators.emt import EMT
     from ase.constraints import FixAtoms
@@ -85,7 +90,7 @@ def generate(num_systems: int = 64, metals=SLAB_METALS, adsorbates=ADSORBATES, s
         raise GnnPipeError("atoms.num_systems must be >= 1")
     rng = np.random.default_rng(seed)
     out = []
-    for _ in tqdm(range(num_systems), desc="EMT structures", unit="system", file=sys.stderr,
+    for k in tqdm(range(num_systems), desc="EMT structures", unit="system", file=sys.stderr,
                   disable=not progress):
         metal, ads = metals[rng.integers(len(metals))], adsorbates[rng.integers(len(adsorbates))]
         build = fcc111 if rng.random() < 0.5 else fcc100
@@ -99,6 +104,8 @@ def generate(num_systems: int = 64, metals=SLAB_METALS, adsorbates=ADSORBATES, s
         add_adsorbate(slab, mol, height=float(height), position=tuple(xy), mol_index=low)
         free = ~np.isin(np.arange(len(slab)), slab.constraints[0].get_indices())
         slab.positions[free] += rng.normal(scale=rattle, size=(int(free.sum()), 3))  # rattle free atoms
+        check_structure(slab.numbers, slab.positions, slab.cell.array, slab.pbc, min_distance=min_distance,
+                        where=f"atoms.generate: system {k} (seed {seed}, {metal} + {ads}, rattle {rattle:g} Å)")
         slab.calc = EMT()
         energy = slab.get_potential_energy()
         forces = slab.get_forces(apply_constraint=False)
@@ -107,12 +114,13 @@ def generate(num_systems: int = 64, metals=SLAB_METALS, adsorbates=ADSORBATES, s
             fixed[c.get_indices()] = True
         out.append((slab.numbers, slab.positions, fixed, forces, slab.cell.array, slab.pbc, energy))
     return _pack(out, random_split(num_systems, train_fraction, val_fraction, seed),
-                 f"generated:ase-emt seed={seed}")
+                 f"generated:ase-emt seed={seed}", min_distance)
 
 
 def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fraction: float = 0.1,
-                    seed: int = 0) -> dict:
-    """A user's ASE database (``.db``) or extended XYZ with energies and forces, checked row by row."""
+                    seed: int = 0, min_distance: float = MIN_DISTANCE) -> dict:
+    """A user's ASE database (``.db``) or extended XYZ with energies and forces, checked row by row
+    (``checks.check_structure``, then finite energy and forces)."""
     import ase.db
     import ase.io
 
@@ -132,9 +140,8 @@ def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fr
     out = []
     for where, atoms in rows:
         z = atoms.numbers
-        if len(z) == 0 or z.min() < 1 or z.max() > MAX_Z:
-            raise GnnPipeError(f"{path}: {where}: element(s) {sorted(int(v) for v in set(z[(z < 1) | (z > MAX_Z)]))} outside "
-                               f"Z = 1..{MAX_Z}")
+        check_structure(z, atoms.positions, atoms.cell.array, atoms.pbc, min_distance=min_distance,
+                        where=f"{path}: {where}")
         try:
             energy = atoms.get_potential_energy()
             forces = atoms.get_forces(apply_constraint=False)
@@ -148,7 +155,7 @@ def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fr
             if hasattr(c, "get_indices"):
                 fixed[c.get_indices()] = True
         out.append((z, atoms.positions, fixed, forces, atoms.cell.array, atoms.pbc, energy))
-    return _pack(out, random_split(len(out), train_fraction, val_fraction, seed), f"file:{path.name}")
+    return _pack(out, random_split(len(out), train_fraction, val_fraction, seed), f"file:{path.name}", min_distance)
 
 
 # --------------------------------------------------------------------------- graphs
@@ -159,15 +166,7 @@ def radius_graph(pos: np.ndarray, cell: np.ndarray, pbc: np.ndarray, cutoff: flo
     Returns ``src`` (j), ``dst`` (i), ``shift`` (E, 3) = n·cell, sorted by (i, distance); each
     target keeps its ``max_neighbors`` nearest (ties by source, then image, stable).
     """
-    reps = []
-    for ax in range(3):
-        if pbc[ax]:
-            # images needed along ax: cutoff / (distance between the cell's planes normal to ax)
-            other = np.cross(cell[(ax + 1) % 3], cell[(ax + 2) % 3])
-            height = abs(np.dot(cell[ax], other)) / np.linalg.norm(other)
-            reps.append(int(np.ceil(cutoff / height)) + 1)
-        else:
-            reps.append(0)
+    reps = image_range(periodic_heights(cell, pbc), cutoff)  # a cell checked by checks.check_structure
     images = np.array(np.meshgrid(*[np.arange(-r, r + 1) for r in reps], indexing="ij")).reshape(3, -1).T
     shifts = images @ cell  # (K, 3)
     # d[i, j, k] = |pos_i - pos_j - shift_k|
@@ -208,6 +207,9 @@ def build_graphs(systems: dict, cutoff: float, max_neighbors: int, progress: boo
     ne, nt = [0], [0]
     for s in tqdm(range(len(ptr) - 1), desc="radius graphs", unit="system", file=sys.stderr, disable=not progress):
         pos = systems["pos"][ptr[s]:ptr[s + 1]]
+        check_structure(systems["z"][ptr[s]:ptr[s + 1]], pos, systems["cell"][s], systems["pbc"][s],
+                        min_distance=systems.get("min_distance", MIN_DISTANCE),
+                        where=f"{systems.get('path', 'systems')}: system {s}")
         src, dst, shift = radius_graph(pos, systems["cell"][s], systems["pbc"][s], cutoff, max_neighbors)
         if len(src) == 0:
             raise GnnPipeError(f"system {s} ({len(pos)} atoms) has no pair of atoms within the cutoff "
@@ -308,13 +310,15 @@ def write_systems(path, systems: dict, params: dict | None = None) -> str:
     arrays = {k: systems[k] for k in SYSTEM_ARRAYS}
     return write_h5(path, arrays, {"source": systems.get("source", "unknown"), "params": params or {},
                                    "num_systems": int(len(systems["energy"])),
-                                   "num_atoms": int(len(systems["z"]))}, "systems")
+                                   "num_atoms": int(len(systems["z"])),
+                                   "min_distance": float(systems.get("min_distance", MIN_DISTANCE))}, "systems")
 
 
 def read_systems(path) -> dict:
     arrays, attrs = read_h5(path, "systems", SYSTEM_ARRAYS, "build_systems")
     arrays["fixed"], arrays["pbc"] = arrays["fixed"].astype(bool), arrays["pbc"].astype(bool)
-    return {**arrays, "source": attrs["source"], "content_hash": attrs["content_hash"]}
+    return {**arrays, "source": attrs["source"], "content_hash": attrs["content_hash"], "path": str(path),
+            "min_distance": float(attrs.get("min_distance", MIN_DISTANCE))}
 
 
 def write_graphs(path, graphs: dict, cutoff: float, max_neighbors: int, systems_hash: str) -> str:
@@ -336,10 +340,10 @@ def read_graphs(path, expect_systems_hash: str | None = None) -> dict:
 def systems_from_config(cfg, progress: bool = True) -> dict:
     """The systems of a ``datasets.<name>.atoms`` config (``AtomsConfig``): generated or read."""
     if cfg.file:
-        return read_structures(cfg.file, cfg.train_fraction, cfg.val_fraction, cfg.seed)
+        return read_structures(cfg.file, cfg.train_fraction, cfg.val_fraction, cfg.seed, cfg.min_distance)
     return generate(cfg.num_systems, tuple(cfg.metals), tuple(cfg.adsorbates), tuple(cfg.slab_size),
                     rattle=cfg.rattle, seed=cfg.seed, train_fraction=cfg.train_fraction,
-                    val_fraction=cfg.val_fraction, progress=progress)
+                    val_fraction=cfg.val_fraction, progress=progress, min_distance=cfg.min_distance)
 
 
 def systems_summary(systems: dict) -> dict:
