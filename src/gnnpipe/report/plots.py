@@ -1,6 +1,7 @@
 """The report's plots (matplotlib, Agg canvas, no pyplot state), each written atomically:
 loss and accuracy curves per run, bytes per epoch, the epoch-time split, and per dataset ×
-model bytes and epoch time against P and loss / test accuracy per mode (seeds pooled)."""
+model bytes and epoch time against P, loss / test accuracy per mode (seeds pooled) and
+validation accuracy against training time."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..io import atomic_path
+from . import timing
 from .records import MODE_ORDER, Aggregate, Run, mean_std
 from .tables import fmt_bytes, group_title, layout
 
@@ -182,5 +184,32 @@ def plot_mode_curves(group: tuple, aggs: list[Aggregate], path: Path):
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{group_title(group)}: mean over seeds ± std")
+    save(fig, path)
+    return fig
+
+
+def plot_time_to_accuracy(group: tuple, aggs: list[Aggregate], target, path: Path):
+    """Validation accuracy against training wall time, a line per mode and layout (and
+    convergence techniques): the mean over seeds at each evaluated epoch; ``target`` (the
+    single-process reference's best less a point) dashed."""
+    fig, ax = figure(7.5, 4.8)
+    for a in aggs:
+        pts = timing.curve(a.runs)
+        if not pts:
+            continue
+        xs, ys = zip(*pts)
+        tech = timing.techniques_short(a)
+        ax.plot(xs, ys, marker="o", markersize=3,
+                label=f"{a.label()}{f' ({tech})' if tech else ''} (n={len(a.runs)})")
+    if target is not None:
+        ax.axhline(target, color="black", linestyle="--", linewidth=1, label="target: single's best − 1 pt")
+    ax.set_xlabel("training wall time (s, summed epoch times)")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title(f"time to accuracy\n{group_title(group)}", fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_lines():
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no evaluated epochs", ha="center", va="center")
     save(fig, path)
     return fig
