@@ -341,19 +341,8 @@ def _overlap_cell(others: Optional[list[str]]) -> str:
     return ", ".join(f"`{o}`" for o in others[:3]) + (f" (+{len(others) - 3})" if len(others) > 3 else "")
 
 
-def _time_to_target(run: Run, singles: list[Run]) -> tuple[Optional[float], timing.Reached, Optional[float]]:
-    """(target, when ``run`` reached it, the reference's mean time to the same target)."""
-    refs = timing.references(run, singles)
-    target = timing.target_of(refs)
-    if target is None:
-        return None, timing.Reached(None, None), None
-    ref_s = [timing.time_to(r, target).seconds for r in refs]
-    ref_s = [s for s in ref_s if s is not None]
-    return target, timing.time_to(run, target), (sum(ref_s) / len(ref_s) if ref_s else None)
-
-
 def tta_row(run: Run, singles: list[Run], overlap: Optional[list[str]]) -> list[str]:
-    target, reached, ref_s = _time_to_target(run, singles)
+    target, reached, ref_s = timing.to_target(run, singles)
     r = run.record
     return [f"`{run.run_id}`", r["mode"], layout(run), str(r["chunks"]) if r["mode"] in ("pipeline", "hybrid") else DASH,
             timing.techniques_short(run) or DASH, fmt_acc(target), fmt_acc(timing.best_val(run)),
@@ -363,7 +352,7 @@ def tta_row(run: Run, singles: list[Run], overlap: Optional[list[str]]) -> list[
 
 
 def tta_pooled_row(agg: Aggregate, singles: list[Run]) -> list[str]:
-    got = [_time_to_target(r, singles) for r in agg.runs]
+    got = [timing.to_target(r, singles) for r in agg.runs]
     done = [(reached, ref_s) for target, reached, ref_s in got if reached.epochs is not None]
     has_target = any(target is not None for target, _, _ in got)
     secs = [reached.seconds for reached, _ in done]

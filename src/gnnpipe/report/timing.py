@@ -71,6 +71,18 @@ def time_to(run: Run, target: float) -> Reached:
     return Reached(None, None)
 
 
+def to_target(run: Run, singles: list[Run]) -> tuple[Optional[float], Reached, Optional[float]]:
+    """``run`` against its reference among ``singles`` (the single runs of its dataset × model):
+    (target, when ``run`` reached it, the reference's mean time to the same target); the
+    target is None without a reference."""
+    refs = references(run, singles)
+    target = target_of(refs)
+    if target is None:
+        return None, Reached(None, None), None
+    ref_s = [s for s in (time_to(r, target).seconds for r in refs) if s is not None]
+    return target, time_to(run, target), (statistics.fmean(ref_s) if ref_s else None)
+
+
 def curve(runs: list[Run]) -> list[tuple[float, float]]:
     """(training seconds, validation accuracy) at the epochs every run of ``runs`` evaluated,
     both the mean over the runs (seeds): what the time-to-accuracy plot draws."""
