@@ -565,3 +565,26 @@ def test_a_trained_run_records_when_its_job_ran(tmp_path, monkeypatch):
     assert before <= start <= end <= after and start.utcoffset() == datetime.timedelta(0)
     assert job_seconds(load_run(tmp_path / "results" / "runs" / cfg.run_id)) >= sum(
         h["epoch_time_s"] for h in rec["history"])
+
+
+def test_plots_against_p_keep_technique_variants_of_one_layout_apart(tmp_path):
+    """Pipeline runs of one layout with the techniques on and off (compare.yaml): a line each,
+    also where the cost model predicts both alike (sorting them used to compare their stds)."""
+    from gnnpipe.config import PipelineConfig
+    from gnnpipe.report.plots import plot_vs_workers
+    from gnnpipe.report.predictions import Prediction
+    from gnnpipe.report.records import aggregate, load_runs
+
+    root, graph = tmp_path / "runs", tmp_path / "no-graph.h5"
+    dirs = [write_run(root, record("s", "single"))]
+    for name, pc, seeds in (("on", PipelineConfig(), (0, 1)), ("off", PipelineConfig(shuffle_chunks=False), (0,))):
+        for s in seeds:
+            rec = _curve(record(f"p-{name}", "pipeline", workers=2, stages=2, chunks=8), [0.5, 0.8], 0.1, seed=s)
+            dirs.append(write_run(root, rec))
+            _with_run_yaml(dirs[-1], rec, graph, pipeline=pc)
+    runs = load_runs(dirs)
+    aggs = aggregate(runs, {r.run_id: Prediction(bytes=1e6, epoch_s=0.1) for r in runs})
+    fig = plot_vs_workers(runs[0].group, aggs, "epoch_time_s", tmp_path / "t.png")
+    labels = {l.get_label() for l in fig.axes[0].get_lines() if not l.get_label().startswith("_")}
+    assert {"pipeline (shuffle+grad×2+snapshot/23) (cost model)", "pipeline (grad×2+snapshot/23) (cost model)",
+            "single (cost model)"} <= labels

@@ -113,7 +113,9 @@ def plot_times(runs: list[Run], path: Path):
 
 # --------------------------------------------------------------------------- per-mode plots
 def _mode_series(aggs: list[Aggregate], what: str, predicted: bool):
-    """mode -> sorted [(P, mean, std)] of measured ``what`` (or the prediction) per layout."""
+    """mode -> [(P, mean, std)] of measured ``what`` (or the prediction) per layout, by P; a line
+    of its own per convergence-technique setting where the pipeline / hybrid runs differ in one."""
+    variants = len({timing.techniques_short(a) for a in aggs if a["mode"] in ("pipeline", "hybrid")}) > 1
     series: dict[str, list] = defaultdict(list)
     for a in aggs:
         if predicted:
@@ -122,8 +124,10 @@ def _mode_series(aggs: list[Aggregate], what: str, predicted: bool):
         else:
             v, sd, _ = mean_std(r[what] for r in a.runs)
         if v is not None:
-            series[a.label() if a["mode"] == "hybrid" else a["mode"]].append((a["world_size"], v, sd))
-    return {k: sorted(v) for k, v in sorted(series.items(), key=lambda kv: MODE_ORDER[kv[0].split()[0]])}
+            name = a.label() if a["mode"] == "hybrid" else a["mode"]
+            tech = timing.techniques_short(a) if variants else ""
+            series[f"{name} ({tech})" if tech else name].append((a["world_size"], v, sd))
+    return {k: sorted(v, key=lambda p: p[:2]) for k, v in sorted(series.items(), key=lambda kv: MODE_ORDER[kv[0].split()[0]])}
 
 
 def plot_vs_workers(group: tuple, aggs: list[Aggregate], what: str, path: Path):
