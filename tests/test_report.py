@@ -503,6 +503,9 @@ def test_runs_whose_training_jobs_overlapped_are_named(tmp_path):
             write_run(root, _curve(record("old", "pipeline", workers=2, stages=2, chunks=8), val))]
     runs = [load_run(d) for d in dirs]
     assert overlaps(runs) == {"a": ["b"], "b": ["a"], "c": [], "old": None}
+    naive = load_run(dirs[0])  # a record without an offset is read as UTC
+    naive.record.update(started_at="2026-12-05T10:01:59", finished_at="2026-12-05T10:02:30")
+    assert overlaps([naive, runs[1]]) == {"a": ["b"], "b": ["a"]}
     assert job_seconds(runs[2]) == 90.25 and job_seconds(runs[3]) is None
     out = tmp_path / "report.md"
     build_report(dirs, out, tmp_path / "plots", predict=False)

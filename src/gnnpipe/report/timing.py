@@ -100,12 +100,13 @@ def curve(runs: list[Run]) -> list[tuple[float, float]]:
 
 # --------------------------------------------------------------------------- overlap
 def _when(run: Run) -> Optional[tuple[datetime.datetime, datetime.datetime]]:
+    """The training job's start and end (UTC when the record gives no offset); None without them."""
     try:
-        start = datetime.datetime.fromisoformat(run.record["started_at"])
-        end = datetime.datetime.fromisoformat(run.record["finished_at"])
+        start, end = (datetime.datetime.fromisoformat(run.record[k]) for k in ("started_at", "finished_at"))
     except (KeyError, TypeError, ValueError):
         return None
-    return start, end
+    utc = lambda t: t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)  # noqa: E731
+    return utc(start), utc(end)
 
 
 def job_seconds(run: Run) -> Optional[float]:
