@@ -85,10 +85,13 @@ def summarise(config: Path) -> dict:
             "epochs_to_target_mean": mean_std(m["epochs_to_target"] for m in done)[0],
             "seconds_to_target_mean": mean_std(m["seconds_to_target"] for m in done)[0],
             "reference_seconds_to_target_mean": mean_std(m["reference_seconds_to_target"] for m in done)[0]})
-    errors = [row["cost_model"]["epoch_error"] for row in rows if row["cost_model"]["epoch_error"] is not None]
+    def spread(key):  # the cost model's errors over the runs it predicted
+        errs = [row["cost_model"][key] for row in rows if row["cost_model"][key] is not None]
+        return {"min": min(errs), "max": max(errs), "runs": len(errs)} if errs else None
+
     return {"runs": rows, "layouts": layouts,
             "overlapping_runs": sorted(rid for rid, o in overlap.items() if o),
-            "cost_model_epoch_error": {"min": min(errors), "max": max(errors), "runs": len(errors)} if errors else None,
+            "cost_model_epoch_error": spread("epoch_error"), "cost_model_bytes_error": spread("bytes_error"),
             "calibrated": {p.parent.name + "/" + p.stem: yaml.safe_load(p.read_text()).get("single_worker_speedup")
                            for p in sorted((Path(wf.results) / "cost_model").glob("*/*.yaml"))}}
 
