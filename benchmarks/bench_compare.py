@@ -14,7 +14,7 @@ reached; ``gnnpipe.report.timing``) with the runs its training job overlapped, a
 model's bytes and epoch time with their errors, as in the report; per layout the same pooled
 over seeds; the calibrated profiles' ``single_worker_speedup``. The machine's load average before and after is recorded: other jobs
 on the same cores distort every timing here. ``--no-run`` summarises an earlier run (its
-``workflow_s`` and machine are those of the ``--out`` JSON it rewrites, else null).
+``workflow_s``, cores and machine are those of the ``--out`` JSON it rewrites, else null).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main(argv=None):
     ap.add_argument("--out", default="results/bench/compare.json")
     ap.add_argument("--cores", default="all")
     ap.add_argument("--no-run", action="store_true",
-                    help="only summarise existing results (the workflow's time and machine kept from --out)")
+                    help="only summarise existing results (the workflow's time, cores and machine kept from --out)")
     a = ap.parse_args(argv)
     import torch
 
@@ -112,6 +112,7 @@ def main(argv=None):
     if a.no_run and Path(a.out).exists():  # the run that made these results
         earlier = json.loads(Path(a.out).read_text())
         elapsed, machine = earlier.get("workflow_s"), earlier.get("machine", machine)
+        a.cores = earlier.get("cores", a.cores)
     if not a.no_run:
         snakemake = Path(sys.executable).with_name("snakemake")
         t0 = time.perf_counter()
