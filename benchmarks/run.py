@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-QUICK = {"foundation": ["--nodes", "100000"], "calibrate": [], "convergence": []}  # others take --quick
+QUICK = {"foundation": ["--nodes", "100000"], "calibrate": [], "convergence": [], "compare": []}  # others take --quick
 
 
 def main():

@@ -109,7 +109,7 @@ def test_report_table_ratios_and_plots(tmp_path, runs):
     assert "÷ pipeline |" not in shallow and "No graph ÷ pipeline ratio" in shallow
 
     pngs = sorted(p.name for p in plots.iterdir())
-    per_group = ["bytes_vs_p", "curves", "modes", "time_vs_p"]
+    per_group = ["bytes_vs_p", "curves", "modes", "time_vs_p", "tta"]
     assert pngs == sorted(["comm_bytes.png", "epoch_time.png"] +
                           [f"{k}_synth_{m}.png" for k in per_group for m in ("gcn-L2-H64", "gcnii-L32-H64")])
     for name in pngs:  # and no temporary files left behind
@@ -369,7 +369,8 @@ def test_pipeline_techniques_table_of_an_ablation(tmp_path):
     build_report(dirs, out, tmp_path / "plots", predict=False)
     text = out.read_text()
 
-    assert re.findall(r"^## .*", text, re.M) == ["## Datasets", "## All runs", "## Measured vs cost model",
+    assert re.findall(r"^## .*", text, re.M) == ["## Datasets", "## All runs", "## Time to accuracy",
+                                                 "## Measured vs cost model",
                                                  "## By dataset and model", "## Pipeline techniques",
                                                  "## Communication and time"]
     assert "### Pipeline techniques: synth · gcnii (32 layers, hidden 64)" in text
@@ -424,3 +425,169 @@ def test_no_pipeline_techniques_section_when_the_settings_agree(tmp_path):
     # one setting changed in one run: now they differ
     _with_run_yaml(dirs[2], runs[2].record, graph, pipeline=PipelineConfig(grad_correction=True))
     assert has_technique_ablation([load_run(d) for d in dirs])
+
+
+# --------------------------------------------------------------------------- time to accuracy
+def _curve(rec: dict, val: list, epoch_time=None, seed=None, started=None, finished=None) -> dict:
+    """``rec`` with a history of ``len(val)`` epochs: validation accuracy ``val[e]`` (None: not
+    evaluated), epoch wall times ``epoch_time`` (one figure or one per epoch), and the job's times."""
+    times = epoch_time if isinstance(epoch_time, list) else [epoch_time or rec["epoch_time_s"]] * len(val)
+    rec["history"] = [{**rec["history"][0], "epoch": e, "val_acc": v, "epoch_time_s": t}
+                      for e, (v, t) in enumerate(zip(val, times))]
+    if seed is not None:
+        rec["run_id"] += f"-seed{seed}"
+    if started is not None:
+        rec.update(started_at=f"2026-12-05T10:{started}+00:00", finished_at=f"2026-12-05T10:{finished}+00:00")
+    return rec
+
+
+def test_time_to_accuracy_against_the_single_run_of_the_same_seed(tmp_path):
+    from gnnpipe.report.tables import TTA_HEADER
+
+    root = tmp_path / "runs"
+    n = None
+    dirs = [  # single seed 0: best 0.80 -> target 0.79; seed 1: best 0.70 -> 0.69
+        write_run(root, _curve(record("s", "single"), [0.5, None, 0.79, None, 0.80, None], [1.0] * 6, seed=0)),
+        write_run(root, _curve(record("s", "single"), [0.5, 0.6, 0.7, n, n, n], [1.0] * 6, seed=1)),
+        # graph seed 0: 0.795 at its 4th epoch (epoch times 0.5 each): 2 s vs single's 3 s -> 1.5×
+        write_run(root, _curve(record("g", "graph", workers=2, ways=2), [n, 0.6, n, 0.795, n, 0.8], 0.5, seed=0)),
+        # pipeline seed 0 never gets within a point; seed 1 against single seed 1's target 0.69
+        write_run(root, _curve(record("p", "pipeline", workers=2, stages=2, chunks=8), [0.5, 0.7, 0.78, n, n, 0.785],
+                               [0.2, 0.1, 0.1, 0.1, 0.1, 0.1], seed=0)),
+        write_run(root, _curve(record("p", "pipeline", workers=2, stages=2, chunks=8), [0.5, 0.69, n, n, n, n],
+                               [0.2, 0.1, 0.1, 0.1, 0.1, 0.1], seed=1)),
+        # no single run of seed 2: the target is the mean of the singles' best less a point, 0.74
+        write_run(root, _curve(record("p", "pipeline", workers=2, stages=2, chunks=8), [0.5, 0.74, n, n, n, n],
+                               [0.2, 0.1, 0.1, 0.1, 0.1, 0.1], seed=2)),
+    ]
+    out = tmp_path / "report.md"
+    build_report(dirs, out, tmp_path / "plots", predict=False)
+    text = out.read_text()
+    tta = section(text, "### Time to accuracy: synth · gcnii (32 layers, hidden 64)")
+    header, _ = _table(tta[:tta.index("Over seeds")])
+    assert header == TTA_HEADER
+    cols = {h: i for i, h in enumerate(TTA_HEADER)}
+
+    def cells(rid, *names):
+        row = row_of(tta, rid)
+        return [row[cols[c]] for c in names]
+
+    what = ("target val acc", "best val acc", "epochs to target", "time to target", "single ÷ run")
+    assert cells("s-seed0", *what) == ["0.7900", "0.8000", "3", "3 s", "1×"]  # 0.79 at epoch 2: 3 epochs
+    assert cells("s-seed1", *what) == ["0.6900", "0.7000", "3", "3 s", "1×"]
+    assert cells("g-seed0", *what) == ["0.7900", "0.8000", "4", "2 s", "1.5×"]
+    assert cells("p-seed0", *what) == ["0.7900", "0.7850", "not reached", "not reached", "—"]
+    assert cells("p-seed1", *what) == ["0.6900", "0.6900", "2", "300 ms", "10×"]  # reaching it exactly counts
+    # seed 2 against both singles: target 0.74; their times to 0.74: seed 0 at 3 s, seed 1 never
+    assert cells("p-seed2", *what) == ["0.7400", "0.7400", "2", "300 ms", "10×"]
+    assert cells("p-seed0", "techniques", "job", "overlapped with") == ["—", "—", "unknown"]
+    # the pipeline's three seeds pooled: 2 of 3 reached it, 2 epochs, 300 ms each
+    pooled = tta[tta.index("Over seeds"):]
+    prow = next([c.strip() for c in l.strip("|").split("|")] for l in pooled.splitlines() if l.startswith("| pipeline"))
+    assert prow[4:9] == ["3", "2 of 3", "2 ± 0", "300 ms ± 0", "10×"]
+    assert "![validation accuracy vs training time" in tta
+    assert "6 run(s) have no `started_at` / `finished_at`" in section(text, "## Time to accuracy")
+
+
+def test_runs_whose_training_jobs_overlapped_are_named(tmp_path):
+    from gnnpipe.report.records import load_run
+    from gnnpipe.report.timing import job_seconds, overlaps
+
+    root = tmp_path / "runs"
+    val = [0.5, 0.8]
+    dirs = [write_run(root, _curve(record("a", "single"), val, started="00:00.000", finished="01:00.000")),
+            write_run(root, _curve(record("b", "graph", workers=2, ways=2), val, started="00:59.500",
+                                   finished="02:00.000")),
+            write_run(root, _curve(record("c", "pipeline", workers=2, stages=2, chunks=8), val,
+                                   started="02:00.000", finished="03:30.250")),  # starts as b ends: no overlap
+            write_run(root, _curve(record("old", "pipeline", workers=2, stages=2, chunks=8), val))]
+    runs = [load_run(d) for d in dirs]
+    assert overlaps(runs) == {"a": ["b"], "b": ["a"], "c": [], "old": None}
+    naive = load_run(dirs[0])  # a record without an offset is read as UTC
+    naive.record.update(started_at="2026-12-05T10:01:59", finished_at="2026-12-05T10:02:30")
+    assert overlaps([naive, runs[1]]) == {"a": ["b"], "b": ["a"]}
+    assert job_seconds(runs[2]) == 90.25 and job_seconds(runs[3]) is None
+    out = tmp_path / "report.md"
+    build_report(dirs, out, tmp_path / "plots", predict=False)
+    text = out.read_text()
+    intro = section(text, "## Time to accuracy")
+    assert "**Training overlapped in time for 2 of 4 runs** (`a`, `b`)" in intro
+    assert "1 run(s) have no `started_at` / `finished_at`" in intro
+    tta = section(text, "### Time to accuracy:")
+    assert row_of(tta, "a")[-2:] == ["60 s", "`b`"]
+    assert row_of(tta, "c")[-2:] == ["90.2 s", "none"] and row_of(tta, "old")[-1] == "unknown"
+    # alone: said so
+    build_report(dirs[2:3], out, tmp_path / "plots2", predict=False)
+    assert "No two runs' training jobs overlapped" in out.read_text()
+
+
+def test_time_to_accuracy_plot_has_a_line_per_layout_and_technique_and_the_target(tmp_path):
+    from gnnpipe.config import PipelineConfig
+    from gnnpipe.report.plots import plot_time_to_accuracy
+    from gnnpipe.report.records import aggregate, load_runs
+    from gnnpipe.report.timing import target_of
+
+    root, graph, n = tmp_path / "runs", tmp_path / "no-graph.h5", None
+    dirs = [write_run(root, _curve(record("s", "single"), [0.5, n, 0.8], 1.0, seed=s)) for s in (0, 1)]
+    for name, pc in (("on", PipelineConfig()), ("off", PipelineConfig(shuffle_chunks=False, grad_correction=False,
+                                                                        snapshot_every=0))):
+        for s in (0, 1):
+            rec = _curve(record(f"p-{name}", "pipeline", workers=2, stages=2, chunks=8), [0.4, n, 0.6 + 0.1 * s],
+                         [0.5, 0.5, 1.0 + s], seed=s)
+            dirs.append(write_run(root, rec))
+            _with_run_yaml(dirs[-1], rec, graph, pipeline=pc)
+    runs = load_runs(dirs)
+    aggs = aggregate(runs, {})
+    fig = plot_time_to_accuracy(runs[0].group, aggs, target_of([r for r in runs if r["mode"] == "single"]),
+                                tmp_path / "tta.png")
+    assert (tmp_path / "tta.png").read_bytes().startswith(PNG)
+    ax = fig.axes[0]
+    lines = {l.get_label(): l for l in ax.get_lines()}
+    assert set(lines) == {"single (n=2)", "pipeline S=2 C=8 (shuffle+grad×2+snapshot/23) (n=2)",
+                          "pipeline S=2 C=8 (techniques off) (n=2)", "target: single's best − 1 pt"}
+    # the mean over seeds at the epochs every seed evaluated: x = summed epoch times, y = val acc
+    on = lines["pipeline S=2 C=8 (shuffle+grad×2+snapshot/23) (n=2)"]
+    assert list(on.get_xdata()) == [0.5, 2.5] and list(on.get_ydata()) == pytest.approx([0.4, 0.65])
+    assert list(lines["target: single's best − 1 pt"].get_ydata()) == pytest.approx([0.79, 0.79])
+    assert ax.get_xlabel().startswith("training wall time")
+
+
+def test_a_trained_run_records_when_its_job_ran(tmp_path, monkeypatch):
+    import datetime
+
+    from gnnpipe.report.timing import job_seconds
+    from gnnpipe.train import run
+    from helpers import run_cfg
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    before = datetime.datetime.now(datetime.timezone.utc)
+    cfg = run_cfg(tmp_path, {"kind": "gcn", "layers": 2, "hidden": 8, "dropout": 0.0}, epochs=3)
+    rec = run(cfg, progress=False)
+    after = datetime.datetime.now(datetime.timezone.utc)
+    start, end = (datetime.datetime.fromisoformat(rec[k]) for k in ("started_at", "finished_at"))
+    assert before <= start <= end <= after and start.utcoffset() == datetime.timedelta(0)
+    assert job_seconds(load_run(tmp_path / "results" / "runs" / cfg.run_id)) >= sum(
+        h["epoch_time_s"] for h in rec["history"])
+
+
+def test_plots_against_p_keep_technique_variants_of_one_layout_apart(tmp_path):
+    """Pipeline runs of one layout with the techniques on and off (compare.yaml): a line each,
+    also where the cost model predicts both alike (sorting them used to compare their stds)."""
+    from gnnpipe.config import PipelineConfig
+    from gnnpipe.report.plots import plot_vs_workers
+    from gnnpipe.report.predictions import Prediction
+    from gnnpipe.report.records import aggregate, load_runs
+
+    root, graph = tmp_path / "runs", tmp_path / "no-graph.h5"
+    dirs = [write_run(root, record("s", "single"))]
+    for name, pc, seeds in (("on", PipelineConfig(), (0, 1)), ("off", PipelineConfig(shuffle_chunks=False), (0,))):
+        for s in seeds:
+            rec = _curve(record(f"p-{name}", "pipeline", workers=2, stages=2, chunks=8), [0.5, 0.8], 0.1, seed=s)
+            dirs.append(write_run(root, rec))
+            _with_run_yaml(dirs[-1], rec, graph, pipeline=pc)
+    runs = load_runs(dirs)
+    aggs = aggregate(runs, {r.run_id: Prediction(bytes=1e6, epoch_s=0.1) for r in runs})
+    fig = plot_vs_workers(runs[0].group, aggs, "epoch_time_s", tmp_path / "t.png")
+    labels = {l.get_label() for l in fig.axes[0].get_lines() if not l.get_label().startswith("_")}
+    assert {"pipeline (shuffle+grad×2+snapshot/23) (cost model)", "pipeline (grad×2+snapshot/23) (cost model)",
+            "single (cost model)"} <= labels

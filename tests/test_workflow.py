@@ -291,10 +291,12 @@ def test_tiny_config_end_to_end(tmp_path):
     parallel = {(r.dataset_name, r.model.kind, r.model.layers, r.model.hidden) for r in runs.values()
                 if r.mode != "single"}
     pngs = sorted(p.name for p in (results / "plots").glob("*.png"))
-    # per group: training curves and per-mode curves; per group with a parallel run: bytes and
-    # time against P; overall: bytes and time split
-    assert len(pngs) == 2 * len(groups) + 2 * len(parallel) + 2, pngs
+    # per group: training curves, per-mode curves and time to accuracy; per group with a parallel
+    # run: bytes and time against P; overall: bytes and time split
+    assert len(pngs) == 3 * len(groups) + 2 * len(parallel) + 2, pngs
     assert {"comm_bytes.png", "epoch_time.png"} <= set(pngs)
+    # train jobs take the machine one at a time: no two runs' training overlapped
+    assert "## Time to accuracy" in report and "No two runs' training jobs overlapped" in report
     for link in re.findall(r"!\[[^]]*\]\(([^)]+)\)", report):
         assert (results / link).is_file()
 

@@ -165,6 +165,10 @@ BROKEN_GROUP = ("Connection closed by peer", "Connection reset by peer", "Broken
                 "DistBackendError", "Connection refused")
 
 
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
 @dataclass
 class _Attempt:
     """What the failure path of one training attempt needs to know."""
@@ -175,6 +179,7 @@ class _Attempt:
     epoch: Optional[int] = None  # the epoch being trained (None: set-up or the end)
     peers: list = field(default_factory=list)  # (host, pid) of every rank
     mlflow_run_id: Optional[str] = None
+    started_at: str = field(default_factory=_utc_now)  # the run record's: the report's overlap check
 
     def where(self) -> str:
         at = f"epoch {self.epoch}" if self.epoch is not None else "outside the epochs"
@@ -433,6 +438,7 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
         return None
     timed = [r for r in history if r["epoch"] >= tc.warmup_epochs or tc.epochs <= tc.warmup_epochs]
     record = _record(cfg, engine, history, [r["epoch_time_s"] for r in timed], timed, last_eval, int(peak))
+    record.update(started_at=att.started_at, finished_at=_utc_now())  # this attempt's job, UTC
     write_text(out_dir / "run.resolved.yaml", dump_run_config(cfg))
     write_json(out_dir / "metrics.json", record)  # kept even if MLflow fails below
     from .tracking import log_training

@@ -213,6 +213,13 @@ def train_threads(wildcards) -> int:
     return LAYOUT[wildcards.run_id]["resources"]["cpus_per_task"]
 
 
+def timed_threads(wildcards) -> int:
+    """A timed job (train) runs alone when jobs run on this machine: it takes every core, so
+    no other job (train, evaluate, calibrate, data) shares the CPUs its wall clock measures;
+    on a cluster its allocation is its own (``whole_machine()`` is 1 there)."""
+    return max(train_threads(wildcards), whole_machine())
+
+
 def train_resource(name):
     return lambda wildcards: LAYOUT[wildcards.run_id]["resources"][name]
 

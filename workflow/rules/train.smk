@@ -21,7 +21,7 @@ rule train:
         model=f"{RESULTS}/runs/{{run_id}}/model.pt",
     log:
         "logs/train/{run_id}.log",
-    threads: train_threads
+    threads: timed_threads
     resources:
         nodes=train_resource("nodes"),
         tasks=train_resource("tasks"),

@@ -19,6 +19,11 @@ the record's). Output:
   ``cpu-2core``): predicted bytes, epoch time, its compute / comm / bubble split and peak
   memory, each with its relative error to the measured figure; a run whose
   prediction fails (no run.yaml, no graph file, ...) is listed with the reason;
+* time to accuracy (:mod:`.timing`): per run, the epochs and the summed epoch wall time to
+  reach the single-process reference's best validation accuracy less 1 point (or "not
+  reached"), seeds pooled per layout, a plot of validation accuracy against training time
+  per dataset × model, and which runs' training jobs overlapped in time (``started_at`` /
+  ``finished_at``): wall clock compares only runs that had the machine to themselves;
 * per dataset × model whose pipeline / hybrid runs differ in a convergence technique
   (shuffle, grad correction, snapshot, momentum: an ablation), a table "Pipeline
   techniques": each run's settings from its run.yaml, test accuracy and Δ to the
@@ -29,8 +34,8 @@ the record's). Output:
   loss / test accuracy per mode and layout (mean over seeds, ± std band).
 
 Every file is written atomically. The modules: :mod:`.records` (run records, seeds
-pooled), :mod:`.predictions` (the cost model's), :mod:`.tables` (the Markdown),
-:mod:`.plots`; atomic runs' section is :mod:`gnnpipe.atomic.report`.
+pooled), :mod:`.predictions` (the cost model's), :mod:`.timing` (time to accuracy,
+overlapping runs), :mod:`.tables` (the Markdown), :mod:`.plots`; atomic runs' section is :mod:`gnnpipe.atomic.report`.
 """
 
 from __future__ import annotations
@@ -40,12 +45,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..io import GnnPipeError, write_text
-from .plots import plot_bytes, plot_curves, plot_mode_curves, plot_times, plot_vs_workers
+from . import timing
+from .plots import plot_bytes, plot_curves, plot_mode_curves, plot_time_to_accuracy, plot_times, plot_vs_workers
 from .predictions import DEFAULT_HARDWARE, Prediction, Predictor
 from .records import Run, aggregate, load_runs
-from .tables import (PREDICTION_HEADER, RUN_HEADER, TECHNIQUES_INTRO, datasets_table, group_section,
-                     group_slug, group_title, has_technique_ablation, md_table, pooled_section,
-                     prediction_row, run_row, techniques_section)
+from .tables import (PREDICTION_HEADER, RUN_HEADER, TECHNIQUES_INTRO, TTA_INTRO, datasets_table, group_section,
+                     group_slug, group_title, has_technique_ablation, md_table, overlap_note, pooled_section,
+                     prediction_row, run_row, techniques_section, tta_section)
 
 
 def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
@@ -64,6 +70,7 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
     out_md, plots_dir = Path(out_md), Path(plots_dir)
     plots_dir.mkdir(parents=True, exist_ok=True)
     rel = lambda p: Path(os.path.relpath(p, out_md.parent)).as_posix()  # noqa: E731
+    overlap = timing.overlaps(runs)  # every run trained, atomic ones included
     atomic = atomic_report.section([r for r in runs if atomic_report.is_atomic(r)], plots_dir, rel)
     runs = [r for r in runs if not atomic_report.is_atomic(r)]
     if not runs:
@@ -86,7 +93,7 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
     groups: dict[tuple, list[Run]] = defaultdict(list)
     for run in runs:
         groups[run.group].append(run)
-    sections, technique_tables = [], []
+    sections, technique_tables, tta_sections = [], [], []
     for group, members in groups.items():
         slug = group_slug(group)
         g_aggs = [a for a in aggs if a.group == group]
@@ -103,6 +110,10 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
                 links += [f"![{alt}, {group_title(group)}]({rel(png)})", ""]
         sections.append("\n".join([group_section(group, members, {"curves": rel(curves)}),
                                    pooled_section(group, g_aggs), *links]))
+        tta_png = plots_dir / f"tta_{slug}.png"
+        plot_time_to_accuracy(group, g_aggs, timing.target_of([r for r in members if r["mode"] == "single"]),
+                              tta_png)
+        tta_sections.append(tta_section(group, members, g_aggs, overlap, rel(tta_png)))
         if has_technique_ablation(members):
             technique_tables.append(techniques_section(group, members, g_aggs))
     plot_bytes(runs, plots_dir / "comm_bytes.png")
@@ -128,6 +139,13 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
         "",
         md_table(RUN_HEADER, [run_row(r) for r in runs]),
         "",
+        "## Time to accuracy",
+        "",
+        TTA_INTRO,
+        "",
+        overlap_note(overlap),
+        "",
+        *tta_sections,
         "## Measured vs cost model",
         "",
         (f"The cost model (gnnpipe.planning.plan.predict_layout, on each graph's partition statistics) "

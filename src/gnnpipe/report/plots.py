@@ -1,6 +1,7 @@
 """The report's plots (matplotlib, Agg canvas, no pyplot state), each written atomically:
 loss and accuracy curves per run, bytes per epoch, the epoch-time split, and per dataset ×
-model bytes and epoch time against P and loss / test accuracy per mode (seeds pooled)."""
+model bytes and epoch time against P, loss / test accuracy per mode (seeds pooled) and
+validation accuracy against training time."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..io import atomic_path
+from . import timing
 from .records import MODE_ORDER, Aggregate, Run, mean_std
 from .tables import fmt_bytes, group_title, layout
 
@@ -111,7 +113,9 @@ def plot_times(runs: list[Run], path: Path):
 
 # --------------------------------------------------------------------------- per-mode plots
 def _mode_series(aggs: list[Aggregate], what: str, predicted: bool):
-    """mode -> sorted [(P, mean, std)] of measured ``what`` (or the prediction) per layout."""
+    """mode -> [(P, mean, std)] of measured ``what`` (or the prediction) per layout, by P; a line
+    of its own per convergence-technique setting where the pipeline / hybrid runs differ in one."""
+    variants = len({timing.techniques_short(a) for a in aggs if a["mode"] in ("pipeline", "hybrid")}) > 1
     series: dict[str, list] = defaultdict(list)
     for a in aggs:
         if predicted:
@@ -120,8 +124,10 @@ def _mode_series(aggs: list[Aggregate], what: str, predicted: bool):
         else:
             v, sd, _ = mean_std(r[what] for r in a.runs)
         if v is not None:
-            series[a.label() if a["mode"] == "hybrid" else a["mode"]].append((a["world_size"], v, sd))
-    return {k: sorted(v) for k, v in sorted(series.items(), key=lambda kv: MODE_ORDER[kv[0].split()[0]])}
+            name = a.label() if a["mode"] == "hybrid" else a["mode"]
+            tech = timing.techniques_short(a) if variants else ""
+            series[f"{name} ({tech})" if tech else name].append((a["world_size"], v, sd))
+    return {k: sorted(v, key=lambda p: p[:2]) for k, v in sorted(series.items(), key=lambda kv: MODE_ORDER[kv[0].split()[0]])}
 
 
 def plot_vs_workers(group: tuple, aggs: list[Aggregate], what: str, path: Path):
@@ -182,5 +188,32 @@ def plot_mode_curves(group: tuple, aggs: list[Aggregate], path: Path):
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{group_title(group)}: mean over seeds ± std")
+    save(fig, path)
+    return fig
+
+
+def plot_time_to_accuracy(group: tuple, aggs: list[Aggregate], target, path: Path):
+    """Validation accuracy against training wall time, a line per mode and layout (and
+    convergence techniques): the mean over seeds at each evaluated epoch; ``target`` (the
+    single-process reference's best less a point) dashed."""
+    fig, ax = figure(7.5, 4.8)
+    for a in aggs:
+        pts = timing.curve(a.runs)
+        if not pts:
+            continue
+        xs, ys = zip(*pts)
+        tech = timing.techniques_short(a)
+        ax.plot(xs, ys, marker="o", markersize=3,
+                label=f"{a.label()}{f' ({tech})' if tech else ''} (n={len(a.runs)})")
+    if target is not None:
+        ax.axhline(target, color="black", linestyle="--", linewidth=1, label="target: single's best − 1 pt")
+    ax.set_xlabel("training wall time (s, summed epoch times)")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title(f"time to accuracy\n{group_title(group)}", fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_lines():
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no evaluated epochs", ha="center", va="center")
     save(fig, path)
     return fig

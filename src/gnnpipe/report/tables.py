@@ -1,6 +1,6 @@
 """The report's Markdown: cell formats, the tables over all runs, per dataset × model
-(graph ÷ model-parallel ratios), measured vs the cost model, seeds pooled and the pipeline
-techniques' ablation."""
+(graph ÷ model-parallel ratios), measured vs the cost model, seeds pooled, the pipeline
+techniques' ablation and time to accuracy."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from . import timing
 from .predictions import Prediction, rel_error
 from .records import MODE_ORDER, SPLITS, Aggregate, Run, mean_std, techniques, techniques_off
 
@@ -323,3 +324,89 @@ TECHNIQUES_INTRO = (
     "Δ is the run's test accuracy minus the reference's mean, in percentage points. A run "
     "without a readable run.yaml shows — for its settings. Models whose pipeline runs all share "
     "one setting have no table here (the section is left out when none has one).")
+
+
+# --------------------------------------------------------------------------- time to accuracy
+TTA_HEADER = ["run", "mode", "S×G", "chunks", "techniques", "target val acc", "best val acc",
+              "epochs to target", "time to target", "single ÷ run", "job", "overlapped with"]
+TTA_POOLED_HEADER = ["mode", "S×G", "chunks", "techniques", "seeds", "reached", "epochs to target",
+                     "time to target", "single ÷ layout"]
+
+
+def _overlap_cell(others: Optional[list[str]]) -> str:
+    if others is None:
+        return "unknown"
+    if not others:
+        return "none"
+    return ", ".join(f"`{o}`" for o in others[:3]) + (f" (+{len(others) - 3})" if len(others) > 3 else "")
+
+
+def tta_row(run: Run, singles: list[Run], overlap: Optional[list[str]]) -> list[str]:
+    target, reached, ref_s = timing.to_target(run, singles)
+    r = run.record
+    return [f"`{run.run_id}`", r["mode"], layout(run), str(r["chunks"]) if r["mode"] in ("pipeline", "hybrid") else DASH,
+            timing.techniques_short(run) or DASH, fmt_acc(target), fmt_acc(timing.best_val(run)),
+            DASH if target is None else (str(reached.epochs) if reached.epochs else "not reached"),
+            DASH if target is None else (fmt_s(reached.seconds) if reached.epochs else "not reached"),
+            fmt_ratio(ratio(ref_s, reached.seconds)), fmt_s(timing.job_seconds(run)), _overlap_cell(overlap)]
+
+
+def tta_pooled_row(agg: Aggregate, singles: list[Run]) -> list[str]:
+    got = [timing.to_target(r, singles) for r in agg.runs]
+    done = [(reached, ref_s) for target, reached, ref_s in got if reached.epochs is not None]
+    has_target = any(target is not None for target, _, _ in got)
+    secs = [reached.seconds for reached, _ in done]
+    refs = [ref_s for _, ref_s in done if ref_s is not None]
+    return [agg["mode"], layout(agg.first), str(agg["chunks"]) if agg["mode"] in ("pipeline", "hybrid") else DASH,
+            timing.techniques_short(agg) or DASH, str(len(agg.runs)),
+            f"{len(done)} of {len(agg.runs)}" if has_target else DASH,
+            fmt_mean_std([reached.epochs for reached, _ in done], lambda x: f"{x:.3g}"),
+            fmt_mean_std(secs, fmt_s),
+            fmt_ratio(ratio(mean_std(refs)[0], mean_std(secs)[0]) if len(refs) == len(secs) else None)]
+
+
+def tta_section(group: tuple, runs: list[Run], aggs: list[Aggregate], overlap: dict, plot: Optional[str]) -> str:
+    """One dataset × model's time-to-accuracy table (a row per run), its seeds pooled when a
+    layout has several, and the plot of validation accuracy against training time."""
+    singles = [r for r in runs if r["mode"] == "single"]
+    parts = [f"### Time to accuracy: {group_title(group)}", ""]
+    if not singles:
+        parts += ["No single-process run of this model: no target.", ""]
+    parts += [md_table(TTA_HEADER, [tta_row(r, singles, overlap.get(r.run_id)) for r in runs]), ""]
+    if any(len(a.runs) > 1 for a in aggs):
+        parts += ["Over seeds (each run against its own seed's reference; mean ± sample std of the runs that "
+                  "reached it):", "", md_table(TTA_POOLED_HEADER, [tta_pooled_row(a, singles) for a in aggs]), ""]
+    if plot:
+        parts += [f"![validation accuracy vs training time, {group_title(group)}]({plot})", ""]
+    return "\n".join(parts)
+
+
+def overlap_note(overlap: dict) -> str:
+    """One paragraph: which runs' training jobs ran at the same time (or that none did)."""
+    unknown = sorted(rid for rid, o in overlap.items() if o is None)
+    hit = sorted(rid for rid, o in overlap.items() if o)
+    out = []
+    if hit:
+        out.append(f"**Training overlapped in time for {len(hit)} of {len(overlap)} runs** ("
+                   + ", ".join(f"`{rid}`" for rid in hit) + "): their wall-clock figures, here and in every "
+                   "epoch-time column, are not comparable with the others'. The workflow's train jobs take "
+                   "every core when run on one machine, so this comes from jobs started by hand, "
+                   "`--set-threads train=…`, or two workflows at once.")
+    elif len(unknown) < len(overlap):
+        out.append("No two runs' training jobs overlapped in time (each record's `started_at` … `finished_at`).")
+    if unknown:
+        out.append(f"{len(unknown)} run(s) have no `started_at` / `finished_at` (trained by an older gnnpipe): "
+                   "whether they overlapped is unknown.")
+    out.append("Only the runs reported here are compared; other load on the machine is not seen.")
+    return " ".join(out)
+
+
+TTA_INTRO = (
+    "Per run, the epochs and the wall-clock training time to reach the single-process reference's "
+    "best validation accuracy less 1 point (*target*; the reference is the single run of the same "
+    "dataset × model and seed, else the mean of its single runs' best). Validation accuracy is exact "
+    "inference at the evaluated epochs (`training.eval_every`), so *epochs to target* is the first "
+    "evaluated epoch at or past the target. *Time to target* sums those epochs' wall times (the slowest "
+    "rank's): training only, without set-up (loading, the pipeline's warm-start forward) or the "
+    "evaluations; *job* is the whole training job (`finished_at − started_at`). *single ÷ run*: the "
+    "reference's time to the same target over this run's (> 1: this run gets there sooner).")
