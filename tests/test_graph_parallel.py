@@ -25,7 +25,8 @@ from gnnpipe.io import GnnPipeError
 from gnnpipe.models.block import Block
 from gnnpipe.models.model import GNN
 from gnnpipe.parallel.comm import Communicator
-from gnnpipe.parallel.dims import ParallelDims, build_groups
+from gnnpipe.layout import ParallelDims
+from gnnpipe.parallel.groups import build_groups
 from gnnpipe.costmodel import graph_parallel_bytes
 from gnnpipe.parallel.graph_parallel import GraphEngine, split_block
 from gnnpipe.parallel.testing import spawn_multi_process

@@ -107,7 +107,8 @@ def reference_training(cfg: RunConfig):
 # --------------------------------------------------------------------------- the worker
 def _worker(rank, world, jobs):
     from gnnpipe.parallel.comm import Communicator
-    from gnnpipe.parallel.dims import ParallelDims, build_groups
+    from gnnpipe.layout import ParallelDims
+    from gnnpipe.parallel.groups import build_groups
     from gnnpipe.parallel.graph_parallel import GraphEngine
     from gnnpipe.parallel.pipeline import PipelineEngine
 

@@ -209,7 +209,8 @@ def realized_training(cfg: RunConfig):
 def _pipeline_worker(rank, world, jobs):
     """Run each (cfg, epochs) job as a pipeline of ``world`` stages; report what the tests check."""
     from gnnpipe.parallel.comm import Communicator
-    from gnnpipe.parallel.dims import ParallelDims, build_groups
+    from gnnpipe.layout import ParallelDims
+    from gnnpipe.parallel.groups import build_groups
 
     groups = build_groups(ParallelDims("pipeline", world, world, 1), rank)
     results = []

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .io import GnnPipeError
-from .parallel.dims import check_layout
+from .layout import check_layout
 
 # ===================================================================== bytes (exact)
 

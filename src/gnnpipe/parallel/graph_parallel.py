@@ -87,7 +87,7 @@ class GraphEngine:
         self.cfg, self.groups, self.comm = cfg, groups, comm
         self.device = torch.device(device)
         self.dtype = DTYPES[cfg.training.dtype]
-        self.group = groups.stage if groups is not None else None
+        self.group = groups.graph if groups is not None else None
         self.world = comm.group_size(self.group)
         self.part = comm.group_rank(self.group)  # this rank's part: its way index
         if self.world != cfg.workers:

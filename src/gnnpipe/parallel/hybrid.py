@@ -106,7 +106,7 @@ from ..costmodel import hybrid_bytes
 from ..io import GnnPipeError
 from ..models.block import Block
 from ..store import ChunkStore
-from .dims import check_layout
+from ..layout import check_layout
 from .pipeline import SPLITS, EpochClock, EpochState, PipelineEngine, check_schedule_config
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class HybridEngine(PipelineEngine):
         dev = self.device
         # the stage group of the G ways; with G = 1 there is nothing to exchange (and
         # build_groups hands out the world there, which is not a group of one)
-        self.group = self.groups.stage if (self.groups is not None and self.G > 1) else None
+        self.group = self.groups.graph if (self.groups is not None and self.G > 1) else None
         g, Cw = self.way, self.Cw
         self.my_chunks = list(range(g * Cw, (g + 1) * Cw))
         A, B = self.offsets[g * Cw], self.offsets[(g + 1) * Cw]

@@ -117,7 +117,7 @@ from ..models.block import Block
 from ..models.model import GNN
 from ..store import ChunkStore, open_run_store
 from .balance import StageAssignment, assign_stages
-from .dims import check_layout
+from ..layout import check_layout
 
 log = logging.getLogger(__name__)
 

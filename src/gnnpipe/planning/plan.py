@@ -25,7 +25,7 @@ from typing import Optional
 from .. import costmodel as cm
 from ..config import ModelConfig, PipelineConfig, from_dict, load_yaml, to_dict
 from ..io import GnnPipeError, write_json
-from ..parallel.dims import resolve_layout
+from ..layout import resolve_layout
 from .shape import DTYPE_BYTES, build_model, model_shape
 from .stats import cached_graph_stats, extrapolate_stats, override_mirror_ratio
 
@@ -82,7 +82,7 @@ def describe(r: cm.Estimate) -> str:
 
 def layouts(workers: int, num_layers: int, chunks_per_stage: int) -> list[tuple[str, int, int, int]]:
     """``(mode, stages, ways, chunks)`` of every layout of ``workers`` workers that
-    ``gnnpipe.parallel.dims.resolve_layout`` (the workflow's rule) accepts."""
+    ``gnnpipe.layout.resolve_layout`` (the workflow's rule) accepts."""
     if workers < 1:
         raise GnnPipeError(f"workers must be >= 1, got {workers}")
     if workers == 1:
