@@ -380,7 +380,7 @@ def check(graph_path: str, model_cfg, hw_name: str, epochs: int, threads: int,
     alternate in ``rounds``: each round fits the rates, then times ``epochs`` epochs; the
     error of each round compares the two made at nearly the same time.
     """
-    from gnnpipe import costmodel as cm
+    from gnnpipe.costmodel import hardware as ch
     from gnnpipe.graph import read_graph
     from gnnpipe.planning.calibrate import calibrate
     from gnnpipe.planning.plan import plan, predict_layout
@@ -388,7 +388,7 @@ def check(graph_path: str, model_cfg, hw_name: str, epochs: int, threads: int,
     from gnnpipe.planning.stats import cached_graph_stats
 
     graph = read_graph(graph_path)
-    hw = cm.load_hardware(hw_name)
+    hw = ch.load_hardware(hw_name)
     stats = {"num_nodes": graph.num_nodes, "num_edges": graph.num_edges, "partitions": {}}
     per_round = []
     fitted = hw

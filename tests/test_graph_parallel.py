@@ -27,7 +27,7 @@ from gnnpipe.models.model import GNN
 from gnnpipe.parallel.comm import Communicator
 from gnnpipe.layout import ParallelDims
 from gnnpipe.parallel.groups import build_groups
-from gnnpipe.costmodel import graph_parallel_bytes
+from gnnpipe.costmodel.bytes import graph_parallel_bytes
 from gnnpipe.parallel.graph_parallel import GraphEngine, split_block
 from gnnpipe.parallel.testing import spawn_multi_process
 from gnnpipe.partition import partition_graph

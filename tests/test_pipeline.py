@@ -32,7 +32,7 @@ from gnnpipe.io import GnnPipeError
 from gnnpipe.models.model import GNN
 from gnnpipe.parallel.balance import (StageAssignment, assign_stages, balanced_bounds, profile_costs,
                                       stage_costs, uniform_bounds)
-from gnnpipe.costmodel import pipeline_bytes
+from gnnpipe.costmodel.bytes import pipeline_bytes
 from gnnpipe.parallel.pipeline import History, PipelineEngine, check_pipeline_config, chunk_order
 from gnnpipe.parallel.testing import spawn_multi_process
 from gnnpipe.partition import partition_graph

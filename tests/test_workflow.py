@@ -317,7 +317,7 @@ def test_tiny_config_end_to_end(tmp_path):
         records[rid] = rec
     # the cost model: a profile fitted per (dataset, model with graph layers), named in the
     # report; the partition statistics are the rule's output, not a cache beside graph.h5
-    from gnnpipe.costmodel import load_hardware
+    from gnnpipe.costmodel.hardware import load_hardware
     from gnnpipe.graph import read_graph_attrs
     from gnnpipe.planning.stats import stats_cache_path
 

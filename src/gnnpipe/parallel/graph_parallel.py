@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from ..config import RunConfig
-from ..costmodel import first_input, graph_parallel_bytes
+from ..costmodel.bytes import first_input, graph_parallel_bytes
 from ..engine import DTYPES, EpochStats, ce_sum, correct_counts, load_train_state, make_optimizer, train_state
 from ..io import GnnPipeError
 from ..models.block import Block

@@ -102,7 +102,7 @@ import torch
 from torch import Tensor
 
 from ..config import ConfigError, RunConfig
-from ..costmodel import hybrid_bytes
+from ..costmodel.bytes import hybrid_bytes
 from ..io import GnnPipeError
 from ..models.block import Block
 from ..store import ChunkStore

@@ -110,7 +110,7 @@ import torch
 from torch import Tensor
 
 from ..config import RunConfig
-from ..costmodel import boundary_dims, pipeline_bytes
+from ..costmodel.bytes import boundary_dims, pipeline_bytes
 from ..engine import DTYPES, EpochStats, ce_sum, correct_counts, make_optimizer
 from ..io import GnnPipeError
 from ..models.block import Block

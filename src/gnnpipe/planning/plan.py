@@ -22,8 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .. import costmodel as cm
 from ..config import ModelConfig, PipelineConfig, from_dict, load_yaml, to_dict
+from ..costmodel.bytes import boundary_dims, halo_values
+from ..costmodel.estimate import Estimate, WayStats, estimate
+from ..costmodel.hardware import Hardware, load_hardware, scale_links
+from ..costmodel.work import ModelShape, gather_work, layer_cost, loss_work, rowwise_work
 from ..io import GnnPipeError, write_json
 from ..layout import resolve_layout
 from .shape import DTYPE_BYTES, build_model, model_shape
@@ -36,8 +39,8 @@ class Plan:
     hardware: str
     graph: dict  # name, num_nodes, num_edges, num_features, num_classes, mirror ratios
     model: dict
-    rows: list[cm.Estimate]
-    best: Optional[cm.Estimate]
+    rows: list[Estimate]
+    best: Optional[Estimate]
     reason: str
     dtype_bytes: int = 4
     notes: list[str] = field(default_factory=list)
@@ -73,7 +76,7 @@ class Plan:
                 "sensitivity": self.sensitivity, "break_even": self.break_even}
 
 
-def describe(r: cm.Estimate) -> str:
+def describe(r: Estimate) -> str:
     layout = {"graph": f"graph, {r.ways} parts", "pipeline": f"pipeline, {r.stages} stages, {r.chunks} chunks",
               "hybrid": f"hybrid, {r.stages} stages x {r.ways} ways, {r.chunks} chunks",
               "single": "single"}[r.mode]
@@ -101,7 +104,7 @@ def layouts(workers: int, num_layers: int, chunks_per_stage: int) -> list[tuple[
 
 
 def stage_bounds(model, stages: int, balance: str, num_nodes: int, num_edges: int,
-                 shape: cm.ModelShape, hw: cm.Hardware,
+                 shape: ModelShape, hw: Hardware,
                  sample: Optional[tuple[float, float, float]] = None) -> list[tuple[int, int]]:
     """The stage split the pipeline engine would use (``gnnpipe.parallel.balance``):
     ``estimate`` from the model's whole-graph FLOPs, ``profile`` from per-conv times on a
@@ -120,11 +123,11 @@ def stage_bounds(model, stages: int, balance: str, num_nodes: int, num_edges: in
         n, src, e = sample or (num_nodes, num_nodes, num_edges)
         costs = []
         for spec, d in zip(shape.layers, shape.exchange_dims):
-            lc = cm.layer_cost(spec, n, src, e)
-            gf, gb = cm._gather_work(n, src, d, spec.input_grad)
+            lc = layer_cost(spec, n, src, e)
+            gf, gb = gather_work(n, src, d, spec.input_grad)
             costs.append((lc.training() + gf + gb).seconds(hw))
-        first = cm.rowwise_work(shape.encoder, n, False, shape.encoder_dropout).seconds(hw)
-        last = (cm.rowwise_work(shape.decoder, n, True) + cm.loss_work(n, shape.num_classes)).seconds(hw)
+        first = rowwise_work(shape.encoder, n, False, shape.encoder_dropout).seconds(hw)
+        last = (rowwise_work(shape.decoder, n, True) + loss_work(n, shape.num_classes)).seconds(hw)
     else:
         raise GnnPipeError(f"unknown stage balance {balance!r} (uniform, estimate, profile)")
     return balanced_bounds(costs, stages, first, last)
@@ -137,10 +140,10 @@ def history_buffers(pc: PipelineConfig) -> int:
     return 2 + (pc.snapshot_every > 0) + (pc.momentum > 0 or (pc.recompute and pc.snapshot_every == 0))
 
 
-def predict_layout(graph_stats: dict, gnn, shape: cm.ModelShape, hardware: cm.Hardware, mode: str,
+def predict_layout(graph_stats: dict, gnn, shape: ModelShape, hardware: Hardware, mode: str,
                    stages: int, ways: int, chunks: int, *, dtype_bytes: int = 4, overlap: bool = True,
                    balance: str = "estimate", first_input: str = "local",
-                   pipeline_cfg: Optional[PipelineConfig] = None) -> cm.Estimate:
+                   pipeline_cfg: Optional[PipelineConfig] = None) -> Estimate:
     """The estimate of one layout (``mode``, ``stages`` x ``ways``, ``chunks``) of the built
     model ``gnn`` (``shape = model_shape(gnn)``), with ``memory["fits"]`` set."""
     pc = pipeline_cfg or PipelineConfig()
@@ -155,15 +158,15 @@ def predict_layout(graph_stats: dict, gnn, shape: cm.ModelShape, hardware: cm.Ha
     # else those of a G-way partition of their own (extrapolated statistics)
     of_chunks = graph_stats.get("chunk_ways", {}).get(str(chunks), {}).get(str(ways))
     if ways > 1 and chunks > ways and of_chunks is not None:
-        way_stats = cm.WayStats.from_partition(of_chunks)
+        way_stats = WayStats.from_partition(of_chunks)
     else:
-        way_stats = cm.WayStats.from_partition(parts[str(ways)]) if ways > 1 else cm.WayStats.whole(N, E)
-    chunk_stats = cm.WayStats.from_partition(parts[str(chunks)]) if chunks > ways else None
+        way_stats = WayStats.from_partition(parts[str(ways)]) if ways > 1 else WayStats.whole(N, E)
+    chunk_stats = WayStats.from_partition(parts[str(chunks)]) if chunks > ways else None
     sample_of = chunk_stats or way_stats
     big = max(range(sample_of.ways), key=lambda c: sample_of.edges[c])  # the engine profiles its largest chunk
     sample = (sample_of.nodes[big], sample_of.nodes[big] + sample_of.mirrors[big], sample_of.edges[big])
     bounds = stage_bounds(gnn, stages, balance, N, E, shape, hardware, sample)
-    est = cm.estimate(shape, mode=mode, stages=stages, ways=ways, chunks=chunks, bounds=bounds,
+    est = estimate(shape, mode=mode, stages=stages, ways=ways, chunks=chunks, bounds=bounds,
                       way_stats=way_stats, chunk_stats=chunk_stats, num_nodes=N, num_edges=E,
                       hw=hardware, bytes_per_value=dtype_bytes, overlap=overlap,
                       first_input=first_input if ways > 1 else "local",
@@ -173,7 +176,7 @@ def predict_layout(graph_stats: dict, gnn, shape: cm.ModelShape, hardware: cm.Ha
 
 
 def plan(graph_stats: dict, model: ModelConfig, in_features: int, num_classes: int,
-         hardware: cm.Hardware, workers: int, *, chunks_per_stage: int = 4, dtype_bytes: int = 4,
+         hardware: Hardware, workers: int, *, chunks_per_stage: int = 4, dtype_bytes: int = 4,
          overlap: bool = True, balance: str = "estimate", first_input: str = "local",
          pipeline_cfg: Optional[PipelineConfig] = None) -> Plan:
     """Enumerate the layouts of ``workers`` workers, predict each, recommend one.
@@ -226,8 +229,8 @@ def plan(graph_stats: dict, model: ModelConfig, in_features: int, num_classes: i
     p = Plan(workers=workers, hardware=hardware.name, graph=gdesc, model=mdesc, rows=rows, best=best,
              reason="", dtype_bytes=dtype_bytes, notes=notes, first_input=first_input)
 
-    def at(row: cm.Estimate, factor: float) -> float:
-        return predict_layout(graph_stats, gnn, shape, cm.scale_links(hardware, factor), row.mode, row.stages,
+    def at(row: Estimate, factor: float) -> float:
+        return predict_layout(graph_stats, gnn, shape, scale_links(hardware, factor), row.mode, row.stages,
                               row.ways, row.chunks, dtype_bytes=dtype_bytes, overlap=overlap, balance=balance,
                               first_input=first_input, pipeline_cfg=pc).epoch_s
 
@@ -245,11 +248,11 @@ def plan(graph_stats: dict, model: ModelConfig, in_features: int, num_classes: i
 SENSITIVITY = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
 
 
-def _key(r: cm.Estimate) -> str:
+def _key(r: Estimate) -> str:
     return f"{r.mode} {r.stages}x{r.ways} c{r.chunks}"
 
 
-def _break_even(diff, hw: cm.Hardware, lo: float = 1e-3, hi: float = 1e3) -> Optional[dict]:
+def _break_even(diff, hw: Hardware, lo: float = 1e-3, hi: float = 1e3) -> Optional[dict]:
     """The link-speed factor ``k`` where ``diff(k) = graph - pipeline`` epoch changes sign
     (graph parallelism gains more from faster links), by bisection on ``log k``; None when
     one layout wins over the whole range."""
@@ -272,13 +275,13 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.3g} GB"
 
 
-def _reason(p: Plan, shape: cm.ModelShape, N: int, hw: cm.Hardware) -> str:
+def _reason(p: Plan, shape: ModelShape, N: int, hw: Hardware) -> str:
     by_mode = {}
     for r in p.rows:
         if r.mode not in by_mode or r.epoch_s < by_mode[r.mode].epoch_s:
             by_mode[r.mode] = r
     L, b = len(shape.layers), p.dtype_bytes
-    per_mirror = cm._halo_values(shape.exchange_dims, p.first_input)  # both directions
+    per_mirror = halo_values(shape.exchange_dims, p.first_input)  # both directions
     out = []
     if p.best is None:
         least = min(p.rows, key=lambda r: r.peak_mem_bytes)
@@ -299,7 +302,7 @@ def _reason(p: Plan, shape: cm.ModelShape, N: int, hw: cm.Hardware) -> str:
                    f"({per_mirror} values per mirror per epoch, forward and backward"
                    + (", the input halo cached" if p.first_input == "local" else "") + ").")
     if pp is not None:
-        dims = cm.boundary_dims(shape.exchange_dims, pp.stage_bounds)
+        dims = boundary_dims(shape.exchange_dims, pp.stage_bounds)
         out.append(f"The pipeline moves {_gb(pp.bytes['total'])} regardless of the cut "
                    f"(2·N·{'+'.join(map(str, sorted(set(dims))))}·{b} B across each of its "
                    f"{pp.stages - 1} stage boundaries{', with x0' if shape.carries_x0 else ''}).")
@@ -337,7 +340,7 @@ def _reason(p: Plan, shape: cm.ModelShape, N: int, hw: cm.Hardware) -> str:
     return " ".join(out)
 
 
-def _pipeline_overheads(pp: cm.Estimate, shape: cm.ModelShape) -> str:
+def _pipeline_overheads(pp: Estimate, shape: ModelShape) -> str:
     """What a pipeline row pays on top of an even split of the work, in words."""
     comp = [r["fwd_compute_s"] + r["bwd_compute_s"] + r["encoder_s"] for r in pp.stage_times]
     k = max(range(len(comp)), key=comp.__getitem__)
@@ -386,7 +389,7 @@ def run_plan(graph_path, model_cfg, hardware_path, workers: int, out_json=None, 
     import json
 
     model = _load_model_cfg(model_cfg)
-    hw = cm.load_hardware(hardware_path)
+    hw = load_hardware(hardware_path)
     if dtype not in DTYPE_BYTES:
         raise GnnPipeError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     parts = part_counts(workers, model.layers, chunks_per_stage)
