@@ -242,8 +242,8 @@ def process_rss_gib() -> float:
     (torch, h5py, the engines): what its ru_maxrss holds before the run's first tensor."""
     import subprocess
 
-    code = ("import resource, torch, torch.distributed, h5py, gnnpipe.train, gnnpipe.parallel.graph_parallel, "
-            "gnnpipe.parallel.hybrid; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    code = ("import resource, torch, torch.distributed, h5py, gnnpipe.train, gnnpipe.parallel.engine; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     return int(out.stdout.split()[-1]) * 1024 / 2**30

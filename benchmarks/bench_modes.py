@@ -78,7 +78,7 @@ def _worker(rank: int, world: int, cfg_dict: dict, epochs: int, warmup: int) -> 
     from gnnpipe.parallel.comm import Communicator
     from gnnpipe.layout import ParallelDims
     from gnnpipe.parallel.groups import build_groups
-    from gnnpipe.parallel.graph_parallel import peak_memory
+    from gnnpipe.parallel.engine import peak_memory
     from gnnpipe.train import build_engine
 
     cfg = from_dict(RunConfig, cfg_dict)

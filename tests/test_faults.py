@@ -32,7 +32,7 @@ TIMINGS = {"epoch_time_s", "compute_s", "comm_s", "bubble_s"}
 
 
 def setup_run(root: Path, mode: str = "single", workers: int = 1, *, epochs: int = 8, checkpoint_every: int = 2,
-              model=None, pipeline=None, **training):
+              model=None, pipeline=None, stages=None, **training):
     """A tiny node-classification run under ``root/results`` (graph, chunk store, run.yaml)."""
     wf = load_workflow_config({
         "results": str(root / "results"), "datasets": {"tiny": {}},
@@ -41,7 +41,7 @@ def setup_run(root: Path, mode: str = "single", workers: int = 1, *, epochs: int
                      **training},
         **({"pipeline": pipeline} if pipeline else {}),
         "runs": [{"mode": mode, "dataset": "tiny", "model": "m", "workers": workers,
-                  **({"stages": workers} if mode == "pipeline" else {})}]})
+                  **({"stages": stages or workers} if mode in ("pipeline", "hybrid") else {})}]})
     cfg = next(iter(resolve_runs(wf).values()))
     g = random_graph(n=90, avg_degree=5, seed=3)
     write_graph(cfg.graph_path, g)
@@ -455,6 +455,12 @@ PARALLEL = {
                         model={"kind": "gcn", "layers": 4, "hidden": 8, "dropout": 0.5},
                         pipeline={"chunks_per_stage": 2, "grad_correction": False, "momentum": 0.5,
                                   "snapshot_every": 0}),
+    # kill rank 0 of S = 2 x G = 2 (2 chunks per way: history, carried gradients and the ways' halo
+    # exchange all resume); rank 1, its stage's other way, sees the group break
+    "hybrid-2x2": dict(mode="hybrid", workers=4, stages=2, kill=0,
+                       model={"kind": "gcnii", "layers": 4, "hidden": 8, "dropout": 0.5},
+                       pipeline={"chunks_per_stage": 2, "grad_correction": False, "momentum": 0.5,
+                                 "snapshot_every": 0}),
 }
 
 

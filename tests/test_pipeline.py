@@ -1,4 +1,4 @@
-"""GNNPipe (``gnnpipe.parallel.pipeline``) against single-process references.
+"""GNNPipe (the layout engine with one way, ``gnnpipe.parallel.engine``) against single-process references.
 
 * ``C = 1``: pipeline training *is* single-process training (losses, weights), every
   model kind, ``S`` in 2, 3, 4, float64 to 1e-10;
@@ -33,7 +33,8 @@ from gnnpipe.models.model import GNN
 from gnnpipe.parallel.balance import (StageAssignment, assign_stages, balanced_bounds, profile_costs,
                                       stage_costs, uniform_bounds)
 from gnnpipe.costmodel.bytes import pipeline_bytes
-from gnnpipe.parallel.pipeline import History, PipelineEngine, check_pipeline_config, chunk_order
+from gnnpipe.parallel.engine import LayoutEngine, check_config
+from gnnpipe.parallel.stage import History, chunk_order
 from gnnpipe.parallel.testing import spawn_multi_process
 from gnnpipe.partition import partition_graph
 from gnnpipe.store import ChunkStore, materialize
@@ -216,7 +217,7 @@ def _pipeline_worker(rank, world, jobs):
     results = []
     for cfg in jobs:
         comm = Communicator(groups, "cpu")
-        engine = PipelineEngine(cfg, groups, comm, "cpu")
+        engine = LayoutEngine(cfg, groups, comm, "cpu")
         losses, sent, stats, grads0 = [], [], [], None
         for epoch in range(cfg.training.epochs):
             comm.set_epoch(epoch)
@@ -380,7 +381,7 @@ def test_one_stage_matches_realized_reference(stores, kind):
     """In process (one stage, 6 chunks), the other kinds, techniques off and all on."""
     for tech in ("off", "grad_correction", "all"):
         cfg = run_cfg(stores["connected-6"], kind, chunks=6, layers=3, epochs=3, **TECHNIQUES[tech])
-        eng = PipelineEngine(cfg, None, None, "cpu")
+        eng = LayoutEngine(cfg, None, None, "cpu")
         losses, grads0 = [], None
         for e in range(3):
             losses.append(eng.train_epoch(e).loss)
@@ -407,7 +408,7 @@ def test_recompute_is_bitwise_storing_with_dropout(stores):
         for recompute in (False, True):
             cfg = run_cfg(stores["connected-6"], kind, chunks=6, epochs=3, dropout=0.3,
                           **{**base, "recompute": recompute})
-            eng = PipelineEngine(cfg, None, None, "cpu")
+            eng = LayoutEngine(cfg, None, None, "cpu")
             runs[recompute] = ([eng.train_epoch(e).loss for e in range(3)], eng.full_state_dict())
         assert runs[False][0] == runs[True][0], kind
         for k, v in runs[False][1].items():
@@ -521,21 +522,21 @@ def test_assign_stages_methods(stores):
 # --------------------------------------------------------------------------- refusals
 def test_bad_combinations(stores):
     good = run_cfg(stores["connected-4"], stages=2, chunks=4)
-    check_pipeline_config(good)
+    check_config(good)
     with pytest.raises(GnnPipeError, match="only 4 graph layers"):
-        check_pipeline_config(replace(good, stages=5, workers=5, chunks=8))
+        check_config(replace(good, stages=5, workers=5, chunks=8))
     with pytest.raises(GnnPipeError, match=r"chunks \(2\) must be >= stages \(3\)"):
-        check_pipeline_config(replace(good, stages=3, workers=3, chunks=2))
+        check_config(replace(good, stages=3, workers=3, chunks=2))
     with pytest.raises(GnnPipeError, match="no graph layers"):
-        check_pipeline_config(replace(good, model=model_cfg("mlp")))
-    with pytest.raises(GnnPipeError, match="mode 'pipeline'"):
-        check_pipeline_config(replace(good, mode="graph"))
+        check_config(replace(good, model=model_cfg("mlp")))
+    with pytest.raises(GnnPipeError, match="modes graph, pipeline and hybrid, not 'single'"):
+        check_config(replace(good, mode="single"))
     with pytest.raises(GnnPipeError, match="momentum"):
-        check_pipeline_config(replace(good, pipeline=replace(good.pipeline, momentum=1.0)))
+        check_config(replace(good, pipeline=replace(good.pipeline, momentum=1.0)))
     with pytest.raises(GnnPipeError, match="made for 4 parts, this run needs 6"):
-        PipelineEngine(run_cfg(stores["connected-4"], chunks=6), None, None, "cpu")
+        LayoutEngine(run_cfg(stores["connected-4"], chunks=6), None, None, "cpu")
     with pytest.raises(GnnPipeError, match="no such chunk store"):
-        PipelineEngine(run_cfg(stores["connected-4"].parent / "missing.h5", chunks=4), None, None, "cpu")
+        LayoutEngine(run_cfg(stores["connected-4"].parent / "missing.h5", chunks=4), None, None, "cpu")
 
 
 def test_run_overrides_cover_every_pipeline_setting():

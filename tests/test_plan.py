@@ -75,7 +75,7 @@ def test_chunk_ways_are_blocks_of_the_chunk_partition():
 
     a = partition_graph(g, "metis", 8, seed=0, balance_edges=True)
     for G in (2, 4):
-        way = a // (8 // G)  # way w owns chunks w·C/G .. (w+1)·C/G - 1, as HybridEngine
+        way = a // (8 // G)  # way w owns chunks w·C/G .. (w+1)·C/G - 1, as the layout engine
         halo = [len({int(u) for v in np.flatnonzero(way == w) for u in g.indices[g.indptr[v]:g.indptr[v + 1]]
                      if way[u] != w}) for w in range(G)]
         assert st["chunk_ways"]["8"][str(G)]["mirrors"] == halo

@@ -112,16 +112,8 @@ def build_engine(cfg: RunConfig, groups: Optional[ProcessGroups], comm, device):
     if cfg.mode == "single":
         from .parallel.single import SingleEngine
         return SingleEngine(cfg, device)
-    if cfg.mode == "graph":
-        from .parallel.graph_parallel import GraphEngine
-        return GraphEngine(cfg, groups, comm, device)
-    if cfg.mode == "pipeline":
-        from .parallel.pipeline import PipelineEngine
-        return PipelineEngine(cfg, groups, comm, device)
-    if cfg.mode == "hybrid":
-        from .parallel.hybrid import HybridEngine
-        return HybridEngine(cfg, groups, comm, device)
-    raise GnnPipeError(f"unknown mode {cfg.mode!r}")
+    from .parallel.engine import LayoutEngine  # graph, pipeline, hybrid: one S x G x C engine
+    return LayoutEngine(cfg, groups, comm, device)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -226,7 +226,7 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
     params = shape.params_per_stage(bounds)
     x0 = 2 if shape.carries_x0 else 1
     busy_on_node = min(P, wpn)
-    buffered = S > 1 or cw > 1  # per-conv whole-way buffers instead of one pass
+    buffered = cw > 1  # per-conv whole-way buffers (history) only where a way has several chunks
 
     stage_rows = []
     for s, (a, bnd) in enumerate(bounds):
@@ -353,14 +353,13 @@ def _peak_memory(shape: ModelShape, S: int, G: int, cw: int, bounds, way_stats: 
             bd["features"] = rows * shape.in_features * b if s == 0 else 0.0
             bd["labels"] = n * 11.0 if s == S - 1 else 0.0
             buf = 0.0
-            if buffered:
-                for l in range(a, bnd):
-                    if l > 0:
-                        buf += history_buffers * rows * dims[l] * b
-                    elif shape.encoder:  # the encoder's output on every row, and its gradient
-                        buf += 2 * rows * dims[0] * b
-                if shape.carries_x0 and s > 0:
-                    buf += rows * shape.x0_dim * b
+            for l in range(a, bnd):
+                if l > 0 and buffered:  # the history of conv l's input
+                    buf += history_buffers * rows * dims[l] * b
+                elif l == 0 and shape.encoder:  # the encoder's output on every row, and its gradient
+                    buf += 2 * rows * dims[0] * b
+            if shape.carries_x0 and s > 0:  # the x0 rows received with the chunks
+                buf += rows * shape.x0_dim * b
             bd["buffers"] = buf
             act, temp = [], 0.0
             for n_c, e_c, src_c in chunks:
