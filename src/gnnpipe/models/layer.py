@@ -79,7 +79,8 @@ def plain_stack(conv: Callable[..., nn.Module]) -> Callable[..., Stack]:
         convs = []
         for i in range(L):
             last = i == L - 1
-            convs.append(GraphLayer(conv(cfg, dims[i], dims[i + 1], i == 0, last), norm=cfg.norm == "layer" and not last,
-                                    act=not last, dropout=0.0 if last else cfg.dropout))
+            layer = conv(cfg, dims[i], dims[i + 1], i == 0, last)
+            convs.append(GraphLayer(layer, norm=cfg.norm == "layer" and not last, act=not last,
+                                    dropout=0.0 if last else cfg.dropout))
         return None, convs, None
     return stack

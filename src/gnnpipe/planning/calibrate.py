@@ -17,7 +17,7 @@ from ..config import ModelConfig, to_dict
 from ..costmodel.hardware import Hardware, load_hardware
 from ..costmodel.work import Work, layer_cost, rowwise_work
 from ..io import GnnPipeError
-from .plan import predict_layout
+from .predict import predict_layout
 from .shape import DTYPE_BYTES, build_model, model_shape
 
 FLUSH_BYTES = 128 * 2**20

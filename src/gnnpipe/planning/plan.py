@@ -15,6 +15,7 @@ them (:func:`gnnpipe.planning.calibrate.calibrate`) before planning.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -24,11 +25,14 @@ from typing import Optional
 
 from ..config import ModelConfig, PipelineConfig, from_dict, load_yaml, to_dict
 from ..costmodel.bytes import boundary_dims, halo_values
-from ..costmodel.estimate import Estimate, WayStats, estimate
+from ..costmodel.estimate import Estimate
 from ..costmodel.hardware import Hardware, load_hardware, scale_links
-from ..costmodel.work import ModelShape, gather_work, layer_cost, loss_work, rowwise_work
+from ..costmodel.work import ModelShape
+from ..graph import read_graph
 from ..io import GnnPipeError, write_json
-from ..layout import resolve_layout
+from ..layout import DEFAULT_CHUNKS_PER_STAGE, resolve_layout
+from .calibrate import calibrate
+from .predict import history_buffers, predict_layout, stage_bounds  # noqa: F401  (plan's API too)
 from .shape import DTYPE_BYTES, build_model, model_shape
 from .stats import cached_graph_stats, extrapolate_stats, override_mirror_ratio
 
@@ -103,80 +107,9 @@ def layouts(workers: int, num_layers: int, chunks_per_stage: int) -> list[tuple[
     return out
 
 
-def stage_bounds(model, stages: int, balance: str, num_nodes: int, num_edges: int,
-                 shape: ModelShape, hw: Hardware,
-                 sample: Optional[tuple[float, float, float]] = None) -> list[tuple[int, int]]:
-    """The stage split the pipeline engine would use (``gnnpipe.parallel.balance``):
-    ``estimate`` from the model's whole-graph FLOPs, ``profile`` from per-conv times on a
-    sample chunk (the engine times its largest chunk; here the cost model's prediction for
-    ``sample = (rows, source rows, in-edges)``), ``uniform``."""
-    from ..parallel.balance import balanced_bounds, estimate_costs, uniform_bounds
-
-    L = len(model.convs)
-    if stages == 1:
-        return [(0, L)]
-    if balance == "uniform":
-        return uniform_bounds(L, stages)
-    if balance == "estimate":
-        costs, first, last = estimate_costs(model, num_nodes, num_edges)
-    elif balance == "profile":
-        n, src, e = sample or (num_nodes, num_nodes, num_edges)
-        costs = []
-        for spec, d in zip(shape.layers, shape.exchange_dims):
-            lc = layer_cost(spec, n, src, e)
-            gf, gb = gather_work(n, src, d, spec.input_grad)
-            costs.append((lc.training() + gf + gb).seconds(hw))
-        first = rowwise_work(shape.encoder, n, False, shape.encoder_dropout).seconds(hw)
-        last = (rowwise_work(shape.decoder, n, True) + loss_work(n, shape.num_classes)).seconds(hw)
-    else:
-        raise GnnPipeError(f"unknown stage balance {balance!r} (uniform, estimate, profile)")
-    return balanced_bounds(costs, stages, first, last)
-
-
-def history_buffers(pc: PipelineConfig) -> int:
-    """Whole-graph buffers the pipeline engine keeps per buffered conv input: the current
-    rows and their gradients, a snapshot (technique 3), a second history (momentum, or
-    recompute without snapshots)."""
-    return 2 + (pc.snapshot_every > 0) + (pc.momentum > 0 or (pc.recompute and pc.snapshot_every == 0))
-
-
-def predict_layout(graph_stats: dict, gnn, shape: ModelShape, hardware: Hardware, mode: str,
-                   stages: int, ways: int, chunks: int, *, dtype_bytes: int = 4, overlap: bool = True,
-                   balance: str = "estimate", first_input: str = "local",
-                   pipeline_cfg: Optional[PipelineConfig] = None) -> Estimate:
-    """The estimate of one layout (``mode``, ``stages`` x ``ways``, ``chunks``) of the built
-    model ``gnn`` (``shape = model_shape(gnn)``), with ``memory["fits"]`` set."""
-    pc = pipeline_cfg or PipelineConfig()
-    N, E = int(graph_stats["num_nodes"]), int(graph_stats["num_edges"])
-    parts = graph_stats.get("partitions", {})
-    for k in {ways, chunks}:
-        if k > 1 and str(k) not in parts:
-            raise GnnPipeError(f"graph statistics lack a {k}-part partition (needed by {mode} "
-                               f"{stages} x {ways}, {chunks} chunks); have "
-                               f"{', '.join(sorted(parts, key=int)) or 'none'}")
-    # a hybrid's ways are blocks of chunks: their statistics where the file has them (graph_stats),
-    # else those of a G-way partition of their own (extrapolated statistics)
-    of_chunks = graph_stats.get("chunk_ways", {}).get(str(chunks), {}).get(str(ways))
-    if ways > 1 and chunks > ways and of_chunks is not None:
-        way_stats = WayStats.from_partition(of_chunks)
-    else:
-        way_stats = WayStats.from_partition(parts[str(ways)]) if ways > 1 else WayStats.whole(N, E)
-    chunk_stats = WayStats.from_partition(parts[str(chunks)]) if chunks > ways else None
-    sample_of = chunk_stats or way_stats
-    big = max(range(sample_of.ways), key=lambda c: sample_of.edges[c])  # the engine profiles its largest chunk
-    sample = (sample_of.nodes[big], sample_of.nodes[big] + sample_of.mirrors[big], sample_of.edges[big])
-    bounds = stage_bounds(gnn, stages, balance, N, E, shape, hardware, sample)
-    est = estimate(shape, mode=mode, stages=stages, ways=ways, chunks=chunks, bounds=bounds,
-                      way_stats=way_stats, chunk_stats=chunk_stats, num_nodes=N, num_edges=E,
-                      hw=hardware, bytes_per_value=dtype_bytes, overlap=overlap,
-                      first_input=first_input if ways > 1 else "local",
-                      history_buffers=history_buffers(pc), recompute=pc.recompute)
-    est.memory["fits"] = bool(est.peak_mem_bytes <= hardware.memory_bytes)
-    return est
-
-
 def plan(graph_stats: dict, model: ModelConfig, in_features: int, num_classes: int,
-         hardware: Hardware, workers: int, *, chunks_per_stage: int = 4, dtype_bytes: int = 4,
+         hardware: Hardware, workers: int, *, chunks_per_stage: int = DEFAULT_CHUNKS_PER_STAGE,
+         dtype_bytes: int = 4,
          overlap: bool = True, balance: str = "estimate", first_input: str = "local",
          pipeline_cfg: Optional[PipelineConfig] = None) -> Plan:
     """Enumerate the layouts of ``workers`` workers, predict each, recommend one.
@@ -355,7 +288,8 @@ def _pipeline_overheads(pp: Estimate, shape: ModelShape) -> str:
     return text
 
 
-def part_counts(workers: int, num_layers: int = 1 << 30, chunks_per_stage: int = 4) -> list[int]:
+def part_counts(workers: int, num_layers: int = 1 << 30,
+                chunks_per_stage: int = DEFAULT_CHUNKS_PER_STAGE) -> list[int]:
     """Every partition (parts > 1) the layouts of ``workers`` need: the ways G of each
     layout (graph: G = P; hybrid: G = P/S) and its chunks C when a way has several."""
     need = set()
@@ -374,7 +308,8 @@ def _load_model_cfg(model_cfg) -> ModelConfig:
 
 def run_plan(graph_path, model_cfg, hardware_path, workers: int, out_json=None, *,
              stats_path=None, at_nodes: Optional[int] = None, at_edges: Optional[int] = None,
-             chunks_per_stage: int = 4, dtype: str = "float32", method: str = "metis",
+             chunks_per_stage: int = DEFAULT_CHUNKS_PER_STAGE, dtype: str = "float32",
+             method: str = "metis",
              seed: int = 0, overlap: bool = True, balance: str = "estimate",
              calibrate_rates: bool = False, threads: int = 1, progress: bool = True,
              mirror_ratio: Optional[tuple[int, float]] = None, first_input: str = "local",
@@ -386,8 +321,6 @@ def run_plan(graph_path, model_cfg, hardware_path, workers: int, out_json=None, 
     size to extrapolate to); ``stats_path``: a statistics JSON instead of a graph.
     ``quiet``: print nothing (the plan is returned and written all the same).
     """
-    import json
-
     model = _load_model_cfg(model_cfg)
     hw = load_hardware(hardware_path)
     if dtype not in DTYPE_BYTES:
@@ -417,10 +350,6 @@ def run_plan(graph_path, model_cfg, hardware_path, workers: int, out_json=None, 
     if calibrate_rates:
         if not graphs:
             raise GnnPipeError("--calibrate times the model on a real graph: give --graph")
-        from ..graph import read_graph
-
-        from .calibrate import calibrate
-
         hw = calibrate(read_graph(graphs[-1]), model, hw, threads=threads, dtype=dtype, clock=clock)
     result = plan(stats, model, int(stats["num_features"]), int(stats["num_classes"]), hw, workers,
                   chunks_per_stage=chunks_per_stage, dtype_bytes=DTYPE_BYTES[dtype], overlap=overlap,

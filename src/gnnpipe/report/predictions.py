@@ -1,6 +1,6 @@
 """The cost model's prediction beside every run: :class:`Predictor` predicts a run from its
 ``run.yaml``, its graph's partition statistics and a hardware profile (calibrated to the
-run's model when the workflow fitted one) with :func:`gnnpipe.planning.plan.predict_layout`;
+run's model when the workflow fitted one) with :func:`gnnpipe.planning.predict.predict_layout`;
 a run it cannot predict gets an unavailable :class:`Prediction` with the reason."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ..costmodel.hardware import Hardware, load_hardware
 from ..graph import read_graph_attrs
 from ..io import GnnPipeError
 from ..planning.calibrate import find_calibration
-from ..planning.plan import predict_layout
+from ..planning.predict import predict_layout
 from ..planning.shape import build_model, model_shape
 from ..planning.stats import cached_graph_stats
 
@@ -51,7 +51,7 @@ def rel_error(predicted: Optional[float], measured: Optional[float]) -> Optional
 
 
 class Predictor:
-    """Predicts runs with :func:`gnnpipe.planning.plan.predict_layout` on one hardware profile.
+    """Predicts runs with :func:`gnnpipe.planning.predict.predict_layout` on one hardware profile.
 
     Per run: its ``run.yaml`` (graph path, model, partitioning, pipeline and graph-parallel
     settings), the graph's partition statistics from :func:`gnnpipe.planning.stats.cached_graph_stats`
