@@ -10,12 +10,11 @@ pipeline's neighbours are ranks (``prev_rank`` / ``next_rank``), not a group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
+
+import torch.distributed as dist
 
 from ..layout import ParallelDims
-
-if TYPE_CHECKING:
-    import torch.distributed as dist
 
 
 # --------------------------------------------------------------------------- process groups
@@ -63,8 +62,6 @@ class ProcessGroups:
 def build_groups(dims: ParallelDims, rank: int) -> ProcessGroups:
     """Create this rank's sub-groups (only those a layout needs). Every rank must call it,
     in the same order."""
-    import torch.distributed as dist
-
     world = dist.group.WORLD if dist.is_initialized() else None
     mine = dims.rank_groups(rank)
     graph_group = world if dims.data == 1 else None

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
+import yaml
 
-from ..config import ModelConfig, to_dict
+from ..config import ModelConfig, RunConfig, load_run_config, to_dict
 from ..costmodel.hardware import Hardware, load_hardware
 from ..costmodel.work import Work, layer_cost, rowwise_work
-from ..io import GnnPipeError
+from ..graph import read_graph, read_graph_attrs
+from ..io import GnnPipeError, write_text
 from .predict import predict_layout
 from .shape import DTYPE_BYTES, build_model, model_shape
 
@@ -193,9 +195,6 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> Hardware:
     worker. The result is named ``<profile>+<dataset>`` and keeps the profile's links; its
     ``measured["calibration"]`` records the model config and the graph's content hash, so
     that a report can match it to the runs it stands for (:func:`find_calibration`)."""
-    from ..config import RunConfig, load_run_config
-    from ..graph import read_graph, read_graph_attrs
-
     cfg = run_config if isinstance(run_config, RunConfig) else load_run_config(run_config)
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
     threads = cfg.training.threads_per_worker
@@ -226,10 +225,6 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> Hardware:
 
 def write_hardware(hw: Hardware, path: str | os.PathLike) -> None:
     """Write a profile as YAML that :func:`gnnpipe.costmodel.hardware.load_hardware` reads back."""
-    import yaml
-
-    from ..io import write_text
-
     write_text(path, yaml.safe_dump(hw.as_dict(), sort_keys=False))
 
 
