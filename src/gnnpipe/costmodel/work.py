@@ -85,6 +85,7 @@ class LayerSpec:
     # back unchanged (``gnnpipe.models.ops.static_aggregate``), paid once a run, not per epoch
     static_input: bool = False
     work: Optional[WorkFn] = None  # the kind's work (gnnpipe.models.<kind>.work)
+    exchange: Optional[int] = None  # values per exchanged input row (the kind's declaration; None: d_in)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,8 @@ class ModelShape:
 
     @property
     def exchange_dims(self) -> list[int]:
-        return [l.d_in for l in self.layers]
+        """Values per exchanged input row of every conv (``GNN.exchange_dims()``)."""
+        return [l.d_in if l.exchange is None else l.exchange for l in self.layers]
 
     @property
     def num_params(self) -> int:

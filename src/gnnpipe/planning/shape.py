@@ -3,6 +3,8 @@ decoder's Linear maps, the parameter counts (:func:`model_shape`) of a built ``G
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..config import ModelConfig
 from ..costmodel.work import ModelShape
 from ..io import GnnPipeError
@@ -19,8 +21,9 @@ def model_shape(model) -> ModelShape:
         raise GnnPipeError(f"model kind {model.kind!r} has no graph layers: there is nothing to "
                            "distribute across workers (train it with mode single)")
     raw = model.encoder is None  # the first conv reads raw features: no gradient flows there
-    specs = [layer.layer_spec(raw_input=raw and i == 0, params=sum(p.numel() for p in layer.parameters()))
-             for i, layer in enumerate(model.convs)]
+    specs = [replace(layer.layer_spec(raw_input=raw and i == 0, params=sum(p.numel() for p in layer.parameters())),
+                     exchange=width)  # the kind's declaration (ConvKind.exchange_width)
+             for i, (layer, width) in enumerate(zip(model.convs, model.exchange_dims()))]
 
     def linears(module):
         if module is None:
