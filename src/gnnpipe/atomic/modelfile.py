@@ -30,6 +30,7 @@ files), an unknown kind, a format version this gnnpipe does not read.
 from __future__ import annotations
 
 import dataclasses
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -185,8 +186,9 @@ def _read(path: Path):
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - unpickling errors, truncated zips, not a torch file at all
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise GnnPipeError(f"{path}: not a gnnpipe model file or checkpoint ({first})") from None
+        why = ("not a torch file" if not zipfile.is_zipfile(path) else
+               f"unreadable as tensors and plain types (weights_only=True): {type(e).__name__}")
+        raise GnnPipeError(f"{path}: not a gnnpipe model file or checkpoint ({why})") from None
     want = state.pop("digest", None) if isinstance(state, dict) else None
     if want is not None and want != digest(state):
         raise GnnPipeError(f"{path}: its digest does not match its contents (damaged or edited); write it again "
