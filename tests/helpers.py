@@ -136,24 +136,8 @@ def write_config(tmp_path: Path, edit) -> Path:
 # --------------------------------------------------------------------------- trained atomic models (stand-ins)
 def tiny_atomic_model(systems: dict, kind: str = "dimenetpp", seed: int = 0, dtype: str = "float64",
                       cutoff: float = 4.5, max_neighbors=12, **over):
-    """A ``ModelFile`` of a fresh ``small`` model of ``kind`` with a normaliser fitted on the training
-    split of ``systems`` (``atomic.data`` arrays), as a trained model would carry it. Parameters left
-    at zero by their initialisation (DimeNet++'s output layers) are drawn, so that energies and
-    forces are not trivially zero."""
-    from gnnpipe.atomic.engine import Normalizer
-    from gnnpipe.atomic.modelfile import decode, make_payload
-    from gnnpipe.atomic.protocol import ATOMIC_MODELS
-
-    spec = ATOMIC_MODELS[kind]
-    cfg = spec.preset("small", cutoff=cutoff, **over)
-    torch.manual_seed(seed)
-    model = spec.build(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if not p.any():
-                p.normal_(0.0, 0.1)
-    train = np.nonzero(systems["split"] == 0)[0]
-    norm = Normalizer.fit(systems["z"], systems["atom_ptr"], systems["energy"], train)
-    return decode(make_payload(kind=kind, model_config=cfg, state_dict=model.state_dict(), cutoff=cutoff,
-                               max_neighbors=max_neighbors, symmetric_edges=spec.symmetric_edges, e_ref=norm.e_ref,
-                               scale=norm.scale, elements=systems["z"], dtype=dtype), "tiny model")
+    """A ``ModelFile`` of a fresh ``small`` model of ``kind``, its normaliser fitted on ``systems``
+    (``modelfile.untrained_payload``): what a trained model file carries, without the training."""
+    from gnnpipe.atomic.modelfile import decode, untrained_payload
+    return decode(untrained_payload(kind, systems, seed=seed, dtype=dtype, cutoff=cutoff,
+                                    max_neighbors=max_neighbors, **over), "tiny model")

@@ -148,6 +148,30 @@ def payload_from_engine(engine, fingerprint: Optional[dict] = None) -> dict:
                         dtype=engine.cfg.training.dtype, fingerprint=fingerprint, run_id=engine.cfg.run_id)
 
 
+def untrained_payload(kind: str, systems: dict, *, preset: str = "small", seed: int = 0, dtype: str = "float64",
+                      cutoff: float = 4.5, max_neighbors: Optional[int] = 12, **over) -> dict:
+    """The payload of a *fresh* model of ``kind`` with a normaliser fitted on the training split of
+    ``systems`` (``atomic.data`` arrays), for tests, benchmarks and demos. Parameters that their
+    initialisation leaves at zero (DimeNet++'s output layers) are drawn from N(0, 0.1²), so that
+    energies and forces are not trivially the reference energies and zero."""
+    from .engine import Normalizer
+    from .protocol import ATOMIC_MODELS
+
+    spec = ATOMIC_MODELS[kind]
+    cfg = spec.preset(preset, cutoff=cutoff, **over)
+    torch.manual_seed(seed)
+    model = spec.build(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.any():
+                p.normal_(0.0, 0.1)
+    train = np.nonzero(systems["split"] == 0)[0]
+    norm = Normalizer.fit(systems["z"], systems["atom_ptr"], systems["energy"], train)
+    return make_payload(kind=kind, model_config=cfg, state_dict=model.state_dict(), cutoff=cutoff,
+                        max_neighbors=max_neighbors, symmetric_edges=spec.symmetric_edges, e_ref=norm.e_ref,
+                        scale=norm.scale, elements=systems["z"], dtype=dtype)
+
+
 def save_model_file(path, payload: dict) -> Path:
     """Write a bare model file (the payload and its digest), atomically (temp + rename)."""
     from ..checkpoint import digest
