@@ -126,6 +126,43 @@ def test_forces_and_stress_are_derivatives_of_the_energy(slabs, kind, head):
             assert forces[i, ax] == pytest.approx(numeric_f, abs=1e-7), (i, ax, e0)
 
 
+class _PairLJ(torch.nn.Module):
+    """Lennard-Jones on the AtomGraph protocol: E = ½ Σ_edges 4ε((σ/r)¹² - (σ/r)⁶) (a symmetric graph)."""
+
+    cfg = type("Cfg", (), {"force_head": "gradient"})
+
+    def forward(self, g):
+        from gnnpipe.atomic.batch import gradient_forces
+
+        def energy(g):
+            r = g.edge_vectors().norm(dim=-1)
+            pair = 4 * 0.1 * ((2.3 / r) ** 12 - (2.3 / r) ** 6)
+            return g.sum_systems(g.edges_to_atoms(0.5 * pair.unsqueeze(-1))).squeeze(-1)
+        return gradient_forces(energy, g, self.training)
+
+
+def test_stress_has_ases_convention_of_an_analytic_calculator():
+    """The strain machinery (AtomGraph.strain, gradient_forces, the Voigt order and sign) on a pair
+    potential against ASE's analytic LennardJones stress and forces, on a skewed cell."""
+    from ase.calculators.lj import LennardJones
+
+    from gnnpipe.atomic.inference import VOIGT, view_outputs
+    from gnnpipe.atomic.parallel import single_graph
+
+    atoms = bulk("Ar", "fcc", a=3.6) * (2, 2, 2)
+    atoms.set_cell(atoms.cell.array @ np.array([[1.02, 0.03, 0.0], [0.0, 0.97, 0.02], [0.01, 0.0, 1.0]]),
+                   scale_atoms=True)
+    atoms.rattle(0.05, seed=2)
+    atoms.calc = LennardJones(sigma=2.3, epsilon=0.1, rc=4.5, smooth=False)
+    mf = type("MF", (), {"symmetric_edges": True, "cutoff": 4.5, "max_neighbors": None})
+    b = structure_graph(atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc, mf)
+    _, forces, dy = view_outputs(_PairLJ(), single_graph(b), stress=True)
+    sym = (0.5 * (dy + dy.T) / atoms.get_volume()).numpy()
+    np.testing.assert_allclose([sym[i, j] for i, j in VOIGT], atoms.get_stress(), atol=1e-10)
+    np.testing.assert_allclose(forces.numpy(), atoms.get_forces(), atol=1e-10)
+    assert np.abs(atoms.get_stress()[3:]).max() > 1e-4  # the shear components are really tested
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_periodic_images_make_energy_extensive(models, kind):
     """A 2x1x1 supercell has every atom's environment of the cell: twice its energy and stress."""

@@ -134,6 +134,8 @@ class Predictor:
 
         if workers < 1:
             raise GnnPipeError(f"workers must be >= 1, got {workers}")
+        if (dtype or model_file.dtype) not in DTYPES:
+            raise GnnPipeError(f"dtype {dtype or model_file.dtype!r}: one of {', '.join(DTYPES)}")
         self.model_file, self.workers = model_file, int(workers)
         self.dtype = DTYPES[dtype or model_file.dtype]
         self.device = torch.device(device)
@@ -264,7 +266,12 @@ class WorkerPool:
                 c.send_bytes(msg)
             except (BrokenPipeError, ConnectionError, OSError):
                 self._fail(self._dead_message(r, "before a call"))
-        replies = self._gather(None, "a call")
+        try:
+            replies = self._gather(None, "a call")
+        except KeyboardInterrupt:  # the workers may be mid-collective: they cannot serve another call
+            self._broken = "interrupted"
+            _shutdown(self._procs, self._conns, None, grace_s=0.0)
+            raise
         y = replies[0][0]
         forces = np.concatenate([f for _, f, _ in replies])
         dy = sum(d for _, _, d in replies) if stress else None
