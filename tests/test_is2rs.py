@@ -10,7 +10,7 @@ from helpers import tiny_atomic_model
 
 from gnnpipe.atomic import data
 from gnnpipe.atomic.is2rs import (ADWT_THRESHOLDS, AFBT_THRESHOLDS, adwt, afbt, fbt, free_mask, mean_distances,
-                                  rattle, relax, relax_systems, systems_to_atoms)
+                                  rattle, relax, relax_systems, systems_to_atoms, threshold_curve)
 from gnnpipe.io import GnnPipeError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,6 +88,9 @@ def test_fbt_and_afbt_on_hand_made_structures():
     counts = [_below(v, AFBT_THRESHOLDS) for v in (0.0305, 0.0605, np.sqrt(3) * 0.03)]
     assert counts == [369, 339, 348]
     assert afbt(forces, free) == pytest.approx(sum(counts) / (3 * 390), abs=1e-15)
+    curve = threshold_curve([0.0305, 0.0605, np.sqrt(3) * 0.03], AFBT_THRESHOLDS)  # what the report plots
+    assert curve.shape == (390,) and curve[0] == 0 and curve[-1] == 1 and np.all(np.diff(curve) >= 0)
+    assert curve.mean() == pytest.approx(afbt(forces, free), abs=1e-15)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from helpers import tiny_atomic_model
 
 from gnnpipe.atomic import data
-from gnnpipe.atomic.modelfile import (FORMAT_VERSION, PAYLOAD_KEY, load_model_file, make_payload,
+from gnnpipe.atomic.modelfile import (FORMAT_VERSION, PAYLOAD_KEY, load_model_file,
                                       payload_from_engine, save_model_file, upgrade_run)
 from gnnpipe.checkpoint import digest
 from gnnpipe.io import GnnPipeError

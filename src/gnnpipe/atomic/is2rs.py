@@ -170,11 +170,17 @@ def afbt(ref_forces: Sequence, free: Optional[Sequence] = None, thresholds=AFBT_
     return _share_below(max_free_forces(ref_forces, free), thresholds)
 
 
-def _share_below(values: np.ndarray, thresholds) -> float:
+def threshold_curve(values, thresholds) -> np.ndarray:
+    """(T,) the share of ``values`` strictly below each threshold: the curve whose mean is ADwT
+    (per-system mean distances) or AFbT (reference max forces at the ML-relaxed structures)."""
     if len(values) == 0:
         raise GnnPipeError("IS2RS metrics of no systems")
     t = np.asarray(thresholds, dtype=np.float64)
-    return float((np.asarray(values)[:, None] < t[None, :]).mean())
+    return (np.asarray(values, dtype=np.float64)[:, None] < t[None, :]).mean(axis=0)
+
+
+def _share_below(values: np.ndarray, thresholds) -> float:
+    return float(threshold_curve(values, thresholds).mean())
 
 
 # --------------------------------------------------------------------------- the evaluation
