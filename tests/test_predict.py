@@ -110,3 +110,20 @@ def test_predict_with_two_workers_equals_one(slabs, model_path, tmp_path):
     for a, b in zip(one, two):
         assert a.get_potential_energy() == pytest.approx(b.get_potential_energy(), abs=1e-10)
         np.testing.assert_allclose(a.get_forces(), b.get_forces(), atol=2e-8)  # extxyz: 8 decimals
+
+
+@pytest.mark.slow
+def test_the_calculator_on_two_workers_reproduces_the_predictions_file(slabs, model_path, tmp_path):
+    """What a consumer does with predictions.h5: rebuild each system from it and compare."""
+    from gnnpipe.atomic.modelfile import load_model_file
+    mf = load_model_file(model_path)
+    preds = split_predictions(Predictor(mf), slabs, data.build_graphs(slabs, 4.5, 12, progress=False),
+                              np.arange(len(slabs["energy"])))
+    write_predictions(tmp_path / "predictions.h5", preds)
+    got = read_predictions(tmp_path / "predictions.h5")
+    with GNNPipeCalculator.from_run(model_path, workers=2) as calc:
+        for s, atoms in enumerate(systems_to_atoms(got, range(len(got["system"])))):
+            atoms.calc = calc
+            lo, hi = got["atom_ptr"][s], got["atom_ptr"][s + 1]
+            assert atoms.get_potential_energy() == pytest.approx(got["energy"][s], abs=1e-10)
+            np.testing.assert_allclose(atoms.get_forces(apply_constraint=False), got["forces"][lo:hi], atol=1e-10)
