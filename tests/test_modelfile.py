@@ -17,7 +17,7 @@ from gnnpipe.atomic.modelfile import (FORMAT_VERSION, PAYLOAD_KEY, load_model_fi
 from gnnpipe.checkpoint import digest
 from gnnpipe.io import GnnPipeError
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parent / "fixtures" / "atomic-model"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -60,21 +60,21 @@ def test_round_trip_bare_in_a_checkpoint_and_in_a_run_dir(tmp_path, mf):
 
 
 def test_the_committed_format_1_file_loads_and_predicts_what_it_did():
-    """tests/data/atomic-model-v1.pt (written by tests/data/make_model_files.py) must keep loading,
-    with its energies, as the format moves on."""
+    """tests/fixtures/atomic-model/model-v1.pt (its make.py wrote it) must keep loading, with its
+    energies, as the format moves on."""
     from ase.build import add_adsorbate, fcc111
     from ase.constraints import FixAtoms
 
     from gnnpipe.ase import GNNPipeCalculator
 
-    mf = load_model_file(DATA / "atomic-model-v1.pt")
+    mf = load_model_file(DATA / "model-v1.pt")
     assert (mf.kind, mf.cutoff, mf.max_neighbors, mf.symmetric_edges, mf.elements) == \
            ("dimenetpp", 4.0, 12, False, (6, 8, 29))
-    slab = fcc111("Cu", size=(2, 2, 2), vacuum=5.0)  # tests/data/make_model_files.py: reference_structure
+    slab = fcc111("Cu", size=(2, 2, 2), vacuum=5.0)  # the fixture's make.py: reference_structure
     add_adsorbate(slab, "O", 1.8, "fcc")
     slab.set_constraint(FixAtoms(indices=[a.index for a in slab if a.tag == 2]))
     slab.calc = GNNPipeCalculator(mf)
-    want = json.loads((DATA / "atomic-model-v1.json").read_text())
+    want = json.loads((DATA / "model-v1.json").read_text())
     assert slab.get_potential_energy() == pytest.approx(want["energy"], abs=1e-9)
     np.testing.assert_allclose(slab.get_forces(apply_constraint=False), want["forces"], atol=1e-9)
 
