@@ -141,4 +141,3 @@ def write_config(tmp_path: Path, edit) -> Path:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
