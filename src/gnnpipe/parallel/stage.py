@@ -217,7 +217,9 @@ class _Saved:
 class _Tap(torch.autograd.Function):
     """Identity on a chunk's halo rows; backward hands their gradient to ``on_grad`` (the routing
     and the start of the exchange back) as soon as autograd has it, before the inner rows'
-    backward runs, and returns nothing (the rows are not a parameter)."""
+    backward runs, and returns nothing (the rows are not a parameter). ``on_grad`` is dropped
+    once called: it refers to the (conv, chunk)'s saved tensors, whose graph refers to this node,
+    a cycle through autograd's C++ nodes that Python's collector would never free."""
 
     @staticmethod
     def forward(ctx, halo: Tensor, on_grad) -> Tensor:
@@ -226,7 +228,8 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        ctx.on_grad(grad)
+        on_grad, ctx.on_grad = ctx.on_grad, None
+        on_grad(grad)
         return None, None
 
 
@@ -345,9 +348,9 @@ class Stage:
         covers = l == 0 and ch.whole_way and self.cache_input  # own = the whole source space
         if halo is None and not covers and ch.halo.numel():
             halo = self._buffered_halo(l, ch, fresh)
+        saved.halo = halo  # the values (a rebuild reads them); what the conv reads may be tapped
         if halo is not None and needs and on_grad is not None:
             halo = _Tap.apply(halo.detach().requires_grad_(), lambda g: on_grad(saved, g))
-        saved.halo = halo
         if ni < n:
             src = own_t if halo is None else torch.cat([own_t, halo])  # (n_c + M_c, d_l)
             outs.append(conv(src, ch.boundary if ni else ch.block, None if x0 is None else (x0[ni:] if ni else x0)))
