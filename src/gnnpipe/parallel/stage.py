@@ -14,19 +14,21 @@ their chunk's backward. Stage 0's conv 0 reads the input features (``x_src``: ow
 halo's, fetched once at set-up) or the encoder's output on them (``h0``), recomputed every epoch:
 never stale. With one chunk per way there is nothing to buffer: a chunk is the whole way.
 
-**One chunk through a conv** (:meth:`Stage._conv`): the chunk's own input rows (a leaf) and its
-halo rows. Before the conv the ``G`` ways exchange (one all-to-all in the graph group, op
+**One chunk through the stage** (:meth:`Stage._run`, one autograd graph from the chunk's input
+rows, a leaf, to its output; :meth:`Stage._conv` per conv): each conv reads the chunk's own rows
+and its halo rows. Before the conv the ``G`` ways exchange (one all-to-all in the graph group, op
 ``halo``; :func:`gnnpipe.parallel.halo.way_plans`) the rows of *this step's* chunks that the other
 ways' halos list; the chunk's rows without an outside neighbour (``n_inner``) are aggregated
 while they are in flight (``graph_parallel.overlap``). A chunk's halo row is *fresh* if its chunk
 came earlier in the order or is another way's chunk of the same step (exchanged just now), else
-*historical*. Backward, conv by conv: the halo rows' gradients go to the gradient buffer (rows of
-this way) and, for the rows of the other ways' chunks of this step, back to their owners by the
-same all-to-all (started as soon as they are known, overlapping the inner rows' backward), whose
-answer is added to the own rows' gradient with what other chunks delivered (``_route``). The
-exchange is a copy, its adjoint a scatter-add (the derivation is in ``halo.py``). Each halo row
-crosses the wire once per conv and epoch, each way: ``Σ_g M_g · d_l`` values per conv and
-direction (``costmodel.bytes``).
+*historical*. Backward: a tap on the halo rows (``_Hook``) sends their gradient, as soon as
+autograd has it, to the gradient buffer (rows of this way) and, for the rows of the other ways'
+chunks of this step, back to their owners by the same all-to-all (overlapping the inner rows'
+backward); a join on the own rows (a ``_Hook`` too) adds, once all their uses are back-propagated, what
+other chunks left in the buffer and what the other ways sent back. The exchange is a copy, its
+adjoint a scatter-add (the derivation is in ``halo.py``). Each halo row crosses the wire once per
+conv and epoch, each way: ``Σ_g M_g · d_l`` values per conv and direction (``costmodel.bytes``).
+With one chunk per way this is graph parallelism's autograd pair, node for node.
 
 **Why reverse order delivers the right gradients** (GPipe, ``gnnpipe.schedule``): chunk ``c``
 read chunk ``c'``'s row fresh iff ``c'`` came earlier in the forward order (or at the same step
@@ -65,10 +67,10 @@ dropout off). Without techniques 3/4 and without recompute the buffer itself is 
 row holds last epoch's value until its chunk is recomputed); otherwise a second buffer holds it.
 
 **Recompute** (``recompute``): the forward keeps no activations, only each (conv, chunk)'s RNG
-state and, with nothing buffered (``c = 1``), its input rows; the backward rebuilds each
-(conv, chunk) graph from them, one at a time (the exchanges are not repeated), with the RNG state
-restored (dropout draws the same mask) and the global RNG left as it was: bitwise the result of
-storing.
+state and, with nothing buffered (``c = 1``), the chunk's input rows and each conv's halo rows;
+the backward rebuilds the chunk's graph from them (the buffers hold the rest; the exchanges are
+not repeated), each conv under its RNG state (dropout draws the same mask), the global RNG left
+as it was: bitwise the result of storing, and one chunk's activations at a time.
 
 **Exact passes** (evaluation, the warm start): the way's whole block as one chunk through the
 stages, dropout off, every exchange op ``control``.
@@ -197,40 +199,31 @@ class EpochState:
     fresh: dict = field(default_factory=dict)  # chunk -> which of its halo rows are fresh (bool, (M_c,))
     scale: dict = field(default_factory=dict)  # chunk -> grad_correction's factor for its fresh halo rows
     rng: dict = field(default_factory=dict)  # (conv, chunk) -> RNG state, for recompute
-    saved: dict = field(default_factory=dict)  # (conv, chunk) -> what its backward needs
+    saved: dict = field(default_factory=dict)  # chunk -> what its backward needs
+    pending: dict = field(default_factory=dict)  # (conv, chunk) -> the halo gradients' exchange in flight
     loss: Optional[Tensor] = None  # the last stage's loss sum (float64, no host sync per chunk)
     h0_graph: Optional[Tensor] = None  # the encoder's output with its graph (stage 0)
 
 
-@dataclass(eq=False)
-class _Saved:
-    """One (conv, chunk): its leaves, its output, the loss on it, its inputs for recompute."""
-
-    own: Tensor
-    halo: Optional[Tensor]
-    x0: Optional[Tensor]
-    out: Optional[Tensor]
-    loss: Optional[Tensor] = None
-    pending: object = None  # the halo gradients' exchange in flight (started by _Tap)
-
-
-class _Tap(torch.autograd.Function):
-    """Identity on a chunk's halo rows; backward hands their gradient to ``on_grad`` (the routing
-    and the start of the exchange back) as soon as autograd has it, before the inner rows'
-    backward runs, and returns nothing (the rows are not a parameter). ``on_grad`` is dropped
-    once called: it refers to the (conv, chunk)'s saved tensors, whose graph refers to this node,
-    a cycle through autograd's C++ nodes that Python's collector would never free."""
+class _Hook(torch.autograd.Function):
+    """Identity on a chunk's rows whose backward hands their gradient to ``on_grad`` and returns
+    what it returns. Two uses: a *tap* on a conv's halo rows (``on_grad`` routes their gradient
+    to the buffer and starts the exchange back as soon as autograd has it, before the inner rows'
+    backward, and returns None: the rows are not a parameter) and a *join* on its own rows
+    (``on_grad`` adds, once every use of them is back-propagated, what other chunks left in the
+    buffer and what the other ways sent back). ``on_grad`` is dropped once called: a closure kept
+    on a node of the graph it refers to is a cycle through autograd's C++ nodes, which Python's
+    collector cannot free."""
 
     @staticmethod
-    def forward(ctx, halo: Tensor, on_grad) -> Tensor:
+    def forward(ctx, rows: Tensor, on_grad) -> Tensor:
         ctx.on_grad = on_grad
-        return halo.view_as(halo)
+        return rows.view_as(rows)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         on_grad, ctx.on_grad = ctx.on_grad, None
-        on_grad(grad)
-        return None, None
+        return on_grad(grad), None
 
 
 class Stage:
@@ -314,20 +307,15 @@ class Stage:
         return ce_sum(logits, self.labels[s:e], self.masks["train"][s:e]) / self.n_train
 
     # ------------------------------------------------------------------ one (conv, chunk)
-    def _conv(self, l: int, ch: Chunk, own: Tensor, x0_rows: Optional[Tensor], *, grad: bool, op: str = "halo",
+    def _conv(self, l: int, ch: Chunk, own: Tensor, x0: Optional[Tensor], *, grad: bool, op: str = "halo",
               clock=None, fresh: Optional[Tensor] = None, rebuild: bool = False, halo_in: Optional[Tensor] = None,
-              on_grad=None) -> tuple[_Saved, Optional[Tensor]]:
-        """Conv ``l`` on chunk ``ch`` from its own input rows ``own``: returns its leaves and output,
-        and the halo rows it read. The halo rows are exchanged with the other ways (``_exchanges``)
-        and / or read from the buffers; ``rebuild`` (recompute): no exchange, the halo rows are
-        ``halo_in`` or the buffers'. ``on_grad(saved, grad)``: routes the halo rows' gradient."""
+              on_grad=None) -> tuple[Tensor, Optional[Tensor]]:
+        """Conv ``l`` on chunk ``ch`` from its own input rows ``own`` (and ``x0``, its residual rows):
+        returns its output and the halo rows it read. The halo rows are exchanged with the other
+        ways (``_exchanges``; the inner rows are aggregated meanwhile) and / or read from the
+        buffers; ``rebuild`` (recompute): no exchange, the halo rows are ``halo_in`` or the
+        buffers'. ``on_grad``: routes the halo rows' gradient (a tap on them)."""
         conv, n = self.convs[l], ch.end - ch.start
-        needs = grad and self._halo_grads(l)
-        own_t = own.detach().requires_grad_() if needs else own
-        x0 = None
-        if x0_rows is not None:
-            x0 = x0_rows.clone().requires_grad_() if grad else x0_rows
-        saved = _Saved(own_t, None, x0, None)
         exchange = self._exchanges(l) and not rebuild
         work = None
         if exchange:
@@ -337,7 +325,7 @@ class Stage:
         ni = ch.n_inner if (self._exchanges(l) and self.overlap) else 0
         outs = []
         if ni:  # these rows need no halo: aggregate them while it is in flight
-            outs.append(conv(own_t, ch.inner, None if x0 is None else x0[:ni]))
+            outs.append(conv(own, ch.inner, None if x0 is None else x0[:ni]))
         halo = halo_in
         if exchange:
             got = clock.wait(work, "comm") if clock is not None else self.comm.wait(work)
@@ -348,14 +336,13 @@ class Stage:
         covers = l == 0 and ch.whole_way and self.cache_input  # own = the whole source space
         if halo is None and not covers and ch.halo.numel():
             halo = self._buffered_halo(l, ch, fresh)
-        saved.halo = halo  # the values (a rebuild reads them); what the conv reads may be tapped
-        if halo is not None and needs and on_grad is not None:
-            halo = _Tap.apply(halo.detach().requires_grad_(), lambda g: on_grad(saved, g))
+        read = halo
+        if halo is not None and grad and self._halo_grads(l) and on_grad is not None:
+            halo = _Hook.apply(halo.detach().requires_grad_(), on_grad)  # the tap
         if ni < n:
-            src = own_t if halo is None else torch.cat([own_t, halo])  # (n_c + M_c, d_l)
+            src = own if halo is None else torch.cat([own, halo])  # (n_c + M_c, d_l)
             outs.append(conv(src, ch.boundary if ni else ch.block, None if x0 is None else (x0[ni:] if ni else x0)))
-        saved.out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return saved, halo
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)), read
 
     def _buffered_halo(self, l: int, ch: Chunk, fresh: Optional[Tensor]) -> Tensor:
         """A chunk's halo rows from this way's buffers: conv 0's input (features or the encoder's
@@ -407,18 +394,47 @@ class Stage:
         return ep
 
     def _inputs(self, ch: Chunk, payload: Optional[Tensor]):
-        """The chunk's input rows of this stage's first conv, and its x0 rows."""
+        """The chunk's input rows of this stage's first conv (None in a rebuild where a buffer
+        holds them), and its x0 rows."""
         a = self.layers[0]
         if self.first:
-            own = self._source0(ch) if a == 0 else None
-            return own, (self.h0[ch.start:ch.end] if self.needs_x0 else None)
+            return self._source0(ch), (self.h0[ch.start:ch.end] if self.needs_x0 else None)
+        own = None
         if payload is not None:
             if self.needs_x0:
                 self.x0buf[ch.start:ch.end] = payload[:, self.dims[a]:]
             own = payload[:, :self.dims[a]]
-        else:  # a rebuild (recompute): the rows were written to the buffer, or kept
-            own = None
+        elif a in self.hist:  # a rebuild (recompute): the rows were written to the buffer
+            own = self.hist[a].cur[ch.start:ch.end]
         return own, (self.x0buf[ch.start:ch.end] if self.needs_x0 else None)
+
+    def _run(self, j: int, ch: Chunk, ep: EpochState, h: Tensor, x0_rows: Optional[Tensor], *, grad: bool,
+             clock, rebuild: bool = False, kept: Optional[dict] = None):
+        """The chunk through this stage's convs as one graph: from its input rows (a leaf, whose
+        gradient goes to the previous stage or the encoder) to its output, each conv's own rows
+        joined with what reaches them from elsewhere (buffered gradients, the other ways' answer)
+        and its halo rows tapped. Returns the input leaf, each conv's x0 leaf, the output, the
+        loss (last stage) and each conv's halo rows (what a rebuild needs without buffers)."""
+        record = self.pc.recompute and not rebuild
+        leaf = h.detach().requires_grad_() if grad and self._halo_grads(self.layers[0]) else h
+        h, x0s, halos = leaf, [], {}
+        for l in self.layers:
+            if l in self.hist and not rebuild:
+                self.hist[l].cur[ch.start:ch.end] = h.detach()
+            if record:
+                ep.rng[(l, j)] = self._rng_state()
+            with (self._replay(ep.rng.pop((l, j))) if rebuild else contextlib.nullcontext()):
+                if grad and self._halo_grads(l) and (self._exchanges(l) or l in self.hist):
+                    h = _Hook.apply(h, self._joiner(l, j, ch, ep, clock))  # the join
+                x0 = None
+                if x0_rows is not None:  # a leaf per conv; stage 0's rows of h0 are not written in the
+                    # epoch (a view will do), later stages' x0buf is, chunk by chunk (a copy)
+                    x0 = (x0_rows.detach() if self.first else x0_rows.clone()).requires_grad_() if grad else x0_rows
+                h, halos[l] = self._conv(l, ch, h, x0, grad=grad, clock=clock, fresh=ep.fresh.get(j), rebuild=rebuild,
+                                         halo_in=(kept or {}).get(l), on_grad=self._router(l, j, ch, ep))
+                x0s.append(x0)
+        loss = self._chunk_loss(h, ch) if self.last else None
+        return leaf, x0s, h, loss, halos
 
     def forward(self, j: int, ep: EpochState, payload: Optional[Tensor], clock) -> Optional[Tensor]:
         """Chunk ``j`` through this stage's convs; returns what goes to the next stage."""
@@ -426,35 +442,26 @@ class Stage:
         if not self.layers:  # no graph layer (mlp, graph mode): the per-node model on own rows
             loss = self._chunk_loss(self.encoder(self.x_src[ch.start:ch.end]), ch)
             ep.loss += loss.detach()
-            ep.saved[(None, j)] = _Saved(None, None, None, None, loss)
+            ep.saved[j] = (None, [], None, loss)
             return None
         h, x0_rows = self._inputs(ch, payload)
         with torch.set_grad_enabled(not recompute):
-            for l in self.layers:
-                if l in self.hist:
-                    self.hist[l].cur[ch.start:ch.end] = h
-                if recompute:
-                    ep.rng[(l, j)] = self._rng_state()
-                saved, halo = self._conv(l, ch, h, x0_rows, grad=not recompute, clock=clock, fresh=ep.fresh.get(j),
-                                         on_grad=self._router(l, j, ch, ep))
-                out = saved.out
-                if self.last and l == self.layers[-1]:
-                    saved.loss = self._chunk_loss(out, ch)
-                    ep.loss += saved.loss.detach()
-                if recompute:  # the inputs, where no buffer holds them
-                    saved = _Saved(None, None, None, None) if self.buffered else _Saved(h, halo, None, None)
-                ep.saved[(l, j)] = saved
-                h = out.detach()
+            leaf, x0s, out, loss, halos = self._run(j, ch, ep, h, x0_rows, grad=not recompute, clock=clock)
+        if loss is not None:
+            ep.loss += loss.detach()
+        # recompute keeps what no buffer holds: the input rows and each conv's halo rows
+        ep.saved[j] = (None if self.buffered else h, halos) if recompute else (leaf, x0s, out, loss)
         if self.last:
             return None
-        return torch.cat([h, x0_rows], dim=1) if self.needs_x0 else h
+        return torch.cat([out.detach(), x0_rows], dim=1) if self.needs_x0 else out.detach()
 
     def _router(self, l: int, j: int, ch: Chunk, ep: EpochState):
         """What conv ``l`` of chunk ``j`` does with its halo rows' gradient: into the buffers (rows
         of this way: the fresh ones, scaled, or all of them) and, for this step's rows of other
         ways, back to their owners at once (the exchange's adjoint)."""
-        def on_grad(saved: _Saved, g: Tensor) -> None:
-            exchange = self._exchanges(l)
+        exchange = self._exchanges(l)
+
+        def on_grad(g: Tensor) -> None:
             if l == 0 and not exchange:  # the encoder's output, back-propagated at the end
                 self.g0.index_add_(0, ch.halo, g)
                 return
@@ -470,70 +477,59 @@ class Stage:
                 pos = ch.plan.recv_pos
                 g = st.grad.index_select(0, pos)
                 st.grad[pos] = 0
-            if exchange:
-                saved.pending = self.comm.all_to_all_rows(
-                    g.contiguous(), ch.plan.recv_rows, ch.plan.send_rows, self.group, op="halo", async_op=True)
+            ep.pending[(l, j)] = self.comm.all_to_all_rows(g.contiguous(), ch.plan.recv_rows, ch.plan.send_rows,
+                                                           self.group, op="halo", async_op=True)
         return on_grad
 
-    def _route(self, l: int, j: int, ch: Chunk, saved: _Saved, clock) -> Optional[Tensor]:
-        """After conv ``l``'s backward of chunk ``j``: the gradient of the chunk's own input rows,
-        with what other chunks delivered to them and what the other ways sent back."""
-        g_own = saved.own.grad
-        if l == 0 and not self._exchanges(0):  # stage 0, the input halo cached
-            if g_own is not None:
-                if ch.whole_way:
-                    self.g0 += g_own
-                else:
-                    self.g0[ch.start:ch.end] += g_own
-            return None
-        if self.buffered:
-            st = self.hist[l]
-            g_own = g_own + st.grad[ch.start:ch.end]  # (n_c, d_l); a chunk's halo never holds its own rows
-            st.grad[ch.start:ch.end] = 0
-        if self._exchanges(l) and self._halo_grads(l):  # raw features take no gradient back
-            if saved.pending is None:  # the halo was not on the path to the loss: answer with zeros
-                zeros = g_own.new_zeros((sum(ch.plan.recv_rows), g_own.shape[1]))
-                saved.pending = self.comm.all_to_all_rows(zeros, ch.plan.recv_rows, ch.plan.send_rows, self.group,
-                                                          op="halo", async_op=True)
-            back = clock.wait(saved.pending, "comm")
-            g_own.index_add_(0, ch.plan.send_index, back)
-        if l == 0:  # stage 0, the input halo exchanged: the encoder's output (own rows)
-            if g_own is not None and self.has_encoder:
-                self.g0[ch.start:ch.end] += g_own
-            return None
-        return g_own
+    def _joiner(self, l: int, j: int, ch: Chunk, ep: EpochState, clock):
+        """What reaches conv ``l``'s own input rows of chunk ``j`` besides its own backward: what
+        other chunks left in the gradient buffer (and it is taken out), and what the other ways
+        sent back for the rows of this step they read."""
+        st = self.hist.get(l)
+
+        def on_grad(g: Tensor) -> Tensor:
+            if st is not None:
+                g = g + st.grad[ch.start:ch.end]  # (n_c, d_l); a chunk's halo never holds its own rows
+                st.grad[ch.start:ch.end] = 0
+            if self._exchanges(l):
+                work = ep.pending.pop((l, j), None)
+                if work is None:  # the halo was not on the path to the loss: answer with zeros
+                    zeros = g.new_zeros((sum(ch.plan.recv_rows), g.shape[1]))
+                    work = self.comm.all_to_all_rows(zeros, ch.plan.recv_rows, ch.plan.send_rows, self.group,
+                                                     op="halo", async_op=True)
+                back = clock.wait(work, "comm")
+                g = g.index_add(0, ch.plan.send_index, back)
+            return g
+        return on_grad
 
     def backward(self, j: int, ep: EpochState, g_payload: Optional[Tensor], clock) -> Optional[Tensor]:
-        """Chunk ``j`` back through this stage's convs, conv by conv; returns what goes to the
-        previous stage (the gradients of its output rows, and of x0's)."""
-        if not self.layers:
-            ep.saved.pop((None, j)).loss.backward()
-            return None
-        ch, top = self.chunks[j], self.layers[-1]
-        g_out = gx0 = None
-        if not self.last:
-            d = self.out_dims[top]
-            g_out, gx0 = g_payload[:, :d], (g_payload[:, d:].clone() if self.needs_x0 else None)
-        for l in reversed(self.layers):
-            saved = ep.saved.pop((l, j))
-            if self.pc.recompute:
-                own = saved.own
-                if own is None:  # buffered: this epoch's rows of the chunk
-                    own = self._source0(ch) if l == 0 else self.hist[l].cur[ch.start:ch.end]
-                with self._replay(ep.rng.pop((l, j))):
-                    saved, _ = self._conv(l, ch, own, self._inputs(ch, None)[1], grad=True, rebuild=True,
-                                          halo_in=saved.halo, fresh=ep.fresh.get(j), on_grad=self._router(l, j, ch, ep))
-                    if self.last and l == top:
-                        saved.loss = self._chunk_loss(saved.out, ch)
-            if saved.loss is not None:
-                saved.loss.backward()
-            else:
-                saved.out.backward(g_out)
-            if saved.x0 is not None:
-                gx0 = saved.x0.grad if gx0 is None else gx0.add_(saved.x0.grad)
-            g_out = self._route(l, j, ch, saved, clock)
+        """Chunk ``j`` back through this stage's convs (one backward of its graph); returns what
+        goes to the previous stage (the gradients of its input rows, and of x0's)."""
+        ch = self.chunks[j]
+        if self.pc.recompute and self.layers:  # rebuild the chunk's graph, each conv with its RNG state
+            kept_input, halos = ep.saved.pop(j)
+            h, x0_rows = self._inputs(ch, None)
+            leaf, x0s, out, loss, _ = self._run(j, ch, ep, h if kept_input is None else kept_input, x0_rows,
+                                                grad=True, clock=clock, rebuild=True, kept=halos)
+        else:
+            leaf, x0s, out, loss = ep.saved.pop(j)
+        gx0 = None
+        if loss is not None:
+            loss.backward()
+        else:
+            d = self.out_dims[self.layers[-1]]
+            out.backward(g_payload[:, :d])
+            gx0 = g_payload[:, d:].clone() if self.needs_x0 else None
+        for x0 in reversed(x0s):  # the residual's gradient, conv by conv from the top
+            if x0 is not None:
+                gx0 = x0.grad if gx0 is None else gx0.add_(x0.grad)
         if not self.first:
-            return torch.cat([g_out, gx0], dim=1) if self.needs_x0 else g_out
+            return torch.cat([leaf.grad, gx0], dim=1) if self.needs_x0 else leaf.grad
+        if self.layers and leaf.grad is not None:  # conv 0's rows: the encoder's output
+            if ch.whole_way and self.cache_input:
+                self.g0 += leaf.grad
+            else:
+                self.g0[ch.start:ch.end] += leaf.grad
         if self.needs_x0:
             self.g0[ch.start:ch.end] += gx0  # x0 is the encoder's output too
         return None
@@ -566,10 +562,10 @@ class Stage:
                 x0 = h if self.needs_x0 else None
             for l in self.layers:
                 own = src0 if (l == 0 and self.cache_input) else h
-                saved, halo = self._conv(l, self.way, own, x0, grad=False, op="control")
+                out, halo = self._conv(l, self.way, own, x0, grad=False, op="control")
                 if fill and l in self.hist:
                     self.hist[l].fill(torch.cat([h, halo]) if halo is not None else h)
-                h = saved.out
+                h = out
         finally:
             for (_, m), w in zip(self.owned, was):
                 m.train(w)
