@@ -73,7 +73,10 @@ def f64():
     torch.set_default_dtype(old)
 
 
-def test_matches_pyg_dimenetplusplus(monkeypatch, f64):
+@pytest.mark.parametrize("built_in", [torch.float64, torch.float32])
+def test_matches_pyg_dimenetplusplus(monkeypatch, built_in):
+    """Energies, forces and the parameter gradients of a loss on both (double backward) equal PyG's,
+    float64, whichever default dtype the models were built under (then cast to float64)."""
     pyg = pytest.importorskip("torch_geometric.nn.models.dimenet")
     b = molecules(0)
     src, dst = torch.as_tensor(b["edge_src"]), torch.as_tensor(b["edge_dst"])
@@ -81,21 +84,31 @@ def test_matches_pyg_dimenetplusplus(monkeypatch, f64):
     monkeypatch.setattr(pyg, "radius_graph", lambda pos, r, batch, max_num_neighbors: torch.stack([src, dst]))
     monkeypatch.setattr(pyg, "triplets", lambda edge_index, num_nodes: (
         dst, src, dst[ji], src[ji], src[kj], kj, ji))
-    ours = _model()
-    ref = pyg.DimeNetPlusPlus(hidden_channels=16, out_channels=1, num_blocks=2, int_emb_size=8,
-                              basis_emb_size=4, out_emb_channels=12, num_spherical=5, num_radial=4,
-                              cutoff=CUTOFF).double()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(built_in)
+    try:
+        ours = _model()
+        ref = pyg.DimeNetPlusPlus(hidden_channels=16, out_channels=1, num_blocks=2, int_emb_size=8,
+                                  basis_emb_size=4, out_emb_channels=12, num_spherical=5, num_radial=4,
+                                  cutoff=CUTOFF).double()
+    finally:
+        torch.set_default_dtype(old)
     missing = ref.load_state_dict(ours.state_dict(), strict=True)
     assert not missing.missing_keys and not missing.unexpected_keys
     pos_ref = torch.as_tensor(b["pos"]).requires_grad_(True)
     e_ref = ref(torch.as_tensor(b["z"]), pos_ref, torch.as_tensor(b["system"])).squeeze(-1)
-    f_ref = -torch.autograd.grad(e_ref.sum(), pos_ref)[0]
+    f_ref = -torch.autograd.grad(e_ref.sum(), pos_ref, create_graph=True)[0]
+    (e_ref.pow(2).sum() + f_ref.pow(2).sum()).backward()
     g = single_graph(b)
     g = with_pos(g, g.pos.clone().requires_grad_(True))
-    energy, forces = energy_and_forces(ours, g, create_graph=False)
+    energy, forces = energy_and_forces(ours, g, create_graph=True)
+    (energy.pow(2).sum() + forces.pow(2).sum()).backward()
     assert e_ref.abs().min() > 1e-3  # a non-trivial energy
     torch.testing.assert_close(energy.detach(), e_ref.detach(), rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(forces, f_ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(forces.detach(), f_ref.detach(), rtol=1e-9, atol=1e-9)
+    ref_params = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-9, atol=1e-9, msg=name)
 
 
 def test_bessel_zeros_are_zeros():

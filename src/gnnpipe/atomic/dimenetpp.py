@@ -155,8 +155,9 @@ class SphericalBasisLayer(nn.Module):
         norm = np.stack([1 / np.sqrt(0.5 * _sph_jn_np(z[l], l + 1) ** 2) for l in range(num_spherical)])
         self.register_buffer("zeros", torch.from_numpy(z.astype(np.float64)), persistent=False)  # (S, R)
         self.register_buffer("norm", torch.from_numpy(norm.astype(np.float64)), persistent=False)  # (S, R)
-        self.register_buffer("sph_pref", torch.tensor(
-            [math.sqrt((2 * l + 1) / (4 * math.pi)) for l in range(num_spherical)]), persistent=False)
+        self.register_buffer("sph_pref", torch.tensor(  # float64 whatever the default dtype (exact as PyG's)
+            [math.sqrt((2 * l + 1) / (4 * math.pi)) for l in range(num_spherical)], dtype=torch.float64),
+            persistent=False)
 
     def forward(self, dist: Tensor, angle: Tensor) -> Tensor:  # (T,), (T,) -> (T, S*R)
         n, k = self.num_spherical, self.num_radial
