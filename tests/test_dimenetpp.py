@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gnnpipe.atomic.dimenetpp import (DimeNetPP, DimeNetPPConfig, bessel_zeros, count_parameters,
-                                      energy_and_forces, preset, spherical_jn_rows, triplet_blocks)
+                                      energy_and_forces, preset, silu, spherical_jn_rows, triplet_blocks)
 from gnnpipe.atomic.parallel import single_graph, with_pos
 
 CUTOFF = 3.0
@@ -124,6 +124,12 @@ def test_spherical_jn_rows_matches_scipy():
     near = x >= 0.1
     got = spherical_jn_rows(torch.as_tensor(y[near], dtype=torch.float32)).double().numpy()
     np.testing.assert_allclose(got, ref[near], rtol=0, atol=3e-4)
+
+
+def test_silu_is_twice_differentiable():
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(silu(x), torch.nn.functional.silu(x), rtol=0, atol=0)
+    assert torch.autograd.gradcheck(silu, (x,)) and torch.autograd.gradgradcheck(silu, (x,))
 
 
 @pytest.mark.parametrize("parts", [1, 3])

@@ -29,7 +29,8 @@ factor ``Y_l^0`` per triplet, and ``W_sbf2 W_sbf1`` is linear, so per block::
 
 which, with the triplets of each centre atom j laid out as a dense (output edges × input edges)
 block (:class:`TripletBlocks`), is one batched matmul over centres. Memory kept for backward per
-block is then ~ S·I per distinct input edge instead of ~ 3·I per triplet (T/E ≈ 20 on slabs).
+block is then ~ S·I per distinct input edge instead of ~ 3·I per triplet (T/E ≈ 20 on slabs), and
+the activation's double backward is one op (:class:`_SiLU`).
 
 Forces: ``energy_and_forces`` — ``"gradient"`` (energy-conserving, ``-dE/dpos`` by autograd;
 ``create_graph=True`` for training on forces) or ``"direct"`` (an extra edge head:
@@ -260,6 +261,47 @@ def triplet_blocks(g: AtomGraph) -> TripletBlocks:
 
 
 # --------------------------------------------------------------------------- blocks
+class _SiLU(torch.autograd.Function):
+    """``silu(x) = x·σ(x)`` whose gradient is one op (:class:`_SiLUGrad`) saving only ``(grad, x)``.
+
+    Autograd's own silu, differentiated with ``create_graph=True`` (gradient forces), records
+    its derivative ``σ(x)(1 + x(1 - σ(x)))`` as five ops, each keeping its (E, H) inputs for the
+    second backward; here the force pass keeps two (E, H) tensors per activation and runs one kernel.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return F.silu(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        x, = ctx.saved_tensors
+        return _SiLUGrad.apply(grad, x)
+
+
+class _SiLUGrad(torch.autograd.Function):
+    """``grad · silu'(x)``; its own gradient uses ``silu''(x) = σ(1 - σ)(2 + x(1 - 2σ))``."""
+
+    @staticmethod
+    def forward(ctx, grad: Tensor, x: Tensor) -> Tensor:
+        ctx.save_for_backward(grad, x)
+        return torch.ops.aten.silu_backward(grad, x)
+
+    @staticmethod
+    def backward(ctx, gg: Tensor) -> tuple[Tensor, Tensor]:
+        grad, x = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[1]:  # σ(1 - σ)·A is sigmoid_backward(A, σ); 2 + x(1 - 2σ) = (x + 2) - 2xσ
+            s = torch.sigmoid(x)
+            dx = torch.ops.aten.sigmoid_backward(gg * grad * torch.addcmul(x + 2, x, s, value=-2), s)
+        return torch.ops.aten.silu_backward(gg, x) if ctx.needs_input_grad[0] else None, dx
+
+
+def silu(x: Tensor) -> Tensor:
+    return _SiLU.apply(x)
+
+
 def _glorot_orthogonal(weight: Tensor, scale: float = 2.0) -> None:
     if weight.is_meta:
         return
@@ -279,7 +321,7 @@ class EmbeddingBlock(nn.Module):
 
     def forward(self, z: Tensor, rbf: Tensor, i: Tensor, j: Tensor) -> Tensor:  # -> (E_loc, H)
         h = self.emb(z)
-        return F.silu(self.lin(torch.cat([h[i], h[j], F.silu(self.lin_rbf(rbf))], -1)))
+        return silu(self.lin(torch.cat([h[i], h[j], silu(self.lin_rbf(rbf))], -1)))
 
 
 class ResidualLayer(nn.Module):
@@ -291,7 +333,7 @@ class ResidualLayer(nn.Module):
             nn.init.zeros_(lin.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return x + F.silu(self.lin2(F.silu(self.lin1(x))))
+        return x + silu(self.lin2(silu(self.lin1(x))))
 
 
 class InteractionPPBlock(nn.Module):
@@ -319,9 +361,9 @@ class InteractionPPBlock(nn.Module):
     def forward(self, x: Tensor, rbf: Tensor, rad: Tensor, ang: Tensor, g: AtomGraph, tb: TripletBlocks) -> Tensor:
         """``rad`` (G, Ki, S, R) the radial basis of each block column, ``ang`` (G, Ro, Ki·S) the angular
         basis of each triplet (0 off the triplets): PyG's ``sbf`` is their product per triplet."""
-        x_ji = F.silu(self.lin_ji(x))  # (E_loc, H)
-        x_kj = F.silu(self.lin_kj(x)) * self.lin_rbf2(self.lin_rbf1(rbf))
-        x_kj = F.silu(self.lin_down(x_kj))  # (E_loc, I)
+        x_ji = silu(self.lin_ji(x))  # (E_loc, H)
+        x_kj = silu(self.lin_kj(x)) * self.lin_rbf2(self.lin_rbf1(rbf))
+        x_kj = silu(self.lin_down(x_kj))  # (E_loc, I)
         # t = m[kj] ⊙ W_sbf2 W_sbf1 (rad[kj] ⊗ ang) summed into ji: the radial factor and m meet once
         # per input edge, and the sum over (kj, l) is one matmul per centre: no (T, I) tensor at all
         s, r = rad.shape[-2:]
@@ -330,10 +372,10 @@ class InteractionPPBlock(nn.Module):
         d = m.unsqueeze(2) * torch.einsum("gkln,iln->gkli", rad, w)  # (G, Ki, S, I)
         out = torch.bmm(ang, d.flatten(1, 2))  # (G, Ro, I)
         x_kj = torch.cat([out.reshape(-1, out.shape[-1]), out.new_zeros(1, out.shape[-1])])[tb.edge_row]  # (E_loc, I)
-        h = x_ji + F.silu(self.lin_up(x_kj))
+        h = x_ji + silu(self.lin_up(x_kj))
         for layer in self.layers_before_skip:
             h = layer(h)
-        h = F.silu(self.lin(h)) + x
+        h = silu(self.lin(h)) + x
         for layer in self.layers_after_skip:
             h = layer(h)
         return h
@@ -359,7 +401,7 @@ class OutputPPBlock(nn.Module):
     def mlp(self, x: Tensor) -> Tensor:
         x = self.lin_up(x)
         for lin in self.lins:
-            x = F.silu(lin(x))
+            x = silu(lin(x))
         return self.lin(x)
 
     def forward(self, x: Tensor, rbf: Tensor, g: AtomGraph) -> Tensor:
