@@ -50,10 +50,10 @@ SIZES = {  # name: (model, slabs, timed steps per model by default)
 CUTOFF, MAX_NEIGHBORS = 5.0, 24
 
 
-def slab_batch(num_systems: int, seed: int = 1) -> dict:
+def slab_batch(num_systems: int, cutoff: float = CUTOFF, seed: int = 1) -> dict:
     """``num_systems`` EMT slabs as one batch (batch_arrays), unshifted, self-image edges dropped."""
     systems = data.generate(num_systems, seed=seed, progress=False)
-    graphs = data.build_graphs(systems, CUTOFF, MAX_NEIGHBORS, progress=False)
+    graphs = data.build_graphs(systems, cutoff, MAX_NEIGHBORS, progress=False)
     b = data.batch_arrays(systems, graphs, list(range(num_systems)))
     keep = b["edge_src"] != b["edge_dst"]
     new_id = np.cumsum(keep) - 1
@@ -64,9 +64,10 @@ def slab_batch(num_systems: int, seed: int = 1) -> dict:
 
 
 def _config(spec: dict) -> DimeNetPPConfig:
-    spec = dict(spec)
+    """``spec``: DimeNetPPConfig fields, or ``preset`` and overrides (cutoff 5 Å unless given)."""
+    spec = {"cutoff": CUTOFF, **spec}
     name = spec.pop("preset", None)
-    return preset(name, cutoff=CUTOFF, **spec) if name else DimeNetPPConfig(cutoff=CUTOFF, **spec)
+    return preset(name, **spec) if name else DimeNetPPConfig(**spec)
 
 
 def _models(cfg: DimeNetPPConfig, dtype=torch.float64):
@@ -159,9 +160,11 @@ def saved_bytes(step, model) -> int:
 
 
 def pyg_ratio(spec: dict, num_systems: int, repeats: int = 20, warmup: int = 2, dtype=torch.float32) -> dict:
-    """Ours/PyG time (medians of interleaved steps) and saved-memory ratios at one size (see docstring)."""
+    """Ours/PyG time (medians of interleaved steps) and saved-memory ratios on ``num_systems`` slabs
+    for the model ``spec`` (DimeNetPPConfig fields, or ``preset``: see the module docstring).
+    Call it under ``torch.set_num_threads(1)`` for the ratios this benchmark reports."""
     cfg = _config(spec)
-    b = slab_batch(num_systems)
+    b = slab_batch(num_systems, cfg.cutoff)
     ours, ref = _models(cfg)
     load_before = os.getloadavg()
     with pyg_graph(b):
