@@ -308,6 +308,19 @@ def silu(x: Tensor) -> Tensor:
     return _SiLU.apply(x)
 
 
+def _narrow_linear(lin: Linear, x: Tensor) -> Tensor:
+    """``lin(x)`` for a layer with few inputs applied to many rows (the bases: R, B = 6-8 wide).
+
+    The same product as ``F.linear``, but with ``W^T`` made row-major first, so that autograd forms
+    the weight gradient as ``x^T @ grad`` rather than ``grad^T @ x``: 2-3x faster forward + backward
+    for (E, 6) -> (E, 256) and (G·Ki·S, 8) -> (·, 128) here (MKL, one thread), equal for square layers.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    w = lin.weight.t().contiguous()
+    y = flat @ w if lin.bias is None else torch.addmm(lin.bias, flat, w)
+    return y.view(*x.shape[:-1], w.shape[1])
+
+
 def _glorot_orthogonal(weight: Tensor, scale: float = 2.0) -> None:
     if weight.is_meta:
         return
@@ -331,7 +344,7 @@ class EmbeddingBlock(nn.Module):
         and its double backward skip them."""
         w_i, w_j, w_rbf = self.lin.weight.split(self.emb.embedding_dim, dim=1)
         h = self.emb.weight  # (95, H)
-        return silu((h @ w_i.T)[z[i]] + (h @ w_j.T)[z[j]] + F.linear(silu(self.lin_rbf(rbf)), w_rbf, self.lin.bias))
+        return silu((h @ w_i.T)[z[i]] + (h @ w_j.T)[z[j]] + F.linear(silu(_narrow_linear(self.lin_rbf, rbf)), w_rbf, self.lin.bias))
 
 
 class ResidualLayer(nn.Module):
@@ -372,15 +385,15 @@ class InteractionPPBlock(nn.Module):
         """``rad`` (G, Ki, S, R) the radial basis of each block column, ``ang`` (G, Ro, Ki·S) the angular
         basis of each triplet (0 off the triplets): PyG's ``sbf`` is their product per triplet."""
         x_ji = silu(self.lin_ji(x))  # (E_loc, H)
-        x_kj = silu(self.lin_kj(x)) * self.lin_rbf2(self.lin_rbf1(rbf))
+        x_kj = silu(self.lin_kj(x)) * _narrow_linear(self.lin_rbf2, _narrow_linear(self.lin_rbf1, rbf))
         x_kj = silu(self.lin_down(x_kj))  # (E_loc, I)
         # t = m[kj] ⊙ W_sbf2 W_sbf1 (rad[kj] ⊗ ang) summed into ji: the radial factor and m meet once
         # per input edge, and the sum over (kj, l) is one matmul per centre: no (T, I) tensor at all
-        s, r = rad.shape[-2:]
-        w = (self.lin_sbf2.weight @ self.lin_sbf1.weight).view(-1, s, r)  # (I, S, R)
+        g_, k_, s, r = rad.shape
+        w1 = torch.block_diag(*self.lin_sbf1.weight.view(-1, s, r).transpose(0, 1).transpose(1, 2))  # (S·R, S·B)
+        c = _narrow_linear(self.lin_sbf2, (rad.reshape(g_ * k_, s * r) @ w1).view(g_, k_, s, w1.shape[1] // s))  # (G, Ki, S, I)
         m = g.gather_edges(x_kj)[tb.col_edge]  # (G, Ki, I)
-        d = m.unsqueeze(2) * torch.einsum("gkln,iln->gkli", rad, w)  # (G, Ki, S, I)
-        out = torch.bmm(ang, d.flatten(1, 2))  # (G, Ro, I)
+        out = torch.bmm(ang, (m.unsqueeze(2) * c).flatten(1, 2))  # (G, Ro, I)
         x_kj = torch.cat([out.reshape(-1, out.shape[-1]), out.new_zeros(1, out.shape[-1])])[tb.edge_row]  # (E_loc, I)
         h = x_ji + silu(self.lin_up(x_kj))
         for layer in self.layers_before_skip:
@@ -415,7 +428,7 @@ class OutputPPBlock(nn.Module):
         return self.lin(x)
 
     def forward(self, x: Tensor, rbf: Tensor, g: AtomGraph) -> Tensor:
-        return self.mlp(g.edges_to_atoms(self.lin_rbf(rbf) * x))
+        return self.mlp(g.edges_to_atoms(_narrow_linear(self.lin_rbf, rbf) * x))
 
 
 # --------------------------------------------------------------------------- the model
@@ -473,7 +486,7 @@ def energy_and_forces(model: DimeNetPP, g: AtomGraph, create_graph: bool) -> tup
     if model.cfg.force_head == "direct":
         energy, x, rbf = model.embed(g)
         v = g.edge_vectors()
-        mag = model.force_block.lin_rbf(rbf) * x  # (E_loc, H)
+        mag = _narrow_linear(model.force_block.lin_rbf, rbf) * x  # (E_loc, H)
         mag = model.force_block.mlp(mag)  # (E_loc, 1): per-edge magnitude, along the edge
         forces = g.edges_to_atoms(mag * v / v.norm(dim=-1, keepdim=True))
         return energy.squeeze(-1), forces
