@@ -207,7 +207,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     sizes = ["small"] if a.quick else a.sizes
-    out = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": "float32",
+    out = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "dtype": "float32",
            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "loadavg_before": os.getloadavg(), "sizes": {}}
     import torch_geometric

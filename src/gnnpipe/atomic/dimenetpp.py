@@ -24,7 +24,7 @@ That is the math (PyG's order of operations). The triplet lines are computed wit
 (T_loc, ·) tensor: ``sbf`` is a product of a radial factor of the input edge alone and an angular
 factor ``Y_l^0`` per triplet, and ``W_sbf2 W_sbf1`` is linear, so per block::
 
-    c[kj, l]  = (W_sbf2 W_sbf1)[:, l, :] rad[kj, l, :]             per input edge  (·, S, I)
+    c[kj, l]  = W_sbf2 (W_sbf1[:, l, :] rad[kj, l, :])             per input edge  (·, S, I)
     scatter_{idx_ji}(t)[ji] = Σ_{kj, l} Y_l^0(angle(kj, ji)) · (m_all[kj] ⊙ c[kj, l])
 
 which, with the triplets of each centre atom j laid out as a dense (output edges × input edges)
@@ -344,7 +344,8 @@ class EmbeddingBlock(nn.Module):
         and its double backward skip them."""
         w_i, w_j, w_rbf = self.lin.weight.split(self.emb.embedding_dim, dim=1)
         h = self.emb.weight  # (95, H)
-        return silu((h @ w_i.T)[z[i]] + (h @ w_j.T)[z[j]] + F.linear(silu(_narrow_linear(self.lin_rbf, rbf)), w_rbf, self.lin.bias))
+        x_rbf = F.linear(silu(_narrow_linear(self.lin_rbf, rbf)), w_rbf, self.lin.bias)  # (E_loc, H)
+        return silu((h @ w_i.T)[z[i]] + (h @ w_j.T)[z[j]] + x_rbf)
 
 
 class ResidualLayer(nn.Module):
@@ -390,8 +391,9 @@ class InteractionPPBlock(nn.Module):
         # t = m[kj] ⊙ W_sbf2 W_sbf1 (rad[kj] ⊗ ang) summed into ji: the radial factor and m meet once
         # per input edge, and the sum over (kj, l) is one matmul per centre: no (T, I) tensor at all
         g_, k_, s, r = rad.shape
-        w1 = torch.block_diag(*self.lin_sbf1.weight.view(-1, s, r).transpose(0, 1).transpose(1, 2))  # (S·R, S·B)
-        c = _narrow_linear(self.lin_sbf2, (rad.reshape(g_ * k_, s * r) @ w1).view(g_, k_, s, w1.shape[1] // s))  # (G, Ki, S, I)
+        w1 = torch.block_diag(*self.lin_sbf1.weight.view(-1, s, r).permute(1, 2, 0))  # (S·R, S·B): W_sbf1 per l
+        a = (rad.reshape(g_ * k_, s * r) @ w1).view(g_, k_, s, w1.shape[1] // s)  # (G, Ki, S, B)
+        c = _narrow_linear(self.lin_sbf2, a)  # (G, Ki, S, I)
         m = g.gather_edges(x_kj)[tb.col_edge]  # (G, Ki, I)
         out = torch.bmm(ang, (m.unsqueeze(2) * c).flatten(1, 2))  # (G, Ro, I)
         x_kj = torch.cat([out.reshape(-1, out.shape[-1]), out.new_zeros(1, out.shape[-1])])[tb.edge_row]  # (E_loc, I)
