@@ -459,8 +459,7 @@ class DimeNetPP(nn.Module):
         dist = v.norm(dim=-1)
         rbf = self.rbf(dist)  # (E_loc, R)
         tb = triplet_blocks(g)
-        t = tb.col_triplet
-        v_kj = g.pos[g.kj_dst[t]] - g.pos[g.kj_src[t]] - g.kj_shift[t]  # (G, Ki, 3): PyG's pos_jk
+        v_kj = g.kj_vectors()[tb.col_triplet]  # (G, Ki, 3): PyG's pos_jk, from the view's geometry
         d_kj = v_kj.norm(dim=-1)
         u_ji = (v / dist.unsqueeze(-1))[tb.row_edge]  # (G, Ro, 3): PyG's pos_ij, unit
         cos = torch.bmm(u_ji, (v_kj / d_kj.unsqueeze(-1)).transpose(1, 2))  # (G, Ro, Ki): cos of the angle
