@@ -6,8 +6,11 @@ One batch of EMT slab systems (gnnpipe.atomic.data) and a DimeNet++ that is larg
 machine (hidden 256, 4 blocks, triplet width 128; energy + gradient-force training steps,
 i.e. double backward) on P gloo workers (spawned, one thread each). Per P: systems/s,
 each worker's peak RSS, and the activation memory autograd keeps for backward, measured by
-``saved_tensors_hooks`` and split by what a tensor's rows are: triplets (T_loc rows), edges
-(E_loc or E rows) or atoms — the triplet part is what edge/triplet sharding divides by P.
+``saved_tensors_hooks`` (``engine.saved_bytes_by_rows``) and split by what a tensor's rows are,
+beside ``memory_per_worker``'s estimate of each part (with the batch's block counts at P):
+local edges (and triplet-block rows), triplet-block columns (the input edges a way's triplets
+read: radial basis, per-column messages), triplet-block entries (the angular basis) and atoms.
+Edges, entries and atoms divide by P; columns only while each way's edges cover whole systems.
 Also the bytes the ledger counted per step against the closed form (``step_bytes``).
 """
 
@@ -25,11 +28,14 @@ import numpy as np
 import torch
 
 
+PARTS = ("edge", "column", "entry", "atom")
+
+
 def _work(rank: int, world: int, b: dict, cfg_kw: dict, steps: int) -> dict:
     import torch.distributed as dist
 
     from gnnpipe.atomic.dimenetpp import DimeNetPP, DimeNetPPConfig
-    from gnnpipe.atomic.engine import Normalizer, StepCounts, rank_view, step_loss
+    from gnnpipe.atomic.engine import Normalizer, StepCounts, rank_view, saved_bytes_by_rows, step_loss
     from gnnpipe.atomic.parallel import EdgeGroup
     from gnnpipe.parallel.comm import Communicator
 
@@ -40,14 +46,11 @@ def _work(rank: int, world: int, b: dict, cfg_kw: dict, steps: int) -> dict:
     g = rank_view(b, grp, torch.float32, None)
     norm = Normalizer(np.zeros(95), 1.0)
     counts = StepCounts(b["num_systems"], int((~b["fixed"]).sum()))
-    saved = {"triplet": 0, "edge": 0, "atom": 0, "other": 0}
-    rows = {g.num_local_triplets: "triplet", g.num_local_edges: "edge", g.num_edges: "edge", g.num_atoms: "atom",
-            g.atom_hi - g.atom_lo: "atom"}
+    saved = {}
 
-    def pack(t):
-        if isinstance(t, torch.Tensor) and t.dim() and t.numel():
-            saved[rows.get(int(t.shape[0]), "other")] += t.numel() * t.element_size()
-        return t
+    def run():
+        loss, *_ = step_loss(model, g, b, norm, counts, 10.0)
+        loss.backward()
 
     times = []
     for step in range(steps + 1):
@@ -55,11 +58,9 @@ def _work(rank: int, world: int, b: dict, cfg_kw: dict, steps: int) -> dict:
         t0 = time.perf_counter()
         model.zero_grad(set_to_none=False)
         if step == 1:  # measure the saved activations of one step
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss, *_ = step_loss(model, g, b, norm, counts, 10.0)
+            saved = saved_bytes_by_rows(model, g, run)
         else:
-            loss, *_ = step_loss(model, g, b, norm, counts, 10.0)
-        loss.backward()
+            run()
         if world > 1:
             comm.all_reduce_coalesced_([p.grad for p in model.parameters()])
         if step:
@@ -80,11 +81,11 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from gnnpipe.atomic import data
     from gnnpipe.atomic.dimenetpp import DimeNetPPConfig, count_parameters
-    from gnnpipe.atomic.engine import step_bytes
+    from gnnpipe.atomic.engine import block_counts, memory_per_worker, step_bytes
     from gnnpipe.parallel.testing import spawn_multi_process
 
     n_sys = 2 if a.quick else 8
-    cfg_kw = (dict(hidden_channels=32, num_blocks=2, int_emb_size=16, out_emb_channels=32) if a.quick else
+    cfg_kw = (dict(hidden_channels=40, num_blocks=2, int_emb_size=16, out_emb_channels=40) if a.quick else
               dict(hidden_channels=256, num_blocks=4, int_emb_size=128, basis_emb_size=8, out_emb_channels=256))
     cfg_kw["cutoff"] = 5.0
     systems = data.generate(n_sys, seed=1, progress=False)
@@ -99,21 +100,22 @@ def main(argv=None) -> int:
     for p in a.workers:
         res = spawn_multi_process(_work, p, b, cfg_kw, 2 if a.quick else 3, timeout=1800)
         closed = step_bytes(cfg, [out["edges"]], [out["atoms"]], [n_sys], p, 4, params)
+        est = memory_per_worker(cfg, out["atoms"], out["edges"], out["triplets"], p, 4, **block_counts(b, p))
         row = {"workers": p, "systems_per_s": n_sys / max(r["step_s"] for r in res),
                "peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in res),
-               "saved_triplet_bytes_max": max(r["saved_bytes"]["triplet"] for r in res),
-               "saved_edge_bytes_max": max(r["saved_bytes"]["edge"] for r in res),
-               "saved_atom_bytes_max": max(r["saved_bytes"]["atom"] for r in res),
+               **{f"saved_{k}_bytes_max": max(r["saved_bytes"][k] for r in res) for k in PARTS},
+               **{f"estimated_{k}_bytes": est[k] for k in PARTS},
                "bytes_per_step_measured": sum(r["sent_bytes_step"] for r in res),
                "bytes_per_step_closed_form": closed, "per_rank": res}
         out["runs"].append(row)
+        parts = ", ".join(f"{k} {row[f'saved_{k}_bytes_max'] / 2**20:.1f} ({est[k] / 2**20:.1f})" for k in PARTS)
         print(f"P={p}: {row['systems_per_s']:.2f} systems/s, peak RSS {row['peak_rss_bytes_max'] / 2**20:.0f} MiB, "
-              f"saved triplet part {row['saved_triplet_bytes_max'] / 2**20:.1f} MiB, edge part "
-              f"{row['saved_edge_bytes_max'] / 2**20:.1f} MiB; bytes/step {row['bytes_per_step_measured']:,} "
+              f"saved MiB (estimate): {parts}; bytes/step {row['bytes_per_step_measured']:,} "
               f"(closed form {closed:,})", file=sys.stderr)
-    base = out["runs"][0]["saved_triplet_bytes_max"]
+    base = out["runs"][0]
     for row in out["runs"]:
-        row["triplet_memory_ratio_to_p1"] = row["saved_triplet_bytes_max"] / base if base else None
+        row["saved_ratio_to_p1"] = {k: row[f"saved_{k}_bytes_max"] / base[f"saved_{k}_bytes_max"]
+                                    if base[f"saved_{k}_bytes_max"] else None for k in PARTS}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     return 0

@@ -68,23 +68,32 @@ def _atom_graphs(a):
 
 
 def _plan_atomic(a):
-    from .atomic.data import graph_stats, read_graphs, read_systems
+    import numpy as np
+
+    from .atomic.data import batch_arrays, graph_stats, read_graphs, read_systems
     from .atomic.dimenetpp import count_parameters, preset
-    from .atomic.engine import plan_ways
+    from .atomic.engine import block_counts, plan_ways
 
     systems = read_systems(a.systems)
-    st = graph_stats(read_graphs(a.graphs, systems["content_hash"]), systems)
+    graphs = read_graphs(a.graphs, systems["content_hash"])
+    st = graph_stats(graphs, systems)
     n, e, t = (int(st[f"{k}_max"] * a.batch_size) for k in ("atoms", "edges", "triplets"))
     cfg = preset(a.preset, force_head=a.force_head)
-    rows = plan_ways(cfg, n, e, t, int(a.device_gib * 2**30), 4 if a.dtype == "float32" else 8)
+    # the triplet blocks' padded sizes per way, measured on a batch of copies of the system with most edges
+    big = batch_arrays(systems, graphs, [int(np.argmax(np.diff(graphs["edge_ptr"])))] * a.batch_size)
+    rows = plan_ways(cfg, n, e, t, int(a.device_gib * 2**30), 4 if a.dtype == "float32" else 8,
+                     blocks=lambda p: block_counts(big, p))
     print(f"DimeNet++ {a.preset}: {count_parameters(cfg):,} parameters; batch of {a.batch_size} of the largest "
           f"system: {n} atoms, {e} edges, {t} triplets; device {a.device_gib} GiB")
-    print(f"{'P':>4} {'GiB/worker':>11} {'triplets':>9} {'edges':>9} {'params':>9} {'MB/step':>10}  fits")
+    print(f"{'P':>4} {'GiB/worker':>11} {'edges':>9} {'triplets':>9} {'atoms':>9} {'params':>9} {'MB/step':>10}  fits")
     for r in rows:
         m = r["memory"]
-        print(f"{r['ways']:>4} {r['memory_per_worker'] / 2**30:>11.2f} {m['triplet'] / 2**30:>9.2f} "
-              f"{(m['edge'] + m['gathered_edges']) / 2**30:>9.2f} {m['parameters'] / 2**30:>9.2f} "
-              f"{r['bytes_per_step'] / 1e6:>10.1f}  {'yes' if r['fits'] else 'no'}")
+        gib = [(m["edge"] + m["gathered_edges"]) / 2**30, (m["column"] + m["entry"]) / 2**30, m["atom"] / 2**30,
+               m["parameters"] / 2**30]
+        print(f"{r['ways']:>4} {r['memory_per_worker'] / 2**30:>11.2f} " + " ".join(f"{x:>9.2f}" for x in gib)
+              + f" {r['bytes_per_step'] / 1e6:>10.1f}  {'yes' if r['fits'] else 'no'}")
+    print("edges: per local edge and block row, and one block's gathered rows; triplets: the triplet blocks' "
+          "columns (input edges) and entries")
     need = next((r["ways"] for r in rows if r["fits"]), None)
     print(f"smallest P that fits: {need}" if need else "no P up to the edge count fits: use a smaller model")
 

@@ -49,7 +49,8 @@ class AtomicModelKind:
     count_parameters: Callable[[Any], int]  # cfg -> trainable parameters, exact
     # (cfg, edges, atoms, systems, ways, dtype_bytes, params) -> bytes of one step, all ranks
     step_bytes: Callable[..., int]
-    # (cfg, atoms, edges, triplets, ways, dtype_bytes) -> {part: bytes, "total": bytes}
+    # (cfg, atoms, edges, triplets, ways, dtype_bytes, **counts) -> {part: bytes, "total": bytes};
+    # counts: optional kind-specific sizes (DimeNet++: its padded triplet blocks, engine.block_counts)
     memory_per_worker: Callable[..., dict]
     index_sets: tuple[str, ...]  # AtomGraph index sets the model reads
     symmetric_edges: bool  # needs every edge's reverse (id_swap)
@@ -86,9 +87,9 @@ def _dimenetpp_bytes(cfg, edges, atoms, systems, ways, dtype_bytes, params) -> i
     return step_bytes(cfg, edges, atoms, systems, ways, dtype_bytes, params)
 
 
-def _dimenetpp_memory(cfg, atoms, edges, triplets, ways, dtype_bytes=4) -> dict:
+def _dimenetpp_memory(cfg, atoms, edges, triplets, ways, dtype_bytes=4, **blocks) -> dict:
     from .engine import memory_per_worker
-    return memory_per_worker(cfg, atoms, edges, triplets, ways, dtype_bytes)
+    return memory_per_worker(cfg, atoms, edges, triplets, ways, dtype_bytes, **blocks)
 
 
 ATOMIC_MODELS.register("dimenetpp", AtomicModelKind(
