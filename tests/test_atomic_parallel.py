@@ -206,10 +206,11 @@ def test_shards_partition_edges_and_triplets():
 
 # --------------------------------------------------------------------------- DimeNet++
 def _dimenet(head: str):
-    from gnnpipe.atomic.dimenetpp import DimeNetPP, DimeNetPPConfig
+    from gnnpipe.atomic.dimenetpp import DimeNetPPConfig
+    from gnnpipe.atomic.protocol import DimeNetPPModel  # DimeNetPP on the protocol (forward -> dict)
 
     torch.manual_seed(0)
-    m = DimeNetPP(DimeNetPPConfig(hidden_channels=8, num_blocks=2, int_emb_size=4, basis_emb_size=3,
+    m = DimeNetPPModel(DimeNetPPConfig(hidden_channels=8, num_blocks=2, int_emb_size=4, basis_emb_size=3,
                                   out_emb_channels=6, num_spherical=3, num_radial=3, force_head=head)).double()
     with torch.no_grad():  # zero-initialised output layers would hide every mismatch
         for p in m.parameters():
@@ -299,13 +300,15 @@ def test_dimenetpp_sharded_matches_unsharded(ways, replicas, head, periodic):
 def test_memory_estimate_is_within_15_percent_of_a_measured_step():
     """memory_per_worker's triplet and edge parts against what autograd keeps in a gradient-force step
     (a size the constants were not fitted at)."""
-    from gnnpipe.atomic.dimenetpp import DimeNetPP, DimeNetPPConfig
-    from gnnpipe.atomic.engine import Normalizer, StepCounts, memory_per_worker, rank_view, step_loss
+    from gnnpipe.atomic.dimenetpp import DimeNetPPConfig
+    from gnnpipe.atomic.engine import Normalizer, StepCounts, rank_view, step_loss
+    from gnnpipe.atomic.protocol import ATOMIC_MODELS
 
     b = _batch(5, n_sys=3)
     cfg = DimeNetPPConfig(hidden_channels=64, num_blocks=3, int_emb_size=32, out_emb_channels=64)
     torch.manual_seed(0)
-    model = DimeNetPP(cfg)
+    kind = ATOMIC_MODELS["dimenetpp"]
+    model, memory_per_worker = kind.build(cfg), kind.memory_per_worker
     g = rank_view(b, None, torch.float32, None)
     saved = {"triplet": 0, "edge": 0}
     rows = {g.num_local_triplets: "triplet", g.num_local_edges: "edge"}

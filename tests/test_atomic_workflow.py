@@ -97,20 +97,23 @@ def test_atomic_chain_through_snakemake(tmp_path):
     wf = load_workflow_config(yaml.safe_load(ATOMS.read_text()))
     runs = resolve_runs(wf)
     assert {r.mode for r in runs.values()} == {"single", "graph"}
+    assert {r.model.kind for r in runs.values()} == {"dimenetpp", "gemnet_t"}
     recs = {rid: json.loads((results / "runs" / rid / "metrics.json").read_text()) for rid in runs}
-    single = next(r for r in recs.values() if r["mode"] == "single")
-    graph = next(r for r in recs.values() if r["mode"] == "graph")
     for rec in recs.values():
         evaluation = json.loads((results / "runs" / rec["run_id"] / "eval.json").read_text())
         assert {"energy_mae", "force_mae", "force_cos", "efwt", "test_energy_mae"} <= set(evaluation)
         assert rec["energy_mae"] == pytest.approx(evaluation["energy_mae"], rel=1e-5)
-    # graph parallelism trains the same model: the same losses (float32 summation order aside)
-    for hs, hg in zip(single["history"], graph["history"]):
-        assert hg["loss"] == pytest.approx(hs["loss"], rel=1e-4)
-    assert graph["comm_bytes_per_epoch"] == graph["comm_bytes_predicted"] > 0
     report = (results / "report.md").read_text()
-    assert "## Atomic models" in report and f"`{graph['run_id']}`" in report
-    assert (results / "plots" / "atomic_curves_slabs.png").is_file()
+    assert "## Atomic models (DimeNet++, GemNet-T; edge/triplet graph parallelism)" in report
+    for kind, label in (("dimenetpp", "DimeNet++"), ("gemnet_t", "GemNet-T")):
+        single = next(r for r in recs.values() if r["mode"] == "single" and r["model"] == kind)
+        graph = next(r for r in recs.values() if r["mode"] == "graph" and r["model"] == kind)
+        # graph parallelism trains the same model: the same losses (float32 summation order aside)
+        for hs, hg in zip(single["history"], graph["history"]):
+            assert hg["loss"] == pytest.approx(hs["loss"], rel=1e-4)
+        assert graph["comm_bytes_per_epoch"] == graph["comm_bytes_predicted"] > 0
+        assert f"### slabs: {label}" in report and f"`{graph['run_id']}`" in report
+        assert (results / "plots" / f"atomic_curves_slabs_{kind}.png").is_file()
     import mlflow
     mlflow.set_tracking_uri(f"sqlite:///{results / 'mlflow.db'}")
     found = mlflow.search_runs(experiment_names=["gnnpipe"])
@@ -119,10 +122,12 @@ def test_atomic_chain_through_snakemake(tmp_path):
 
 
 def test_plan_atomic_sizes_xl_and_finds_the_smallest_p(small_data, capsys):
-    from gnnpipe.atomic.dimenetpp import preset
     from gnnpipe.atomic.engine import plan_ways
+    from gnnpipe.atomic.protocol import ATOMIC_MODELS
     from gnnpipe.cli import main
-    rows = plan_ways(preset("xl"), atoms=2000, edges=60_000, triplets=1_500_000, device_bytes=16 * 2**30)
+    kind = ATOMIC_MODELS["dimenetpp"]
+    rows = plan_ways(kind, kind.preset("xl"), atoms=2000, edges=60_000, triplets=1_500_000,
+                     device_bytes=16 * 2**30)
     trip = [r["memory"]["triplet"] for r in rows]
     assert all(abs(trip[0] / t - r["ways"]) < 0.01 * r["ways"] for t, r in zip(trip, rows))  # 1/P
     assert rows[0]["bytes_per_step"] == 0 < rows[1]["bytes_per_step"]

@@ -513,6 +513,15 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
 def _is_torchrun(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1].endswith(b"torchrun")
@@ -681,7 +690,7 @@ def test_snakemake_killed_with_its_workers_then_unlocked_and_resumed(tmp_path):
     workers = []
     try:
         _wait(lambda: (out / "resume" / "manifest.json").exists(), 240, "the first checkpoint")
-        agent, = [pid for sh in _children(first.pid) for pid in _children(sh) if _is_torchrun(pid)]  # snakemake > sh
+        agent, = [pid for pid in _descendants(first.pid) if _is_torchrun(pid)]  # snakemake > sh > launch > torchrun
         workers = _children(agent)
         assert len(workers) == 2, workers
         os.killpg(first.pid, signal.SIGKILL)

@@ -478,8 +478,8 @@ def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
         "extra": engine.extra_info(),
         "history": history,
     }
-    if cfg.atomic:  # interaction blocks and their width; the edge split's ways
-        record.update(layers=engine.model_cfg.num_blocks, hidden=engine.model_cfg.hidden_channels,
+    if cfg.atomic:  # interaction blocks and their width (the kind says which); the edge split's ways
+        record.update(layers=engine.model_cfg.num_blocks, hidden=getattr(engine.model_cfg, engine.kind.width),
                       parts=cfg.ways)
     return record
 

@@ -17,6 +17,14 @@ group, and equal single-process training on the union batch (tests: ``..._matche
 Targets are normalised by per-element reference energies (a least-squares fit on the
 training systems: the "per-element mean energy" baseline) and their residuals' standard
 deviation σ: ``E = σ·model(g) + Σ_atoms e_ref[z]``, ``F = σ·model_forces``.
+
+The model is any kind of the registry (``protocol.ATOMIC_MODELS``), built from the run's
+section ``models.<name>.<kind>`` and driven only through the protocol: ``model(g)`` returns
+``{"energy", "forces"}``, the kind gives the closed-form bytes and, where it has constants
+fitted before training (GemNet's scale factors: ``AtomicModelKind.fit``), the fit. That fit
+runs once, on rank 0, on whole training batches in one process, before the first step; the
+fitted buffers are broadcast (op ``control``) and live in the state dict, so checkpoints and
+resumed runs carry them and every layout computes with the same constants.
 """
 
 from __future__ import annotations
@@ -29,8 +37,12 @@ import torch
 from torch import Tensor
 
 from ..engine import DTYPES, EpochStats, load_train_state, make_optimizer, train_state
-from .dimenetpp import DimeNetPP, energy_and_forces
-from .parallel import EdgeGroup, shard_graph, with_pos
+from ..io import GnnPipeError
+from .parallel import EdgeGroup, shard_graph
+from .protocol import ATOMIC_MODELS
+
+#: whole training batches (of the run's batch size) GemNet's scale factors are fitted on
+FIT_BATCHES = 4
 
 
 @dataclass
@@ -65,14 +77,13 @@ class StepCounts:
     free_atoms: int
 
 
-def step_loss(model: DimeNetPP, g, b: dict, norm: Normalizer, counts: StepCounts,
-              force_weight: float, train: bool = True) -> tuple[Tensor, Tensor, Tensor, float]:
+def step_loss(model, g, b: dict, norm: Normalizer, counts: StepCounts,
+              force_weight: float) -> tuple[Tensor, Tensor, Tensor, float]:
     """This rank's share of a step's loss, the batch's energies (B,) and own forces (N_own, 3), eV,
-    and the share to *report*: the loss with the (replicated) energy term divided by the ways."""
-    gradient = model.cfg.force_head == "gradient"
-    if gradient:
-        g = with_pos(g, g.pos.detach().clone().requires_grad_(True))
-    y, f = energy_and_forces(model, g, create_graph=train and gradient)
+    and the share to *report*: the loss with the (replicated) energy term divided by the ways.
+    ``model`` is a protocol model: in training mode its gradient forces keep the graph."""
+    out = model(g)
+    y, f = out["energy"], out["forces"]
     dtype = y.dtype
     base = torch.as_tensor(norm.baseline(b["z"], b["system"], b["num_systems"]), dtype=dtype, device=y.device)
     energy = norm.scale * y + base
@@ -94,31 +105,6 @@ def rank_view(b: dict, grp: Optional[EdgeGroup], dtype, device):
     return shard_graph(b, parts, rank, grp, dtype, device)
 
 
-# --------------------------------------------------------------------------- closed form
-def step_bytes(cfg, edges: Sequence[int], atoms: Sequence[int], systems: Sequence[int], ways: int,
-               dtype_bytes: int, params: int) -> int:
-    """Bytes one training step sends, summed over every rank (what the ledger counts).
-
-    ``edges[d], atoms[d], systems[d]``: the batch of replica d. With P ways, I = int_emb_size,
-    H = hidden, K = num_blocks, b = dtype bytes, per replica:
-
-    * gradient forces (double backward): edge rows ``4·K·(P-1)·E·I·b`` (all-gather forward, its
-      reduce-scatter in the force pass, both again in the parameter pass), atom rows
-      ``4·(K+1)·(P-1)·N·H·b`` (K+1 output blocks, the same four passes), forces
-      ``2·(P-1)·3N·b`` (reduce-scatter, and its all-gather in the parameter pass);
-    * direct forces: ``2·K·(P-1)·E·I·b + 2·(K+1)·(P-1)·N·H·b + 2·(P-1)·3N·b``;
-    * energies: ``2·(P-1)·B·b`` (ring all-reduce); parameters: ``2·(P-1)·params·b`` per replica
-      and ``2·(D-1)·params·b`` per way across replicas.
-    """
-    p, d, b = ways, len(edges), dtype_bytes
-    k, i, h = cfg.num_blocks, cfg.int_emb_size, cfg.hidden_channels
-    passes = 4 if cfg.force_head == "gradient" else 2
-    total = 0
-    for e, n, s in zip(edges, atoms, systems):
-        total += (p - 1) * b * (passes * k * e * i + passes * (k + 1) * n * h + 2 * 3 * n + 2 * s)
-    return total + d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b
-
-
 # --------------------------------------------------------------------------- the engine
 SPLIT_NAMES = ("train", "val", "test")
 
@@ -127,19 +113,21 @@ class AtomicEngine:
     """Modes ``single`` and ``graph`` (P ways × D replicas) for atomic models (see the module docstring)."""
 
     def __init__(self, cfg, comm, device, groups=None):
-        from ..io import GnnPipeError
+        import dataclasses
+
         from .data import read_graphs, read_systems
-        from .dimenetpp import DimeNetPP, count_parameters
 
         self.cfg, self.comm, self.device = cfg, comm, device
         self.dtype = DTYPES[cfg.training.dtype]
+        self.kind = ATOMIC_MODELS[cfg.model.kind]
+        spec = cfg.model.spec
         self.systems = read_systems(cfg.systems_path)
-        self.graphs = read_graphs(cfg.graph_path, expect_systems_hash=self.systems["content_hash"])
+        self.graphs = model_graphs(read_graphs(cfg.graph_path, expect_systems_hash=self.systems["content_hash"]),
+                                   self.systems, spec.cutoff, cfg.graph_path)
         self.ways, self.replicas = (cfg.ways, cfg.data_parallel) if cfg.mode == "graph" else (1, 1)
         self.replica, self.way = divmod(groups.rank if groups is not None else 0, self.ways)
-        spec = cfg.model.dimenetpp
         self.batch_size, self.force_weight = spec.batch_size, spec.force_weight
-        self.model_cfg = model_config(spec, float(self.graphs["cutoff"]))
+        self.model_cfg = model_config(cfg.model, float(self.graphs["cutoff"]))
         edges = np.diff(self.graphs["edge_ptr"])
         if self.ways > int(edges.min()):
             s = int(edges.argmin())
@@ -154,12 +142,30 @@ class AtomicEngine:
         self.norm = Normalizer.fit(self.systems["z"], self.systems["atom_ptr"], self.systems["energy"],
                                    self.ids["train"])
         torch.manual_seed(cfg.training.seed)
-        self.model = DimeNetPP(self.model_cfg).to(device, self.dtype)
-        self.num_params = count_parameters(self.model_cfg)
-        import dataclasses
+        self.model = self.kind.build(self.model_cfg).to(device, self.dtype)
+        self.num_params = self.kind.count_parameters(self.model_cfg)
         training = dataclasses.replace(cfg.training, lr=spec.lr) if spec.lr else cfg.training
         self.opt = make_optimizer(self.model.parameters(), training)
         self._epoch_steps: list[list[np.ndarray]] = []
+        self._fitted = self.kind.fit is None  # loading a state (resume, evaluate) counts as fitted
+
+    def fit_constants(self) -> dict:
+        """Fit what the kind fits before training (GemNet's scale factors) on rank 0, on the first
+        ``FIT_BATCHES`` whole training batches in one process (deterministic: a seeded order), and
+        broadcast the model's buffers; returns name -> value (rank 0's fit)."""
+        fitted = {}
+        if self.comm is None or self.comm.rank == 0:
+            ids = np.random.default_rng([self.cfg.training.seed, 2**31]).permutation(self.ids["train"])
+            batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)][:FIT_BATCHES]
+            fitted = self.kind.fit(self.model, [rank_view(self._batch(b), None, self.dtype, self.device)
+                                                for b in batches])
+        if self.comm is not None:  # every rank computes with rank 0's constants, bit for bit
+            state = self.model.state_dict()
+            for name, buf in self.model.named_buffers():
+                if name in state:  # persistent: what a checkpoint carries
+                    self.comm.broadcast_(buf.data, src=0)
+        self._fitted = True
+        return fitted
 
     # ------------------------------------------------------------------ batching
     def _steps(self, ids: np.ndarray, epoch: Optional[int]) -> list[np.ndarray]:
@@ -200,6 +206,8 @@ class AtomicEngine:
 
         t0 = time.perf_counter()
         comm0 = self.comm.epoch_comm_s(epoch) if self.comm is not None else 0.0
+        if not self._fitted:
+            self.fit_constants()
         self.model.train()
         steps = self._steps(self.ids["train"], epoch)
         self._epoch_steps.append(steps)
@@ -235,7 +243,8 @@ class AtomicEngine:
             parts = [self._replica_batch(step, r) for r in range(self.replicas)]
             e = [int(sum(np.diff(self.graphs["edge_ptr"])[p])) for p in parts]
             n = [int(sum(np.diff(self.systems["atom_ptr"])[p])) for p in parts]
-            total += step_bytes(self.model_cfg, e, n, [len(p) for p in parts], self.ways, b, self.num_params)
+            total += self.kind.step_bytes(self.model_cfg, e, n, [len(p) for p in parts], self.ways, b,
+                                          self.num_params)
         return total
 
     # ------------------------------------------------------------------ evaluation
@@ -256,8 +265,7 @@ class AtomicEngine:
                     count = True
                 b = self._batch(mine)
                 g = rank_view(b, self.grp, self.dtype, self.device)
-                with torch.enable_grad():
-                    _, energy, forces, _ = step_loss(self.model, g, b, self.norm, StepCounts(1, 1), 0.0, train=False)
+                _, energy, forces, _ = step_loss(self.model, g, b, self.norm, StepCounts(1, 1), 0.0)
                 own = slice(g.atom_lo, g.atom_hi)
                 free = ~b["fixed"][own]
                 df = (forces.cpu().double().numpy() - b["forces"][own])[free]
@@ -292,6 +300,7 @@ class AtomicEngine:
 
     def load_state_dict(self, state: dict) -> None:
         load_train_state(self.model, self.opt, state)
+        self._fitted = True  # the state carries the fitted buffers
 
     def graph_info(self) -> dict:
         return {"num_nodes": int(len(self.systems["z"])), "num_edges": int(len(self.graphs["edge_src"])),
@@ -302,61 +311,117 @@ class AtomicEngine:
         n = len(self.systems["energy"])
         base = self.norm.baseline(self.systems["z"], np.repeat(np.arange(n), np.diff(self.systems["atom_ptr"])), n)
         test = self.ids["test"]
-        return {"atomic": True, "data_parallel": self.replicas, "ways": self.ways,
+        return {"atomic": True, "kind": self.kind.name, "label": self.kind.labels[self.model_cfg.force_head],
+                "data_parallel": self.replicas, "ways": self.ways,
                 "parameters": self.num_params, "cutoff": float(self.graphs["cutoff"]),
                 "force_head": self.model_cfg.force_head, "batch_size": self.batch_size,
                 "baseline_energy_mae": float(np.abs(base[test] - self.systems["energy"][test]).mean())
                 if len(test) else None}
 
 
-def model_config(spec, cutoff: float):
-    """The DimeNetPPConfig of a run: the spec's preset, its overrides, the graphs' cutoff."""
-    from .dimenetpp import preset
-    over = {k: getattr(spec, k) for k in ("hidden_channels", "num_blocks", "int_emb_size", "basis_emb_size",
-                                          "out_emb_channels", "num_spherical", "num_radial")
-            if getattr(spec, k) is not None}
-    return preset(spec.preset, **over, cutoff=cutoff, force_head=spec.force_head)
+def model_config(model, cutoff: float):
+    """The config of a run's atomic model (``ModelConfig``): its kind's preset, the section's sizes
+    and force head where set, and the graphs' cutoff (``model_graphs``)."""
+    kind, spec = ATOMIC_MODELS[model.kind], model.spec
+    over = {f: getattr(spec, f) for f in kind.config_fields() if hasattr(spec, f) and f != "cutoff"}
+    return kind.preset(spec.preset, **over, cutoff=cutoff)
+
+
+def model_graphs(graphs: dict, systems: dict, cutoff: Optional[float], path) -> dict:
+    """The graphs a model with basis cutoff ``cutoff`` computes on (None: the file's). A larger one
+    is refused (the file lacks the neighbours beyond its cutoff); a smaller one rebuilds the graphs
+    at that cutoff with the file's neighbour cap, in memory (the same edges a rebuild would write:
+    each atom's nearest within the smaller cutoff are the nearest it had)."""
+    from .data import build_graphs
+
+    if cutoff is None or cutoff == graphs["cutoff"]:
+        return graphs
+    if cutoff > graphs["cutoff"]:
+        raise GnnPipeError(f"the model's cutoff {cutoff:g} Å is larger than the cutoff {graphs['cutoff']:g} Å "
+                           f"of the graphs it trains on ({path}): they lack the neighbours between; raise the "
+                           f"dataset's atoms.cutoff or lower the model's")
+    out = build_graphs(systems, cutoff, int(graphs["max_neighbors"]), progress=False)
+    return {**out, "cutoff": float(cutoff), "max_neighbors": graphs["max_neighbors"],
+            "symmetric_edges": graphs["symmetric_edges"], "content_hash": graphs["content_hash"]}
 
 
 # --------------------------------------------------------------------------- sizing
-def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dtype_bytes: int = 4) -> dict:
-    """Estimated bytes one of P ways holds for a training step on a batch of that size.
-
-    Parameters, gradients and Adam's two moments are replicated (4 copies). Activations kept for
-    backward are per row of what they index: triplets and local edges divide by P, the gathered
-    edge rows and the atoms do not. The per-row widths are fitted to what autograd keeps in
-    a gradient-force step (double backward), measured with ``saved_tensors_hooks`` by
-    ``benchmarks/bench_atomic.py`` at two model sizes (S·R = 42): per triplet ``69·S·R`` for the
-    spherical basis plus ``7.7·I + 3·S·R + 2·basis_emb`` per block; per edge ``79·H`` per
-    interaction block and ``39·H`` per output block. A direct-force step keeps about a third.
-    An estimate for sizing (tests: within 15 % of a measured step), not an allocator trace.
-    """
-    from .dimenetpp import count_parameters
-    k, h, i = cfg.num_blocks, cfg.hidden_channels, cfg.int_emb_size
-    sr, be = cfg.num_spherical * cfg.num_radial, cfg.basis_emb_size
-    scale = 1.0 if cfg.force_head == "gradient" else 1 / 3
-    b = dtype_bytes
-    per_triplet = scale * (69 * sr + k * (7.7 * i + 3 * sr + 2 * be))
-    per_edge = scale * (79 * h * k + 39 * h * (k + 1))
-    out = {"parameters": 4 * count_parameters(cfg) * b,
-           "triplet": int(per_triplet * b * -(-triplets // ways)),
-           "edge": int(per_edge * b * -(-edges // ways)),
-           "gathered_edges": int(scale * 3 * k * i * b * edges),
-           "atom": int(scale * 3 * (k + 1) * (cfg.num_output_layers + 1) * cfg.out_emb_channels * b * atoms)}
-    out["total"] = sum(out.values())
-    return out
+def largest_batch(systems: dict, graphs: dict, batch_size: int) -> tuple[int, int, int]:
+    """(atoms, edges, triplets) bounding any step batch of ``batch_size`` systems: the sums of the
+    ``batch_size`` largest counts of each."""
+    out = []
+    for ptr in (systems["atom_ptr"], graphs["edge_ptr"], graphs["triplet_ptr"]):
+        counts = np.sort(np.diff(ptr))[::-1]
+        out.append(int(counts[:batch_size].sum()))
+    return out[0], out[1], out[2]
 
 
-def plan_ways(cfg, atoms: int, edges: int, triplets: int, device_bytes: int, dtype_bytes: int = 4,
-              max_ways: int = 64) -> list[dict]:
-    """Memory per worker and bytes per step for P = 1, 2, 4, ...; ``fits`` against ``device_bytes``."""
-    from .dimenetpp import count_parameters
+def plan_ways(kind, cfg, atoms: int, edges: int, triplets: int, device_bytes: int, dtype_bytes: int = 4,
+              max_ways: int = 64, overhead: int = 0) -> list[dict]:
+    """Memory per worker (the kind's estimate, plus ``overhead`` bytes per process) and bytes per step
+    for P = 1, 2, 4, ...; ``fits`` against ``device_bytes``."""
     rows, p = [], 1
-    params = count_parameters(cfg)
+    params = kind.count_parameters(cfg)
     while p <= max_ways and p <= edges:
-        mem = memory_per_worker(cfg, atoms, edges, triplets, p, dtype_bytes)
-        rows.append({"ways": p, "memory_per_worker": mem["total"], "memory": mem,
-                     "bytes_per_step": step_bytes(cfg, [edges], [atoms], [1], p, dtype_bytes, params),
-                     "fits": mem["total"] <= device_bytes})
+        mem = kind.memory_per_worker(cfg, atoms, edges, triplets, p, dtype_bytes)
+        total = mem["total"] + overhead
+        rows.append({"ways": p, "memory_per_worker": total, "memory": mem,
+                     "bytes_per_step": kind.step_bytes(cfg, [edges], [atoms], [1], p, dtype_bytes, params),
+                     "fits": total <= device_bytes})
         p *= 2
     return rows
+
+
+@dataclass
+class RunPlan:
+    """``plan_ways`` for one run's model on its largest step batch, against a memory cap per worker."""
+
+    kind: object  # protocol.AtomicModelKind
+    model_cfg: object
+    batch: tuple[int, int, int]  # atoms, edges, triplets of the largest step batch
+    ways: int  # the run's P
+    cap: int  # bytes per worker
+    overhead: int  # bytes of a worker process before its model (counted in each row)
+    rows: list
+
+    def need(self, ways: int) -> int:
+        """Bytes per worker at ``ways`` ways (any P, not only the rows' powers of two)."""
+        return self.kind.memory_per_worker(self.model_cfg, *self.batch, ways)["total"] + self.overhead
+
+    @property
+    def fits(self) -> bool:
+        return self.need(self.ways) <= self.cap
+
+    def smallest(self) -> Optional[int]:
+        return next((r["ways"] for r in self.rows if r["fits"]), None)
+
+    def answer(self, run_id: str, cap_name: str) -> str:
+        """The plan's one line on the run's P: it fits, or by how much it does not and which P would."""
+        gib, need = 2**30, self.need(self.ways)
+        need = (f"{self.kind.name} ({self.kind.count_parameters(self.model_cfg):,} parameters) needs about "
+                f"{need / gib:.2f} GiB per worker at P = {self.ways} (gnnpipe plan-atomic: "
+                f"{(need - self.overhead) / gib:.2f} GiB for a step on the largest batch, "
+                f"{self.batch[0]} atoms / {self.batch[1]} edges / {self.batch[2]} triplets, + "
+                f"{self.overhead / gib:.2f} GiB of process)")
+        if self.fits:
+            return f"run {run_id}: {need}, within the cap of {self.cap / gib:.2f} GiB per worker ({cap_name})"
+        p = self.smallest()
+        advice = (f"the smallest P that fits is {p} (workers: {p} × data_parallel)" if p else
+                  "no P up to the batch's edges fits: use a smaller model or batch")
+        return (f"run {run_id}: {need}, above the cap of {self.cap / gib:.2f} GiB per worker ({cap_name}); "
+                f"{advice}, or raise the cap if the workers have more memory")
+
+
+def plan_run(cfg, cap_bytes: int, overhead: int = 0, max_ways: int = 64) -> RunPlan:
+    """The plan of an atomic run (its ``run.yaml``): its model on its graphs' largest step batch."""
+    from .data import read_graphs, read_systems
+
+    systems = read_systems(cfg.systems_path)
+    graphs = model_graphs(read_graphs(cfg.graph_path, expect_systems_hash=systems["content_hash"]), systems,
+                          cfg.model.spec.cutoff, cfg.graph_path)
+    kind = ATOMIC_MODELS[cfg.model.kind]
+    model_cfg = model_config(cfg.model, float(graphs["cutoff"]))
+    batch = largest_batch(systems, graphs, cfg.model.spec.batch_size)
+    b = DTYPES[cfg.training.dtype].itemsize
+    rows = plan_ways(kind, model_cfg, *batch, cap_bytes, b, max_ways=max_ways, overhead=overhead)
+    return RunPlan(kind, model_cfg, batch, cfg.ways, cap_bytes, overhead, rows)
