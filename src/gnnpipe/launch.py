@@ -19,8 +19,9 @@ The train rule starts every run this way (its launcher after ``--``: ``gnnpipe``
 **Per-worker memory caps** (cgroup v1, root): ``cap_workers(limit, workers)`` makes one memory
 cgroup per rank under the caller's own, ``<own>/gnnpipe-cap-<pid>/rank-<r>``, each limited to
 ``limit`` bytes; with ``GNNPIPE_MEMCAP_CGROUP`` set to that directory, ``gnnpipe train`` moves
-itself into ``rank-<RANK>`` first thing (before importing torch), so each worker has a memory of
-its own, as each GPU has: what ``benchmarks/bench_memory_cap.py`` uses to show a model too large
+itself into ``rank-<RANK>`` first thing (before importing torch: what the interpreter took
+before stays charged where it was, a few MB; kernels 6.x refuse ``move_charge_at_immigrate``), so
+each worker has a memory of its own, as each GPU has: what ``benchmarks/bench_memory_cap.py`` uses to show a model too large
 for one worker trained across P. (cgroup v2 and ``RLIMIT_AS`` are not used: v1 is what this
 machine has, and an address-space limit fails allocations with an exception long before the
 resident set reaches it, instead of the OOM kill a real cap gives.)
@@ -104,11 +105,12 @@ def cap_workers(limit: int, workers: int, parent: Optional[Path] = None) -> Path
         for r in range(workers):
             d = top / f"rank-{r}"
             d.mkdir(exist_ok=True)
-            (d / "memory.move_charge_at_immigrate").write_text("3")  # a joining worker brings its pages
             (d / "memory.limit_in_bytes").write_text(str(limit))
             if (d / "memory.memsw.limit_in_bytes").exists():  # no escape into swap
                 (d / "memory.memsw.limit_in_bytes").write_text(str(limit))
     except OSError as e:
+        for d in [*top.glob("rank-*"), top]:  # what was made: empty cgroups
+            d.rmdir() if d.is_dir() else None
         raise GnnPipeError(f"{top}: cannot make per-worker memory cgroups ({e.strerror}); root and cgroup v1 "
                            "are needed") from None
     return top
