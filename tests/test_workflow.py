@@ -80,7 +80,14 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
     (lambda c: (c.update(resources={"workers_per_node": 3}),
                 c.update(runs=[{"mode": "graph", "dataset": "tiny", "model": "gcn2", "workers": 4}])),
      "config.resources.workers_per_node: run tiny-gcn2-graph-p4-seed0 has 4 workers, not a multiple of 3"),
-], ids=["unknown-key", "bad-enum", "bad-number", "unknown-dataset", "workers-per-node"])
+    (lambda c: (c["models"].update(gem={"kind": "gemnet_t"}),
+                c.update(runs=[{"mode": "graph", "dataset": "tiny", "model": "gem", "workers": 2}])),
+     "config.runs[0]: dataset 'tiny' (synthetic) and model 'gem' (gemnet_t) do not fit: atoms datasets train atomic"),
+    (lambda c: c["models"].update(gem={"kind": "gemnet"}),
+     "config.models.gem.kind: 'gemnet' is not one of ['gcn', 'sage', 'gat', 'gcnii', 'resgcn', 'mlp', 'dimenetpp', "
+     "'gemnet_t']"),
+], ids=["unknown-key", "bad-enum", "bad-number", "unknown-dataset", "workers-per-node", "gemnet-on-node-data",
+        "model-kind"])
 def test_config_errors_are_one_line_before_any_job(tmp_path, edit, message):
     work = tmp_path / "work"
     res = snakemake(work, write_config(tmp_path, edit), "--cores", "1", timeout=120)
