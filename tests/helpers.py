@@ -123,6 +123,16 @@ def partition_splits(indptr, indices, assign):
     return out
 
 
+# --------------------------------------------------------------------------- trained atomic models (stand-ins)
+def tiny_atomic_model(systems: dict, kind: str = "dimenetpp", seed: int = 0, dtype: str = "float64",
+                      cutoff: float = 4.5, max_neighbors=12, **over):
+    """A ``ModelFile`` of a fresh ``small`` model of ``kind``, its normaliser fitted on ``systems``
+    (``modelfile.untrained_payload``): what a trained model file carries, without the training."""
+    from gnnpipe.atomic.modelfile import decode, untrained_payload
+    return decode(untrained_payload(kind, systems, seed=seed, dtype=dtype, cutoff=cutoff,
+                                    max_neighbors=max_neighbors, **over), "tiny model")
+
+
 # --------------------------------------------------------------------------- runs and the workflow
 def run_cfg(tmp_path, model, epochs=30, **training):
     wf = load_workflow_config({

@@ -9,5 +9,10 @@
 * ``parallel`` — the edge/triplet-sharded ``AtomGraph`` (collectives as autograd pairs)
   and the engine of modes ``single`` and ``graph`` for atomic models.
 
+Using a trained model: ``modelfile`` (the self-describing model file), ``inference`` (one
+structure's energy, forces, stress; 1 or N graph-parallel worker processes), ``calculator``
+(``GNNPipeCalculator``, the ASE calculator, also ``gnnpipe.ase``), ``predict`` (structures to
+extxyz; per-system predictions of a split) and ``is2rs`` (relaxations, ADwT / FbT / AFbT).
+
 See docs/ARCHITECTURE.md "Atomic models".
 """

@@ -46,6 +46,14 @@ Index sets only some models declare (``None`` where the batch was built without 
   (``0 .. count-1`` in triplet order): its column in the padded (E_loc, K_max) layout of
   GemNet's efficient bilinear layer. A triplet lives on the rank of its output edge, so all
   of an edge's triplets are on one rank and the ranks are the unsharded ones.
+
+**Strain** (stress): ``strain`` (3, 3), ``None`` unless set, deforms the geometry the model reads
+homogeneously, every edge vector ``v -> v (I + ε)`` (row vectors, ASE's convention). That is the
+deformation of positions *and* cell together: ``pos_i - pos_j - n·cell`` becomes
+``pos_i (I+ε) - pos_j (I+ε) - n·cell (I+ε)``, so integer image offsets need not be carried. At
+``ε = 0`` the vectors are bitwise the undeformed ones, and ``dE/dε`` is the virial whose
+symmetric part over the volume is the stress. ``gradient_forces`` differentiates it alongside
+``pos`` when it requires grad (one backward pass).
 """
 
 from __future__ import annotations
@@ -79,6 +87,7 @@ class AtomGraph:
     atom_hi: int = -1
     id_swap: Optional[Tensor] = None  # (E_loc,) reverse edge, into the gathered edges [0, E)
     triplet_rank: Optional[Tensor] = None  # (T_loc,) rank among the output edge's triplets
+    strain: Optional[Tensor] = None  # (3, 3) homogeneous strain ε of the geometry (stress), None: none
 
     def __post_init__(self):
         if self.atom_hi < 0:
@@ -103,12 +112,16 @@ class AtomGraph:
 
     # ------------------------------------------------------------------ geometry
     def edge_vectors(self) -> Tensor:
-        """(E_loc, 3) ``pos[i] - pos[j] - shift`` of the local edges (differentiable in pos)."""
-        return self.pos[self.edge_dst] - self.pos[self.edge_src] - self.edge_shift
+        """(E_loc, 3) ``pos[i] - pos[j] - shift`` of the local edges (differentiable in pos),
+        deformed by ``strain`` if set."""
+        return self._strained(self.pos[self.edge_dst] - self.pos[self.edge_src] - self.edge_shift)
 
     def kj_vectors(self) -> Tensor:
         """(T_loc, 3) the edge vector of each local triplet's input edge ``k -> j``."""
-        return self.pos[self.kj_dst] - self.pos[self.kj_src] - self.kj_shift
+        return self._strained(self.pos[self.kj_dst] - self.pos[self.kj_src] - self.kj_shift)
+
+    def _strained(self, v: Tensor) -> Tensor:
+        return v if self.strain is None else v + v @ self.strain  # v (I + ε)
 
     # ------------------------------------------------------------------ reductions
     def gather_edges(self, x: Tensor) -> Tensor:
@@ -147,11 +160,18 @@ def gradient_forces(energy_of: Callable[[AtomGraph], Tensor], g: AtomGraph, crea
     ``g.pos`` is differentiated (a leaf copy that requires grad is made if it does not); the
     view's ``-dE/dpos`` is a partial sum over its edges that ``sum_atoms`` completes (a
     reduce-scatter when sharded). ``create_graph=True`` keeps the graph for a loss on the
-    forces (double backward, training).
+    forces (double backward, training). If ``g.strain`` requires grad, the same backward pass
+    also gives ``"strain_grad"``: ``dE/dε`` (3, 3) of this view's edges and triplets, a partial
+    sum over the ways of a graph-parallel group (the caller adds them up).
     """
     with torch.enable_grad():
         if not g.pos.requires_grad:
             g = dataclasses.replace(g, pos=g.pos.detach().requires_grad_(True))
         energy = energy_of(g)
-        dpos, = torch.autograd.grad(energy.sum(), g.pos, create_graph=create_graph)
-    return {"energy": energy, "forces": -g.sum_atoms(dpos)}
+        strained = g.strain is not None and g.strain.requires_grad
+        grads = torch.autograd.grad(energy.sum(), (g.pos, g.strain) if strained else (g.pos,),
+                                    create_graph=create_graph)
+    out = {"energy": energy, "forces": -g.sum_atoms(grads[0])}
+    if strained:
+        out["strain_grad"] = grads[1]
+    return out

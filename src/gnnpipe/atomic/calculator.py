@@ -1,0 +1,90 @@
+"""The ASE calculator of a trained gnnpipe atomic model (every kind of ``ATOMIC_MODELS``).
+
+    from gnnpipe.ase import GNNPipeCalculator          # also gnnpipe.atomic.calculator
+
+    calc = GNNPipeCalculator.from_run("results/runs/<run_id>")        # or a model file
+    atoms.calc = calc
+    atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
+
+    with GNNPipeCalculator.from_run(run, workers=4) as calc:         # one system, 4 processes
+        ...                                                          # (graph parallelism)
+
+``implemented_properties``: ``energy``, ``free_energy`` (= energy: no electronic entropy),
+``forces`` and, for 3-D periodic cells, ``stress`` (``σ = (1/V) ∂E/∂ε``, ASE's Voigt order and
+sign; asked of a cell that is not 3-D periodic it raises ``PropertyNotImplementedError``). The
+graph is built with the model's own cutoff and neighbour cap, periodic images as in training
+(``atomic.inference.structure_graph``). Energy-conserving (gradient-force) models compute the
+stress with the forces at no extra cost whenever the cell is 3-D periodic, so a cell filter's
+``get_forces`` and ``get_stress`` take one model call; direct-force models compute it only when
+asked. Results follow the ASE contract: the forces are the raw ones (constraints are applied
+by ``Atoms``), arrays are float64 whatever the model's dtype.
+
+``workers=N`` keeps N local processes alive for the calculator's life (``close()``, a ``with``
+block, or interpreter exit end them); the energies, forces and stress equal ``workers=1`` to
+rounding (1e-10 in float64; float32: see docs/ARCHITECTURE.md). A dead worker is one
+``GnnPipeError`` naming it, raised within a fraction of a second.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
+
+from ..io import GnnPipeError
+from .inference import Predictor
+from .modelfile import ModelFile, load_model_file
+
+
+class GNNPipeCalculator(Calculator):
+    """An ASE calculator over a trained gnnpipe atomic model (see the module docstring)."""
+
+    implemented_properties = ["energy", "free_energy", "forces", "stress"]
+    nolabel = True
+
+    def __init__(self, model: Union[str, Path, ModelFile], *, device: str = "cpu", workers: int = 1,
+                 dtype: Optional[str] = None, threads: Optional[int] = None, **kwargs):
+        """``model``: a run directory, a model file (or checkpoint holding one), or a ``ModelFile``.
+        ``dtype``: ``"float32"``/``"float64"`` (default: the model's own); ``threads``: torch
+        threads per worker (``workers > 1``; default: the cores shared out)."""
+        super().__init__(**kwargs)
+        self.model_file = model if isinstance(model, ModelFile) else load_model_file(model)
+        self.predictor = Predictor(self.model_file, device=device, workers=workers, dtype=dtype, threads=threads)
+
+    @classmethod
+    def from_run(cls, path: Union[str, Path], device: str = "cpu", workers: int = 1, **kwargs) -> "GNNPipeCalculator":
+        """From a run directory (``results/runs/<id>``: its finished ``model.pt``) or a model file."""
+        return cls(path, device=device, workers=workers, **kwargs)
+
+    def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
+        super().calculate(atoms, properties, system_changes)
+        a = self.atoms
+        periodic = bool(np.all(a.pbc)) and a.cell.rank == 3
+        if "stress" in properties and not periodic:
+            raise PropertyNotImplementedError(f"stress needs a 3-D periodic cell (pbc {a.pbc.tolist()}, "
+                                              f"cell rank {a.cell.rank})")
+        stress = "stress" in properties or (periodic and self.predictor.gradient_forces)
+        try:
+            p = self.predictor.predict(a.numbers, a.positions, a.cell.array, a.pbc, stress=stress)
+        except GnnPipeError as e:
+            raise GnnPipeError(f"{a.get_chemical_formula()}: {e}") from None
+        self.results = {"energy": p.energy, "free_energy": p.energy, "forces": p.forces}
+        if p.stress is not None:
+            self.results["stress"] = p.stress
+
+    def close(self) -> None:
+        """Stop the workers (``workers > 1``); the calculator cannot compute afterwards."""
+        self.predictor.close()
+
+    def __enter__(self) -> "GNNPipeCalculator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mf = self.model_file
+        return (f"GNNPipeCalculator({mf.kind}, cutoff={mf.cutoff} Å, max_neighbors={mf.max_neighbors}, "
+                f"workers={self.predictor.workers}, dtype={str(self.predictor.dtype).removeprefix('torch.')})")

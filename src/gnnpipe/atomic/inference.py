@@ -1,0 +1,400 @@
+"""Inference with a trained atomic model: one structure's energy, forces and stress, in this process
+or graph-parallel across N persistent local worker processes.
+
+* :func:`structure_graph` builds one structure's graph with the *model's* settings (its cutoff and
+  neighbour cap, symmetric or not), so inference sees exactly the graphs of training: the
+  symmetric kinds' ``atomic.neighbors.system_graph``; otherwise ``atomic.data``'s per-target cut,
+  computed from the same cell-list edges (``neighbors.radius_graph`` without a cap gives
+  ``data.radius_graph``'s edges in its order; the cut keeps each target's first
+  ``max_neighbors``) in O(N) memory instead of the dense O(N²·images) search.
+* :class:`Predictor` is what the ASE calculator and ``predict`` call:
+  ``predict(numbers, positions, cell, pbc, stress) -> Prediction`` (eV, eV/Å, eV/Å³, float64).
+  ``workers=1`` computes here; ``workers=N`` keeps a :class:`WorkerPool`.
+* :class:`WorkerPool`: N processes (a fork server that imported torch once, else spawn; gloo on
+  127.0.0.1, the rendezvous store held here on a port the OS picks), each holding the model.
+  This process is a pure client: per call it sends the structure's graph to every worker; worker
+  r computes its ``parallel.shard_graph`` view (edge block r, the triplets of its edges, atom
+  block r) with ``ShardedAtomGraph`` exactly as training's graph mode, and returns the energy
+  (replicated), the forces of its own atoms and its part of ``dE/dε``. A worker that dies is
+  found from its process sentinel within ~0.2 s (one error naming it, the others are stopped,
+  nothing hangs); ``close()``, a ``with`` block, garbage collection or interpreter exit shut the
+  workers down. Scripts that start workers need the ``if __name__ == "__main__":`` guard, as any
+  spawn-based multiprocessing.
+
+**Stress** is the strain derivative ``σ = (1/V) ∂E/∂ε`` at ``ε = 0`` (positions and cell
+deformed by ``I + ε``; ``AtomGraph.strain``), symmetrised, in ASE's Voigt order
+``xx, yy, zz, yz, xz, xy`` and sign (ASE's ``calculate_numerical_stress`` is its finite
+difference; tests check both). For gradient-force models it comes from the forces' backward pass
+at no extra cost; direct-force models need one more backward pass (only when asked).
+
+Energies in eV are ``scale · y + Σ e_ref[z]`` (the model file's normaliser), forces ``scale · f``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_ready
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..io import GnnPipeError
+from .modelfile import ModelFile
+
+VOIGT = ((0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1))  # ASE's order: xx yy zz yz xz xy
+POLL_S = 0.2  # how often a waiting client looks at its workers' liveness
+
+
+@dataclass
+class Prediction:
+    """One structure's results (float64): energy (eV), forces (N, 3) eV/Å, stress (6,) eV/Å³ Voigt."""
+
+    energy: float
+    forces: np.ndarray
+    stress: Optional[np.ndarray] = None
+
+
+# --------------------------------------------------------------------------- the graph
+def structure_graph(numbers, positions, cell, pbc, mf: ModelFile) -> dict:
+    """One structure's batch arrays (``parallel.shard_graph``'s input) with the model's graph settings."""
+    from . import neighbors
+    from .data import triplets
+
+    pos = np.ascontiguousarray(positions, dtype=np.float64).reshape(-1, 3)
+    cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
+    pbc = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))
+    if mf.symmetric_edges:
+        g = neighbors.system_graph(pos, cell, pbc, mf.cutoff, mf.max_neighbors)
+    else:
+        src, dst, shift = neighbors.radius_graph(pos, cell, pbc, mf.cutoff)  # data.radius_graph's order
+        if mf.max_neighbors is not None:
+            keep = np.arange(len(dst)) - np.searchsorted(dst, dst) < mf.max_neighbors  # rank among the target's
+            src, dst, shift = src[keep], dst[keep], shift[keep]
+        kj, ji = triplets(src, dst, shift)
+        g = {"edge_src": src, "edge_dst": dst, "edge_shift": shift.reshape(-1, 3), "idx_kj": kj, "idx_ji": ji}
+    z = np.asarray(numbers, dtype=np.int64)
+    return {**g, "z": z, "pos": pos, "system": np.zeros(len(z), dtype=np.int64), "num_systems": 1}
+
+
+# --------------------------------------------------------------------------- one view
+def view_outputs(model, g, stress: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The model on one (possibly sharded) view, in model units: energies y (B,), the own atoms'
+    forces (N_own, 3), and this view's part of ``dy/dε`` (3, 3) if ``stress`` (else None)."""
+    gradient = getattr(model.cfg, "force_head", "gradient") == "gradient"
+    eps = None
+    if stress:
+        eps = torch.zeros((3, 3), dtype=g.pos.dtype, device=g.pos.device, requires_grad=True)
+        g = dataclasses.replace(g, strain=eps)
+    with torch.enable_grad() if (stress or gradient) else torch.no_grad():
+        out = model(g)
+        dy_deps = out.get("strain_grad")
+        if stress and dy_deps is None:  # direct forces: one more backward pass, for the stress only
+            dy_deps, = torch.autograd.grad(out["energy"].sum(), eps)
+    return out["energy"].detach(), out["forces"].detach(), None if dy_deps is None else dy_deps.detach()
+
+
+def _numpy(t: Optional[Tensor]) -> Optional[np.ndarray]:
+    return None if t is None else t.detach().to("cpu", torch.float64).numpy()
+
+
+def check_elements(mf: ModelFile, numbers, where: str = "") -> None:
+    """One line naming the elements of ``numbers`` that the model never saw in training."""
+    from ase.data import chemical_symbols
+
+    def name(z: int) -> str:
+        return chemical_symbols[z] if 0 <= z < len(chemical_symbols) else f"Z={z}"
+
+    unseen = sorted(set(int(z) for z in np.unique(numbers)) - set(mf.elements))
+    if unseen:
+        raise GnnPipeError(f"{where}element(s) {', '.join(f'{name(z)} (Z={z})' for z in unseen)} never seen in "
+                           f"training; the model knows {', '.join(name(z) for z in mf.elements)}")
+
+
+# --------------------------------------------------------------------------- the predictor
+class Predictor:
+    """A trained model ready to evaluate structures, in this process (``workers=1``) or across
+    ``workers`` persistent local processes (graph parallelism); see the module docstring."""
+
+    def __init__(self, model_file: ModelFile, device="cpu", workers: int = 1, dtype: Optional[str] = None,
+                 threads: Optional[int] = None, timeout_s: float = 600.0):
+        from ..engine import DTYPES
+        from .engine import Normalizer
+
+        if workers < 1:
+            raise GnnPipeError(f"workers must be >= 1, got {workers}")
+        if (dtype or model_file.dtype) not in DTYPES:
+            raise GnnPipeError(f"dtype {dtype or model_file.dtype!r}: one of {', '.join(DTYPES)}")
+        self.model_file, self.workers = model_file, int(workers)
+        self.dtype = DTYPES[dtype or model_file.dtype]
+        self.device = torch.device(device)
+        self.norm = Normalizer(model_file.e_ref, model_file.scale)
+        self.model = model_file.build(self.device, self.dtype) if workers == 1 else None
+        self.pool = WorkerPool(model_file, workers, device=self.device, dtype=self.dtype, threads=threads,
+                               timeout_s=timeout_s) if workers > 1 else None
+        self.calls = 0
+
+    @property
+    def gradient_forces(self) -> bool:
+        return self.model_file.model_config.get("force_head", "gradient") == "gradient"
+
+    def predict(self, numbers, positions, cell, pbc, stress: bool = False, where: str = "") -> Prediction:
+        """Energy, forces and (``stress=True``; a 3-D periodic cell) stress of one structure."""
+        numbers = np.asarray(numbers, dtype=np.int64)
+        if len(numbers) == 0:
+            raise GnnPipeError(f"{where}a structure without atoms")
+        check_elements(self.model_file, numbers, where)
+        cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
+        volume = abs(float(np.linalg.det(cell)))
+        if stress and not (np.all(pbc) and volume > 1e-12):
+            raise GnnPipeError(f"{where}stress needs a 3-D periodic cell of non-zero volume "
+                               f"(pbc {list(map(bool, np.broadcast_to(pbc, 3)))}, volume {volume:.3g} Å³)")
+        b = structure_graph(numbers, positions, cell, pbc, self.model_file)
+        if self.pool is not None:
+            y, f, dy = self.pool.compute(b, stress, where)
+        else:
+            from .parallel import single_graph
+            g = single_graph(b, self.dtype, self.device)
+            y, f, dy = map(_numpy, view_outputs(self.model, g, stress))
+        self.calls += 1
+        s = self.norm.scale
+        energy = float(s * y[0] + self.norm.baseline(numbers, b["system"], 1)[0])
+        out = Prediction(energy, s * np.asarray(f, dtype=np.float64).reshape(-1, 3))
+        if stress:
+            sym = 0.5 * (dy + dy.T) * s / volume
+            out.stress = np.array([sym[i, j] for i, j in VOIGT])
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    def __enter__(self) -> "Predictor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- the worker pool
+def _context():
+    """A fork server that imported torch once (later starts take milliseconds; safe: it forks
+    before any thread or CUDA state exists); spawn where there is none."""
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "gnnpipe.atomic.inference"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class WorkerPool:
+    """N persistent graph-parallel inference processes; this process is their client."""
+
+    def __init__(self, model_file: ModelFile, workers: int, device=torch.device("cpu"), dtype=torch.float64,
+                 threads: Optional[int] = None, timeout_s: float = 600.0, start_timeout_s: float = 180.0):
+        import torch.distributed as dist
+
+        self.workers, self.timeout_s = workers, timeout_s
+        if threads is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            threads = max(1, cores // workers)
+        ctx = _context()
+        # the rendezvous store lives here, on a port the OS picks: no race for a port
+        self._store = dist.TCPStore("127.0.0.1", 0, workers, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        blob = pickle.dumps(model_file.payload())  # tensors pickled by value: nothing shared with a worker
+        kill = os.environ.get("GNNPIPE_TEST_KILL_INFERENCE", "")  # "<worker>:<call>": fault injection (tests)
+        self._procs, self._conns = [], []
+        for r in range(workers):
+            mine, theirs = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=_worker_main, name=f"gnnpipe-inference-{r}", daemon=True,
+                            args=(r, workers, self._store.port, blob, str(device), dtype, threads, timeout_s,
+                                  theirs, kill))
+            p.start()
+            theirs.close()
+            self._procs.append(p)
+            self._conns.append(mine)
+        self.pids = [p.pid for p in self._procs]
+        self._broken: Optional[str] = None
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._store)
+        try:
+            self._gather(start_timeout_s, "starting")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive and self._broken is None
+
+    def compute(self, b: dict, stress: bool, where: str = "") -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+        """Model-unit energies (1,), every atom's forces (N, 3) and ``dy/dε`` summed over the workers."""
+        if not self._finalizer.alive:
+            raise GnnPipeError("the inference workers were shut down (close()); create a new calculator")
+        if self._broken:
+            raise GnnPipeError(f"the inference workers stopped after an error ({self._broken}); create a new "
+                               "calculator")
+        edges = len(b["edge_src"])
+        if edges < self.workers:
+            raise GnnPipeError(f"{where}graph-parallel inference over {self.workers} workers needs at least "
+                               f"{self.workers} edges, this structure has {edges} within the cutoff; use fewer workers")
+        msg = pickle.dumps((b, bool(stress)))
+        for r, c in enumerate(self._conns):
+            try:
+                c.send_bytes(msg)
+            except (BrokenPipeError, ConnectionError, OSError):
+                self._fail(self._dead_message(r, "before a call"))
+        try:
+            replies = self._gather(None, "a call")
+        except KeyboardInterrupt:  # the workers may be mid-collective: they cannot serve another call
+            self._broken = "interrupted"
+            _shutdown(self._procs, self._conns, None, grace_s=0.0)
+            raise
+        y = replies[0][0]
+        forces = np.concatenate([f for _, f, _ in replies])
+        dy = sum(d for _, _, d in replies) if stress else None
+        return y, forces, dy
+
+    def _gather(self, timeout_s: Optional[float], what: str) -> list:
+        """Every worker's reply, by rank; a dead worker or an error is one GnnPipeError (the pool is
+        then stopped), found within POLL_S."""
+        pending, replies = dict(enumerate(self._conns)), {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            ready = wait_ready(list(pending.values()), timeout=POLL_S)
+            for r, c in list(pending.items()):
+                if c not in ready:
+                    continue
+                try:
+                    status, *body = c.recv()
+                except (EOFError, ConnectionError, OSError):
+                    self._procs[r].join(timeout=1.0)
+                    self._fail(self._dead_message(r, f"during {what}"))
+                if status == "error":
+                    self._fail(f"inference worker {r} of {self.workers} raised during {what}:\n{body[0]}")
+                replies[r] = body
+                del pending[r]
+            dead = [r for r in pending if self._procs[r].exitcode is not None]
+            if dead:
+                self._fail(self._dead_message(dead[0], f"during {what}"))
+            if deadline is not None and time.monotonic() > deadline:
+                self._fail(f"inference worker(s) {sorted(pending)} of {self.workers} did not finish {what} "
+                           f"within {timeout_s:.0f} s")
+        return [replies[r] for r in range(self.workers)]
+
+    def _dead_message(self, r: int, when: str) -> str:
+        p = self._procs[r]
+        return (f"inference worker {r} of {self.workers} (pid {p.pid}) died {when} "
+                f"({_describe_exit(p.exitcode)})")
+
+    def _fail(self, message: str):
+        self._broken = message.splitlines()[0]
+        _shutdown(self._procs, self._conns, None, grace_s=0.0)
+        raise GnnPipeError(message + "; the other workers were stopped")
+
+    def close(self) -> None:
+        """Stop the workers (idempotent); later calls raise."""
+        self._finalizer()
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _shutdown(procs, conns, store, grace_s: float = 2.0) -> None:
+    """Ask each worker to exit, then terminate, then kill whoever is left (never hangs)."""
+    for c in conns:
+        try:
+            c.send_bytes(pickle.dumps(None))
+        except (BrokenPipeError, ConnectionError, OSError):
+            pass
+    end = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(end - time.monotonic(), 0.0))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=2.0)
+    for c in conns:
+        c.close()
+    del store  # the rendezvous store goes with the finalizer's reference
+
+
+def _worker_main(rank: int, world: int, port: int, blob: bytes, device: str, dtype, threads: int,
+                 timeout_s: float, conn, kill: str) -> None:
+    """One inference worker: join the group, build the model, then serve calls until told to stop
+    (``None``) or until the client goes away (EOF)."""
+    joined = False
+    try:
+        import torch.distributed as dist
+
+        from .modelfile import decode
+        from .parallel import EdgeGroup, shard_graph
+        from ..parallel.comm import Communicator
+
+        torch.set_num_threads(threads)
+        if sys.platform.startswith("linux"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            dev = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(dev)
+        span = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=span)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world, timeout=span)
+        joined = True
+        grp = EdgeGroup(Communicator(None, dev), None, world, rank)
+        model = decode(pickle.loads(blob), "inference payload").build(dev, dtype)
+        kill_rank, kill_call = (int(v) for v in kill.split(":")) if kill else (-1, -1)
+        conn.send(("ready", os.getpid()))
+        calls = 0
+        while True:
+            msg = pickle.loads(conn.recv_bytes())
+            if msg is None:
+                break
+            if (rank, calls) == (kill_rank, kill_call):
+                os.kill(os.getpid(), signal.SIGKILL)
+            b, stress = msg
+            y, f, dy = view_outputs(model, shard_graph(b, world, rank, grp, dtype, dev), stress)
+            conn.send(("ok", _numpy(y), _numpy(f), _numpy(dy)))
+            calls += 1
+    except (EOFError, KeyboardInterrupt):  # the client went away, or Ctrl-C reached the group
+        pass
+    except BaseException:  # noqa: BLE001 - every failure goes back to the client
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except (BrokenPipeError, ConnectionError, OSError):
+            pass
+    finally:
+        if joined:
+            import torch.distributed as dist
+            dist.destroy_process_group()

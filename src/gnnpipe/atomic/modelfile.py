@@ -1,0 +1,316 @@
+"""The model file of a trained atomic model: everything inference needs, and nothing that needs the data.
+
+A finished atomic run's model must be usable without ``systems.h5`` and ``graphs.h5``: the
+energy normaliser, the cutoff and neighbour cap the graphs were built with and the elements
+seen in training go with the weights. The **payload** is a nested dict of plain types and
+tensors (``torch.load(weights_only=True)`` reads it)::
+
+    {"format": "gnnpipe-atomic-model", "format_version": 1,
+     "kind": "dimenetpp",                      # ATOMIC_MODELS[kind]
+     "model_config": {...},                    # dataclasses.asdict of the kind's config
+     "cutoff": 4.5, "max_neighbors": 12,       # the radius graph: Å, nearest per target (None: no cap)
+     "symmetric_edges": False,                 # True: atomic.neighbors' symmetric graph + id_swap;
+                                               # False: atomic.data's per-target cut (today's graphs.h5)
+     "normalizer": {"e_ref": (95,) float64 tensor, "scale": float},   # E = scale·y + Σ e_ref[z]
+     "elements": [1, 6, 29, ...],              # atomic numbers in the training split
+     "dtype": "float32",                       # the dtype it was trained in
+     "fingerprint": {...} or None,             # the run's fingerprint (what it was trained from)
+     "run_id": "..." or None,
+     "state_dict": {name: tensor}}
+
+It is stored either alone (``save_model_file``: a *bare* model file, with a digest) or under the
+key ``"inference"`` of the trainer's checkpoint (``model.pt``). :func:`load_model_file` accepts a
+run directory (its ``model.pt``), a checkpoint holding the payload, or a bare model file, and
+refuses anything else in one line that says what to do: a missing path, a file that is not a
+checkpoint, a checkpoint of a node-level run, a partial (intermediate) checkpoint, a model.pt of
+an older gnnpipe (weights only: :func:`upgrade_run` rebuilds its payload from the run's data
+files), an unknown kind, a format version this gnnpipe does not read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..io import GnnPipeError, atomic_path
+
+FORMAT = "gnnpipe-atomic-model"
+FORMAT_VERSION = 1
+PAYLOAD_KEY = "inference"  # where a checkpoint (model.pt) holds the payload
+MODEL_FILE = "model.pt"  # the finished model in a run directory
+UPGRADED_FILE = "model-v1.pt"  # upgrade_run's model file beside an older run's model.pt
+NUM_ELEMENTS = 95  # rows of e_ref: Z = 0..94 (atomic.data.MAX_Z)
+_REQUIRED = ("kind", "model_config", "cutoff", "max_neighbors", "symmetric_edges", "normalizer", "elements",
+             "dtype", "state_dict")
+
+
+@dataclass
+class ModelFile:
+    """A decoded payload (see the module docstring); ``build()`` gives the kind's ``nn.Module``."""
+
+    kind: str
+    model_config: dict
+    cutoff: float
+    max_neighbors: Optional[int]
+    symmetric_edges: bool
+    e_ref: np.ndarray  # (95,) eV per atom of each element
+    scale: float
+    elements: tuple[int, ...]
+    dtype: str
+    state_dict: dict
+    fingerprint: Optional[dict] = None
+    run_id: Optional[str] = None
+    source: str = ""  # where it was loaded from (error messages)
+
+    @property
+    def spec(self):
+        """The kind's registry entry (``AtomicModelKind``)."""
+        from .protocol import ATOMIC_MODELS
+        return ATOMIC_MODELS[self.kind]
+
+    def config(self):
+        """The kind's config dataclass, from ``model_config``."""
+        known = set(self.spec.config_fields())
+        extra = sorted(set(self.model_config) - known)
+        if extra:
+            raise GnnPipeError(f"{self.source}: model_config has field(s) {', '.join(extra)} that {self.kind} of this "
+                               "gnnpipe does not know (written by a newer gnnpipe?); upgrade gnnpipe")
+        return self.spec.config(**self.model_config)
+
+    def build(self, device="cpu", dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+        """The model with its weights, in eval mode, on ``device`` in ``dtype`` (default: its own)."""
+        from ..engine import DTYPES
+        model = self.spec.build(self.config())
+        try:
+            model.load_state_dict(self.state_dict)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise GnnPipeError(f"{self.source}: the weights do not fit a {self.kind} of its model_config ({first}); "
+                               "the model file is damaged or was edited") from None
+        return model.to(device=device, dtype=dtype or DTYPES[self.dtype]).eval()
+
+    def payload(self) -> dict:
+        return make_payload(kind=self.kind, model_config=self.model_config, state_dict=self.state_dict,
+                            cutoff=self.cutoff, max_neighbors=self.max_neighbors,
+                            symmetric_edges=self.symmetric_edges, e_ref=self.e_ref, scale=self.scale,
+                            elements=self.elements, dtype=self.dtype, fingerprint=self.fingerprint,
+                            run_id=self.run_id)
+
+
+# --------------------------------------------------------------------------- writing
+def make_payload(*, kind: str, model_config, state_dict: dict, cutoff: float, max_neighbors: Optional[int],
+                 symmetric_edges: bool, e_ref, scale: float, elements, dtype: str,
+                 fingerprint: Optional[dict] = None, run_id: Optional[str] = None) -> dict:
+    """The payload dict (plain types + CPU tensors). ``model_config``: the kind's config dataclass
+    or a dict of its fields."""
+    from .protocol import ATOMIC_MODELS
+    ATOMIC_MODELS[kind]  # noqa: B018 - an unknown kind is an error here, not when loading
+    if dataclasses.is_dataclass(model_config):
+        model_config = dataclasses.asdict(model_config)
+    e_ref = torch.as_tensor(np.asarray(e_ref, dtype=np.float64))
+    if e_ref.shape != (NUM_ELEMENTS,):
+        raise ValueError(f"e_ref must have {NUM_ELEMENTS} rows (Z = 0..94), got shape {tuple(e_ref.shape)}")
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind, "model_config": dict(model_config),
+            "cutoff": float(cutoff), "max_neighbors": None if max_neighbors is None else int(max_neighbors),
+            "symmetric_edges": bool(symmetric_edges),
+            "normalizer": {"e_ref": e_ref, "scale": float(scale)},
+            "elements": sorted(int(z) for z in set(np.asarray(elements).ravel().tolist())),
+            "dtype": str(dtype), "fingerprint": dict(fingerprint) if fingerprint else None, "run_id": run_id,
+            "state_dict": {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}}
+
+
+def kind_of(model_config) -> str:
+    """The registered kind whose config class ``model_config`` is an instance of."""
+    from .protocol import ATOMIC_MODELS
+    for name, spec in ATOMIC_MODELS.items():
+        if isinstance(model_config, spec.config):
+            return name
+    raise ValueError(f"{type(model_config).__name__} is the config of no registered atomic model kind")
+
+
+def payload_from_engine(engine, fingerprint: Optional[dict] = None) -> dict:
+    """The payload of an ``atomic.engine.AtomicEngine``'s model as trained (the trainer calls it
+    on rank 0 after the last epoch and stores it under ``"inference"`` in ``model.pt``)."""
+    systems, graphs = engine.systems, engine.graphs
+    ptr, train = systems["atom_ptr"], engine.ids["train"]
+    elements = np.unique(np.concatenate([systems["z"][ptr[s]:ptr[s + 1]] for s in train])) if len(train) else []
+    return make_payload(kind=kind_of(engine.model_cfg), model_config=engine.model_cfg,
+                        state_dict=engine.full_state_dict(), cutoff=float(graphs["cutoff"]),
+                        max_neighbors=int(graphs["max_neighbors"]),
+                        symmetric_edges=bool(graphs.get("symmetric_edges", False)),
+                        e_ref=engine.norm.e_ref, scale=engine.norm.scale, elements=elements,
+                        dtype=engine.cfg.training.dtype, fingerprint=fingerprint, run_id=engine.cfg.run_id)
+
+
+def untrained_payload(kind: str, systems: dict, *, preset: str = "small", seed: int = 0, dtype: str = "float64",
+                      cutoff: float = 4.5, max_neighbors: Optional[int] = 12, **over) -> dict:
+    """The payload of a *fresh* model of ``kind`` with a normaliser fitted on the training split of
+    ``systems`` (``atomic.data`` arrays), for tests, benchmarks and demos. Parameters that their
+    initialisation leaves at zero (DimeNet++'s output layers) are drawn from N(0, 0.1²), so that
+    energies and forces are not trivially the reference energies and zero."""
+    from .engine import Normalizer
+    from .protocol import ATOMIC_MODELS
+
+    spec = ATOMIC_MODELS[kind]
+    cfg = spec.preset(preset, cutoff=cutoff, **over)
+    torch.manual_seed(seed)
+    model = spec.build(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.any():
+                p.normal_(0.0, 0.1)
+    train = np.nonzero(systems["split"] == 0)[0]
+    norm = Normalizer.fit(systems["z"], systems["atom_ptr"], systems["energy"], train)
+    return make_payload(kind=kind, model_config=cfg, state_dict=model.state_dict(), cutoff=cutoff,
+                        max_neighbors=max_neighbors, symmetric_edges=spec.symmetric_edges, e_ref=norm.e_ref,
+                        scale=norm.scale, elements=systems["z"], dtype=dtype)
+
+
+def save_model_file(path, payload: dict) -> Path:
+    """Write a bare model file (the payload and its digest), atomically (temp + rename)."""
+    from ..checkpoint import digest
+    decode(payload, str(path))  # refuse to write what could not be read back
+    body = {**payload, "digest": digest(payload)}
+    with atomic_path(path, ".pt") as tmp:
+        torch.save(body, tmp)
+    return Path(path)
+
+
+# --------------------------------------------------------------------------- reading
+def load_model_file(path) -> ModelFile:
+    """A run directory (its ``model.pt``, or the ``model-v1.pt`` that :func:`upgrade_run` wrote
+    beside an older one), a checkpoint holding the payload, or a bare model file."""
+    path = Path(path)
+    if path.is_dir():
+        file = path / MODEL_FILE
+        if not file.is_file():
+            partial = " (it has an intermediate checkpoint.pt: training has not finished)" \
+                if (path / "checkpoint.pt").is_file() else ""
+            raise GnnPipeError(f"{path}: no {MODEL_FILE} in this run directory{partial}; train the run to the end "
+                               "first (gnnpipe train writes model.pt after its last epoch)")
+        state = _read(file)
+        if isinstance(state, dict) and "format" not in state and PAYLOAD_KEY not in state \
+                and (path / UPGRADED_FILE).is_file():
+            return load_model_file(path / UPGRADED_FILE)
+        return _decode_file(state, file)
+    if not path.exists():
+        raise GnnPipeError(f"{path}: no such run directory or model file")
+    return _decode_file(_read(path), path)
+
+
+def _read(path: Path):
+    """``torch.load(weights_only=True)``; its digest (if any) checked; one-line errors."""
+    from ..checkpoint import digest
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unpickling errors, truncated zips, not a torch file at all
+        why = ("not a torch file" if not zipfile.is_zipfile(path) else
+               f"unreadable as tensors and plain types (weights_only=True): {type(e).__name__}")
+        raise GnnPipeError(f"{path}: not a gnnpipe model file or checkpoint ({why})") from None
+    want = state.pop("digest", None) if isinstance(state, dict) else None
+    if want is not None and want != digest(state):
+        raise GnnPipeError(f"{path}: its digest does not match its contents (damaged or edited); write it again "
+                           "or retrain")
+    return state
+
+
+def _decode_file(state, path: Path) -> ModelFile:
+    if not isinstance(state, dict):
+        raise GnnPipeError(f"{path}: not a gnnpipe model file (holds a {type(state).__name__}, not a dict)")
+    if "format" in state and PAYLOAD_KEY not in state:
+        return decode(state, str(path))
+    _refuse_unfinished(state, path)
+    if PAYLOAD_KEY in state:
+        return decode(state[PAYLOAD_KEY], str(path))
+    raise GnnPipeError(_legacy_message(state, path))
+
+
+def _refuse_unfinished(state: dict, path: Path) -> None:
+    epochs = ((state.get("config") or {}).get("training") or {}).get("epochs")
+    done = state.get("epochs_done")
+    if epochs is not None and done is not None and int(done) != int(epochs):
+        raise GnnPipeError(f"{path}: a partial checkpoint (after {done} of {epochs} epochs), not a finished model; "
+                           f"use the run's {MODEL_FILE} once training has finished")
+
+
+def _legacy_message(state: dict, path: Path) -> str:
+    from .protocol import ATOMIC_MODELS
+    kind = ((state.get("config") or {}).get("model") or {}).get("kind")
+    if "model" not in state or "config" not in state:
+        return f"{path}: not a gnnpipe model file or checkpoint (no '{PAYLOAD_KEY}' payload, no weights)"
+    if kind not in ATOMIC_MODELS:
+        return (f"{path}: the checkpoint of a {kind!r} run, not an atomic model (atomic kinds: "
+                f"{', '.join(ATOMIC_MODELS.names())})")
+    return (f"{path}: a model.pt of an older gnnpipe (weights only: no normaliser, cutoff or elements); rebuild "
+            "its model file with gnnpipe.atomic.modelfile.upgrade_run(<run dir>) while the run's systems.h5 and "
+            f"graphs.h5 exist, or retrain run {state.get('run_id', '?')}")
+
+
+def decode(payload: Any, where: str = "payload") -> ModelFile:
+    """Check a payload and decode it (one-line errors naming ``where``)."""
+    from ..registry import UnknownKind
+    from .protocol import ATOMIC_MODELS
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        got = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise GnnPipeError(f"{where}: not a gnnpipe atomic model (format {got!r}, expected {FORMAT!r})")
+    version = payload.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise GnnPipeError(f"{where}: model file format version {version!r}, this gnnpipe reads up to "
+                           f"{FORMAT_VERSION}: upgrade gnnpipe to use it")
+    if version < FORMAT_VERSION:  # no older version exists yet; a reader per version goes here
+        raise GnnPipeError(f"{where}: model file format version {version}, this gnnpipe reads {FORMAT_VERSION}: "
+                           "re-export it with the gnnpipe that wrote it, or retrain")
+    missing = [k for k in _REQUIRED if k not in payload]
+    if missing:
+        raise GnnPipeError(f"{where}: incomplete model file (missing {', '.join(missing)}); it was cut short or "
+                           "edited: write it again")
+    try:
+        ATOMIC_MODELS[payload["kind"]]
+    except UnknownKind as e:
+        raise GnnPipeError(f"{where}: {e} (written by a newer gnnpipe, or a plugin not imported here)") from None
+    norm = payload["normalizer"]
+    e_ref = np.asarray(torch.as_tensor(norm["e_ref"], dtype=torch.float64))
+    if e_ref.shape != (NUM_ELEMENTS,):
+        raise GnnPipeError(f"{where}: normalizer e_ref has shape {e_ref.shape}, expected ({NUM_ELEMENTS},)")
+    return ModelFile(kind=payload["kind"], model_config=dict(payload["model_config"]),
+                     cutoff=float(payload["cutoff"]),
+                     max_neighbors=None if payload["max_neighbors"] is None else int(payload["max_neighbors"]),
+                     symmetric_edges=bool(payload["symmetric_edges"]), e_ref=e_ref, scale=float(norm["scale"]),
+                     elements=tuple(int(z) for z in payload["elements"]), dtype=str(payload["dtype"]),
+                     state_dict=dict(payload["state_dict"]), fingerprint=payload.get("fingerprint"),
+                     run_id=payload.get("run_id"), source=where)
+
+
+# --------------------------------------------------------------------------- older runs
+def upgrade_run(run_dir, out=None) -> Path:
+    """Rebuild the model file of a run whose ``model.pt`` holds weights only (gnnpipe before
+    format version 1), from its ``run.yaml`` and data files, as ``evaluate`` refits them; writes
+    a bare model file (default ``<run_dir>/model-v1.pt``, which ``load_model_file(run_dir)`` then
+    reads) and returns its path."""
+    from ..config import load_run_config
+    from ..evaluate import check_checkpoint
+    from .engine import AtomicEngine
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "run.yaml").is_file() or not (run_dir / MODEL_FILE).is_file():
+        raise GnnPipeError(f"{run_dir}: not a finished run directory (needs run.yaml and {MODEL_FILE})")
+    cfg = load_run_config(run_dir / "run.yaml")
+    state = _read(run_dir / MODEL_FILE)
+    if PAYLOAD_KEY in state:
+        raise GnnPipeError(f"{run_dir / MODEL_FILE}: already describes itself; nothing to upgrade")
+    for need in (cfg.systems_path, cfg.graph_path):
+        if not need or not Path(need).is_file():
+            raise GnnPipeError(f"{run_dir}: its data file {need} is gone, and the normaliser cannot be refitted "
+                               "without it; rebuild the data (the same config gives the same file) or retrain")
+    check_checkpoint(state, cfg, run_dir / MODEL_FILE)  # the data must be what it was trained from
+    one = dataclasses.replace(cfg, mode="single", workers=1, ways=1, data_parallel=1)
+    engine = AtomicEngine(one, None, torch.device("cpu"))
+    engine.model.load_state_dict(state["model"])
+    fingerprint = {k: state.get(k) for k in ("config_hash", "graph_hash", "store_hash")}
+    return save_model_file(out or run_dir / UPGRADED_FILE, payload_from_engine(engine, fingerprint))
