@@ -40,8 +40,13 @@ from ..io import GnnPipeError, atomic_path, hash_arrays
 from .checks import MIN_DISTANCE, check_structure
 from .neighbors import system_graph, triplets
 
-#: per file kind; graphs 2: symmetric edges (vesin) with id_swap (1: a per-target cut, no id_swap)
+#: per file kind (others, e.g. predictions.h5: 1); graphs 2: symmetric edges (vesin) with id_swap
+#: (1: a per-target cut, no id_swap)
 FORMAT_VERSIONS = {"systems": 1, "atom_graphs": 2}
+
+
+def format_version(kind: str) -> int:
+    return FORMAT_VERSIONS.get(kind, 1)
 EMT_ELEMENTS = ("Al", "Cu", "Ag", "Au", "Ni", "Pd", "Pt", "H", "C", "N", "O")  # ASE's EMT parameters
 SYSTEM_ARRAYS = ("z", "pos", "fixed", "forces", "cell", "pbc", "energy", "split", "atom_ptr")
 GRAPH_ARRAYS = ("edge_ptr", "triplet_ptr", "edge_src", "edge_dst", "edge_shift", "id_swap", "idx_kj", "idx_ji")
@@ -239,7 +244,7 @@ def _content_hash(arrays: dict, attrs: dict) -> str:
 
 def write_h5(path: str | os.PathLike, arrays: dict, attrs: dict, kind: str) -> str:
     """Write ``arrays`` + ``attrs`` as a versioned, hashed HDF5 file of ``kind``; returns the hash."""
-    attrs = {**attrs, "kind": kind, "format_version": FORMAT_VERSIONS[kind]}
+    attrs = {**attrs, "kind": kind, "format_version": format_version(kind)}
     digest = _content_hash(arrays, attrs)
     with atomic_path(path, ".h5") as tmp:
         with h5py.File(tmp, "w") as f:
@@ -257,8 +262,8 @@ def read_h5(path: str | os.PathLike, kind: str, names, rule: str) -> tuple[dict,
     try:
         with h5py.File(path, "r") as f:
             attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
-            if attrs.get("kind") != kind or attrs.get("format_version") != FORMAT_VERSIONS[kind]:
-                raise GnnPipeError(f"{path}: not a {kind} file of format version {FORMAT_VERSIONS[kind]} "
+            if attrs.get("kind") != kind or attrs.get("format_version") != format_version(kind):
+                raise GnnPipeError(f"{path}: not a {kind} file of format version {format_version(kind)} "
                                    f"(kind {attrs.get('kind')!r}, version {attrs.get('format_version')!r}); {again}")
             missing = [n for n in names if n not in f]
             if missing:
