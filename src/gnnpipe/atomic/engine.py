@@ -211,7 +211,7 @@ class AtomicEngine:
         self.model.train()
         steps = self._steps(self.ids["train"], epoch)
         self._epoch_steps.append(steps)
-        total = 0.0
+        reports = []  # this rank's share of each step's loss
         for step in steps:
             mine = self._replica_batch(step, self.replica)
             self.opt.zero_grad(set_to_none=False)
@@ -223,14 +223,14 @@ class AtomicEngine:
                 loss, _, _, report = step_loss(self.model, g, b, self.norm, StepCounts(len(step), free),
                                                self.force_weight)
                 loss.backward()
-                total += report
+            reports.append(report if len(mine) else 0.0)
             self._reduce_grads()
             self.opt.step()
-        # the ranks' reported shares sum to the step losses
-        loss_sum, = self._sum([total]) if self.comm is not None else (total,)
+        losses = self._sum(reports) if reports else []  # the ranks' shares summed: each step's loss
         wall = time.perf_counter() - t0
         comm_s = (self.comm.epoch_comm_s(epoch) - comm0) if self.comm is not None else 0.0
-        return EpochStats(loss=loss_sum / max(len(steps), 1), compute_s=wall - comm_s, comm_s=comm_s)
+        return EpochStats(loss=sum(losses) / max(len(steps), 1), compute_s=wall - comm_s, comm_s=comm_s,
+                          step_losses=losses)
 
     def predicted_bytes(self) -> int:
         """Closed form of one epoch's training bytes (the last epoch's batches; every epoch has the
