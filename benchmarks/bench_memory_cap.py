@@ -49,7 +49,7 @@ LOSS_RTOL = 1e-4
 
 
 def workflow(root: Path, kind: str, epochs: int) -> dict:
-    spec = {**MODELS[kind], "batch_size": 2, "lr": 0.001}
+    spec = {**MODELS[kind], "batch_size": 2, "lr": 1e-4}
     runs = [{"mode": "single", "dataset": "slabs", "model": "m", "name": f"{kind}-p1"},
             {"mode": "single", "dataset": "slabs", "model": "m", "name": f"{kind}-p1-forced"},
             {"mode": "graph", "dataset": "slabs", "model": "m", "workers": 2, "name": f"{kind}-p2"},

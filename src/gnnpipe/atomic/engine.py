@@ -30,7 +30,7 @@ resumed runs carry them and every layout computes with the same constants.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
