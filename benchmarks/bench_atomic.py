@@ -181,5 +181,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 << 10))  # read by each spawned worker at its start
     sys.exit(main())

@@ -18,7 +18,8 @@ gradient forces) and a DimeNet++ (hidden 128, 4 blocks, triplet width 64), sized
 5. ``p4``: P = 4 under the cap: trains; its step losses against ``p1``'s (float32: |Δ| / loss below
    1e-4 is summation order, the same bound tests/test_atomic_workflow.py applies to P = 2).
 
-Per-worker peak = ``memory.max_usage_in_bytes`` of the rank's cgroup (what the cap judges: pages the
+Workers run with ``MALLOC_MMAP_THRESHOLD_=131072``: a device's memory keeps no freed heap, and
+glibc's would (gnnpipe.launch's docstring). Per-worker peak = ``memory.max_usage_in_bytes`` of the rank's cgroup (what the cap judges: pages the
 worker touched after joining) and the run record's ``peak_mem_bytes`` (the largest resident set).
 Needs root and the cgroup v1 memory controller (this machine's); elsewhere it stops with one line
 (``RLIMIT_AS`` is no substitute: it fails allocations with an exception at a virtual size far above
@@ -46,6 +47,7 @@ MODELS = {  # models.<name>.<kind> sections: large for a worker of --cap-mib, sm
 DATASET = {"kind": "atoms", "atoms": {"num_systems": 8, "slab_size": [3, 3, 4], "cutoff": 6.0, "max_neighbors": 30,
                                       "train_fraction": 0.5, "val_fraction": 0.25, "seed": 1}}
 LOSS_RTOL = 1e-4
+MMAP_THRESHOLD = 128 << 10  # glibc returns freed tensors from 128 KiB: the resident set is what a worker holds
 
 
 def workflow(root: Path, kind: str, epochs: int) -> dict:
@@ -74,13 +76,13 @@ def build_data(cfg) -> None:
 
 def launch(cfg, root: Path, mem_mib: int, capped: bool, cap_bytes: int, force: bool = False) -> dict:
     """``gnnpipe launch`` of one run with every rank in a cgroup of its own (limited or not)."""
-    from gnnpipe.launch import MEMCAP_ENV, cap_workers, uncap_workers
+    from gnnpipe.launch import MEMCAP_ENV, MMAP_ENV, cap_workers, uncap_workers
 
     top = cap_workers(cap_bytes if capped else None, cfg.workers)
     run_yaml = Path(cfg.out_dir) / "run.yaml"
     cmd = [sys.executable, "-m", "gnnpipe.cli", "launch", "--run-config", str(run_yaml),
            "--mem-mb-per-worker", str(mem_mib), *(["--force"] if force else [])]
-    env = {**os.environ, MEMCAP_ENV: str(top), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, MEMCAP_ENV: str(top), "OMP_NUM_THREADS": "1", MMAP_ENV: str(MMAP_THRESHOLD),
            "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
     t0 = time.monotonic()
     try:

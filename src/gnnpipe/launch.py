@@ -11,17 +11,19 @@ The train rule starts every run this way (its launcher after ``--``: ``gnnpipe``
    one stays small) whether the run's model fits ``--mem-mb-per-worker`` at the run's P, and
    refuses with the plan's one line (exit 2) if not, before any worker starts; ``--force`` (or
    ``GNNPIPE_FORCE_LAUNCH=1``) starts it anyway;
-2. runs the command (it dies with the launcher: ``PR_SET_PDEATHSIG``; SIGTERM is passed on),
-   for a checked atomic run with glibc's mmap threshold fixed at its initial 128 KiB
-   (``MALLOC_MMAP_THRESHOLD_``, unless the environment sets it): freed tensors then leave the
-   process, so its resident set follows the memory it holds, which the plan estimates, and a
-   memory cap judges the resident set. With glibc's sliding threshold (up to 32 MiB) the heap
-   keeps what tensors free: a GemNet-T step whose live peak is 2.4 GiB reached 4.9 GiB resident,
-   and a shard of it at P = 2 (tensors half the size, below a 4 MiB threshold) more than the
-   whole at P = 1 (measured here; steps took the same time within the machine's noise);
+2. runs the command (it dies with the launcher: ``PR_SET_PDEATHSIG``; SIGTERM is passed on);
 3. when the command fails and the kernel's out-of-memory killer killed a worker meanwhile,
    says so in one line naming the cap (exit 137, the status of a SIGKILLed process): the
    per-worker cgroup's limit when the workers ran in one (below), else the job's.
+
+The plan estimates what a training step holds. glibc's allocator may keep more resident: with
+its sliding mmap threshold (up to 32 MiB) the heap keeps what tensors free, and a GemNet-T step
+whose live peak is 2.4 GiB reached 4.9 GiB resident, its shard at P = 2 more than the whole at
+P = 1 (measured here). ``MALLOC_MMAP_THRESHOLD_=131072`` (blocks from 128 KiB mmapped, returned
+when freed) makes the resident set follow the plan (within 5 %), at a cost: a step at P = 1 took
+up to twice as long here (more page faults); at P = 2 and 4 the difference was within the
+machine's noise. The launcher leaves the choice to the environment (the memory-cap benchmark sets
+it, as a device's memory has no such heap) and names it when a worker is killed without it.
 
 **Per-worker memory caps** (cgroup v1, root): ``cap_workers(limit, workers)`` makes one memory
 cgroup per rank under the caller's own, ``<own>/gnnpipe-cap-<pid>/rank-<r>``, each limited to
@@ -51,7 +53,7 @@ FORCE_ENV = "GNNPIPE_FORCE_LAUNCH"
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 OOM_EXIT = 137  # 128 + SIGKILL: what a shell reports for a process the OOM killer ended
 UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a page-rounded 2^63 - 1
-MMAP_ENV, MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_", 128 << 10  # glibc: blocks from 128 KiB mmapped, freed at once
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc: blocks from this size are mmapped, returned when freed
 
 
 # --------------------------------------------------------------------------- memory cgroups (v1)
@@ -171,6 +173,11 @@ def _die_with_me() -> None:  # in the child, before exec
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
+def _allocator_hint() -> str:
+    return "" if os.environ.get(MMAP_ENV) else (f" (the plan counts what a step holds; glibc may keep more resident: "
+                                                f"{MMAP_ENV}=131072 bounds it, see gnnpipe.launch)")
+
+
 def oom_line(cfg, mem_mb: Optional[int], before: int, rc: int) -> Optional[str]:
     """The one line for a command that failed because the OOM killer ended a worker, else None."""
     top = os.environ.get(MEMCAP_ENV)
@@ -182,7 +189,8 @@ def oom_line(cfg, mem_mb: Optional[int], before: int, rc: int) -> Optional[str]:
             limit = cgroup_limit(d)
             return (f"run {cfg.run_id}: {d.name.replace('-', ' ')} was killed by the out-of-memory killer (SIGKILL, "
                     f"exit {OOM_EXIT}) at its memory cap of {limit / 2**30:.2f} GiB per worker "
-                    f"({d}/memory.limit_in_bytes); gnnpipe plan-atomic --run-config says which P fits")
+                    f"({d}/memory.limit_in_bytes); gnnpipe plan-atomic --run-config says which P fits"
+                    f"{_allocator_hint()}")
         return None
     if kernel_oom_kills() > before and rc in (OOM_EXIT, -signal.SIGKILL, 1):  # 1: torchrun, a worker failed
         job = own_cgroup()
@@ -191,7 +199,7 @@ def oom_line(cfg, mem_mb: Optional[int], before: int, rc: int) -> Optional[str]:
         caps += [f"the job's memory cgroup {job}: {limit / 2**30:.2f} GiB"] if limit else []
         return (f"run {cfg.run_id}: a worker was killed by the out-of-memory killer (SIGKILL, exit {OOM_EXIT}) "
                 f"under the memory cap ({'; '.join(caps) or 'the machine'}); gnnpipe plan-atomic --run-config "
-                "says which P fits")
+                f"says which P fits{_allocator_hint()}")
     return None
 
 
@@ -204,11 +212,8 @@ def launch(run_config: str, command: list[str], mem_mb: Optional[int] = None, fo
     if cfg.atomic and mem_mb and not force:
         preflight(run_config, mem_mb)
     command = command or default_command(cfg, run_config)
-    env = dict(os.environ)
-    if cfg.atomic and mem_mb:
-        env.setdefault(MMAP_ENV, str(MMAP_THRESHOLD))
     before = kernel_oom_kills()
-    child = subprocess.Popen(command, preexec_fn=_die_with_me, env=env)
+    child = subprocess.Popen(command, preexec_fn=_die_with_me)
     old = signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
     try:
         while True:
