@@ -104,6 +104,17 @@ def launch(cfg, root: Path, mem_mib: int, capped: bool, cap_bytes: int, force: b
     return out
 
 
+def summarise(out: dict) -> dict:
+    """One model's figures: exits, per-worker peaks (GiB, the largest rank's cgroup peak), the loss check."""
+    runs, gib = out["runs"], 2**30
+    return {"exit": {name: r["exit"] for name, r in runs.items()},
+            "peak_gib": {f"P={runs[n]['workers']}": max(runs[n]["cgroup_peak_bytes"]) / gib for n in ("p1", "p2", "p4")},
+            "peak_rss_gib": {f"P={runs[n]['workers']}": runs[n].get("peak_rss_bytes", 0) / gib for n in ("p1", "p2", "p4")},
+            "refusal": next(iter(runs["p1-capped"]["lines"]), None),
+            "oom": next(iter(runs["p1-forced"]["lines"]), None),
+            "p4_vs_p1_max_rel_diff": (out.get("p4_vs_p1") or {}).get("max_rel_diff")}
+
+
 def bench_kind(kind: str, root: Path, cap_mib: int, epochs: int) -> dict:
     from gnnpipe.atomic.engine import plan_run
     from gnnpipe.config import dump_run_config, load_workflow_config, resolve_runs
@@ -136,6 +147,7 @@ def bench_kind(kind: str, root: Path, cap_mib: int, epochs: int) -> dict:
         out["p4_vs_p1"] = {"steps": len(ref), "max_rel_diff": rel, "rtol": LOSS_RTOL, "equal": rel < LOSS_RTOL}
         print(f"  P=4 capped vs P=1 uncapped, {len(ref)} steps: max |Δloss|/loss = {rel:.1e} "
               f"({'within' if rel < LOSS_RTOL else 'ABOVE'} {LOSS_RTOL:g})", file=sys.stderr)
+    out["summary"] = summarise(out)
     return out
 
 
