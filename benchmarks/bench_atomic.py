@@ -9,9 +9,11 @@ widths 64, 3 blocks — trained with energy + gradient-force steps (double backw
 workers (spawned, one thread each), through the protocol (``ATOMIC_MODELS[kind].build``,
 ``engine.step_loss``). Per model and P: systems/s, each worker's peak RSS, and the activation
 memory autograd keeps for backward, measured by ``saved_tensors_hooks`` (distinct storages) and
-split by what a tensor's rows are: triplets (T_loc rows), edges (E_loc or E rows, GemNet's
-padded per-edge triplet slots included) or atoms — the triplet and edge parts are what
-edge/triplet sharding divides by P; the kind's ``memory_per_worker`` estimate beside them. Also
+split by what a tensor's rows are — DimeNet++: local edges (and triplet-block rows), block
+columns (the input edges a way's triplets read), block entries, atoms
+(``dimenetpp_costs.saved_bytes_by_rows``); GemNet-T: triplets, edges (E_loc or E rows, the
+padded per-edge triplet slots included), atoms — beside the kind's ``memory_per_worker``
+estimate of each part (with the batch's own counts at P where the kind has them). Also
 the bytes the ledger counted per step against the kind's closed form (``step_bytes``), and, for
 DimeNet++, the time ratio to PyG's DimeNetPlusPlus (``bench_dimenet_pyg.pyg_ratio``, where that
 benchmark is present). GemNet's scale factors stay 1 here: they change no shape, byte or time.
@@ -32,7 +34,7 @@ import torch
 
 MODELS = {  # kind: (large for this machine, --quick)
     "dimenetpp": (dict(hidden_channels=256, num_blocks=4, int_emb_size=128, basis_emb_size=8, out_emb_channels=256),
-                  dict(hidden_channels=32, num_blocks=2, int_emb_size=16, out_emb_channels=32)),
+                  dict(hidden_channels=40, num_blocks=2, int_emb_size=16, out_emb_channels=40)),
     "gemnet_t": (dict(num_blocks=3, emb_size_atom=128, emb_size_edge=256, emb_size_trip=64, emb_size_bil_trip=64,
                       num_radial=32, force_head="gradient"),
                  dict(num_blocks=1, emb_size_atom=16, emb_size_edge=32, emb_size_trip=8, emb_size_bil_trip=8,
@@ -61,20 +63,11 @@ def _work(rank: int, world: int, b: dict, kind: str, cfg_kw: dict, steps: int) -
     g = rank_view(b, grp, torch.float32, None)
     norm = Normalizer(np.zeros(95), 1.0)
     counts = StepCounts(b["num_systems"], int((~b["fixed"]).sum()))
-    saved = {"triplet": 0, "edge": 0, "atom": 0, "other": 0}
-    rows = {g.num_local_triplets: "triplet", g.num_local_edges: "edge", g.num_edges: "edge", g.num_atoms: "atom",
-            g.atom_hi - g.atom_lo: "atom"}
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set = set()
+    saved: dict = {}
 
-    def pack(t):
-        if isinstance(t, torch.Tensor) and t.dim() and t.numel() and t.is_floating_point():
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params and ptr not in seen:
-                seen.add(ptr)
-                dims = [d for d in t.shape if d != 1] or [1]
-                saved[rows.get(int(dims[0]), "other")] += t.untyped_storage().nbytes()
-        return t
+    def run():
+        loss, *_ = step_loss(model, g, b, norm, counts, 10.0)
+        loss.backward()
 
     times = []
     model.train()
@@ -83,11 +76,9 @@ def _work(rank: int, world: int, b: dict, kind: str, cfg_kw: dict, steps: int) -
         t0 = time.perf_counter()
         model.zero_grad(set_to_none=False)
         if step == 1:  # measure the saved activations of one step
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss, *_ = step_loss(model, g, b, norm, counts, 10.0)
+            saved = saved_by_rows(kind, model, g, run)
         else:
-            loss, *_ = step_loss(model, g, b, norm, counts, 10.0)
-        loss.backward()
+            run()
         if world > 1:
             comm.all_reduce_coalesced_([p.grad if p.grad is not None else torch.zeros_like(p)
                                         for p in model.parameters()])
@@ -98,6 +89,30 @@ def _work(rank: int, world: int, b: dict, kind: str, cfg_kw: dict, steps: int) -
     return {"step_s": float(np.median(times)), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "saved_bytes": saved, "sent_bytes_step": comm.epoch_bytes(2),
             "local_triplets": g.num_local_triplets, "local_edges": g.num_local_edges}
+
+
+def saved_by_rows(kind: str, model, g, step) -> dict:
+    """Bytes kept for backward while ``step()`` runs, by row kind (distinct storages, parameters not)."""
+    if kind == "dimenetpp":  # its triplet blocks have rows of their own
+        from gnnpipe.atomic.dimenetpp_costs import saved_bytes_by_rows
+        saved = saved_bytes_by_rows(model, g, step)
+        if "edge" in saved:  # one part at P = 1 on symmetric graphs (rows = columns): comparable at every P
+            saved["edge+column"] = saved["edge"] + saved["column"]
+        return saved
+    saved = {"triplet": 0, "edge": 0, "atom": 0, "other": 0}
+    rows = {g.num_local_triplets: "triplet", g.num_local_edges: "edge", g.num_edges: "edge", g.num_atoms: "atom",
+            g.atom_hi - g.atom_lo: "atom"}
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        if t.numel() and t.is_floating_point() and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            dims = [d for d in t.shape if d != 1] or [1]
+            saved[rows.get(int(dims[0]), "other")] += t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return saved
 
 
 def bench_model(kind: str, cfg_kw: dict, b: dict, workers: list[int], steps: int) -> dict:
@@ -112,28 +127,29 @@ def bench_model(kind: str, cfg_kw: dict, b: dict, workers: list[int], steps: int
     for p in workers:
         res = spawn_multi_process(_work, p, b, kind, cfg_kw, steps, timeout=3600)
         closed = entry.step_bytes(cfg, [edges], [atoms], [n_sys], p, 4, params)
-        est = entry.memory_per_worker(cfg, atoms, edges, triplets, p, 4)
+        est = entry.memory_per_worker(cfg, atoms, edges, triplets, p, 4,
+                                      **(entry.batch_counts(b, p) if entry.batch_counts else {}))
+        if "column" in est:
+            est["edge+column"] = est["edge"] + est["column"]
+        parts = list(res[0]["saved_bytes"])
         row = {"workers": p, "systems_per_s": n_sys / max(r["step_s"] for r in res),
                "peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in res),
-               "saved_triplet_bytes_max": max(r["saved_bytes"]["triplet"] for r in res),
-               "saved_edge_bytes_max": max(r["saved_bytes"]["edge"] for r in res),
-               "saved_atom_bytes_max": max(r["saved_bytes"]["atom"] for r in res),
-               "saved_other_bytes_max": max(r["saved_bytes"]["other"] for r in res),
+               **{f"saved_{k}_bytes_max": max(r["saved_bytes"][k] for r in res) for k in parts},
                "estimate_bytes": est,
                "bytes_per_step_measured": sum(r["sent_bytes_step"] for r in res),
                "bytes_per_step_closed_form": closed, "per_rank": res}
         out["runs"].append(row)
         mib = 2**20
+        shown = ", ".join(f"{k} {row[f'saved_{k}_bytes_max'] / mib:.1f}" + (f" ({est[k] / mib:.1f})" if k in est else "")
+                          for k in parts if k != "other")
         print(f"  P={p}: {row['systems_per_s']:.2f} systems/s, peak RSS {row['peak_rss_bytes_max'] / mib:.0f} MiB; "
-              f"saved for backward: triplets {row['saved_triplet_bytes_max'] / mib:.1f}, edges "
-              f"{row['saved_edge_bytes_max'] / mib:.1f}, atoms {row['saved_atom_bytes_max'] / mib:.1f} MiB "
-              f"(estimate: activations {(est['total'] - est['parameters']) / mib:.1f} MiB); bytes/step "
-              f"{row['bytes_per_step_measured']:,} (closed form {closed:,})", file=sys.stderr)
+              f"saved for backward, MiB (estimate): {shown}; bytes/step {row['bytes_per_step_measured']:,} "
+              f"(closed form {closed:,})", file=sys.stderr)
     base = out["runs"][0]
     for row in out["runs"]:
-        for part in ("triplet", "edge"):
-            b0 = base[f"saved_{part}_bytes_max"]
-            row[f"{part}_memory_ratio_to_p1"] = row[f"saved_{part}_bytes_max"] / b0 if b0 else None
+        row["saved_ratio_to_p1"] = {k[6:-10]: row[k] / base[k] if base[k] else None for k in row
+                                    if k.startswith("saved_") and k.endswith("_bytes_max") and k in base
+                                    and k != "saved_other_bytes_max"}
     return out
 
 
@@ -142,7 +158,7 @@ def pyg(cfg_kw: dict, quick: bool) -> dict:
     try:
         from bench_dimenet_pyg import pyg_ratio
     except ImportError as e:
-        return {"ratio": None, "note": f"benchmarks/bench_dimenet_pyg.py not available ({e})"}
+        return {"time_ratio": None, "note": f"benchmarks/bench_dimenet_pyg.py not available ({e})"}
     torch.set_num_threads(1)
     return pyg_ratio(cfg_kw, 4 if quick else 16, repeats=4 if quick else 10)
 
@@ -172,8 +188,9 @@ def main(argv=None) -> int:
         out["models"][kind] = bench_model(kind, cfg_kw, b, a.workers, 2 if a.quick else 3)
         if kind == "dimenetpp" and a.pyg:
             out["models"][kind]["pyg"] = ratio = pyg(cfg_kw, a.quick)
-            if ratio.get("ratio") is not None:
-                print(f"  DimeNet++ / PyG time per step: {ratio['ratio']:.2f}", file=sys.stderr)
+            if ratio.get("time_ratio") is not None:
+                print(f"  DimeNet++ / PyG per step: time {ratio['time_ratio']:.2f}, saved memory "
+                      f"{ratio['saved_bytes_ratio']:.2f} ({ratio['systems']} slabs)", file=sys.stderr)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     return 0

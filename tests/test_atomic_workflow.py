@@ -257,8 +257,9 @@ def test_plan_atomic_sizes_xl_and_finds_the_smallest_p(small_data, capsys):
     kind = ATOMIC_MODELS["dimenetpp"]
     rows = plan_ways(kind, kind.preset("xl"), atoms=2000, edges=60_000, triplets=1_500_000,
                      device_bytes=16 * 2**30)
-    trip = [r["memory"]["triplet"] for r in rows]
-    assert all(abs(trip[0] / t - r["ways"]) < 0.01 * r["ways"] for t, r in zip(trip, rows))  # 1/P
+    for part in ("edge", "column", "entry"):  # default block counts: per local edge or triplet, 1/P
+        m = [r["memory"][part] for r in rows]
+        assert all(abs(m[0] / x - r["ways"]) < 0.01 * r["ways"] for x, r in zip(m, rows)), part
     assert rows[0]["bytes_per_step"] == 0 < rows[1]["bytes_per_step"]
     fits = [r["ways"] for r in rows if r["fits"]]
     assert fits and fits[0] > 1 and not rows[0]["fits"]  # XL on a big system needs several ways

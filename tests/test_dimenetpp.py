@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gnnpipe.atomic.dimenetpp import (DimeNetPP, DimeNetPPConfig, bessel_zeros, count_parameters,
-                                      energy_and_forces, preset)
+                                      energy_and_forces, preset, silu, spherical_jn_rows, triplet_blocks)
 from gnnpipe.atomic.parallel import single_graph, with_pos
 
 CUTOFF = 3.0
@@ -73,7 +73,10 @@ def f64():
     torch.set_default_dtype(old)
 
 
-def test_matches_pyg_dimenetplusplus(monkeypatch, f64):
+@pytest.mark.parametrize("built_in", [torch.float64, torch.float32])
+def test_matches_pyg_dimenetplusplus(monkeypatch, built_in):
+    """Energies, forces and the parameter gradients of a loss on both (double backward) equal PyG's,
+    float64, whichever default dtype the models were built under (then cast to float64)."""
     pyg = pytest.importorskip("torch_geometric.nn.models.dimenet")
     b = molecules(0)
     src, dst = torch.as_tensor(b["edge_src"]), torch.as_tensor(b["edge_dst"])
@@ -81,21 +84,72 @@ def test_matches_pyg_dimenetplusplus(monkeypatch, f64):
     monkeypatch.setattr(pyg, "radius_graph", lambda pos, r, batch, max_num_neighbors: torch.stack([src, dst]))
     monkeypatch.setattr(pyg, "triplets", lambda edge_index, num_nodes: (
         dst, src, dst[ji], src[ji], src[kj], kj, ji))
-    ours = _model()
-    ref = pyg.DimeNetPlusPlus(hidden_channels=16, out_channels=1, num_blocks=2, int_emb_size=8,
-                              basis_emb_size=4, out_emb_channels=12, num_spherical=5, num_radial=4,
-                              cutoff=CUTOFF).double()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(built_in)
+    try:
+        ours = _model()
+        ref = pyg.DimeNetPlusPlus(hidden_channels=16, out_channels=1, num_blocks=2, int_emb_size=8,
+                                  basis_emb_size=4, out_emb_channels=12, num_spherical=5, num_radial=4,
+                                  cutoff=CUTOFF).double()
+    finally:
+        torch.set_default_dtype(old)
     missing = ref.load_state_dict(ours.state_dict(), strict=True)
     assert not missing.missing_keys and not missing.unexpected_keys
     pos_ref = torch.as_tensor(b["pos"]).requires_grad_(True)
     e_ref = ref(torch.as_tensor(b["z"]), pos_ref, torch.as_tensor(b["system"])).squeeze(-1)
-    f_ref = -torch.autograd.grad(e_ref.sum(), pos_ref)[0]
+    f_ref = -torch.autograd.grad(e_ref.sum(), pos_ref, create_graph=True)[0]
+    (e_ref.pow(2).sum() + f_ref.pow(2).sum()).backward()
     g = single_graph(b)
     g = with_pos(g, g.pos.clone().requires_grad_(True))
-    energy, forces = energy_and_forces(ours, g, create_graph=False)
+    energy, forces = energy_and_forces(ours, g, create_graph=True)
+    (energy.pow(2).sum() + forces.pow(2).sum()).backward()
     assert e_ref.abs().min() > 1e-3  # a non-trivial energy
     torch.testing.assert_close(energy.detach(), e_ref.detach(), rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(forces, f_ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(forces.detach(), f_ref.detach(), rtol=1e-9, atol=1e-9)
+    ref_params = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_spherical_jn_rows_matches_scipy():
+    """j_l(z_ln x) over the range the basis is used at, x = d / cutoff: float64 to 1e-10 down to x = 0.05
+    (0.25 Å at a 5 Å cutoff); float32 to 3e-4 from x = 0.1, where upward recurrence (like PyG's sympy
+    closed forms, 1e-3 there) loses digits at l = 6."""
+    from scipy import special
+    z = bessel_zeros(7, 6).astype(np.float64)
+    x = np.linspace(0.05, 1.0, 500)
+    y = z[None] * x[:, None, None]  # (X, S, R)
+    ref = np.stack([special.spherical_jn(l, y[:, l]) for l in range(7)], 1)
+    np.testing.assert_allclose(spherical_jn_rows(torch.as_tensor(y)).numpy(), ref, rtol=0, atol=1e-10)
+    near = x >= 0.1
+    got = spherical_jn_rows(torch.as_tensor(y[near], dtype=torch.float32)).double().numpy()
+    np.testing.assert_allclose(got, ref[near], rtol=0, atol=3e-4)
+
+
+def test_silu_is_twice_differentiable():
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(silu(x), torch.nn.functional.silu(x), rtol=0, atol=0)
+    assert torch.autograd.gradcheck(silu, (x,)) and torch.autograd.gradgradcheck(silu, (x,))
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_triplet_blocks_hold_each_triplet_once(parts):
+    """Each local triplet is one masked entry (row ji, column kj) of its centre's block; rows map back
+    to local edges; the column's geometry comes from a triplet that reads its edge."""
+    from gnnpipe.atomic.parallel import shard_graph
+    b = molecules(3, periodic_cell=3.2, sizes=(4, 3))
+    for rank in range(parts):
+        g = shard_graph(b, parts, rank, None)
+        tb = triplet_blocks(g)
+        c, r, k = tb.mask.nonzero(as_tuple=True)
+        got = sorted(zip(tb.row_edge[c, r].tolist(), tb.col_edge[c, k].tolist()))
+        assert got == sorted(zip(g.idx_ji.tolist(), g.idx_kj.tolist()))
+        real = tb.mask.any(1)  # (G, Ki) columns read by some triplet
+        assert torch.equal(g.idx_kj[tb.col_triplet[real]], tb.col_edge[real])
+        assert bool((g.kj_dst[tb.col_triplet[real]] == g.edge_src[tb.row_edge[:, :1]].expand_as(real)[real]).all())
+        flat = torch.cat([tb.row_edge.flatten(), torch.tensor([-1])])[tb.edge_row]
+        has = torch.zeros(g.num_local_edges, dtype=torch.bool).index_fill_(0, g.idx_ji, True)
+        assert torch.equal(flat[has], torch.arange(g.num_local_edges)[has]) and bool((flat[~has] == -1).all())
 
 
 def test_bessel_zeros_are_zeros():

@@ -72,7 +72,7 @@ def _atom_graphs(a):
 def _plan_atomic(a):
     import resource
 
-    from .atomic.engine import plan_run, plan_ways
+    from .atomic.engine import batch_plan, largest_batch, plan_run
     from .atomic.protocol import ATOMIC_MODELS
 
     if a.run_config:  # one run's model and batch, against the workers' memory
@@ -99,26 +99,27 @@ def _plan_atomic(a):
     else:
         if not (a.systems and a.graphs):
             raise GnnPipeError("plan-atomic: give --run-config, or --systems and --graphs")
-        from .atomic.data import graph_stats, read_graphs, read_systems
+        from .atomic.data import batch_arrays, read_graphs, read_systems
         kind = ATOMIC_MODELS[a.model]
         if a.preset not in kind.presets:
             raise GnnPipeError(f"plan-atomic: {a.model} has no preset {a.preset!r} (its presets: "
                                f"{', '.join(kind.presets)})")
         systems = read_systems(a.systems)
-        st = graph_stats(read_graphs(a.graphs, systems["content_hash"]), systems)
-        n, e, t = (int(st[f"{k}_max"] * a.batch_size) for k in ("atoms", "edges", "triplets"))
-        mcfg = kind.preset(a.preset, force_head=a.force_head, cutoff=float(read_graphs(a.graphs)["cutoff"]))
-        rows = plan_ways(kind, mcfg, n, e, t, int(a.device_gib * 2**30), 4 if a.dtype == "float32" else 8)
+        graphs = read_graphs(a.graphs, systems["content_hash"])
+        b = batch_arrays(systems, graphs, largest_batch(systems, graphs, a.batch_size))
+        n, e, t = len(b["z"]), len(b["edge_src"]), len(b["idx_kj"])
+        mcfg = kind.preset(a.preset, force_head=a.force_head, cutoff=float(graphs["cutoff"]))
+        rows = batch_plan(kind, mcfg, b, int(a.device_gib * 2**30), 4 if a.dtype == "float32" else 8)
         title, line = f"{kind.name} {a.preset}", None
     print(f"{title}: {kind.count_parameters(mcfg):,} parameters; largest step batch: {n} atoms, {e} edges, "
           f"{t} triplets")
-    print(f"{'P':>4} {'GiB/worker':>11} {'triplets':>9} {'edges':>9} {'params':>9} {'MB/step':>10}  fits")
+    parts = [k for k in rows[0]["memory"] if k != "total"]  # the kind's own parts (GiB per worker)
+    print(f"{'P':>4} {'GiB/worker':>11} " + " ".join(f"{k[:14]:>14}" for k in parts) + f" {'MB/step':>10}  fits")
     for r in rows:
         m = r["memory"]
-        edges = m["edge"] + m.get("gathered_edges", m.get("gathered", 0))
-        print(f"{r['ways']:>4} {r['memory_per_worker'] / 2**30:>11.2f} {m['triplet'] / 2**30:>9.2f} "
-              f"{edges / 2**30:>9.2f} {m['parameters'] / 2**30:>9.2f} {r['bytes_per_step'] / 1e6:>10.1f}  "
-              f"{'yes' if r['fits'] else 'no'}")
+        print(f"{r['ways']:>4} {r['memory_per_worker'] / 2**30:>11.2f} "
+              + " ".join(f"{m[k] / 2**30:>14.3f}" for k in parts)
+              + f" {r['bytes_per_step'] / 1e6:>10.1f}  {'yes' if r['fits'] else 'no'}")
     need = next((r["ways"] for r in rows if r["fits"]), None)
     print(f"smallest P that fits: {need}" if need else "no P up to the edge count fits: use a smaller model")
     if line:
@@ -278,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--model", default="dimenetpp", choices=ATOMIC_MODELS.names(), help="the atomic model kind")
     pa.add_argument("--preset", default="xl", help="a preset of the kind (small, default, xl)")
     pa.add_argument("--force-head", choices=["gradient", "direct"], help="default: the preset's")
-    pa.add_argument("--batch-size", type=int, default=1, help="systems per step and replica")
+    pa.add_argument("--batch-size", type=int, default=1, help="systems per step and replica (the largest ones)")
     pa.add_argument("--device-gib", type=float, default=32.0, help="memory of one device, GiB")
     pa.add_argument("--mem-mb-per-worker", type=int,
                     help="with --run-config: the memory of one worker process, MiB (resources.mem_mb_per_worker)")

@@ -346,24 +346,22 @@ def model_graphs(graphs: dict, systems: dict, cutoff: Optional[float], path) -> 
 
 
 # --------------------------------------------------------------------------- sizing
-def largest_batch(systems: dict, graphs: dict, batch_size: int) -> tuple[int, int, int]:
-    """(atoms, edges, triplets) bounding any step batch of ``batch_size`` systems: the sums of the
-    ``batch_size`` largest counts of each."""
-    out = []
-    for ptr in (systems["atom_ptr"], graphs["edge_ptr"], graphs["triplet_ptr"]):
-        counts = np.sort(np.diff(ptr))[::-1]
-        out.append(int(counts[:batch_size].sum()))
-    return out[0], out[1], out[2]
+def largest_batch(systems: dict, graphs: dict, batch_size: int) -> np.ndarray:
+    """The ids of a step batch as large as any: the ``batch_size`` systems with the most triplets
+    (ties: most edges, then atoms)."""
+    order = np.lexsort((np.diff(systems["atom_ptr"]), np.diff(graphs["edge_ptr"]), np.diff(graphs["triplet_ptr"])))
+    return np.sort(order[::-1][:batch_size])
 
 
 def plan_ways(kind, cfg, atoms: int, edges: int, triplets: int, device_bytes: int, dtype_bytes: int = 4,
-              max_ways: int = 64, overhead: int = 0) -> list[dict]:
+              max_ways: int = 64, overhead: int = 0, counts=None) -> list[dict]:
     """Memory per worker (the kind's estimate, plus ``overhead`` bytes per process) and bytes per step
-    for P = 1, 2, 4, ...; ``fits`` against ``device_bytes``."""
+    for P = 1, 2, 4, ...; ``fits`` against ``device_bytes``. ``counts(P)``: the kind-specific sizes of
+    a batch at P ways (``AtomicModelKind.batch_counts``), else the kind's defaults."""
     rows, p = [], 1
     params = kind.count_parameters(cfg)
     while p <= max_ways and p <= edges:
-        mem = kind.memory_per_worker(cfg, atoms, edges, triplets, p, dtype_bytes)
+        mem = kind.memory_per_worker(cfg, atoms, edges, triplets, p, dtype_bytes, **(counts(p) if counts else {}))
         total = mem["total"] + overhead
         rows.append({"ways": p, "memory_per_worker": total, "memory": mem,
                      "bytes_per_step": kind.step_bytes(cfg, [edges], [atoms], [1], p, dtype_bytes, params),
@@ -372,21 +370,36 @@ def plan_ways(kind, cfg, atoms: int, edges: int, triplets: int, device_bytes: in
     return rows
 
 
+def batch_plan(kind, model_cfg, b: dict, device_bytes: int, dtype_bytes: int, overhead: int = 0,
+               max_ways: int = 64) -> list[dict]:
+    """``plan_ways`` on batch ``b`` (``data.batch_arrays``): its sizes, and its kind-specific counts."""
+    counts = (lambda p: kind.batch_counts(b, p)) if kind.batch_counts else None
+    return plan_ways(kind, model_cfg, len(b["z"]), len(b["edge_src"]), len(b["idx_kj"]), device_bytes, dtype_bytes,
+                     max_ways, overhead, counts)
+
+
 @dataclass
 class RunPlan:
     """``plan_ways`` for one run's model on its largest step batch, against a memory cap per worker."""
 
     kind: object  # protocol.AtomicModelKind
     model_cfg: object
-    batch: tuple[int, int, int]  # atoms, edges, triplets of the largest step batch
+    arrays: dict  # the largest step batch (data.batch_arrays)
     ways: int  # the run's P
     cap: int  # bytes per worker
     overhead: int  # bytes of a worker process before its model (counted in each row)
     rows: list
 
+    @property
+    def batch(self) -> tuple[int, int, int]:
+        """Atoms, edges and triplets of the largest step batch."""
+        b = self.arrays
+        return len(b["z"]), len(b["edge_src"]), len(b["idx_kj"])
+
     def need(self, ways: int) -> int:
         """Bytes per worker at ``ways`` ways (any P, not only the rows' powers of two)."""
-        return self.kind.memory_per_worker(self.model_cfg, *self.batch, ways)["total"] + self.overhead
+        counts = self.kind.batch_counts(self.arrays, ways) if self.kind.batch_counts else {}
+        return self.kind.memory_per_worker(self.model_cfg, *self.batch, ways, **counts)["total"] + self.overhead
 
     @property
     def fits(self) -> bool:
@@ -414,14 +427,13 @@ class RunPlan:
 
 def plan_run(cfg, cap_bytes: int, overhead: int = 0, max_ways: int = 64) -> RunPlan:
     """The plan of an atomic run (its ``run.yaml``): its model on its graphs' largest step batch."""
-    from .data import read_graphs, read_systems
+    from .data import batch_arrays, read_graphs, read_systems
 
     systems = read_systems(cfg.systems_path)
     graphs = model_graphs(read_graphs(cfg.graph_path, expect_systems_hash=systems["content_hash"]), systems,
                           cfg.model.spec.cutoff, cfg.graph_path)
     kind = ATOMIC_MODELS[cfg.model.kind]
     model_cfg = model_config(cfg.model, float(graphs["cutoff"]))
-    batch = largest_batch(systems, graphs, cfg.model.spec.batch_size)
-    b = DTYPES[cfg.training.dtype].itemsize
-    rows = plan_ways(kind, model_cfg, *batch, cap_bytes, b, max_ways=max_ways, overhead=overhead)
-    return RunPlan(kind, model_cfg, batch, cfg.ways, cap_bytes, overhead, rows)
+    b = batch_arrays(systems, graphs, largest_batch(systems, graphs, cfg.model.spec.batch_size))
+    rows = batch_plan(kind, model_cfg, b, cap_bytes, DTYPES[cfg.training.dtype].itemsize, overhead, max_ways)
+    return RunPlan(kind, model_cfg, b, cfg.ways, cap_bytes, overhead, rows)
