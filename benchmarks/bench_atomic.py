@@ -102,13 +102,15 @@ def saved_by_rows(kind: str, model, g, step) -> dict:
     saved = {"triplet": 0, "edge": 0, "atom": 0, "other": 0}
     rows = {g.num_local_triplets: "triplet", g.num_local_edges: "edge", g.num_edges: "edge", g.num_atoms: "atom",
             g.atom_hi - g.atom_lo: "atom"}
+    kmax = int(g.triplet_rank.max()) + 1 if g.triplet_rank is not None and g.triplet_rank.numel() else 0
     seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t):
         if t.numel() and t.is_floating_point() and t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
             dims = [d for d in t.shape if d != 1] or [1]
-            saved[rows.get(int(dims[0]), "other")] += t.untyped_storage().nbytes()
+            padded = t.dim() == 3 and dims[0] == g.num_local_edges and kmax in dims[1:]  # (E_loc, K, w) triplet slots
+            saved["triplet" if padded else rows.get(int(dims[0]), "other")] += t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()

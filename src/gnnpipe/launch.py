@@ -20,7 +20,7 @@ The plan estimates what a training step holds. glibc's allocator may keep more r
 its sliding mmap threshold (up to 32 MiB) the heap keeps what tensors free, and a GemNet-T step
 whose live peak is 2.4 GiB reached 4.9 GiB resident, its shard at P = 2 more than the whole at
 P = 1 (measured here). ``MALLOC_MMAP_THRESHOLD_=131072`` (blocks from 128 KiB mmapped, returned
-when freed) makes the resident set follow the plan (within 5 %), at a cost: a step at P = 1 took
+when freed) makes the resident set follow the plan (within 15 %), at a cost: a step at P = 1 took
 up to twice as long here (more page faults); at P = 2 and 4 the difference was within the
 machine's noise. The launcher leaves the choice to the environment (the memory-cap benchmark sets
 it, as a device's memory has no such heap) and names it when a worker is killed without it.
