@@ -58,6 +58,25 @@ def two_community_graph(n=200, seed=0) -> Graph:
     return Graph(indptr, indices, x, labels, *masks, num_classes=2, name="two")
 
 
+# --------------------------------------------------------------------------- atoms: the dense neighbour search
+def dense_radius_graph(pos, cell, pbc, cutoff: float, max_neighbors: int):
+    """The all-pairs × images search the package had before vesin (the oracle of its tests): edges
+    ``j -> i`` with ``0 < |pos_i - pos_j - shift| < cutoff``, sorted by (target, distance, source,
+    image); each target keeps its ``max_neighbors`` nearest (a per-target cut: not symmetric)."""
+    from gnnpipe.atomic.checks import image_range, periodic_heights
+
+    reps = image_range(periodic_heights(cell, pbc), cutoff)
+    images = np.array(np.meshgrid(*[np.arange(-r, r + 1) for r in reps], indexing="ij")).reshape(3, -1).T
+    shifts = images @ cell  # (K, 3)
+    dist = np.linalg.norm(pos[:, None, None, :] - pos[None, :, None, :] - shifts[None, None, :, :], axis=-1)
+    i, j, k = np.nonzero((dist < cutoff) & (dist > 1e-8))
+    d = dist[i, j, k]
+    order = np.lexsort((k, j, d, i))
+    i, j, k = i[order], j[order], k[order]
+    keep = np.arange(len(i)) - np.searchsorted(i, i) < max_neighbors  # position among the target's
+    return j[keep].astype(np.int64), i[keep].astype(np.int64), shifts[k[keep]].astype(np.float64)
+
+
 # --------------------------------------------------------------------------- CSR and blocks (layers)
 def random_csr(n: int, p: float, seed: int, *, symmetric: bool = False, isolated: int = 0):
     """A random in-edge CSR without self loops; the last ``isolated`` nodes have no in-edges."""

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from gnnpipe.atomic import data
+from gnnpipe.atomic import neighbors as nb
 from gnnpipe.io import GnnPipeError
+from helpers import dense_radius_graph
 
 
 @pytest.fixture(scope="module")
@@ -44,27 +46,43 @@ def test_radius_graph_matches_brute_force_on_a_skewed_periodic_cell():
     cell = np.array([[2.6, 0, 0], [1.1, 2.4, 0], [0.3, 0.2, 3.1]])
     pos = rng.random((4, 3)) @ cell
     pbc = np.array([True, True, False])
-    src, dst, shift = data.radius_graph(pos, cell, pbc, 3.3, 10_000)
+    src, dst, shift = nb.radius_graph(pos, cell, pbc, 3.3)
     got = {(int(j), int(i), tuple(np.round(s, 6))) for j, i, s in zip(src, dst, shift)}
     assert got == _brute_edges(pos, cell, pbc, 3.3)
     assert {(i, j, tuple(np.round(-np.array(s), 6)) if any(s) else s) for j, i, s in got} == got  # symmetric
     d = np.linalg.norm(pos[dst] - pos[src] - shift, axis=1)
-    for i in range(4):  # sorted by distance per target; max_neighbors keeps the nearest
+    for i in range(4):  # sorted by distance per target; the cap keeps every atom's nearest (and their reverses)
         assert np.all(np.diff(d[dst == i]) >= 0)
-    s2, d2, sh2 = data.radius_graph(pos, cell, pbc, 3.3, 3)
+    s2, d2, sh2 = nb.radius_graph(pos, cell, pbc, 3.3, 3)
     for i in range(4):
-        assert np.allclose(np.linalg.norm(pos[i] - pos[s2[d2 == i]] - sh2[d2 == i], axis=1), d[dst == i][:3])
+        assert np.allclose(np.linalg.norm(pos[i] - pos[s2[d2 == i]] - sh2[d2 == i], axis=1)[:3], d[dst == i][:3])
 
 
 def test_triplets_match_brute_force_including_periodic_self_images():
     cell = np.eye(3) * 2.0
     pos = np.array([[0.1, 0.2, 0.3], [1.1, 0.9, 1.2]])
-    src, dst, shift = data.radius_graph(pos, cell, np.array([True] * 3), 2.1, 100)
+    src, dst, shift = nb.radius_graph(pos, cell, np.array([True] * 3), 2.1, 100)
     kj, ji = data.triplets(src, dst, shift)
     want = {(f, e) for e in range(len(src)) for f in range(len(src))
             if dst[f] == src[e] and not (src[f] == dst[e] and np.allclose(shift[f] + shift[e], 0))}
     assert set(zip(kj.tolist(), ji.tolist())) == want and len(kj) == len(want)
     assert any(src[f] == dst[e] for f, e in want)  # k == i on another image is kept
+
+
+def test_graphs_are_symmetric_with_their_reverse_edges_and_a_binding_cap_keeps_them_so(systems):
+    """build_graphs: vesin's symmetric graph per system; id_swap (local ids, stored) maps every edge to
+    its reverse; with a binding cap (4 neighbours) each atom keeps its 4 nearest of the dense search."""
+    g = data.build_graphs(systems, 4.0, 4, progress=False)
+    ep, ap = g["edge_ptr"], systems["atom_ptr"]
+    for s in range(len(ep) - 1):
+        src, dst, shift, swap = (g[k][ep[s]:ep[s + 1]] for k in ("edge_src", "edge_dst", "edge_shift", "id_swap"))
+        assert np.array_equal(src[swap], dst) and np.array_equal(dst[swap], src)
+        assert np.allclose(shift[swap], -shift) and np.array_equal(swap[swap], np.arange(len(swap)))
+        pos = systems["pos"][ap[s]:ap[s + 1]]
+        kept = {(int(j), int(i), tuple(np.round(v, 6) + 0.0)) for j, i, v in zip(src, dst, shift)}
+        nearest = dense_radius_graph(pos, systems["cell"][s], systems["pbc"][s], 4.0, 4)
+        assert {(int(j), int(i), tuple(np.round(v, 6) + 0.0)) for j, i, v in zip(*nearest)} <= kept
+        assert len(kept) > len(nearest[0])  # the cap binds: the reverses of others' nominations are added
 
 
 def test_h5_round_trip_and_refusals(tmp_path, systems):
@@ -75,9 +93,15 @@ def test_h5_round_trip_and_refusals(tmp_path, systems):
     g = data.build_graphs(systems, 4.0, 12, progress=False)
     gp = tmp_path / "graphs.h5"
     data.write_graphs(gp, g, 4.0, 12, digest)
-    assert np.array_equal(data.read_graphs(gp, digest)["idx_kj"], g["idx_kj"])
+    back = data.read_graphs(gp, digest)
+    assert np.array_equal(back["idx_kj"], g["idx_kj"]) and np.array_equal(back["id_swap"], g["id_swap"])
+    assert back["symmetric_edges"] is True and back["max_neighbors"] == 12
     with pytest.raises(GnnPipeError, match="rule atom_graphs"):
         data.read_graphs(gp, "another")
+    with h5py.File(gp, "r+") as f:  # a graphs.h5 of format 1 (per-target cut, no id_swap): rebuilt, not read
+        f.attrs["format_version"] = 1
+    with pytest.raises(GnnPipeError, match=r"not a atom_graphs file of format version 2 .*version 1.*rule atom_graphs"):
+        data.read_graphs(gp, digest)
     with h5py.File(p, "r+") as f:  # an edited attribute
         f.attrs["num_systems"] = 99
     with pytest.raises(GnnPipeError, match="content hash mismatch.*rule build_systems"):
@@ -139,6 +163,8 @@ def test_batch_arrays_offsets(systems):
     assert b["num_systems"] == 2 and b["system"].max() == 1
     assert b["edge_src"][e2:].min() >= n2 and b["idx_kj"][b["idx_ji"] >= e2].min() >= e2
     assert np.all(b["edge_dst"][b["idx_ji"]] != -1) and np.array_equal(b["edge_dst"][b["idx_kj"]], b["edge_src"][b["idx_ji"]])
+    assert np.array_equal(b["edge_src"][b["id_swap"]], b["edge_dst"])  # reverse edges in batch ids
+    assert np.array_equal(b["id_swap"], nb.reverse_edges(b["edge_src"], b["edge_dst"], b["edge_shift"]))
 
 
 # --------------------------------------------------------------------------- impossible atoms (issue 21, item 3)

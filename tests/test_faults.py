@@ -53,14 +53,14 @@ def setup_run(root: Path, mode: str = "single", workers: int = 1, *, epochs: int
     return cfg
 
 
-def setup_atomic_run(root: Path, mode: str = "graph", workers: int = 2, *, epochs: int = 5):
-    """A tiny DimeNet++ run on 10 EMT slabs under ``root/results`` (systems.h5, graphs.h5, run.yaml)."""
+def setup_atomic_run(root: Path, mode: str = "graph", workers: int = 2, *, epochs: int = 5, kind: str = "dimenetpp"):
+    """A tiny atomic run (DimeNet++ or GemNet-T, small, one block) on 10 EMT slabs under ``root/results``
+    (systems.h5, graphs.h5, run.yaml)."""
     from gnnpipe.atomic import data
 
     wf = load_workflow_config({
         "results": str(root / "results"), "datasets": {"slabs": {"kind": "atoms"}},
-        "models": {"dpp": {"kind": "dimenetpp", "dimenetpp": {"preset": "small", "num_blocks": 1,
-                                                              "batch_size": 2, "lr": 0.001}}},
+        "models": {"dpp": {"kind": kind, kind: {"preset": "small", "num_blocks": 1, "batch_size": 2, "lr": 0.001}}},
         "training": {"epochs": epochs, "eval_every": 5, "checkpoint_every": 2, "weight_decay": 0.0},
         "runs": [{"mode": mode, "dataset": "slabs", "model": "dpp", "workers": workers}]})
     cfg = next(iter(resolve_runs(wf).values()))
@@ -519,6 +519,15 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
 def _is_torchrun(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1].endswith(b"torchrun")
@@ -687,7 +696,7 @@ def test_snakemake_killed_with_its_workers_then_unlocked_and_resumed(tmp_path):
     workers = []
     try:
         _wait(lambda: (out / "resume" / "manifest.json").exists(), 240, "the first checkpoint")
-        agent, = [pid for sh in _children(first.pid) for pid in _children(sh) if _is_torchrun(pid)]  # snakemake > sh
+        agent, = [pid for pid in _descendants(first.pid) if _is_torchrun(pid)]  # snakemake > sh > launch > torchrun
         workers = _children(agent)
         assert len(workers) == 2, workers
         os.killpg(first.pid, signal.SIGKILL)
@@ -711,10 +720,12 @@ def test_snakemake_killed_with_its_workers_then_unlocked_and_resumed(tmp_path):
 
 
 @pytest.mark.slow
-def test_atomic_graph_mode_killed_and_resumed_is_bit_identical(tmp_path):
-    """DimeNet++ graph P = 2 (several optimizer steps per epoch): a killed worker, a resumed rerun,
-    the weights of a run that never stopped."""
-    ref, cfg = setup_atomic_run(tmp_path / "ref"), setup_atomic_run(tmp_path / "cut")
+@pytest.mark.parametrize("kind", ["dimenetpp", "gemnet_t"])
+def test_atomic_graph_mode_killed_and_resumed_is_bit_identical(tmp_path, kind):
+    """DimeNet++ and GemNet-T graph P = 2 (several optimizer steps per epoch): a killed worker, a resumed
+    rerun, the weights of a run that never stopped (GemNet's scale factors, fitted at the start of the
+    first attempt, come back from the checkpoint)."""
+    ref, cfg = setup_atomic_run(tmp_path / "ref", kind=kind), setup_atomic_run(tmp_path / "cut", kind=kind)
     proc, _ = torchrun(ref)
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc, took = torchrun(cfg, env={"GNNPIPE_TEST_KILL": "1:3"})
@@ -722,3 +733,5 @@ def test_atomic_graph_mode_killed_and_resumed_is_bit_identical(tmp_path):
     proc, _ = torchrun(cfg)
     assert proc.returncode == 0 and "after epoch 1" in proc.stderr, proc.stderr[-3000:]
     assert_same_run(ref, cfg)
+    scales = [k for k in weights(cfg) if k.endswith("scale_factor")]
+    assert bool(scales) == (kind == "gemnet_t") and all(float(weights(cfg)[k]) != 1.0 for k in scales)

@@ -167,7 +167,7 @@ def test_payload_from_the_engine_and_upgrade_of_an_older_run(tmp_path, monkeypat
     assert payload["elements"] == sorted(set(np.concatenate([s["z"][s["atom_ptr"][i]:s["atom_ptr"][i + 1]]
                                                              for i in train]).tolist()))
     assert (payload["kind"], payload["cutoff"], payload["max_neighbors"], payload["symmetric_edges"],
-            payload["dtype"]) == ("dimenetpp", 4.0, 10, False, cfg.training.dtype)
+            payload["dtype"]) == ("dimenetpp", 4.0, 10, True, cfg.training.dtype)  # graphs.h5 v2: symmetric
     assert torch.equal(payload["normalizer"]["e_ref"], torch.as_tensor(engine.norm.e_ref))
     run = Path(cfg.out_dir)
     run.mkdir(parents=True)

@@ -22,3 +22,24 @@ def test_names_in_order_entries_by_name_and_clear_errors():
         reg["gat"]
     with pytest.raises(ValueError, match="registered twice"):
         reg.register("gcn", {})
+
+
+def test_a_lazy_entry_is_imported_when_first_asked_for():
+    """The atomic kinds' names come without torch (the config and Snakemake list them); an entry is
+    imported from its module on first use."""
+    import subprocess
+    import sys
+
+    reg: Registry[object] = Registry("thing")
+    reg.register_lazy("path", "os.path:join")
+    reg.register("eager", 1)
+    assert reg.names() == ("path", "eager") and "path" in reg
+    import os.path
+    assert reg["path"] is os.path.join and reg.items() == [("path", os.path.join), ("eager", 1)]
+    with pytest.raises(ValueError, match="a lazy entry is 'module:attribute'"):
+        reg.register_lazy("bad", "os.path.join")
+    code = ("import sys; from gnnpipe.config import MODEL_KINDS; from gnnpipe.atomic.kinds import ATOMIC_MODELS; "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(ATOMIC_MODELS.names()); "
+            "print(ATOMIC_MODELS['gemnet_t'].name, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[:2] == ["('dimenetpp', 'gemnet_t')", "gemnet_t True"]

@@ -45,7 +45,8 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
     # the cost model: partition statistics per dataset, a calibrated profile per (dataset, model
     # with graph layers); mlp has no cost model
     wf = load_workflow_config(yaml.safe_load(DEFAULT.read_text()))
-    fitted = {(s.dataset, s.model) for s in wf.runs if wf.models[s.model].kind not in ("mlp", "dimenetpp")}
+    fitted = {(s.dataset, s.model) for s in wf.runs
+              if wf.models[s.model].kind != "mlp" and not runs[run_id(wf, s)].atomic}
     node = {r.dataset_name for r in runs.values() if not r.atomic}
     atoms = {r.dataset_name for r in runs.values() if r.atomic}
     assert atoms, "the default config trains an atomic model too"
@@ -79,7 +80,14 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
     (lambda c: (c.update(resources={"workers_per_node": 3}),
                 c.update(runs=[{"mode": "graph", "dataset": "tiny", "model": "gcn2", "workers": 4}])),
      "config.resources.workers_per_node: run tiny-gcn2-graph-p4-seed0 has 4 workers, not a multiple of 3"),
-], ids=["unknown-key", "bad-enum", "bad-number", "unknown-dataset", "workers-per-node"])
+    (lambda c: (c["models"].update(gem={"kind": "gemnet_t"}),
+                c.update(runs=[{"mode": "graph", "dataset": "tiny", "model": "gem", "workers": 2}])),
+     "config.runs[0]: dataset 'tiny' (synthetic) and model 'gem' (gemnet_t) do not fit: atoms datasets train atomic"),
+    (lambda c: c["models"].update(gem={"kind": "gemnet"}),
+     "config.models.gem.kind: 'gemnet' is not one of ['gcn', 'sage', 'gat', 'gcnii', 'resgcn', 'mlp', 'dimenetpp', "
+     "'gemnet_t']"),
+], ids=["unknown-key", "bad-enum", "bad-number", "unknown-dataset", "workers-per-node", "gemnet-on-node-data",
+        "model-kind"])
 def test_config_errors_are_one_line_before_any_job(tmp_path, edit, message):
     work = tmp_path / "work"
     res = snakemake(work, write_config(tmp_path, edit), "--cores", "1", timeout=120)
@@ -253,7 +261,10 @@ def _check(schema: dict, node: dict, tp, where: str) -> None:
     elif origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
         assert "null" in _types(node), where
-        _check(schema, {**node, "type": sorted(_types(node) - {"null"})}, inner[0], where)
+        less = {**node, "type": sorted(_types(node) - {"null"})}
+        if "enum" in node:  # an optional enum lists null too
+            less["enum"] = [v for v in node["enum"] if v is not None]
+        _check(schema, less, inner[0], where)
     elif origin is dict:
         assert _types(node) == {"object"}, where
         _check(schema, node.get("additionalProperties", {}), args[1], f"{where}.<name>")
@@ -266,8 +277,16 @@ def _check(schema: dict, node: dict, tp, where: str) -> None:
 
 
 def test_schema_mirrors_the_config_dataclasses():
-    schema = yaml.safe_load(SCHEMA.read_text())
+    """The schema common.smk validates with (the file, its model kinds from the registry) against the
+    dataclasses; model.kind's enum is every node kind and every atomic kind registered."""
+    from gnnpipe.atomic.kinds import ATOMIC_MODELS
+    from gnnpipe.config import MODEL_KINDS, NODE_KINDS, workflow_schema
+
+    schema = workflow_schema(SCHEMA)
     _check(schema, schema, WorkflowConfig, "config")
+    assert schema["$defs"]["model"]["properties"]["kind"]["enum"] == list(MODEL_KINDS) == \
+        [*NODE_KINDS, *ATOMIC_MODELS.names()]
+    assert "enum" not in yaml.safe_load(SCHEMA.read_text())["$defs"]["model"]["properties"]["kind"]  # not retyped
 
 
 def test_shipped_configs_are_valid():

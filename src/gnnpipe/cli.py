@@ -6,6 +6,8 @@
     gnnpipe partition   --graph graph.h5 --method metis --parts 4 --out metis-4.npy
     gnnpipe materialize --graph graph.h5 --assignment metis-4.npy --out metis-4.h5
     gnnpipe train       --run-config results/runs/<run_id>/run.yaml   (torchrun for P > 1)
+    gnnpipe launch      --run-config run.yaml --mem-mb-per-worker 4096 [-- torchrun ...]
+                                                      (the train rule: check the plan, start, report OOM)
     gnnpipe evaluate    --run-config results/runs/<run_id>/run.yaml
     gnnpipe report      --runs-dir results/runs --out results/report.md
     gnnpipe runs        --config config/config.yaml   (list / resolve the configured runs)
@@ -68,34 +70,60 @@ def _atom_graphs(a):
 
 
 def _plan_atomic(a):
-    import numpy as np
+    import resource
 
-    from .atomic.data import batch_arrays, graph_stats, read_graphs, read_systems
-    from .atomic.dimenetpp import count_parameters, preset
-    from .atomic.engine import block_counts, plan_ways
+    from .atomic.engine import batch_plan, largest_batch, plan_run
+    from .atomic.protocol import ATOMIC_MODELS
 
-    systems = read_systems(a.systems)
-    graphs = read_graphs(a.graphs, systems["content_hash"])
-    st = graph_stats(graphs, systems)
-    n, e, t = (int(st[f"{k}_max"] * a.batch_size) for k in ("atoms", "edges", "triplets"))
-    cfg = preset(a.preset, force_head=a.force_head)
-    # the triplet blocks' padded sizes per way, measured on a batch of copies of the system with most edges
-    big = batch_arrays(systems, graphs, [int(np.argmax(np.diff(graphs["edge_ptr"])))] * a.batch_size)
-    rows = plan_ways(cfg, n, e, t, int(a.device_gib * 2**30), 4 if a.dtype == "float32" else 8,
-                     blocks=lambda p: block_counts(big, p))
-    print(f"DimeNet++ {a.preset}: {count_parameters(cfg):,} parameters; batch of {a.batch_size} of the largest "
-          f"system: {n} atoms, {e} edges, {t} triplets; device {a.device_gib} GiB")
-    print(f"{'P':>4} {'GiB/worker':>11} {'edges':>9} {'triplets':>9} {'atoms':>9} {'params':>9} {'MB/step':>10}  fits")
+    if a.run_config:  # one run's model and batch, against the workers' memory
+        from .config import load_run_config
+
+        cfg = load_run_config(a.run_config)
+        if not cfg.atomic:
+            raise GnnPipeError(f"{a.run_config}: run {cfg.run_id} trains a node model ({cfg.model.kind}); "
+                               "plan-atomic plans atomic runs (gnnpipe plan plans the others)")
+        if a.mem_mb_per_worker:  # host memory: a worker's process counts, as this one measures it after its imports
+            cap, cap_name = a.mem_mb_per_worker * 2**20, f"resources.mem_mb_per_worker = {a.mem_mb_per_worker}"
+            overhead = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        else:
+            cap, cap_name, overhead = int(a.device_gib * 2**30), f"--device-gib {a.device_gib:g}", 0
+        plan = plan_run(cfg, cap, overhead)
+        line = plan.answer(cfg.run_id, cap_name)
+        if a.check:
+            if not plan.fits:
+                raise GnnPipeError(line)
+            print(line, file=sys.stderr)
+            return
+        kind, mcfg, (n, e, t), rows = plan.kind, plan.model_cfg, plan.batch, plan.rows
+        title = f"{kind.name} of run {cfg.run_id}"
+    else:
+        if not (a.systems and a.graphs):
+            raise GnnPipeError("plan-atomic: give --run-config, or --systems and --graphs")
+        from .atomic.data import batch_arrays, read_graphs, read_systems
+        kind = ATOMIC_MODELS[a.model]
+        if a.preset not in kind.presets:
+            raise GnnPipeError(f"plan-atomic: {a.model} has no preset {a.preset!r} (its presets: "
+                               f"{', '.join(kind.presets)})")
+        systems = read_systems(a.systems)
+        graphs = read_graphs(a.graphs, systems["content_hash"])
+        b = batch_arrays(systems, graphs, largest_batch(systems, graphs, a.batch_size))
+        n, e, t = len(b["z"]), len(b["edge_src"]), len(b["idx_kj"])
+        mcfg = kind.preset(a.preset, force_head=a.force_head, cutoff=float(graphs["cutoff"]))
+        rows = batch_plan(kind, mcfg, b, int(a.device_gib * 2**30), 4 if a.dtype == "float32" else 8)
+        title, line = f"{kind.name} {a.preset}", None
+    print(f"{title}: {kind.count_parameters(mcfg):,} parameters; largest step batch: {n} atoms, {e} edges, "
+          f"{t} triplets")
+    parts = [k for k in rows[0]["memory"] if k != "total"]  # the kind's own parts (GiB per worker)
+    print(f"{'P':>4} {'GiB/worker':>11} " + " ".join(f"{k[:14]:>14}" for k in parts) + f" {'MB/step':>10}  fits")
     for r in rows:
         m = r["memory"]
-        gib = [(m["edge"] + m["gathered_edges"]) / 2**30, (m["column"] + m["entry"]) / 2**30, m["atom"] / 2**30,
-               m["parameters"] / 2**30]
-        print(f"{r['ways']:>4} {r['memory_per_worker'] / 2**30:>11.2f} " + " ".join(f"{x:>9.2f}" for x in gib)
+        print(f"{r['ways']:>4} {r['memory_per_worker'] / 2**30:>11.2f} "
+              + " ".join(f"{m[k] / 2**30:>14.3f}" for k in parts)
               + f" {r['bytes_per_step'] / 1e6:>10.1f}  {'yes' if r['fits'] else 'no'}")
-    print("edges: per local edge and block row, and one block's gathered rows; triplets: the triplet blocks' "
-          "columns (input edges) and entries")
     need = next((r["ways"] for r in rows if r["fits"]), None)
     print(f"smallest P that fits: {need}" if need else "no P up to the edge count fits: use a smaller model")
+    if line:
+        print(line)
 
 
 def _partition(a):
@@ -123,11 +151,21 @@ def _materialize(a):
 
 
 def _train(a):
+    from .launch import join_worker_cap
+
+    join_worker_cap()  # a per-worker memory cap (GNNPIPE_MEMCAP_CGROUP), before torch takes any memory
     from .config import load_run_config
     from .train import die_with_launcher, run
 
     die_with_launcher(LAUNCHER_PID)
     run(load_run_config(a.run_config), restart=a.restart)
+
+
+def _launch(a):
+    from .launch import launch
+
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    return launch(a.run_config, command, a.mem_mb_per_worker, a.force)  # the exit status
 
 
 def _evaluate(a):
@@ -227,16 +265,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stats", help="also write a JSON summary (edges, triplets per system)")
     g.set_defaults(func=_atom_graphs)
 
-    pa = sub.add_parser("plan-atomic", help="memory per worker and bytes of DimeNet++ at P = 1, 2, 4, ...",
-                        description="Size a DimeNet++ (a preset, e.g. xl, which may not fit here) on an atoms "
-                                    "dataset's largest system: estimated memory per graph-parallel worker, "
-                                    "the closed-form bytes per step, and the smallest P that fits a device.")
-    pa.add_argument("--systems", required=True, help="systems.h5")
-    pa.add_argument("--graphs", required=True, help="graphs.h5")
-    pa.add_argument("--preset", default="xl", choices=["small", "default", "xl"])
-    pa.add_argument("--force-head", default="gradient", choices=["gradient", "direct"])
-    pa.add_argument("--batch-size", type=int, default=1, help="systems per step and replica")
+    from .atomic.kinds import ATOMIC_MODELS
+
+    pa = sub.add_parser("plan-atomic", help="memory per worker and bytes of an atomic model at P = 1, 2, 4, ...",
+                        description="Size an atomic model (a kind and preset, e.g. gemnet_t xl, which may not fit "
+                                    "here; or a run's own model and batch) on an atoms dataset's largest "
+                                    "systems: estimated memory per graph-parallel worker, the closed-form bytes "
+                                    "per step, and the smallest P that fits a device (--device-gib) or a "
+                                    "worker's memory (--mem-mb-per-worker, with the process's own).")
+    pa.add_argument("--run-config", help="a run's run.yaml: its model, batch size, dtype, data and P")
+    pa.add_argument("--systems", help="systems.h5 (without --run-config)")
+    pa.add_argument("--graphs", help="graphs.h5 (without --run-config)")
+    pa.add_argument("--model", default="dimenetpp", choices=ATOMIC_MODELS.names(), help="the atomic model kind")
+    pa.add_argument("--preset", default="xl", help="a preset of the kind (small, default, xl)")
+    pa.add_argument("--force-head", choices=["gradient", "direct"], help="default: the preset's")
+    pa.add_argument("--batch-size", type=int, default=1, help="systems per step and replica (the largest ones)")
     pa.add_argument("--device-gib", type=float, default=32.0, help="memory of one device, GiB")
+    pa.add_argument("--mem-mb-per-worker", type=int,
+                    help="with --run-config: the memory of one worker process, MiB (resources.mem_mb_per_worker)")
+    pa.add_argument("--check", action="store_true",
+                    help="with --run-config: one line; exit 2 if the run's P does not fit (gnnpipe launch's check)")
     pa.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     pa.set_defaults(func=_plan_atomic)
 
@@ -272,6 +320,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "a rerun resumes from the last complete checkpoint, and one of another config or "
                         "data is refused (environment: GNNPIPE_RESTART=1)")
     t.set_defaults(func=_train)
+
+    la = sub.add_parser("launch", help="start a run's training: refuse what will not fit, name a memory cap",
+                        description="Start one run's training (the command after --, default: one process "
+                                    "for single, torchrun on this node otherwise). An atomic run whose model "
+                                    "gnnpipe plan-atomic says will not fit --mem-mb-per-worker at the run's P is "
+                                    "refused first with the plan's one line (exit 2); a worker the kernel's "
+                                    "out-of-memory killer ends is reported in one line naming the cap (exit 137).")
+    la.add_argument("--run-config", required=True, help="results/runs/<run_id>/run.yaml")
+    la.add_argument("--mem-mb-per-worker", type=int,
+                    help="memory of one worker, MiB (resources.mem_mb_per_worker); none: no check")
+    la.add_argument("--force", action="store_true",
+                    help="start a run the plan refuses (environment: GNNPIPE_FORCE_LAUNCH=1)")
+    la.add_argument("command", nargs="*", help="-- then the launch command (default: built from the run)")
+    la.set_defaults(func=_launch)
 
     e = sub.add_parser("evaluate", help="exact full-graph inference of a trained run",
                        description="Load the run's checkpoint and compute train/val/test accuracy with "
@@ -387,11 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        return args.func(args) or 0  # launch returns its command's status; the others None
     except GnnPipeError as e:
         print(f"gnnpipe: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

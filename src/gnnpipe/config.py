@@ -126,27 +126,40 @@ class DatasetConfig:
 
 
 # --------------------------------------------------------------------------- model & training
-@dataclass
-class ModelConfig:
-    """A stack of ``layers`` graph layers (``mlp``: no graph, the baseline)."""
+#: Node-level model kinds (graph layers, gnnpipe.models); the atomic ones are the registry's.
+NODE_KINDS = ("gcn", "sage", "gat", "gcnii", "resgcn", "mlp")
 
-    kind: Literal["gcn", "sage", "gat", "gcnii", "resgcn", "mlp", "dimenetpp"] = "gcn"
-    layers: int = 2
-    hidden: int = 64
-    dropout: float = 0.5
-    heads: int = 4  # gat: attention heads (hidden is split across them)
-    alpha: float = 0.1  # gcnii: initial-residual weight
-    lambda_: float = 0.5  # gcnii: identity-mapping strength (YAML key: lambda)
-    norm: Literal["none", "layer"] = "none"  # normalisation after each hidden layer (resgcn: always layer)
-    dimenetpp: "DimeNetPPSpec" = field(default_factory=lambda: DimeNetPPSpec())  # kind dimenetpp only
+
+def _atomic_kinds() -> tuple[str, ...]:
+    from .atomic.kinds import ATOMIC_MODELS  # names only: no torch
+    return ATOMIC_MODELS.names()
+
+
+#: Every model kind: the schema's enum and the CLI's choices are this tuple (common.smk injects it).
+MODEL_KINDS = NODE_KINDS + _atomic_kinds()
 
 
 @dataclass
-class DimeNetPPSpec:
-    """DimeNet++ sizes: a preset (small, default = PyG's, xl = Sriram et al.'s DimeNet++-XL)
-    with any field overridden; ``None`` keeps the preset's. The cutoff is the dataset's."""
+class AtomicSpec:
+    """What every atomic model's section holds beside its sizes: a preset, the force head, how it
+    trains, and its basis cutoff. Sizes left ``None`` keep the preset's."""
 
     preset: Literal["small", "default", "xl"] = "small"
+    force_head: Optional[Literal["gradient", "direct"]] = None  # gradient: F = -dE/dpos; None: the preset's
+    force_weight: float = 10.0  # weight of the force term in the loss
+    batch_size: int = 4  # systems per step and data-parallel replica
+    lr: Optional[float] = None  # overrides training.lr for this model
+    # Å, the model's basis cutoff: None = the graphs' (datasets.<name>.atoms.cutoff); a smaller one
+    # drops the longer edges at set-up, a larger one is refused (the graphs lack those neighbours)
+    cutoff: Optional[float] = None
+
+
+@dataclass
+class DimeNetPPSpec(AtomicSpec):
+    """DimeNet++ (kind ``dimenetpp``): a preset (small, default = PyG's, xl = Sriram et al.'s
+    DimeNet++-XL) with any size overridden."""
+
+    force_head: Literal["gradient", "direct"] = "gradient"
     hidden_channels: Optional[int] = None
     num_blocks: Optional[int] = None
     int_emb_size: Optional[int] = None  # triplet message width: what is all-gathered per block
@@ -154,10 +167,68 @@ class DimeNetPPSpec:
     out_emb_channels: Optional[int] = None
     num_spherical: Optional[int] = None
     num_radial: Optional[int] = None
-    force_head: Literal["gradient", "direct"] = "gradient"  # gradient: F = -dE/dpos (conserving)
-    force_weight: float = 10.0  # weight of the force term in the loss
-    batch_size: int = 4  # systems per step and data-parallel replica
-    lr: Optional[float] = None  # overrides training.lr for this model
+
+
+@dataclass
+class GemNetTSpec(AtomicSpec):
+    """GemNet-T / GemNet-dT (kind ``gemnet_t``): a preset (small; default = fairchem's
+    gp-gemnet-dT; xl = GemNet-XL of Sriram et al.) with any size overridden; ``force_head``
+    gradient is GemNet-T, direct GemNet-dT (None: the preset's: small T, default and xl dT)."""
+
+    num_spherical: Optional[int] = None
+    num_radial: Optional[int] = None
+    num_blocks: Optional[int] = None
+    emb_size_atom: Optional[int] = None  # all-gathered per block
+    emb_size_edge: Optional[int] = None  # summed into atoms per block
+    emb_size_trip: Optional[int] = None  # all-gathered per block (triplet input messages)
+    emb_size_rbf: Optional[int] = None
+    emb_size_cbf: Optional[int] = None
+    emb_size_bil_trip: Optional[int] = None  # all-gathered per block (reverse-edge aggregates)
+    num_before_skip: Optional[int] = None
+    num_after_skip: Optional[int] = None
+    num_concat: Optional[int] = None
+    num_atom: Optional[int] = None
+
+
+#: The config section of each atomic kind: ``models.<name>.<kind>`` (a field of ModelConfig). Its
+#: size fields are the kind's config fields (tests/test_config.py), the rest how it trains.
+ATOMIC_SPECS = {"dimenetpp": DimeNetPPSpec, "gemnet_t": GemNetTSpec}
+if set(ATOMIC_SPECS) != set(_atomic_kinds()):
+    raise ImportError(f"gnnpipe.config: atomic model kinds {_atomic_kinds()} registered, config sections for "
+                      f"{tuple(ATOMIC_SPECS)}: give every registered kind its section")
+
+
+@dataclass
+class ModelConfig:
+    """A stack of ``layers`` graph layers (``mlp``: no graph, the baseline), or an atomic model
+    (a kind of ``gnnpipe.atomic.protocol.ATOMIC_MODELS``) sized by its own section."""
+
+    kind: Literal[MODEL_KINDS] = "gcn"  # type: ignore[valid-type]  # the registry's names
+    layers: int = 2
+    hidden: int = 64
+    dropout: float = 0.5
+    heads: int = 4  # gat: attention heads (hidden is split across them)
+    alpha: float = 0.1  # gcnii: initial-residual weight
+    lambda_: float = 0.5  # gcnii: identity-mapping strength (YAML key: lambda)
+    norm: Literal["none", "layer"] = "none"  # normalisation after each hidden layer (resgcn: always layer)
+    dimenetpp: DimeNetPPSpec = field(default_factory=DimeNetPPSpec)  # kind dimenetpp only
+    gemnet_t: GemNetTSpec = field(default_factory=GemNetTSpec)  # kind gemnet_t only
+
+    @property
+    def atomic(self) -> bool:
+        return self.kind in ATOMIC_SPECS
+
+    @property
+    def spec(self) -> Optional[AtomicSpec]:
+        """The section of an atomic kind (None for node models)."""
+        return getattr(self, self.kind) if self.atomic else None
+
+    def check(self, path: str) -> None:
+        """A section of another kind would be ignored: refuse it rather than drop it silently."""
+        for kind, cls in ATOMIC_SPECS.items():
+            if kind != self.kind and getattr(self, kind) != cls():
+                raise ConfigError(f"{path}.{kind}: a {kind} section on a model of kind {self.kind} would be "
+                                  f"ignored; remove it (or set kind: {kind})")
 
 
 @dataclass
@@ -303,7 +374,14 @@ class RunConfig:
 
     @property
     def atomic(self) -> bool:
-        return self.model.kind == "dimenetpp"
+        """The run's dataset is of kind ``atoms`` (``resolve_run`` gives such runs their systems.h5)."""
+        return self.systems_path is not None
+
+    def check(self, path: str) -> None:
+        if self.atomic != self.model.atomic:  # a run.yaml written by hand
+            raise ConfigError(f"{path}: model kind {self.model.kind} on "
+                              f"{'an atoms' if self.atomic else 'a node'} dataset ({self.dataset_name}): "
+                              f"atoms datasets train {', '.join(ATOMIC_SPECS)}, node datasets the others")
 
 
 # --------------------------------------------------------------------------- value checks
@@ -348,6 +426,7 @@ _SEED = Bound(0, 2**31 - 1)
 # larger value is a typo, not a plan).
 _TIMEOUT = Bound(1, 7 * 24 * 3600)
 _PIPELINE = dict(chunks_per_stage=_GE1, grad_scale=_GT0, snapshot_every=_GE0, momentum=_BELOW1)
+_ATOMIC = dict(force_weight=_GE0, batch_size=_GE1, lr=_GT0, cutoff=_GT0)  # every AtomicSpec
 
 BOUNDS: dict[type, dict[str, Bound]] = {
     SyntheticConfig: dict(num_nodes=_GE2, avg_degree=_GT0, num_features=_GE1, num_classes=_GE2,
@@ -357,9 +436,10 @@ BOUNDS: dict[type, dict[str, Bound]] = {
     FilesConfig: dict(train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
     AtomsConfig: dict(num_systems=_GE1, rattle=_GE0, min_distance=_GT0, cutoff=_GT0, max_neighbors=_GE1,
                       train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
-    DimeNetPPSpec: dict(hidden_channels=_GE1, num_blocks=_GE1, int_emb_size=_GE1, basis_emb_size=_GE1,
-                        out_emb_channels=_GE1, num_spherical=_GE1, num_radial=_GE1, force_weight=_GE0,
-                        batch_size=_GE1, lr=_GT0),
+    DimeNetPPSpec: dict(_ATOMIC, hidden_channels=_GE1, num_blocks=_GE1, int_emb_size=_GE1, basis_emb_size=_GE1,
+                        out_emb_channels=_GE1, num_spherical=_GE1, num_radial=_GE1),
+    GemNetTSpec: dict(_ATOMIC, **{f.name: _GE1 for f in dataclasses.fields(GemNetTSpec)  # sizes: all >= 1
+                                  if f.name not in {g.name for g in dataclasses.fields(AtomicSpec)}}),
     ModelConfig: dict(layers=_GE1, hidden=_GE1, dropout=_BELOW1, heads=_GE1, alpha=_FRACTION, lambda_=_GT0),
     TrainingConfig: dict(epochs=_GE1, lr=_GT0, weight_decay=_GE0, seed=_SEED, eval_every=_GE1,
                          checkpoint_every=_GE0, warmup_epochs=_GE0, threads_per_worker=_GE1,
@@ -554,6 +634,14 @@ def load_yaml(path: str | Path) -> Any:
         raise ConfigError(f"{path}: not valid YAML ({e})") from None
 
 
+def workflow_schema(path: str | Path) -> dict:
+    """The workflow config's JSON schema (``workflow/schemas/config.schema.yaml``) with the enum of
+    model kinds filled in from ``MODEL_KINDS`` (the node kinds and the atomic registry's names)."""
+    schema = load_yaml(path)
+    schema["$defs"]["model"]["properties"]["kind"]["enum"] = list(MODEL_KINDS)
+    return schema
+
+
 def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
     if not isinstance(data, dict):
         data = load_yaml(data)
@@ -567,10 +655,12 @@ def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
             raise ConfigError(f"{where}.model: {run.model!r} is not in models "
                               f"({', '.join(wf.models) or 'none defined'})")
         atoms_data = wf.datasets[run.dataset].kind == "atoms"
-        if atoms_data != (wf.models[run.model].kind == "dimenetpp"):
+        if atoms_data != wf.models[run.model].atomic:
             raise ConfigError(f"{where}: dataset {run.dataset!r} ({wf.datasets[run.dataset].kind}) and model "
                               f"{run.model!r} ({wf.models[run.model].kind}) do not fit: atoms datasets train "
-                              "dimenetpp models, node datasets the others")
+                              f"atomic models ({', '.join(ATOMIC_SPECS)}), node datasets the others")
+        if atoms_data:
+            _check_cutoff(wf, run, where)
         if atoms_data and run.mode not in ("single", "graph"):
             raise ConfigError(f"{where}.mode: atomic models train in mode single or graph (edge/triplet "
                               f"graph parallelism), not {run.mode}")
@@ -581,6 +671,17 @@ def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
         raise ConfigError(f"config.runs: run ids are not unique: {', '.join(sorted(dup))} "
                           "(give the runs distinct seeds or names)")
     return wf
+
+
+def _check_cutoff(wf: WorkflowConfig, run: RunSpec, where: str) -> None:
+    """An atomic model's basis cutoff may not exceed its dataset's graphs' (the neighbours beyond
+    are not in graphs.h5); the engine checks again against the file."""
+    model, atoms = wf.models[run.model], wf.datasets[run.dataset].atoms
+    cutoff = model.spec.cutoff
+    if cutoff is not None and cutoff > atoms.cutoff:
+        raise ConfigError(f"{where}: model {run.model!r} has cutoff {cutoff:g} Å, larger than the graphs of dataset "
+                          f"{run.dataset!r} (atoms.cutoff {atoms.cutoff:g} Å): they lack the neighbours between; "
+                          f"raise datasets.{run.dataset}.atoms.cutoff or lower models.{run.model}.{model.kind}.cutoff")
 
 
 def _refuse_ignored_keys(run: RunSpec, atomic: bool, where: str) -> None:
@@ -613,7 +714,7 @@ def run_layout(wf: WorkflowConfig, spec: RunSpec) -> tuple[int, int, int, int]:
     (``gnnpipe.parallel.dims.resolve_layout``: the rules every engine and the plan share)."""
     from .parallel.dims import resolve_layout
 
-    if spec.mode == "graph" and wf.models[spec.model].kind == "dimenetpp":  # ways x replicas, no chunks
+    if spec.mode == "graph" and wf.datasets[spec.dataset].kind == "atoms":  # ways x replicas, no chunks
         p, d = spec.workers, spec.data_parallel or 1
         if p < 1 or d < 1 or p % d:
             raise ConfigError(f"run graph/{spec.dataset}/{spec.model}: workers ({p}) must be a multiple of "
@@ -654,7 +755,7 @@ def resolve_run(wf: WorkflowConfig, spec: RunSpec) -> RunConfig:
         seed=spec.seed if spec.seed is not None else wf.training.seed,
         epochs=spec.epochs if spec.epochs is not None else wf.training.epochs,
     )
-    atomic = wf.models[spec.model].kind == "dimenetpp"
+    atomic = wf.datasets[spec.dataset].kind == "atoms"
     store = None if spec.mode == "single" or atomic else store_path(wf.results, spec.dataset,
                                                                      wf.partitioning.method, c)
     data = f"{wf.results}/data/{spec.dataset}"

@@ -32,6 +32,7 @@ class EpochStats:
     compute_s: float = 0.0  # this rank's time computing
     comm_s: float = 0.0  # this rank's time blocked in communication
     bubble_s: float = 0.0  # this rank's pipeline idle time (0 outside pipeline/hybrid)
+    step_losses: Optional[list] = None  # engines with several optimizer steps an epoch (atomic): each step's
 
 
 class Engine(Protocol):

@@ -223,7 +223,8 @@ def _atomic_metrics(cfg: RunConfig, state: dict, checkpoint: Path) -> dict:
     try:
         engine.model.load_state_dict(state["model"])
     except (RuntimeError, KeyError) as e:
-        raise GnnPipeError(f"{checkpoint}: does not fit the run's DimeNet++ ({engine.model_cfg}): {e}") from None
+        raise GnnPipeError(f"{checkpoint}: does not fit the run's {engine.kind.name} ({engine.model_cfg}): "
+                           f"{' '.join(str(e).split())[:300]}") from None
     return {k: v for k, v in engine.evaluate().items() if v is not None}
 
 

@@ -10,12 +10,16 @@ retyped; the code that builds a kind asks ``registry[name]`` and never switches 
     MODELS["dimenetpp"].build(cfg)
     MODELS.names()          # ("dimenetpp", ...): registration order
 
-The atomic models (``gnnpipe.atomic.protocol``) are one registry; the node-level convs are
-meant to be another instance of the same class.
+An entry may be registered *lazily*, as ``"module:attribute"``, imported the first time it is
+asked for: the names are then known without importing what the entries need (the config and
+Snakemake list the atomic kinds without importing torch). The atomic models
+(``gnnpipe.atomic.kinds``, defined in ``gnnpipe.atomic.protocol``) are one registry; the
+node-level convs are meant to be another instance of the same class.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Generic, Iterator, Optional, TypeVar, overload
 
 T = TypeVar("T")
@@ -28,12 +32,26 @@ class UnknownKind(KeyError):
         return str(self.args[0])
 
 
+class _Lazy(str):
+    """A lazily registered entry: ``"module:attribute"``."""
+
+    def load(self):
+        module, _, attr = self.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
 class Registry(Generic[T]):
     """Names -> entries, in registration order; a name is registered once."""
 
     def __init__(self, what: str):
         self.what = what  # "atomic model", "conv": what the error messages call an entry
         self._entries: dict[str, T] = {}
+
+    def register_lazy(self, name: str, target: str) -> None:
+        """Register the entry ``target`` = ``"module:attribute"``, imported when first asked for."""
+        if ":" not in target:
+            raise ValueError(f"{self.what} kind {name!r}: a lazy entry is 'module:attribute', got {target!r}")
+        self.register(name, _Lazy(target))
 
     @overload
     def register(self, name: str, entry: T) -> T: ...
@@ -52,19 +70,22 @@ class Registry(Generic[T]):
 
     def __getitem__(self, name: str) -> T:
         try:
-            return self._entries[name]
+            entry = self._entries[name]
         except KeyError:
             raise UnknownKind(f"unknown {self.what} kind {name!r}; known: {', '.join(self._entries)}") from None
+        if isinstance(entry, _Lazy):
+            entry = self._entries[name] = entry.load()
+        return entry
 
     def get(self, name: str, default=None):
-        return self._entries.get(name, default)
+        return self[name] if name in self._entries else default
 
     def names(self) -> tuple[str, ...]:
         """Every registered name, in registration order (schema enums, CLI choices)."""
         return tuple(self._entries)
 
     def items(self):
-        return self._entries.items()
+        return [(name, self[name]) for name in self._entries]
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries

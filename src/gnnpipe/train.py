@@ -407,6 +407,8 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
         row = {"epoch": epoch, "loss": stats.loss, "epoch_time_s": wall_max,
                "compute_s": compute / world, "comm_s": comm_s / world, "bubble_s": bubble / world,
                "comm_bytes": int(sent_total), "train_acc": None, "val_acc": None, "test_acc": None}
+        if stats.step_losses is not None:  # several optimizer steps an epoch (atomic): each one's loss
+            row["step_losses"] = list(stats.step_losses)
         if (epoch + 1) % max(tc.eval_every, 1) == 0 or epoch == tc.epochs - 1:
             if comm is not None:
                 comm.set_epoch(-1)  # evaluation traffic is not an epoch's training traffic
@@ -470,8 +472,8 @@ def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
         "extra": engine.extra_info(),
         "history": history,
     }
-    if cfg.atomic:  # interaction blocks and their width; the edge split's ways
-        record.update(layers=engine.model_cfg.num_blocks, hidden=engine.model_cfg.hidden_channels,
+    if cfg.atomic:  # interaction blocks and their width (the kind says which); the edge split's ways
+        record.update(layers=engine.model_cfg.num_blocks, hidden=getattr(engine.model_cfg, engine.kind.width),
                       parts=cfg.ways)
     return record
 

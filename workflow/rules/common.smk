@@ -1,14 +1,17 @@
 # Validation of the config, the resolved runs, input functions and wildcard constraints.
 # What the rules need to know about a run comes from gnnpipe.config (RunConfig);
 # nothing about layouts, store paths or run ids is re-derived here.
+import json
 import os
 import sys
 import re
+import tempfile
 
 import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
+from gnnpipe.atomic.data import FORMAT_VERSIONS
 from gnnpipe.costmodel import hardware_path
 from gnnpipe.io import GnnPipeError
 from gnnpipe.config import (
@@ -19,6 +22,7 @@ from gnnpipe.config import (
     run_id,
     store_path,
     to_dict,
+    workflow_schema,
 )
 
 
@@ -47,10 +51,15 @@ def schema_error_line(err: WorkflowError) -> str:
 
 
 # ----------------------------------------------------------------------------- config
+# The schema file with the registry's model kinds as the enum of models.<name>.kind (validate reads a file).
+with tempfile.NamedTemporaryFile("w", suffix=".schema.json", delete=False) as _schema:
+    json.dump(workflow_schema(os.path.join(workflow.basedir, "workflow", "schemas", "config.schema.yaml")), _schema)
 try:
-    validate(config, schema="../schemas/config.schema.yaml")
+    validate(config, schema=_schema.name)
 except WorkflowError as e:
     raise WorkflowError(f"invalid config: {schema_error_line(e)}") from None
+finally:
+    os.unlink(_schema.name)
 
 try:
     WF = load_workflow_config(config)
@@ -59,6 +68,7 @@ except ConfigError as e:
     raise WorkflowError(f"invalid config: {e}") from None
 
 RESULTS = WF.results
+GRAPHS_FORMAT = FORMAT_VERSIONS["atom_graphs"]
 # conda users: envs/gnnpipe.yaml installs this checkout (pip `-e ${GNNPIPE_ROOT}`).
 os.environ.setdefault("GNNPIPE_ROOT", workflow.basedir)
 # Jobs call `gnnpipe` and `torchrun`: find the ones installed beside the Python running
@@ -126,7 +136,7 @@ COST_DIR = f"{RESULTS}/cost_model"
 # to. Models without graph layers (mlp) have no cost model, so nothing to calibrate.
 CALIBRATION_RUNS = {}
 for _spec in WF.runs:
-    if WF.models[_spec.model].kind not in ("mlp", "dimenetpp"):  # dimenetpp: no node cost model
+    if WF.models[_spec.model].kind != "mlp" and not RUNS[run_id(WF, _spec)].atomic:  # atomic: no node cost model
         CALIBRATION_RUNS.setdefault((_spec.dataset, _spec.model), run_id(WF, _spec))
 
 

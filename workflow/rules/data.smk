@@ -45,7 +45,7 @@ rule build_systems:
 
 
 rule atom_graphs:
-    """Radius graphs over periodic images and triplets k->j->i of every system: graphs.h5."""
+    """Symmetric radius graphs over periodic images, reverse edges and triplets k->j->i of every system: graphs.h5."""
     input:
         systems=f"{RESULTS}/data/{{dataset}}/systems.h5",
     output:
@@ -56,6 +56,7 @@ rule atom_graphs:
     params:
         cutoff=lambda wildcards: WF.datasets[wildcards.dataset].atoms.cutoff,
         max_neighbors=lambda wildcards: WF.datasets[wildcards.dataset].atoms.max_neighbors,
+        format_version=GRAPHS_FORMAT,  # a new format rebuilds graphs.h5 (Snakemake's params trigger)
     conda:
         "../../envs/gnnpipe.yaml"
     shell:

@@ -13,7 +13,8 @@ rule run_config:
 
 
 rule train:
-    """Train one run: one process (single) or torchrun over the run's workers."""
+    """Train one run: one process (single) or torchrun over the run's workers, started by
+    `gnnpipe launch` (an atomic model that does not fit a worker's memory is refused first)."""
     input:
         unpack(run_inputs),
     output:
@@ -34,11 +35,13 @@ rule train:
     params:
         launch=train_launcher,  # a command line built in common.smk (no path in it): not quoted
         omp=WF.training.threads_per_worker,
+        mem=WF.resources.mem_mb_per_worker,
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
         "export OMP_NUM_THREADS={params.omp:q};"
-        " {params.launch} train --run-config {input.run_config:q} > {log:q} 2>&1"
+        " gnnpipe launch --run-config {input.run_config:q} --mem-mb-per-worker {params.mem:q}"
+        " -- {params.launch} train --run-config {input.run_config:q} > {log:q} 2>&1"
 
 
 rule evaluate:

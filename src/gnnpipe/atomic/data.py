@@ -7,12 +7,15 @@ missing array, a truncated, bit-flipped or edited file, naming the rule that reb
 * ``results/data/<ds>/systems.h5`` (rule ``build_systems``): concatenated ``z`` (N,), ``pos``
   (N, 3) Å, ``fixed`` (N,), ``forces`` (N, 3) eV/Å; per system ``cell`` (S, 3, 3), ``pbc``
   (S, 3), ``energy`` (S,) eV, ``split`` (S,) 0/1/2 = train/val/test; ``atom_ptr`` (S+1,).
-* ``results/data/<ds>/graphs.h5`` (rule ``atom_graphs``): per system the directed edges
-  ``j -> i`` within the cutoff over periodic images (``edge_src``/``edge_dst`` local atom
-  ids, ``edge_shift`` (E, 3) the image offset of j in Å), ordered by (target, distance), at
-  most ``max_neighbors`` nearest per target; triplets ``k -> j -> i`` as local edge ids
-  ``idx_kj``/``idx_ji`` (all input edges of j except the one from i's own image);
-  ``edge_ptr``/``triplet_ptr`` (S+1,); attrs ``cutoff``, ``max_neighbors``, ``systems_hash``.
+* ``results/data/<ds>/graphs.h5`` (rule ``atom_graphs``, format version 2): per system the
+  **symmetric** directed edges ``j -> i`` within the cutoff over periodic images
+  (``atomic.neighbors.radius_graph``, vesin cell lists: ``edge_src``/``edge_dst`` local atom
+  ids, ``edge_shift`` (E, 3) the image offset of j in Å), ordered by (target, distance); each
+  atom keeps its ``max_neighbors`` nearest and every edge its reverse, whose local id is
+  ``id_swap``; triplets ``k -> j -> i`` as local edge ids ``idx_kj``/``idx_ji`` (all input
+  edges of j except the one from i's own image); ``edge_ptr``/``triplet_ptr`` (S+1,); attrs
+  ``cutoff``, ``max_neighbors``, ``systems_hash``, ``symmetric_edges`` (true). Version 1 (a
+  per-target cut: asymmetric where the cap binds, no ``id_swap``) is refused, naming the rule.
 
 Sources: ``generate`` (the embedded default: ASE fcc(111)/(100) slabs of Cu/Ag/Au/Ni/Pd/Pt/Al
 with a small adsorbate, rattled, bottom layer fixed, labelled by ASE's EMT calculator; no
@@ -34,12 +37,19 @@ import h5py
 import numpy as np
 
 from ..io import GnnPipeError, atomic_path, hash_arrays
-from .checks import MIN_DISTANCE, check_structure, image_range, periodic_heights
+from .checks import MIN_DISTANCE, check_structure
+from .neighbors import system_graph, triplets
 
-FORMAT_VERSION = 1
+#: per file kind (others, e.g. predictions.h5: 1); graphs 2: symmetric edges (vesin) with id_swap
+#: (1: a per-target cut, no id_swap)
+FORMAT_VERSIONS = {"systems": 1, "atom_graphs": 2}
+
+
+def format_version(kind: str) -> int:
+    return FORMAT_VERSIONS.get(kind, 1)
 EMT_ELEMENTS = ("Al", "Cu", "Ag", "Au", "Ni", "Pd", "Pt", "H", "C", "N", "O")  # ASE's EMT parameters
 SYSTEM_ARRAYS = ("z", "pos", "fixed", "forces", "cell", "pbc", "energy", "split", "atom_ptr")
-GRAPH_ARRAYS = ("edge_ptr", "triplet_ptr", "edge_src", "edge_dst", "edge_shift", "idx_kj", "idx_ji")
+GRAPH_ARRAYS = ("edge_ptr", "triplet_ptr", "edge_src", "edge_dst", "edge_shift", "id_swap", "idx_kj", "idx_ji")
 # CH4/H2O/NH3/OH/O2 are left out on purpose: EMT gives them unphysical forces (8-70 eV/Å, measured)
 ADSORBATES = ("O", "H", "C", "N", "CO", "N2", "NO")
 SLAB_METALS = ("Cu", "Ag", "Au", "Ni", "Pd", "Pt", "Al")
@@ -159,43 +169,9 @@ def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fr
 
 
 # --------------------------------------------------------------------------- graphs
-def radius_graph(pos: np.ndarray, cell: np.ndarray, pbc: np.ndarray, cutoff: float,
-                 max_neighbors: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Edges ``j -> i`` with ``0 < |pos_i - pos_j - shift| < cutoff`` over periodic images.
-
-    Returns ``src`` (j), ``dst`` (i), ``shift`` (E, 3) = n·cell, sorted by (i, distance); each
-    target keeps its ``max_neighbors`` nearest (ties by source, then image, stable).
-    """
-    reps = image_range(periodic_heights(cell, pbc), cutoff)  # a cell checked by checks.check_structure
-    images = np.array(np.meshgrid(*[np.arange(-r, r + 1) for r in reps], indexing="ij")).reshape(3, -1).T
-    shifts = images @ cell  # (K, 3)
-    # d[i, j, k] = |pos_i - pos_j - shift_k|
-    diff = pos[:, None, None, :] - pos[None, :, None, :] - shifts[None, None, :, :]
-    dist = np.linalg.norm(diff, axis=-1)
-    i, j, k = np.nonzero((dist < cutoff) & (dist > 1e-8))
-    d = dist[i, j, k]
-    order = np.lexsort((k, j, d, i))
-    i, j, k, d = i[order], j[order], k[order], d[order]
-    rank = np.arange(len(i)) - np.searchsorted(i, i)  # position among the target's neighbours
-    keep = rank < max_neighbors
-    return j[keep].astype(np.int64), i[keep].astype(np.int64), shifts[k[keep]].astype(np.float64)
-
-
-def triplets(src: np.ndarray, dst: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(idx_kj, idx_ji)``: for every edge ji (j -> i) every edge kj (k -> j), except the one whose
-    source is i's own image (``k == i`` and ``shift_kj + shift_ji == 0``)."""
-    by_dst = np.argsort(dst, kind="stable")
-    starts = np.searchsorted(dst[by_dst], np.arange(int(max(dst.max(initial=-1), src.max(initial=-1))) + 2))
-    counts = starts[src + 1] - starts[src]  # input edges of each edge's source j
-    idx_ji = np.repeat(np.arange(len(src)), counts)
-    offs = np.arange(len(idx_ji)) - np.repeat(np.cumsum(counts) - counts, counts)
-    idx_kj = by_dst[np.repeat(starts[src], counts) + offs]
-    same = (src[idx_kj] == dst[idx_ji]) & np.all(np.abs(shift[idx_kj] + shift[idx_ji]) < 1e-8, axis=1)
-    return idx_kj[~same].astype(np.int64), idx_ji[~same].astype(np.int64)
-
-
 def build_graphs(systems: dict, cutoff: float, max_neighbors: int, progress: bool = True) -> dict:
-    """Radius graphs and triplets of every system (see the module docstring)."""
+    """Symmetric radius graphs, reverse edges and triplets of every system (the module docstring;
+    ``atomic.neighbors.system_graph``: one neighbour code for every atomic dataset and model)."""
     from tqdm import tqdm
 
     if not cutoff > 0:
@@ -203,22 +179,21 @@ def build_graphs(systems: dict, cutoff: float, max_neighbors: int, progress: boo
     if max_neighbors < 1:
         raise GnnPipeError(f"atoms.max_neighbors must be >= 1, got {max_neighbors}")
     ptr = systems["atom_ptr"]
-    parts = {k: [] for k in ("edge_src", "edge_dst", "edge_shift", "idx_kj", "idx_ji")}
+    parts = {k: [] for k in ("edge_src", "edge_dst", "edge_shift", "id_swap", "idx_kj", "idx_ji")}
     ne, nt = [0], [0]
     for s in tqdm(range(len(ptr) - 1), desc="radius graphs", unit="system", file=sys.stderr, disable=not progress):
         pos = systems["pos"][ptr[s]:ptr[s + 1]]
         check_structure(systems["z"][ptr[s]:ptr[s + 1]], pos, systems["cell"][s], systems["pbc"][s],
                         min_distance=systems.get("min_distance", MIN_DISTANCE),
                         where=f"{systems.get('path', 'systems')}: system {s}")
-        src, dst, shift = radius_graph(pos, systems["cell"][s], systems["pbc"][s], cutoff, max_neighbors)
-        if len(src) == 0:
+        g = system_graph(pos, systems["cell"][s], systems["pbc"][s], cutoff, max_neighbors)
+        if len(g["edge_src"]) == 0:
             raise GnnPipeError(f"system {s} ({len(pos)} atoms) has no pair of atoms within the cutoff "
                                f"{cutoff} Å: raise atoms.cutoff or remove it")
-        kj, ji = triplets(src, dst, shift)
-        for k, v in zip(parts, (src, dst, shift, kj, ji)):
-            parts[k].append(v)
-        ne.append(ne[-1] + len(src))
-        nt.append(nt[-1] + len(kj))
+        for k in parts:
+            parts[k].append(g[k])
+        ne.append(ne[-1] + len(g["edge_src"]))
+        nt.append(nt[-1] + len(g["idx_kj"]))
     out = {k: np.concatenate(v) for k, v in parts.items()}
     out["edge_shift"] = out["edge_shift"].reshape(-1, 3)
     out["edge_ptr"], out["triplet_ptr"] = np.array(ne, dtype=np.int64), np.array(nt, dtype=np.int64)
@@ -235,10 +210,11 @@ def graph_stats(graphs: dict, systems: dict) -> dict:
 
 
 def batch_arrays(systems: dict, graphs: dict, ids) -> dict:
-    """One batch of systems ``ids``: arrays with batch-level atom, edge and system ids."""
+    """One batch of systems ``ids``: arrays with batch-level atom, edge and system ids (``id_swap`` and
+    the triplets index the batch's edges)."""
     ap, ep, tp = systems["atom_ptr"], graphs["edge_ptr"], graphs["triplet_ptr"]
     cols = {k: [] for k in ("z", "pos", "fixed", "forces", "system", "edge_src", "edge_dst", "edge_shift",
-                            "idx_kj", "idx_ji")}
+                            "id_swap", "idx_kj", "idx_ji")}
     na = ne = 0
     for b, s in enumerate(ids):
         a0, a1, e0, e1, t0, t1 = ap[s], ap[s + 1], ep[s], ep[s + 1], tp[s], tp[s + 1]
@@ -248,6 +224,7 @@ def batch_arrays(systems: dict, graphs: dict, ids) -> dict:
         cols["edge_src"].append(graphs["edge_src"][e0:e1] + na)
         cols["edge_dst"].append(graphs["edge_dst"][e0:e1] + na)
         cols["edge_shift"].append(graphs["edge_shift"][e0:e1])
+        cols["id_swap"].append(graphs["id_swap"][e0:e1] + ne)
         cols["idx_kj"].append(graphs["idx_kj"][t0:t1] + ne)
         cols["idx_ji"].append(graphs["idx_ji"][t0:t1] + ne)
         na, ne = na + (a1 - a0), ne + (e1 - e0)
@@ -267,7 +244,7 @@ def _content_hash(arrays: dict, attrs: dict) -> str:
 
 def write_h5(path: str | os.PathLike, arrays: dict, attrs: dict, kind: str) -> str:
     """Write ``arrays`` + ``attrs`` as a versioned, hashed HDF5 file of ``kind``; returns the hash."""
-    attrs = {**attrs, "kind": kind, "format_version": FORMAT_VERSION}
+    attrs = {**attrs, "kind": kind, "format_version": format_version(kind)}
     digest = _content_hash(arrays, attrs)
     with atomic_path(path, ".h5") as tmp:
         with h5py.File(tmp, "w") as f:
@@ -285,8 +262,8 @@ def read_h5(path: str | os.PathLike, kind: str, names, rule: str) -> tuple[dict,
     try:
         with h5py.File(path, "r") as f:
             attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
-            if attrs.get("kind") != kind or attrs.get("format_version") != FORMAT_VERSION:
-                raise GnnPipeError(f"{path}: not a {kind} file of format version {FORMAT_VERSION} "
+            if attrs.get("kind") != kind or attrs.get("format_version") != format_version(kind):
+                raise GnnPipeError(f"{path}: not a {kind} file of format version {format_version(kind)} "
                                    f"(kind {attrs.get('kind')!r}, version {attrs.get('format_version')!r}); {again}")
             missing = [n for n in names if n not in f]
             if missing:
@@ -323,8 +300,8 @@ def read_systems(path) -> dict:
 
 def write_graphs(path, graphs: dict, cutoff: float, max_neighbors: int, systems_hash: str) -> str:
     return write_h5(path, {k: graphs[k] for k in GRAPH_ARRAYS},
-                    {"cutoff": float(cutoff), "max_neighbors": int(max_neighbors), "systems_hash": systems_hash},
-                    "atom_graphs")
+                    {"cutoff": float(cutoff), "max_neighbors": int(max_neighbors), "systems_hash": systems_hash,
+                     "symmetric_edges": True}, "atom_graphs")
 
 
 def read_graphs(path, expect_systems_hash: str | None = None) -> dict:
@@ -333,7 +310,7 @@ def read_graphs(path, expect_systems_hash: str | None = None) -> dict:
         raise GnnPipeError(f"{path}: built from other structures than the systems.h5 beside it (stale); "
                            "delete it and rerun the workflow (rule atom_graphs rebuilds it)")
     return {**arrays, "cutoff": attrs["cutoff"], "max_neighbors": attrs["max_neighbors"],
-            "content_hash": attrs["content_hash"]}
+            "symmetric_edges": bool(attrs["symmetric_edges"]), "content_hash": attrs["content_hash"]}
 
 
 # --------------------------------------------------------------------------- entry points

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn import Embedding, Linear
 
-from .batch import AtomGraph
+from .batch import AtomGraph, gradient_forces
 
 
 @dataclass
@@ -496,6 +496,18 @@ def energy_and_forces(model: DimeNetPP, g: AtomGraph, create_graph: bool) -> tup
     energy = model(g)
     dpos, = torch.autograd.grad(energy.sum(), g.pos, create_graph=create_graph)
     return energy, -g.sum_atoms(dpos)
+
+
+class DimeNetPPModel(DimeNetPP):
+    """DimeNet++ on the atomic model protocol (``protocol.DIMENETPP``): the same module and state dict
+    (PyG's names), ``forward(g) -> {"energy": (B,), "forces": (N_own, 3)}``; ``DimeNetPP.forward``
+    keeps PyG's ``DimeNetPlusPlus`` interface (energies), which the parity test and benchmark use."""
+
+    def forward(self, g: AtomGraph) -> dict:
+        if self.cfg.force_head == "direct":
+            energy, forces = energy_and_forces(self, g, create_graph=False)
+            return {"energy": energy, "forces": forces}
+        return gradient_forces(super().forward, g, self.training)
 
 
 def count_parameters(cfg: DimeNetPPConfig) -> int:

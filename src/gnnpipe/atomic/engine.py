@@ -17,20 +17,32 @@ group, and equal single-process training on the union batch (tests: ``..._matche
 Targets are normalised by per-element reference energies (a least-squares fit on the
 training systems: the "per-element mean energy" baseline) and their residuals' standard
 deviation σ: ``E = σ·model(g) + Σ_atoms e_ref[z]``, ``F = σ·model_forces``.
+
+The model is any kind of the registry (``protocol.ATOMIC_MODELS``), built from the run's
+section ``models.<name>.<kind>`` and driven only through the protocol: ``model(g)`` returns
+``{"energy", "forces"}``, the kind gives the closed-form bytes and, where it has constants
+fitted before training (GemNet's scale factors: ``AtomicModelKind.fit``), the fit. That fit
+runs once, on rank 0, on whole training batches in one process, before the first step; the
+fitted buffers are broadcast (op ``control``) and live in the state dict, so checkpoints and
+resumed runs carry them and every layout computes with the same constants.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ..engine import DTYPES, EpochStats, load_train_state, make_optimizer, train_state
-from .dimenetpp import DimeNetPP, energy_and_forces
-from .parallel import EdgeGroup, shard_graph, with_pos
+from ..io import GnnPipeError
+from .parallel import EdgeGroup, shard_graph
+from .protocol import ATOMIC_MODELS
+
+#: whole training batches (of the run's batch size) GemNet's scale factors are fitted on
+FIT_BATCHES = 4
 
 
 @dataclass
@@ -65,14 +77,13 @@ class StepCounts:
     free_atoms: int
 
 
-def step_loss(model: DimeNetPP, g, b: dict, norm: Normalizer, counts: StepCounts,
-              force_weight: float, train: bool = True) -> tuple[Tensor, Tensor, Tensor, float]:
+def step_loss(model, g, b: dict, norm: Normalizer, counts: StepCounts,
+              force_weight: float) -> tuple[Tensor, Tensor, Tensor, float]:
     """This rank's share of a step's loss, the batch's energies (B,) and own forces (N_own, 3), eV,
-    and the share to *report*: the loss with the (replicated) energy term divided by the ways."""
-    gradient = model.cfg.force_head == "gradient"
-    if gradient:
-        g = with_pos(g, g.pos.detach().clone().requires_grad_(True))
-    y, f = energy_and_forces(model, g, create_graph=train and gradient)
+    and the share to *report*: the loss with the (replicated) energy term divided by the ways.
+    ``model`` is a protocol model: in training mode its gradient forces keep the graph."""
+    out = model(g)
+    y, f = out["energy"], out["forces"]
     dtype = y.dtype
     base = torch.as_tensor(norm.baseline(b["z"], b["system"], b["num_systems"]), dtype=dtype, device=y.device)
     energy = norm.scale * y + base
@@ -94,31 +105,6 @@ def rank_view(b: dict, grp: Optional[EdgeGroup], dtype, device):
     return shard_graph(b, parts, rank, grp, dtype, device)
 
 
-# --------------------------------------------------------------------------- closed form
-def step_bytes(cfg, edges: Sequence[int], atoms: Sequence[int], systems: Sequence[int], ways: int,
-               dtype_bytes: int, params: int) -> int:
-    """Bytes one training step sends, summed over every rank (what the ledger counts).
-
-    ``edges[d], atoms[d], systems[d]``: the batch of replica d. With P ways, I = int_emb_size,
-    H = hidden, K = num_blocks, b = dtype bytes, per replica:
-
-    * gradient forces (double backward): edge rows ``4·K·(P-1)·E·I·b`` (all-gather forward, its
-      reduce-scatter in the force pass, both again in the parameter pass), atom rows
-      ``4·(K+1)·(P-1)·N·H·b`` (K+1 output blocks, the same four passes), forces
-      ``2·(P-1)·3N·b`` (reduce-scatter, and its all-gather in the parameter pass);
-    * direct forces: ``2·K·(P-1)·E·I·b + 2·(K+1)·(P-1)·N·H·b + 2·(P-1)·3N·b``;
-    * energies: ``2·(P-1)·B·b`` (ring all-reduce); parameters: ``2·(P-1)·params·b`` per replica
-      and ``2·(D-1)·params·b`` per way across replicas.
-    """
-    p, d, b = ways, len(edges), dtype_bytes
-    k, i, h = cfg.num_blocks, cfg.int_emb_size, cfg.hidden_channels
-    passes = 4 if cfg.force_head == "gradient" else 2
-    total = 0
-    for e, n, s in zip(edges, atoms, systems):
-        total += (p - 1) * b * (passes * k * e * i + passes * (k + 1) * n * h + 2 * 3 * n + 2 * s)
-    return total + d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b
-
-
 # --------------------------------------------------------------------------- the engine
 SPLIT_NAMES = ("train", "val", "test")
 
@@ -127,19 +113,21 @@ class AtomicEngine:
     """Modes ``single`` and ``graph`` (P ways × D replicas) for atomic models (see the module docstring)."""
 
     def __init__(self, cfg, comm, device, groups=None):
-        from ..io import GnnPipeError
+        import dataclasses
+
         from .data import read_graphs, read_systems
-        from .dimenetpp import DimeNetPP, count_parameters
 
         self.cfg, self.comm, self.device = cfg, comm, device
         self.dtype = DTYPES[cfg.training.dtype]
+        self.kind = ATOMIC_MODELS[cfg.model.kind]
+        spec = cfg.model.spec
         self.systems = read_systems(cfg.systems_path)
-        self.graphs = read_graphs(cfg.graph_path, expect_systems_hash=self.systems["content_hash"])
+        self.graphs = model_graphs(read_graphs(cfg.graph_path, expect_systems_hash=self.systems["content_hash"]),
+                                   self.systems, spec.cutoff, cfg.graph_path)
         self.ways, self.replicas = (cfg.ways, cfg.data_parallel) if cfg.mode == "graph" else (1, 1)
         self.replica, self.way = divmod(groups.rank if groups is not None else 0, self.ways)
-        spec = cfg.model.dimenetpp
         self.batch_size, self.force_weight = spec.batch_size, spec.force_weight
-        self.model_cfg = model_config(spec, float(self.graphs["cutoff"]))
+        self.model_cfg = model_config(cfg.model, float(self.graphs["cutoff"]))
         edges = np.diff(self.graphs["edge_ptr"])
         if self.ways > int(edges.min()):
             s = int(edges.argmin())
@@ -154,12 +142,30 @@ class AtomicEngine:
         self.norm = Normalizer.fit(self.systems["z"], self.systems["atom_ptr"], self.systems["energy"],
                                    self.ids["train"])
         torch.manual_seed(cfg.training.seed)
-        self.model = DimeNetPP(self.model_cfg).to(device, self.dtype)
-        self.num_params = count_parameters(self.model_cfg)
-        import dataclasses
+        self.model = self.kind.build(self.model_cfg).to(device, self.dtype)
+        self.num_params = self.kind.count_parameters(self.model_cfg)
         training = dataclasses.replace(cfg.training, lr=spec.lr) if spec.lr else cfg.training
         self.opt = make_optimizer(self.model.parameters(), training)
         self._epoch_steps: list[list[np.ndarray]] = []
+        self._fitted = self.kind.fit is None  # loading a state (resume, evaluate) counts as fitted
+
+    def fit_constants(self) -> dict:
+        """Fit what the kind fits before training (GemNet's scale factors) on rank 0, on the first
+        ``FIT_BATCHES`` whole training batches in one process (deterministic: a seeded order), and
+        broadcast the model's buffers; returns name -> value (rank 0's fit)."""
+        fitted = {}
+        if self.comm is None or self.comm.rank == 0:
+            ids = np.random.default_rng([self.cfg.training.seed, 2**31]).permutation(self.ids["train"])
+            batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)][:FIT_BATCHES]
+            fitted = self.kind.fit(self.model, [rank_view(self._batch(b), None, self.dtype, self.device)
+                                                for b in batches])
+        if self.comm is not None:  # every rank computes with rank 0's constants, bit for bit
+            state = self.model.state_dict()
+            for name, buf in self.model.named_buffers():
+                if name in state:  # persistent: what a checkpoint carries
+                    self.comm.broadcast_(buf.data, src=0)
+        self._fitted = True
+        return fitted
 
     # ------------------------------------------------------------------ batching
     def _steps(self, ids: np.ndarray, epoch: Optional[int]) -> list[np.ndarray]:
@@ -200,10 +206,12 @@ class AtomicEngine:
 
         t0 = time.perf_counter()
         comm0 = self.comm.epoch_comm_s(epoch) if self.comm is not None else 0.0
+        if not self._fitted:
+            self.fit_constants()
         self.model.train()
         steps = self._steps(self.ids["train"], epoch)
         self._epoch_steps.append(steps)
-        total = 0.0
+        reports = []  # this rank's share of each step's loss
         for step in steps:
             mine = self._replica_batch(step, self.replica)
             self.opt.zero_grad(set_to_none=False)
@@ -215,14 +223,14 @@ class AtomicEngine:
                 loss, _, _, report = step_loss(self.model, g, b, self.norm, StepCounts(len(step), free),
                                                self.force_weight)
                 loss.backward()
-                total += report
+            reports.append(report if len(mine) else 0.0)
             self._reduce_grads()
             self.opt.step()
-        # the ranks' reported shares sum to the step losses
-        loss_sum, = self._sum([total]) if self.comm is not None else (total,)
+        losses = self._sum(reports) if reports else []  # the ranks' shares summed: each step's loss
         wall = time.perf_counter() - t0
         comm_s = (self.comm.epoch_comm_s(epoch) - comm0) if self.comm is not None else 0.0
-        return EpochStats(loss=loss_sum / max(len(steps), 1), compute_s=wall - comm_s, comm_s=comm_s)
+        return EpochStats(loss=sum(losses) / max(len(steps), 1), compute_s=wall - comm_s, comm_s=comm_s,
+                          step_losses=losses)
 
     def predicted_bytes(self) -> int:
         """Closed form of one epoch's training bytes (the last epoch's batches; every epoch has the
@@ -235,7 +243,8 @@ class AtomicEngine:
             parts = [self._replica_batch(step, r) for r in range(self.replicas)]
             e = [int(sum(np.diff(self.graphs["edge_ptr"])[p])) for p in parts]
             n = [int(sum(np.diff(self.systems["atom_ptr"])[p])) for p in parts]
-            total += step_bytes(self.model_cfg, e, n, [len(p) for p in parts], self.ways, b, self.num_params)
+            total += self.kind.step_bytes(self.model_cfg, e, n, [len(p) for p in parts], self.ways, b,
+                                          self.num_params)
         return total
 
     # ------------------------------------------------------------------ evaluation
@@ -256,8 +265,7 @@ class AtomicEngine:
                     count = True
                 b = self._batch(mine)
                 g = rank_view(b, self.grp, self.dtype, self.device)
-                with torch.enable_grad():
-                    _, energy, forces, _ = step_loss(self.model, g, b, self.norm, StepCounts(1, 1), 0.0, train=False)
+                _, energy, forces, _ = step_loss(self.model, g, b, self.norm, StepCounts(1, 1), 0.0)
                 own = slice(g.atom_lo, g.atom_hi)
                 free = ~b["fixed"][own]
                 df = (forces.cpu().double().numpy() - b["forces"][own])[free]
@@ -292,6 +300,7 @@ class AtomicEngine:
 
     def load_state_dict(self, state: dict) -> None:
         load_train_state(self.model, self.opt, state)
+        self._fitted = True  # the state carries the fitted buffers
 
     def graph_info(self) -> dict:
         return {"num_nodes": int(len(self.systems["z"])), "num_edges": int(len(self.graphs["edge_src"])),
@@ -302,187 +311,129 @@ class AtomicEngine:
         n = len(self.systems["energy"])
         base = self.norm.baseline(self.systems["z"], np.repeat(np.arange(n), np.diff(self.systems["atom_ptr"])), n)
         test = self.ids["test"]
-        return {"atomic": True, "data_parallel": self.replicas, "ways": self.ways,
+        return {"atomic": True, "kind": self.kind.name, "label": self.kind.labels[self.model_cfg.force_head],
+                "data_parallel": self.replicas, "ways": self.ways,
                 "parameters": self.num_params, "cutoff": float(self.graphs["cutoff"]),
                 "force_head": self.model_cfg.force_head, "batch_size": self.batch_size,
                 "baseline_energy_mae": float(np.abs(base[test] - self.systems["energy"][test]).mean())
                 if len(test) else None}
 
 
-def model_config(spec, cutoff: float):
-    """The DimeNetPPConfig of a run: the spec's preset, its overrides, the graphs' cutoff."""
-    from .dimenetpp import preset
-    over = {k: getattr(spec, k) for k in ("hidden_channels", "num_blocks", "int_emb_size", "basis_emb_size",
-                                          "out_emb_channels", "num_spherical", "num_radial")
-            if getattr(spec, k) is not None}
-    return preset(spec.preset, **over, cutoff=cutoff, force_head=spec.force_head)
+def model_config(model, cutoff: float):
+    """The config of a run's atomic model (``ModelConfig``): its kind's preset, the section's sizes
+    and force head where set, and the graphs' cutoff (``model_graphs``)."""
+    kind, spec = ATOMIC_MODELS[model.kind], model.spec
+    over = {f: getattr(spec, f) for f in kind.config_fields() if hasattr(spec, f) and f != "cutoff"}
+    return kind.preset(spec.preset, **over, cutoff=cutoff)
+
+
+def model_graphs(graphs: dict, systems: dict, cutoff: Optional[float], path) -> dict:
+    """The graphs a model with basis cutoff ``cutoff`` computes on (None: the file's). A larger one
+    is refused (the file lacks the neighbours beyond its cutoff); a smaller one rebuilds the graphs
+    at that cutoff with the file's neighbour cap, in memory (the same edges a rebuild would write:
+    each atom's nearest within the smaller cutoff are the nearest it had)."""
+    from .data import build_graphs
+
+    if cutoff is None or cutoff == graphs["cutoff"]:
+        return graphs
+    if cutoff > graphs["cutoff"]:
+        raise GnnPipeError(f"the model's cutoff {cutoff:g} Å is larger than the cutoff {graphs['cutoff']:g} Å "
+                           f"of the graphs it trains on ({path}): they lack the neighbours between; raise the "
+                           f"dataset's atoms.cutoff or lower the model's")
+    out = build_graphs(systems, cutoff, int(graphs["max_neighbors"]), progress=False)
+    return {**out, "cutoff": float(cutoff), "max_neighbors": graphs["max_neighbors"],
+            "symmetric_edges": graphs["symmetric_edges"], "content_hash": graphs["content_hash"]}
 
 
 # --------------------------------------------------------------------------- sizing
-#: Default padded block counts per worker, per ceil(E/P) local edges or ceil(T/P) local triplets, when
-#: the caller does not pass the measured ones (``block_counts``). Measured on the EMT slabs
-#: (``data.generate``; cutoff 4.5 Å / 12 neighbours and 5 Å / 24; batches of 1-16 systems, P = 1-8,
-#: the largest way): block rows G·Ro 1.2-1.6 × E_loc at P = 1, up to 3.0 at P = 8; block entries
-#: G·Ro·Ki 1.3-1.7 × T_loc at P = 1, up to 3.4 at P = 8 (a centre's rows split over ways, its
-#: columns not); block columns G·Ki 1.01-1.10 × E_loc at P = 1, more where a system is split over
-#: ways (see memory_per_worker).
-ROWS_PER_EDGE = 1.5
-ENTRIES_PER_TRIPLET = 1.6
-COLUMNS_PER_EDGE = 1.1
+def largest_batch(systems: dict, graphs: dict, batch_size: int) -> np.ndarray:
+    """The ids of a step batch as large as any: the ``batch_size`` systems with the most triplets
+    (ties: most edges, then atoms)."""
+    order = np.lexsort((np.diff(systems["atom_ptr"]), np.diff(graphs["edge_ptr"]), np.diff(graphs["triplet_ptr"])))
+    return np.sort(order[::-1][:batch_size])
 
 
-def block_counts(b: dict, ways: int) -> dict:
-    """The padded :class:`~gnnpipe.atomic.dimenetpp.TripletBlocks` sizes of batch ``b`` split ``ways``
-    ways, each the largest over the ways: ``rows`` G·Ro, ``columns`` G·Ki, ``entries`` G·Ro·Ki
-    (the keyword arguments of :func:`memory_per_worker`). Index work only, no model."""
-    from .dimenetpp import triplet_blocks
-    out = {"rows": 0, "columns": 0, "entries": 0}
-    for way in range(ways):
-        tb = triplet_blocks(shard_graph(b, ways, way, None))
-        (g, ro), ki = tb.row_edge.shape, tb.col_edge.shape[1]
-        for key, n in (("rows", g * ro), ("columns", g * ki), ("entries", g * ro * ki)):
-            out[key] = max(out[key], n)
-    return out
-
-
-def saved_bytes_by_rows(model, g, step: Callable[[], None]) -> dict:
-    """Bytes autograd keeps for backward while ``step()`` runs (e.g. a training step's forward and
-    backward on ``g``), by what the tensors' rows are, as :func:`memory_per_worker` counts them:
-    ``edge`` (local edges, and padded block rows G·Ro), ``column`` (block columns G·Ki, also flattened
-    with the S orders), ``entry`` (block entries G·Ro·Ki), ``atom`` (the view's atoms or own atoms),
-    ``other``. Floating tensors only, each storage once (its whole size; a view counts once),
-    ``model``'s parameters not. The block sizes and the model's widths must not coincide."""
-    from .dimenetpp import triplet_blocks
-    tb = triplet_blocks(g)
-    (gc, ro), ki, s = tb.row_edge.shape, tb.col_edge.shape[1], model.cfg.num_spherical
-    rows = {g.num_local_edges: "edge", g.num_atoms: "atom", g.atom_hi - g.atom_lo: "atom"}
-    atom_widths = {model.cfg.hidden_channels, model.cfg.out_emb_channels, 1, 3}  # (N, w) where G = N
-    if gc * ro in rows or gc * ki in rows or ro == ki or atom_widths & {ro, ki, ki * s}:
-        raise ValueError(f"ambiguous rows: G·Ro = {gc}·{ro}, G·Ki = {gc}·{ki}, {rows}, widths {atom_widths}")
-
-    def kind(d: list) -> str:
-        if d[:3] == [gc, ro, ki] or d == [gc, ro, ki * s]:
-            return "entry"  # the angular basis (G, Ro, Ki·S) and its recurrence (G, Ro, Ki)
-        if d[:2] == [gc, ro] or d[0] in (gc * ro, gc * ro + 1):
-            return "edge"  # block rows: the per-block (G, Ro, I) sums
-        if d[:2] in ([gc, ki], [gc, ki * s]) or d[:3] == [gc, 3, ki] or d[0] in (gc * ki, gc * ki * s):
-            return "column"  # per input edge: radial basis, messages (G, Ki, S, I)
-        return rows.get(d[0], "other")
-
-    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    out = {"edge": 0, "column": 0, "entry": 0, "atom": 0, "other": 0}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen and t.numel() and t.is_floating_point():
-            seen.add(ptr)
-            out[kind(list(t.shape))] += t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return out
-
-
-def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dtype_bytes: int = 4, *,
-                      rows: Optional[int] = None, columns: Optional[int] = None,
-                      entries: Optional[int] = None) -> dict:
-    """Estimated bytes one of P ways holds for a training step on a batch of that size.
-
-    Parameters, gradients and Adam's two moments: 4 copies, replicated. Activations autograd keeps
-    for backward, by what their rows are (none is per triplet: ``dimenetpp`` lays the triplets out as
-    dense per-centre blocks, :class:`~gnnpipe.atomic.dimenetpp.TripletBlocks`):
-
-    * **edge**: per local edge (``ceil(E/P)``), and per padded block row (G·Ro, ``rows``: an output
-      edge of a centre; default ``ROWS_PER_EDGE``·E_loc);
-    * **column**: per padded block column (G·Ki, ``columns``: a distinct input edge read by the
-      way's triplets, padded to the largest in-degree; default ``COLUMNS_PER_EDGE``·E_loc). The
-      radial basis and each block's per-column messages live here. The default holds when a way's
-      edges cover whole systems; a system split over ways reads the input edges of atoms across
-      the cut as well (one 13-atom slab at P = 8: 8 × E_loc, at most ~1.1 × E): pass the measured
-      counts (``block_counts``; ``plan_ways``/``gnnpipe plan-atomic`` do);
-    * **entry**: per block entry (G·Ro·Ki, ``entries``, 1.3-3.4 × T_loc; default
-      ``ENTRIES_PER_TRIPLET``·T_loc): the angular basis and its Legendre recurrence, shared by
-      all blocks;
-    * **atom**: per own atom (``ceil(N/P)``): the output blocks' MLPs (after ``sum_atoms``);
-    * **gathered_edges**: one block's all-gathered input messages (E, I), alive while they are
-      indexed into the columns (not kept for backward; P does not divide it).
-
-    Elements per row (K blocks, H hidden, I int_emb, B basis_emb, O out_emb, L output layers,
-    S spherical, R radial, n = num_before_skip + num_after_skip):
-
-    ================  ===================================================  ==============================
-    rows              gradient forces (double backward)                    direct forces
-    ================  ===================================================  ==============================
-    local edge        K(22H + 8nH + 4I + 2B) + 12H + 7R + 33               K(11H + 4nH + 2I + B) + 8H
-                                                                           + (2L+1)O + 2R + 9
-    block row         K·I + 3                                              0
-    block column      K((4S+1)I + 2SB) + (3S+17)SR - 8R + 35               K((S+1)I + SB) + SR
-    block entry       4S - 5 (S >= 3; 2S at S = 2)                         S
-    own atom          (K+1)(H + (4L+2)O) + 5                               (K+1)(H + (2L+1)O) + 4
-    ================  ===================================================  ==============================
-
-    A direct step keeps what its ops save (a Linear its input, an activation its input, a
-    product both factors: a residual layer 4H, an output MLP layer 2O; the force head's edge MLP
-    ``(2L+1)O``); the gradient step's double backward also keeps the graph of the force pass,
-    1.7-1.9 times the direct step's per edge and atom and four times per column (the spherical
-    Bessel recurrence ``(3S+17)SR`` and the per-column messages ``4S·I`` per block). The
-    coefficients were measured, not only counted: ``saved_tensors_hooks`` over one training
-    step (``engine.step_loss`` + ``backward``), distinct storages (a view counts once, parameters
-    not), by row kind, on 2 EMT slabs at 30 random sizes per head (K 1-4, H 36-56, I 10-20,
-    B 4-8, O 36-60, S 2-8, R 2-8, L 1-3, n 0-4): a least-squares fit in the products above is
-    exact (integer coefficients, residual < 1e-10 elements per row), and holds at P = 2 and 4
-    (``benchmarks/bench_atomic.py`` prints the estimate per part beside the measurement).
-    Not counted: index arrays (the graph's 4 int64 per triplet, the blocks' bool mask per entry)
-    and parameter-sized copies (transposed weights, W_sbf1's block diagonal), < 1 % here.
-
-    The direct step keeps about half the gradient step's memory (0.48 at the default sizes on the
-    slabs; the old per-triplet estimate took a third). An estimate for sizing (tests: each part within 15 % of a measured step of each
-    head, at a size not used above), not an allocator trace: transient tensors (a backward's
-    gradient buffers) come on top.
-    """
-    from .dimenetpp import count_parameters
-    k, h, i, be, o = cfg.num_blocks, cfg.hidden_channels, cfg.int_emb_size, cfg.basis_emb_size, cfg.out_emb_channels
-    s, r, lo = cfg.num_spherical, cfg.num_radial, cfg.num_output_layers
-    res = cfg.num_before_skip + cfg.num_after_skip
-    b = dtype_bytes
-    local = lambda n: -(-n // ways)  # noqa: E731 - the largest block of np.array_split
-    e_loc, t_loc, n_own = local(edges), local(triplets), local(atoms)
-    rows = ROWS_PER_EDGE * e_loc if rows is None else rows
-    columns = COLUMNS_PER_EDGE * e_loc if columns is None else columns
-    entries = ENTRIES_PER_TRIPLET * t_loc if entries is None else entries
-    if cfg.force_head == "gradient":
-        per_edge = k * (22 * h + 8 * res * h + 4 * i + 2 * be) + 12 * h + 7 * r + 33
-        per_row = k * i + 3
-        per_column = k * ((4 * s + 1) * i + 2 * s * be) + (3 * s + 17) * s * r - 8 * r + 35
-        per_entry = max(4 * s - 5, 2 * s)
-        per_atom = (k + 1) * (h + (4 * lo + 2) * o) + 5
-    else:
-        per_edge = k * (11 * h + 4 * res * h + 2 * i + be) + 8 * h + (2 * lo + 1) * o + 2 * r + 9
-        per_row = 0
-        per_column = k * ((s + 1) * i + s * be) + s * r
-        per_entry = s
-        per_atom = (k + 1) * (h + (2 * lo + 1) * o) + 4
-    out = {"parameters": 4 * count_parameters(cfg) * b,
-           "edge": int((per_edge * e_loc + per_row * rows) * b),
-           "column": int(per_column * columns * b),
-           "entry": int(per_entry * entries * b),
-           "atom": int(per_atom * n_own * b),
-           "gathered_edges": int(i * edges * b) if ways > 1 else 0}
-    out["total"] = sum(out.values())
-    return out
-
-
-def plan_ways(cfg, atoms: int, edges: int, triplets: int, device_bytes: int, dtype_bytes: int = 4,
-              max_ways: int = 64, blocks: Optional[Callable[[int], dict]] = None) -> list[dict]:
-    """Memory per worker and bytes per step for P = 1, 2, 4, ...; ``fits`` against ``device_bytes``.
-    ``blocks(P)``: the padded block counts at P ways (``block_counts`` of a batch), else the defaults."""
-    from .dimenetpp import count_parameters
+def plan_ways(kind, cfg, atoms: int, edges: int, triplets: int, device_bytes: int, dtype_bytes: int = 4,
+              max_ways: int = 64, overhead: int = 0, counts=None) -> list[dict]:
+    """Memory per worker (the kind's estimate, plus ``overhead`` bytes per process) and bytes per step
+    for P = 1, 2, 4, ...; ``fits`` against ``device_bytes``. ``counts(P)``: the kind-specific sizes of
+    a batch at P ways (``AtomicModelKind.batch_counts``), else the kind's defaults."""
     rows, p = [], 1
-    params = count_parameters(cfg)
+    params = kind.count_parameters(cfg)
     while p <= max_ways and p <= edges:
-        mem = memory_per_worker(cfg, atoms, edges, triplets, p, dtype_bytes, **(blocks(p) if blocks else {}))
-        rows.append({"ways": p, "memory_per_worker": mem["total"], "memory": mem,
-                     "bytes_per_step": step_bytes(cfg, [edges], [atoms], [1], p, dtype_bytes, params),
-                     "fits": mem["total"] <= device_bytes})
+        mem = kind.memory_per_worker(cfg, atoms, edges, triplets, p, dtype_bytes, **(counts(p) if counts else {}))
+        total = mem["total"] + overhead
+        rows.append({"ways": p, "memory_per_worker": total, "memory": mem,
+                     "bytes_per_step": kind.step_bytes(cfg, [edges], [atoms], [1], p, dtype_bytes, params),
+                     "fits": total <= device_bytes})
         p *= 2
     return rows
+
+
+def batch_plan(kind, model_cfg, b: dict, device_bytes: int, dtype_bytes: int, overhead: int = 0,
+               max_ways: int = 64) -> list[dict]:
+    """``plan_ways`` on batch ``b`` (``data.batch_arrays``): its sizes, and its kind-specific counts."""
+    counts = (lambda p: kind.batch_counts(b, p)) if kind.batch_counts else None
+    return plan_ways(kind, model_cfg, len(b["z"]), len(b["edge_src"]), len(b["idx_kj"]), device_bytes, dtype_bytes,
+                     max_ways, overhead, counts)
+
+
+@dataclass
+class RunPlan:
+    """``plan_ways`` for one run's model on its largest step batch, against a memory cap per worker."""
+
+    kind: object  # protocol.AtomicModelKind
+    model_cfg: object
+    arrays: dict  # the largest step batch (data.batch_arrays)
+    ways: int  # the run's P
+    cap: int  # bytes per worker
+    overhead: int  # bytes of a worker process before its model (counted in each row)
+    rows: list
+
+    @property
+    def batch(self) -> tuple[int, int, int]:
+        """Atoms, edges and triplets of the largest step batch."""
+        b = self.arrays
+        return len(b["z"]), len(b["edge_src"]), len(b["idx_kj"])
+
+    def need(self, ways: int) -> int:
+        """Bytes per worker at ``ways`` ways (any P, not only the rows' powers of two)."""
+        counts = self.kind.batch_counts(self.arrays, ways) if self.kind.batch_counts else {}
+        return self.kind.memory_per_worker(self.model_cfg, *self.batch, ways, **counts)["total"] + self.overhead
+
+    @property
+    def fits(self) -> bool:
+        return self.need(self.ways) <= self.cap
+
+    def smallest(self) -> Optional[int]:
+        return next((r["ways"] for r in self.rows if r["fits"]), None)
+
+    def answer(self, run_id: str, cap_name: str) -> str:
+        """The plan's one line on the run's P: it fits, or by how much it does not and which P would."""
+        gib, need = 2**30, self.need(self.ways)
+        need = (f"{self.kind.name} ({self.kind.count_parameters(self.model_cfg):,} parameters) needs about "
+                f"{need / gib:.2f} GiB per worker at P = {self.ways} (gnnpipe plan-atomic: "
+                f"{(need - self.overhead) / gib:.2f} GiB for a step on the largest batch, "
+                f"{self.batch[0]} atoms / {self.batch[1]} edges / {self.batch[2]} triplets, + "
+                f"{self.overhead / gib:.2f} GiB of process)")
+        if self.fits:
+            return f"run {run_id}: {need}, within the cap of {self.cap / gib:.2f} GiB per worker ({cap_name})"
+        p = self.smallest()
+        advice = (f"the smallest P that fits is {p} (workers: {p} × data_parallel)" if p else
+                  "no P up to the batch's edges fits: use a smaller model or batch")
+        return (f"run {run_id}: {need}, above the cap of {self.cap / gib:.2f} GiB per worker ({cap_name}); "
+                f"{advice}, or raise the cap if the workers have more memory")
+
+
+def plan_run(cfg, cap_bytes: int, overhead: int = 0, max_ways: int = 64) -> RunPlan:
+    """The plan of an atomic run (its ``run.yaml``): its model on its graphs' largest step batch."""
+    from .data import batch_arrays, read_graphs, read_systems
+
+    systems = read_systems(cfg.systems_path)
+    graphs = model_graphs(read_graphs(cfg.graph_path, expect_systems_hash=systems["content_hash"]), systems,
+                          cfg.model.spec.cutoff, cfg.graph_path)
+    kind = ATOMIC_MODELS[cfg.model.kind]
+    model_cfg = model_config(cfg.model, float(graphs["cutoff"]))
+    b = batch_arrays(systems, graphs, largest_batch(systems, graphs, cfg.model.spec.batch_size))
+    rows = batch_plan(kind, model_cfg, b, cap_bytes, DTYPES[cfg.training.dtype].itemsize, overhead, max_ways)
+    return RunPlan(kind, model_cfg, b, cfg.ways, cap_bytes, overhead, rows)

@@ -2,11 +2,11 @@
 or graph-parallel across N persistent local worker processes.
 
 * :func:`structure_graph` builds one structure's graph with the *model's* settings (its cutoff and
-  neighbour cap, symmetric or not), so inference sees exactly the graphs of training: the
-  symmetric kinds' ``atomic.neighbors.system_graph``; otherwise ``atomic.data``'s per-target cut,
-  computed from the same cell-list edges (``neighbors.radius_graph`` without a cap gives
-  ``data.radius_graph``'s edges in its order; the cut keeps each target's first
-  ``max_neighbors``) in O(N) memory instead of the dense O(N²·images) search.
+  neighbour cap, symmetric or not), so inference sees exactly the graphs of training:
+  ``atomic.neighbors.system_graph``, what ``graphs.h5`` (format 2) holds for every kind; a model
+  file trained on format-1 graphs (``symmetric_edges`` false: a per-target cut) gets that cut,
+  from the same cell-list edges (``neighbors.radius_graph`` without a cap gives the old dense
+  search's edges in its order; the cut keeps each target's first ``max_neighbors``).
 * :class:`Predictor` is what the ASE calculator and ``predict`` call:
   ``predict(numbers, positions, cell, pbc, stress) -> Prediction`` (eV, eV/Å, eV/Å³, float64).
   ``workers=1`` computes here; ``workers=N`` keeps a :class:`WorkerPool`.
@@ -78,7 +78,7 @@ def structure_graph(numbers, positions, cell, pbc, mf: ModelFile) -> dict:
     if mf.symmetric_edges:
         g = neighbors.system_graph(pos, cell, pbc, mf.cutoff, mf.max_neighbors)
     else:
-        src, dst, shift = neighbors.radius_graph(pos, cell, pbc, mf.cutoff)  # data.radius_graph's order
+        src, dst, shift = neighbors.radius_graph(pos, cell, pbc, mf.cutoff)  # graphs.h5 v1's order
         if mf.max_neighbors is not None:
             keep = np.arange(len(dst)) - np.searchsorted(dst, dst) < mf.max_neighbors  # rank among the target's
             src, dst, shift = src[keep], dst[keep], shift[keep]

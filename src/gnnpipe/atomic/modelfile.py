@@ -168,7 +168,7 @@ def untrained_payload(kind: str, systems: dict, *, preset: str = "small", seed: 
     train = np.nonzero(systems["split"] == 0)[0]
     norm = Normalizer.fit(systems["z"], systems["atom_ptr"], systems["energy"], train)
     return make_payload(kind=kind, model_config=cfg, state_dict=model.state_dict(), cutoff=cutoff,
-                        max_neighbors=max_neighbors, symmetric_edges=spec.symmetric_edges, e_ref=norm.e_ref,
+                        max_neighbors=max_neighbors, symmetric_edges=True, e_ref=norm.e_ref,  # as graphs.h5 v2
                         scale=norm.scale, elements=systems["z"], dtype=dtype)
 
 

@@ -1,8 +1,8 @@
-"""Symmetric neighbour lists with cell lists (vesin), reverse edges and triplet ranks.
+"""Symmetric neighbour lists with cell lists (vesin), reverse edges, triplets and triplet ranks.
 
-``radius_graph`` is the cell-list replacement of ``atomic/data.py``'s dense all-pairs × images
-search (same conventions, same edge order; tests: the same edge set without a cap), and it
-is **symmetric**: every edge ``j -> i`` (neighbour image at ``pos[j] + shift``) comes with
+``radius_graph`` is the one neighbour search of every atomic dataset (``data.build_graphs``)
+and model (tests: the edges and order of a dense all-pairs × images search without a cap),
+and it is **symmetric**: every edge ``j -> i`` (neighbour image at ``pos[j] + shift``) comes with
 its reverse ``i -> j`` (image ``-shift``), also when a neighbour cap binds. GemNet takes the
 reverse edge's message through ``id_swap`` (``reverse_edges``), which needs that.
 
@@ -22,8 +22,8 @@ Conventions (those of ``AtomGraph``):
   the direction with ``src < dst`` of the per-target cut and mirrors it, which depends on
   the numbering; a mutual cut (both directions nominated) would bound degrees but drop
   some of an atom's nearest neighbours.
-* triplets ``k -> j -> i`` are ``data.triplets``' (every input edge of ``j`` but ``i``'s own
-  image); ``triplet_rank`` numbers each output edge's triplets ``0, 1, ...`` in triplet order.
+* triplets ``k -> j -> i`` (``triplets``): every input edge of ``j`` but ``i``'s own image;
+  ``triplet_rank`` numbers each output edge's triplets ``0, 1, ...`` in triplet order.
 """
 
 from __future__ import annotations
@@ -31,9 +31,21 @@ from __future__ import annotations
 import numpy as np
 
 from ..io import GnnPipeError
-from .data import triplets
 
 __all__ = ["radius_graph", "reverse_edges", "triplets", "triplet_rank", "system_graph"]
+
+
+def triplets(src: np.ndarray, dst: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(idx_kj, idx_ji)``: for every edge ji (j -> i) every edge kj (k -> j), except the one whose
+    source is i's own image (``k == i`` and ``shift_kj + shift_ji == 0``)."""
+    by_dst = np.argsort(dst, kind="stable")
+    starts = np.searchsorted(dst[by_dst], np.arange(int(max(dst.max(initial=-1), src.max(initial=-1))) + 2))
+    counts = starts[src + 1] - starts[src]  # input edges of each edge's source j
+    idx_ji = np.repeat(np.arange(len(src)), counts)
+    offs = np.arange(len(idx_ji)) - np.repeat(np.cumsum(counts) - counts, counts)
+    idx_kj = by_dst[np.repeat(starts[src], counts) + offs]
+    same = (src[idx_kj] == dst[idx_ji]) & np.all(np.abs(shift[idx_kj] + shift[idx_ji]) < 1e-8, axis=1)
+    return idx_kj[~same].astype(np.int64), idx_ji[~same].astype(np.int64)
 
 
 def _reverse(src: np.ndarray, dst: np.ndarray, image: np.ndarray) -> np.ndarray:

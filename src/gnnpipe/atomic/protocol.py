@@ -10,16 +10,17 @@ forces when the model is in training mode) or by a direct head. The model reads 
 ``AtomGraph`` holds and reduces only through its calls, so it runs unchanged as one rank of a
 graph-parallel group. The trainer never reaches into its submodules.
 
-A kind is registered once, with everything the rest of the package asks about it
-(:class:`AtomicModelKind`): the config class and its presets, the model class, the exact
+A kind is registered once (its name in ``gnnpipe.atomic.kinds``, its entry here), with
+everything the rest of the package asks about it (:class:`AtomicModelKind`): the config class and its presets, the model class, the exact
 parameter count, the closed-form bytes of a training step, the memory per worker, and the
 ``AtomGraph`` index sets and edge symmetry its graphs must have. Schema enums and CLI choices
 are ``ATOMIC_MODELS.names()``; a model is ``ATOMIC_MODELS[kind].build(cfg)``.
 
 Kinds:
 
-* ``dimenetpp`` — DimeNet++ (``atomic/dimenetpp.py``) through a thin adapter
-  (:class:`DimeNetPPModel`: the same module and state dict, ``forward`` returns the dict);
+* ``dimenetpp`` — DimeNet++ (``atomic/dimenetpp.py``: :class:`~gnnpipe.atomic.dimenetpp.DimeNetPPModel`,
+  the PyG-shaped ``DimeNetPP`` whose ``forward`` returns the dict; its sizes and costs in
+  ``atomic/dimenetpp_costs.py``);
 * ``gemnet_t`` — GemNet-T and GemNet-dT (``atomic/gemnet.py``): one architecture, the force
   head a config field (``force_head: gradient`` = GemNet-T, ``direct`` = GemNet-dT), as
   DimeNet++'s and as fairchem registers it (``gemnet_t`` with ``direct_forces``).
@@ -28,13 +29,15 @@ Kinds:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 from torch import nn
 
-from ..registry import Registry
-from . import dimenetpp, gemnet
-from .batch import AtomGraph, gradient_forces
+from . import dimenetpp, dimenetpp_costs, gemnet, gemnet_layers
+from .dimenetpp import DimeNetPPModel
+from .kinds import ATOMIC_MODELS
+
+__all__ = ["ATOMIC_MODELS", "AtomicModelKind", "DIMENETPP", "GEMNET_T", "DimeNetPPModel"]
 
 
 @dataclass(frozen=True)
@@ -50,10 +53,18 @@ class AtomicModelKind:
     # (cfg, edges, atoms, systems, ways, dtype_bytes, params) -> bytes of one step, all ranks
     step_bytes: Callable[..., int]
     # (cfg, atoms, edges, triplets, ways, dtype_bytes, **counts) -> {part: bytes, "total": bytes};
-    # counts: optional kind-specific sizes (DimeNet++: its padded triplet blocks, engine.block_counts)
+    # counts: optional kind-specific sizes, measured on a batch by ``batch_counts``
     memory_per_worker: Callable[..., dict]
     index_sets: tuple[str, ...]  # AtomGraph index sets the model reads
     symmetric_edges: bool  # needs every edge's reverse (id_swap)
+    width: str  # the config field the run record reports as the model's ``hidden`` width
+    labels: Mapping[str, str]  # force head -> the model's name in reports ("GemNet-T", "GemNet-dT")
+    # (model, whole-batch AtomGraphs in one process) -> {name: value}: constants fitted once before
+    # training and kept in the state dict (GemNet's scale factors); None: nothing to fit
+    fit: Optional[Callable[[nn.Module, list], dict]] = None
+    # (batch arrays, ways) -> the counts memory_per_worker takes (DimeNet++: its padded triplet
+    # blocks, largest way); None: the kind's estimate needs only atoms, edges and triplets
+    batch_counts: Optional[Callable[[dict, int], dict]] = None
 
     def preset(self, name: str, **over) -> Any:
         """The config of preset ``name`` with ``over`` replacing fields (None values are ignored)."""
@@ -68,40 +79,20 @@ class AtomicModelKind:
         return [f.name for f in fields(self.config)]
 
 
-ATOMIC_MODELS: Registry[AtomicModelKind] = Registry("atomic model")
-
-
-# --------------------------------------------------------------------------- DimeNet++
-class DimeNetPPModel(dimenetpp.DimeNetPP):
-    """DimeNet++ on the protocol: the same module (state dict = PyG's names), ``forward`` -> dict."""
-
-    def forward(self, g: AtomGraph) -> dict:
-        if self.cfg.force_head == "direct":
-            energy, forces = dimenetpp.energy_and_forces(self, g, create_graph=False)
-            return {"energy": energy, "forces": forces}
-        return gradient_forces(super().forward, g, self.training)
-
-
-def _dimenetpp_bytes(cfg, edges, atoms, systems, ways, dtype_bytes, params) -> int:
-    from .engine import step_bytes  # engine imports dimenetpp: no cycle at import time
-    return step_bytes(cfg, edges, atoms, systems, ways, dtype_bytes, params)
-
-
-def _dimenetpp_memory(cfg, atoms, edges, triplets, ways, dtype_bytes=4, **blocks) -> dict:
-    from .engine import memory_per_worker
-    return memory_per_worker(cfg, atoms, edges, triplets, ways, dtype_bytes, **blocks)
-
-
-ATOMIC_MODELS.register("dimenetpp", AtomicModelKind(
+# --------------------------------------------------------------------------- the kinds
+DIMENETPP = AtomicModelKind(
     name="dimenetpp", description="DimeNet++ (Gasteiger et al. 2020), PyG's parameterisation",
     config=dimenetpp.DimeNetPPConfig, model=DimeNetPPModel, presets=dimenetpp.PRESETS,
-    count_parameters=dimenetpp.count_parameters, step_bytes=_dimenetpp_bytes,
-    memory_per_worker=_dimenetpp_memory, index_sets=("triplets",), symmetric_edges=False))
+    count_parameters=dimenetpp.count_parameters, step_bytes=dimenetpp_costs.step_bytes,
+    memory_per_worker=dimenetpp_costs.memory_per_worker, batch_counts=dimenetpp_costs.block_counts,
+    index_sets=("triplets",), symmetric_edges=False,
+    width="hidden_channels", labels={"gradient": "DimeNet++", "direct": "DimeNet++ (direct forces)"})
 
-ATOMIC_MODELS.register("gemnet_t", AtomicModelKind(
+GEMNET_T = AtomicModelKind(
     name="gemnet_t", description="GemNet-T / GemNet-dT (Gasteiger et al. 2021), fairchem's gemnet_t",
     config=gemnet.GemNetTConfig, model=gemnet.GemNetT, presets=gemnet.PRESETS,
     count_parameters=gemnet.count_parameters, step_bytes=gemnet.step_bytes,
     memory_per_worker=gemnet.memory_per_worker, index_sets=("triplets", "id_swap", "triplet_rank"),
-    symmetric_edges=True))
+    symmetric_edges=True, width="emb_size_edge", labels={"gradient": "GemNet-T", "direct": "GemNet-dT"},
+    fit=gemnet_layers.fit_scale_factors)
 

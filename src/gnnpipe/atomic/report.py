@@ -1,9 +1,10 @@
 """The report's section on atomic runs: S2EF metrics per run, bytes vs the closed form, curves.
 
-One table per atomic dataset (runs side by side: mode, ways P × replicas D, parameters, epoch
-time, bytes measured and predicted, peak memory, energy MAE beside the per-element baseline's,
-force MAE, force cosine, EFwT from ``eval.json``), and a plot of the loss and the validation
-energy / force MAE against the epoch.
+One table per atomic dataset and model kind (DimeNet++, GemNet-T, ...: runs side by side: mode,
+ways P × replicas D, parameters, epoch time, bytes measured and predicted, peak memory, energy
+MAE beside the per-element baseline's, force MAE, force cosine, EFwT from ``eval.json``), and a
+plot of the loss and the validation energy / force MAE against the epoch. A run is atomic when
+its record says so (``extra.atomic``: its dataset is of kind ``atoms``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ HEADER = ["run", "mode", "P × D", "params", "epoch", "bytes/epoch", "predicted"
 
 
 def is_atomic(run) -> bool:
-    return run["model"] == "dimenetpp"
+    return bool((run.record.get("extra") or {}).get("atomic"))
+
+
+def label(run) -> str:
+    """The model's name in the report (``extra.label``: GemNet-T, GemNet-dT, DimeNet++), else its kind."""
+    return (run.record.get("extra") or {}).get("label") or run["model"]
 
 
 def _metric(run, key):
@@ -42,7 +48,7 @@ def run_row(run) -> list[str]:
             _f(_metric(run, "force_cos"), ".3f"), _f(_metric(run, "efwt"), ".3f")]
 
 
-def plot_curves(dataset: str, runs: list, path: Path) -> None:
+def plot_curves(dataset: str, model: str, runs: list, path: Path) -> None:
     fig, axes = figure(13, 3.8, nrows=1, ncols=3)
     for ax, (key, title) in zip(axes, [("loss", "training loss (normalised)"),
                                        ("val_energy_mae", "validation energy MAE (eV)"),
@@ -52,7 +58,7 @@ def plot_curves(dataset: str, runs: list, path: Path) -> None:
         if key == "loss":
             ax.set_yscale("log")
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"{dataset}: DimeNet++")
+    fig.suptitle(f"{dataset}: {model}")
     save(fig, path)
 
 
@@ -60,19 +66,21 @@ def section(runs: list, plots_dir: Path, rel) -> str:
     """Markdown of the atomic runs (empty string when there are none)."""
     if not runs:
         return ""
-    by_ds = defaultdict(list)
+    groups = defaultdict(list)  # (dataset, kind): the runs of one model kind on one dataset
     for r in runs:
-        by_ds[r["dataset"]].append(r)
-    out = ["## Atomic models (DimeNet++, edge/triplet graph parallelism)", "",
+        groups[(r["dataset"], r["model"])].append(r)
+    names = sorted({label(r) for r in runs})
+    out = [f"## Atomic models ({', '.join(names)}; edge/triplet graph parallelism)", "",
            "Energies and forces of whole systems; mode `graph` splits each batch's edges over P ways "
            "(triplets follow their output edge) and D replicas take different batches. Metrics are "
            "OC20 S2EF on free atoms (eval.json): energy MAE per system, force MAE over components, "
            "force cosine per atom, EFwT = share of systems with |ΔE| < 0.02 eV and max |ΔF| < 0.03 eV/Å. "
            "*baseline MAE*: per-element reference energies fitted on the training systems. "
-           "*predicted* bytes: the closed form `gnnpipe.atomic.engine.step_bytes`.", ""]
-    for ds, members in by_ds.items():
-        png = plots_dir / f"atomic_curves_{ds}.png"
-        plot_curves(ds, members, png)
-        out += [f"### {ds}", "", md_table(HEADER, [run_row(r) for r in members]), "",
-                f"![loss and validation MAE per epoch, {ds}]({rel(png)})", ""]
+           "*predicted* bytes: the closed form of the model's kind (`AtomicModelKind.step_bytes`).", ""]
+    for (ds, kind), members in groups.items():
+        png = plots_dir / f"atomic_curves_{ds}_{kind}.png"
+        model = " / ".join(sorted({label(r) for r in members}))
+        plot_curves(ds, model, members, png)
+        out += [f"### {ds}: {model}", "", md_table(HEADER, [run_row(r) for r in members]), "",
+                f"![loss and validation MAE per epoch, {ds}, {model}]({rel(png)})", ""]
     return "\n".join(out)

@@ -77,6 +77,8 @@ class Predictor:
     def __call__(self, run: Run) -> Prediction:
         if self.error is not None:
             return Prediction(reason=self.error)
+        if (run.record.get("extra") or {}).get("atomic"):
+            return Prediction(reason="an atomic run: the node cost model does not apply (gnnpipe plan-atomic sizes it)")
         try:
             return self._predict(run)
         except GnnPipeError as e:

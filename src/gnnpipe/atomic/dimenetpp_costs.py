@@ -1,0 +1,197 @@
+"""DimeNet++'s sizes and costs: closed-form bytes of a step, memory per worker with its triplet
+blocks, the blocks' padded counts on a batch, and the measurement of what a step keeps.
+
+What the registry's ``dimenetpp`` entry (``protocol.DIMENETPP``) answers for: ``step_bytes`` (the
+ledger's closed form), ``memory_per_worker`` (what ``gnnpipe plan-atomic`` and the launcher's check
+size), ``block_counts`` (its kind-specific sizes on a batch: ``AtomicModelKind.batch_counts``) and
+``saved_bytes_by_rows`` (the measurement the estimate's coefficients come from; tests, benchmarks).
+GemNet's are beside its model, in ``gemnet.py``; DimeNet++'s module is long enough already.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .dimenetpp import count_parameters, triplet_blocks
+from .parallel import shard_graph
+
+
+def step_bytes(cfg, edges: Sequence[int], atoms: Sequence[int], systems: Sequence[int], ways: int,
+               dtype_bytes: int, params: int) -> int:
+    """Bytes one DimeNet++ training step sends, summed over every rank (what the ledger counts).
+
+    ``edges[d], atoms[d], systems[d]``: the batch of replica d. With P ways, I = int_emb_size,
+    H = hidden, K = num_blocks, b = dtype bytes, per replica:
+
+    * gradient forces (double backward): edge rows ``4·K·(P-1)·E·I·b`` (all-gather forward, its
+      reduce-scatter in the force pass, both again in the parameter pass), atom rows
+      ``4·(K+1)·(P-1)·N·H·b`` (K+1 output blocks, the same four passes), forces
+      ``2·(P-1)·3N·b`` (reduce-scatter, and its all-gather in the parameter pass);
+    * direct forces: ``2·K·(P-1)·E·I·b + 2·(K+1)·(P-1)·N·H·b + 2·(P-1)·3N·b``;
+    * energies: ``2·(P-1)·B·b`` (ring all-reduce); parameters: ``2·(P-1)·params·b`` per replica
+      and ``2·(D-1)·params·b`` per way across replicas.
+    """
+    p, d, b = ways, len(edges), dtype_bytes
+    k, i, h = cfg.num_blocks, cfg.int_emb_size, cfg.hidden_channels
+    passes = 4 if cfg.force_head == "gradient" else 2
+    total = 0
+    for e, n, s in zip(edges, atoms, systems):
+        total += (p - 1) * b * (passes * k * e * i + passes * (k + 1) * n * h + 2 * 3 * n + 2 * s)
+    return total + d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b
+
+
+# --------------------------------------------------------------------------- memory
+#: Default padded block counts per worker, per ceil(E/P) local edges or ceil(T/P) local triplets, when
+#: the caller does not pass the measured ones (``block_counts``). Measured on the EMT slabs
+#: (``data.generate``; cutoff 4.5 Å / 12 neighbours and 5 Å / 24; batches of 1-16 systems, P = 1-8,
+#: the largest way): block rows G·Ro 1.2-1.6 × E_loc at P = 1, up to 3.0 at P = 8; block entries
+#: G·Ro·Ki 1.3-1.7 × T_loc at P = 1, up to 3.4 at P = 8 (a centre's rows split over ways, its
+#: columns not); block columns G·Ki 1.01-1.10 × E_loc at P = 1, more where a system is split over
+#: ways (see memory_per_worker).
+ROWS_PER_EDGE = 1.5
+ENTRIES_PER_TRIPLET = 1.6
+COLUMNS_PER_EDGE = 1.1
+
+
+def block_counts(b: dict, ways: int) -> dict:
+    """The padded :class:`~gnnpipe.atomic.dimenetpp.TripletBlocks` sizes of batch ``b`` split ``ways``
+    ways, each the largest over the ways: ``rows`` G·Ro, ``columns`` G·Ki, ``entries`` G·Ro·Ki
+    (the keyword arguments of :func:`memory_per_worker`). Index work only, no model."""
+    out = {"rows": 0, "columns": 0, "entries": 0}
+    for way in range(ways):
+        tb = triplet_blocks(shard_graph(b, ways, way, None))
+        (g, ro), ki = tb.row_edge.shape, tb.col_edge.shape[1]
+        for key, n in (("rows", g * ro), ("columns", g * ki), ("entries", g * ro * ki)):
+            out[key] = max(out[key], n)
+    return out
+
+
+def saved_bytes_by_rows(model, g, step: Callable[[], None]) -> dict:
+    """Bytes autograd keeps for backward while ``step()`` runs (e.g. a training step's forward and
+    backward on ``g``), by what the tensors' rows are, as :func:`memory_per_worker` counts them:
+    ``edge`` (local edges, and padded block rows G·Ro), ``column`` (block columns G·Ki, also flattened
+    with the S orders), ``entry`` (block entries G·Ro·Ki), ``atom`` (the view's atoms or own atoms),
+    ``other``. Floating tensors only, each storage once (its whole size; a view counts once),
+    ``model``'s parameters not. The block sizes and the model's widths must not coincide, except
+    rows and columns: on a symmetric graph in one process a centre has as many output edges as
+    input edges (Ro = Ki), and their parts are one, ``edge+column``."""
+    tb = triplet_blocks(g)
+    (gc, ro), ki, s = tb.row_edge.shape, tb.col_edge.shape[1], model.cfg.num_spherical
+    rows = {g.num_local_edges: "edge", g.num_atoms: "atom", g.atom_hi - g.atom_lo: "atom"}
+    atom_widths = {model.cfg.hidden_channels, model.cfg.out_emb_channels, 1, 3}  # (N, w) where G = N
+    if gc * ro in rows or gc * ki in rows or atom_widths & {ro, ki, ki * s}:
+        raise ValueError(f"ambiguous rows: G·Ro = {gc}·{ro}, G·Ki = {gc}·{ki}, {rows}, widths {atom_widths}")
+    merged = ro == ki
+
+    def kind(d: list) -> str:
+        if d[:3] == [gc, ro, ki] or d == [gc, ro, ki * s]:
+            return "entry"  # the angular basis (G, Ro, Ki·S) and its recurrence (G, Ro, Ki)
+        if d[:2] == [gc, ro] or d[0] in (gc * ro, gc * ro + 1):
+            return "edge+column" if merged else "edge"  # block rows: the per-block (G, Ro, I) sums
+        if d[:2] in ([gc, ki], [gc, ki * s]) or d[:3] == [gc, 3, ki] or d[0] in (gc * ki, gc * ki * s):
+            return "edge+column" if merged else "column"  # per input edge: radial basis, messages (G, Ki, S, I)
+        part = rows.get(d[0], "other")
+        return "edge+column" if merged and part == "edge" else part
+
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    out = ({"edge+column": 0} if merged else {"edge": 0, "column": 0}) | {"entry": 0, "atom": 0, "other": 0}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen and t.numel() and t.is_floating_point():
+            seen.add(ptr)
+            out[kind(list(t.shape))] += t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return out
+
+
+def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dtype_bytes: int = 4, *,
+                      rows: Optional[int] = None, columns: Optional[int] = None,
+                      entries: Optional[int] = None) -> dict:
+    """Estimated bytes one of P ways holds for a training step on a batch of that size.
+
+    Parameters, gradients and Adam's two moments: 4 copies, replicated. Activations autograd keeps
+    for backward, by what their rows are (none is per triplet: ``dimenetpp`` lays the triplets out as
+    dense per-centre blocks, :class:`~gnnpipe.atomic.dimenetpp.TripletBlocks`):
+
+    * **edge**: per local edge (``ceil(E/P)``), and per padded block row (G·Ro, ``rows``: an output
+      edge of a centre; default ``ROWS_PER_EDGE``·E_loc);
+    * **column**: per padded block column (G·Ki, ``columns``: a distinct input edge read by the
+      way's triplets, padded to the largest in-degree; default ``COLUMNS_PER_EDGE``·E_loc). The
+      radial basis and each block's per-column messages live here. The default holds when a way's
+      edges cover whole systems; a system split over ways reads the input edges of atoms across
+      the cut as well (one 13-atom slab at P = 8: 8 × E_loc, at most ~1.1 × E): pass the measured
+      counts (``block_counts``; ``engine.plan_ways``/``gnnpipe plan-atomic`` do);
+    * **entry**: per block entry (G·Ro·Ki, ``entries``, 1.3-3.4 × T_loc; default
+      ``ENTRIES_PER_TRIPLET``·T_loc): the angular basis and its Legendre recurrence, shared by
+      all blocks;
+    * **atom**: per own atom (``ceil(N/P)``): the output blocks' MLPs (after ``sum_atoms``);
+    * **gathered_edges**: one block's all-gathered input messages (E, I), alive while they are
+      indexed into the columns (not kept for backward; P does not divide it).
+
+    Elements per row (K blocks, H hidden, I int_emb, B basis_emb, O out_emb, L output layers,
+    S spherical, R radial, n = num_before_skip + num_after_skip):
+
+    ================  ===================================================  ==============================
+    rows              gradient forces (double backward)                    direct forces
+    ================  ===================================================  ==============================
+    local edge        K(22H + 8nH + 4I + 2B) + 12H + 7R + 33               K(11H + 4nH + 2I + B) + 8H
+                                                                           + (2L+1)O + 2R + 9
+    block row         K·I + 3                                              0
+    block column      K((4S+1)I + 2SB) + (3S+17)SR - 8R + 35               K((S+1)I + SB) + SR
+    block entry       4S - 5 (S >= 3; 2S at S = 2)                         S
+    own atom          (K+1)(H + (4L+2)O) + 5                               (K+1)(H + (2L+1)O) + 4
+    ================  ===================================================  ==============================
+
+    A direct step keeps what its ops save (a Linear its input, an activation its input, a
+    product both factors: a residual layer 4H, an output MLP layer 2O; the force head's edge MLP
+    ``(2L+1)O``); the gradient step's double backward also keeps the graph of the force pass,
+    1.7-1.9 times the direct step's per edge and atom and four times per column (the spherical
+    Bessel recurrence ``(3S+17)SR`` and the per-column messages ``4S·I`` per block). The
+    coefficients were measured, not only counted: ``saved_tensors_hooks`` over one training
+    step (``engine.step_loss`` + ``backward``), distinct storages (a view counts once, parameters
+    not), by row kind, on 2 EMT slabs at 30 random sizes per head (K 1-4, H 36-56, I 10-20,
+    B 4-8, O 36-60, S 2-8, R 2-8, L 1-3, n 0-4): a least-squares fit in the products above is
+    exact (integer coefficients, residual < 1e-10 elements per row), and holds at P = 2 and 4
+    (``benchmarks/bench_atomic.py`` prints the estimate per part beside the measurement).
+    Not counted: index arrays (the graph's 4 int64 per triplet, the blocks' bool mask per entry)
+    and parameter-sized copies (transposed weights, W_sbf1's block diagonal), < 1 % here.
+
+    The direct step keeps about half the gradient step's memory (0.48 at the default sizes on the
+    slabs; the old per-triplet estimate took a third). An estimate for sizing (tests: each part within 15 % of a measured step of each
+    head, at a size not used above), not an allocator trace: transient tensors (a backward's
+    gradient buffers) come on top.
+    """
+    k, h, i, be, o = cfg.num_blocks, cfg.hidden_channels, cfg.int_emb_size, cfg.basis_emb_size, cfg.out_emb_channels
+    s, r, lo = cfg.num_spherical, cfg.num_radial, cfg.num_output_layers
+    res = cfg.num_before_skip + cfg.num_after_skip
+    b = dtype_bytes
+    local = lambda n: -(-n // ways)  # noqa: E731 - the largest block of np.array_split
+    e_loc, t_loc, n_own = local(edges), local(triplets), local(atoms)
+    rows = ROWS_PER_EDGE * e_loc if rows is None else rows
+    columns = COLUMNS_PER_EDGE * e_loc if columns is None else columns
+    entries = ENTRIES_PER_TRIPLET * t_loc if entries is None else entries
+    if cfg.force_head == "gradient":
+        per_edge = k * (22 * h + 8 * res * h + 4 * i + 2 * be) + 12 * h + 7 * r + 33
+        per_row = k * i + 3
+        per_column = k * ((4 * s + 1) * i + 2 * s * be) + (3 * s + 17) * s * r - 8 * r + 35
+        per_entry = max(4 * s - 5, 2 * s)
+        per_atom = (k + 1) * (h + (4 * lo + 2) * o) + 5
+    else:
+        per_edge = k * (11 * h + 4 * res * h + 2 * i + be) + 8 * h + (2 * lo + 1) * o + 2 * r + 9
+        per_row = 0
+        per_column = k * ((s + 1) * i + s * be) + s * r
+        per_entry = s
+        per_atom = (k + 1) * (h + (2 * lo + 1) * o) + 4
+    out = {"parameters": 4 * count_parameters(cfg) * b,
+           "edge": int((per_edge * e_loc + per_row * rows) * b),
+           "column": int(per_column * columns * b),
+           "entry": int(per_entry * entries * b),
+           "atom": int(per_atom * n_own * b),
+           "gathered_edges": int(i * edges * b) if ways > 1 else 0}
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,233 @@
+"""``gnnpipe launch``: start one run's training, refusing before launch a run that will not fit a
+worker's memory, and naming the memory cap when the kernel kills a worker for exceeding it.
+
+    gnnpipe launch --run-config run.yaml --mem-mb-per-worker 1536            # builds the command
+    gnnpipe launch --run-config run.yaml --mem-mb-per-worker 1536 -- torchrun ... -m gnnpipe.cli train ...
+
+The train rule starts every run this way (its launcher after ``--``: ``gnnpipe``, torchrun, srun
++ torchrun, the emulated network's). The launcher
+
+1. for an atomic run, asks ``gnnpipe plan-atomic --check`` (in a process of its own, so that this
+   one stays small) whether the run's model fits ``--mem-mb-per-worker`` at the run's P, and
+   refuses with the plan's one line (exit 2) if not, before any worker starts; ``--force`` (or
+   ``GNNPIPE_FORCE_LAUNCH=1``) starts it anyway;
+2. runs the command (it dies with the launcher: ``PR_SET_PDEATHSIG``; SIGTERM is passed on);
+3. when the command fails and the kernel's out-of-memory killer killed a worker meanwhile,
+   says so in one line naming the cap (exit 137, the status of a SIGKILLed process): the
+   per-worker cgroup's limit when the workers ran in one (below), else the job's.
+
+The plan estimates what a training step holds. glibc's allocator may keep more resident: with
+its sliding mmap threshold (up to 32 MiB) the heap keeps what tensors free, and a GemNet-T step
+whose live peak is 2.4 GiB reached 4.9 GiB resident, its shard at P = 2 more than the whole at
+P = 1 (measured here). ``MALLOC_MMAP_THRESHOLD_=131072`` (blocks from 128 KiB mmapped, returned
+when freed) makes the resident set follow the plan (within 15 %), at a cost: a step at P = 1 took
+up to twice as long here (more page faults); at P = 2 and 4 the difference was within the
+machine's noise. The launcher leaves the choice to the environment (the memory-cap benchmark sets
+it, as a device's memory has no such heap) and names it when a worker is killed without it.
+
+**Per-worker memory caps** (cgroup v1, root): ``cap_workers(limit, workers)`` makes one memory
+cgroup per rank under the caller's own, ``<own>/gnnpipe-cap-<pid>/rank-<r>``, each limited to
+``limit`` bytes; with ``GNNPIPE_MEMCAP_CGROUP`` set to that directory, ``gnnpipe train`` moves
+itself into ``rank-<RANK>`` first thing (before importing torch: what the interpreter took
+before stays charged where it was, a few MB; kernels 6.x refuse ``move_charge_at_immigrate``), so
+each worker has a memory of its own, as each GPU has: what ``benchmarks/bench_memory_cap.py`` uses to show a model too large
+for one worker trained across P. (cgroup v2 and ``RLIMIT_AS`` are not used: v1 is what this
+machine has, and an address-space limit fails allocations with an exception long before the
+resident set reaches it, instead of the OOM kill a real cap gives.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+from .io import GnnPipeError
+
+MEMCAP_ENV = "GNNPIPE_MEMCAP_CGROUP"
+FORCE_ENV = "GNNPIPE_FORCE_LAUNCH"
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+OOM_EXIT = 137  # 128 + SIGKILL: what a shell reports for a process the OOM killer ended
+UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a page-rounded 2^63 - 1
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc: blocks from this size are mmapped, returned when freed
+
+
+# --------------------------------------------------------------------------- memory cgroups (v1)
+def own_cgroup(pid: int | str = "self") -> Optional[Path]:
+    """The memory cgroup directory of a process (cgroup v1), or None where there is none."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            d = CGROUP_ROOT / path.lstrip("/")
+            return d if d.is_dir() else None
+    return None
+
+
+def cgroup_limit(d: Path) -> Optional[int]:
+    """``memory.limit_in_bytes`` of cgroup ``d`` (None: unlimited or unreadable)."""
+    try:
+        v = int((d / "memory.limit_in_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+    return v if v < UNLIMITED else None
+
+
+def oom_kills(d: Path) -> int:
+    """How many processes the OOM killer ended in cgroup ``d`` (``memory.oom_control``)."""
+    try:
+        for line in (d / "memory.oom_control").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def kernel_oom_kills() -> int:
+    """The machine's count of OOM kills (``/proc/vmstat``), for jobs without per-worker cgroups."""
+    try:
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cap_workers(limit: Optional[int], workers: int, parent: Optional[Path] = None) -> Path:
+    """One memory cgroup per rank, ``<parent>/gnnpipe-cap-<pid>/rank-<r>``, each limited to ``limit``
+    bytes (swap too, where the kernel accounts it; None: not limited, only measured:
+    ``memory.max_usage_in_bytes``); ``parent`` defaults to the caller's own cgroup. Root and
+    cgroup v1; remove them with ``uncap_workers``."""
+    parent = parent or own_cgroup()
+    if parent is None:
+        raise GnnPipeError(f"no memory cgroup (v1) at {CGROUP_ROOT}: per-worker caps need cgroup v1 and root")
+    top = parent / f"gnnpipe-cap-{os.getpid()}"
+    try:
+        top.mkdir(exist_ok=True)
+        for r in range(workers):
+            d = top / f"rank-{r}"
+            d.mkdir(exist_ok=True)
+            if limit is None:
+                continue
+            (d / "memory.limit_in_bytes").write_text(str(limit))
+            if (d / "memory.memsw.limit_in_bytes").exists():  # no escape into swap
+                (d / "memory.memsw.limit_in_bytes").write_text(str(limit))
+    except OSError as e:
+        for d in [*top.glob("rank-*"), top]:  # what was made: empty cgroups
+            d.rmdir() if d.is_dir() else None
+        raise GnnPipeError(f"{top}: cannot make per-worker memory cgroups ({e.strerror}); root and cgroup v1 "
+                           "are needed") from None
+    return top
+
+
+def uncap_workers(top: Path) -> None:
+    """Remove the cgroups of ``cap_workers`` (their processes must have ended)."""
+    for d in sorted(top.glob("rank-*")):
+        d.rmdir()
+    top.rmdir()
+
+
+def join_worker_cap() -> None:
+    """In a worker: move this process into ``$GNNPIPE_MEMCAP_CGROUP/rank-<RANK>`` (no-op without it)."""
+    top = os.environ.get(MEMCAP_ENV)
+    if not top:
+        return
+    d = Path(top) / f"rank-{os.environ.get('RANK', '0')}"
+    try:
+        (d / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError as e:
+        raise GnnPipeError(f"{MEMCAP_ENV}={top}: cannot join {d} ({e.strerror})") from None
+
+
+# --------------------------------------------------------------------------- the launcher
+def default_command(cfg, run_config: str) -> list[str]:
+    """One process for ``single``, torchrun on this node for the parallel modes."""
+    train = ["-m", "gnnpipe.cli", "train", "--run-config", run_config]
+    if cfg.mode == "single":
+        return [sys.executable, *train]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            "--nproc-per-node", str(cfg.workers), *train]
+
+
+def preflight(run_config: str, mem_mb: int) -> None:
+    """``gnnpipe plan-atomic --check``: the run fits a worker's memory at its P, or its one line."""
+    done = subprocess.run([sys.executable, "-m", "gnnpipe.cli", "plan-atomic", "--run-config", run_config,
+                           "--mem-mb-per-worker", str(mem_mb), "--check"], capture_output=True, text=True)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    if done.returncode:
+        why = next((line for line in lines if line.startswith("gnnpipe: error: ")), lines[-1] if lines else "")
+        raise GnnPipeError(f"refused before launch: {why.removeprefix('gnnpipe: error: ')}")
+    print(f"gnnpipe launch: {lines[-1] if lines else 'the plan fits'}", file=sys.stderr, flush=True)
+
+
+def _die_with_me() -> None:  # in the child, before exec
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _allocator_hint() -> str:
+    return "" if os.environ.get(MMAP_ENV) else (f" (the plan counts what a step holds; glibc may keep more resident: "
+                                                f"{MMAP_ENV}=131072 bounds it, see gnnpipe.launch)")
+
+
+def oom_line(cfg, mem_mb: Optional[int], before: int, rc: int) -> Optional[str]:
+    """The one line for a command that failed because the OOM killer ended a worker, else None."""
+    top = os.environ.get(MEMCAP_ENV)
+    if top:
+        killed = [(d, oom_kills(d)) for d in sorted(Path(top).glob("rank-*"))]
+        killed = [(d, n) for d, n in killed if n]
+        if killed:
+            d = killed[0][0]
+            limit = cgroup_limit(d)
+            return (f"run {cfg.run_id}: {d.name.replace('-', ' ')} was killed by the out-of-memory killer (SIGKILL, "
+                    f"exit {OOM_EXIT}) at its memory cap of {limit / 2**30:.2f} GiB per worker "
+                    f"({d}/memory.limit_in_bytes); gnnpipe plan-atomic --run-config says which P fits"
+                    f"{_allocator_hint()}")
+        return None
+    if kernel_oom_kills() > before and rc in (OOM_EXIT, -signal.SIGKILL, 1):  # 1: torchrun, a worker failed
+        job = own_cgroup()
+        limit = cgroup_limit(job) if job else None
+        caps = [f"resources.mem_mb_per_worker = {mem_mb} MiB"] if mem_mb else []
+        caps += [f"the job's memory cgroup {job}: {limit / 2**30:.2f} GiB"] if limit else []
+        return (f"run {cfg.run_id}: a worker was killed by the out-of-memory killer (SIGKILL, exit {OOM_EXIT}) "
+                f"under the memory cap ({'; '.join(caps) or 'the machine'}); gnnpipe plan-atomic --run-config "
+                f"says which P fits{_allocator_hint()}")
+    return None
+
+
+def launch(run_config: str, command: list[str], mem_mb: Optional[int] = None, force: bool = False) -> int:
+    """Check, start, wait, report (module docstring); returns the exit status for the shell."""
+    from .config import load_run_config
+
+    cfg = load_run_config(run_config)
+    force = force or os.environ.get(FORCE_ENV, "0") not in ("", "0")
+    if cfg.atomic and mem_mb and not force:
+        preflight(run_config, mem_mb)
+    command = command or default_command(cfg, run_config)
+    before = kernel_oom_kills()
+    child = subprocess.Popen(command, preexec_fn=_die_with_me)
+    old = signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
+    try:
+        while True:
+            try:
+                rc = child.wait()
+                break
+            except KeyboardInterrupt:  # the terminal's Ctrl-C reaches the child too: wait for it
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    if rc == 0:
+        return 0
+    line = oom_line(cfg, mem_mb, before, rc)
+    if line:
+        print(f"gnnpipe: error: {line}", file=sys.stderr, flush=True)
+        return OOM_EXIT
+    return 128 - rc if rc < 0 else rc

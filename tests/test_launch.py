@@ -1,0 +1,99 @@
+"""``gnnpipe launch`` (gnnpipe.launch): the plan's refusal before launch, the out-of-memory line, the
+per-worker memory cgroups; and ``gnnpipe plan-atomic`` on a run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gnnpipe import launch as gl
+from gnnpipe.cli import main
+from test_faults import one_error_line, setup_atomic_run
+
+
+def _cgroup_v1_root() -> bool:
+    return os.geteuid() == 0 and gl.own_cgroup() is not None
+
+
+def test_plan_of_a_run_answers_in_one_line_which_p_fits(tmp_path):
+    """RunPlan on a run's own model and largest step batch: the answer at the run's P, and the
+    smallest P (of 1, 2, 4, ...) under a cap between the needs at P = 1 and P = 4."""
+    from gnnpipe.atomic.engine import plan_run
+
+    cfg = setup_atomic_run(tmp_path, "single", 1, kind="gemnet_t")
+    free = plan_run(cfg, 2**40)
+    need = [free.need(p) for p in (1, 2, 4)]
+    assert need[0] > need[1] > need[2] and free.fits
+    capped = plan_run(cfg, (need[1] + need[2]) // 2)
+    assert not capped.fits and capped.smallest() == 4
+    line = capped.answer(cfg.run_id, "resources.mem_mb_per_worker = 1")
+    assert line.startswith(f"run {cfg.run_id}: gemnet_t (") and "per worker at P = 1" in line
+    assert "above the cap of" in line and "the smallest P that fits is 4" in line and "\n" not in line
+
+
+def test_a_run_that_does_not_fit_is_refused_before_launch_in_one_line(tmp_path, capsys):
+    """--mem-mb-per-worker 1: not even the process fits. Exit 2, the plan's one line, no worker
+    started (no lock, no record); --force starts it anyway (and it trains: the cap is only a figure)."""
+    cfg = setup_atomic_run(tmp_path, "single", 1, epochs=1, kind="gemnet_t")
+    run_yaml = str(Path(cfg.out_dir) / "run.yaml")
+    assert main(["launch", "--run-config", run_yaml, "--mem-mb-per-worker", "1"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"gnnpipe: error: refused before launch: run {cfg.run_id}: gemnet_t (") and \
+        "above the cap of 0.00 GiB per worker (resources.mem_mb_per_worker = 1)" in line and \
+        "no P up to the batch's edges fits" in line, line
+    assert not (Path(cfg.out_dir) / ".lock").exists() and not (Path(cfg.out_dir) / "metrics.json").exists()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", gl.FORCE_ENV: "1"}
+    done = subprocess.run([sys.executable, "-m", "gnnpipe.cli", "launch", "--run-config", run_yaml,
+                           "--mem-mb-per-worker", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and (Path(cfg.out_dir) / "metrics.json").exists(), done.stderr[-3000:]
+
+
+def test_the_launchers_status_is_its_commands(tmp_path):
+    cfg = setup_atomic_run(tmp_path, "single", 1, epochs=1)
+    run_yaml = str(Path(cfg.out_dir) / "run.yaml")
+    assert gl.launch(run_yaml, [sys.executable, "-c", "raise SystemExit(3)"]) == 3
+    assert gl.launch(run_yaml, [sys.executable, "-c", "import os; os.kill(os.getpid(), 15)"]) == 128 + 15
+
+
+@pytest.mark.skipif(not _cgroup_v1_root(), reason="per-worker memory caps need root and cgroup v1")
+def test_a_worker_killed_by_its_memory_cap_is_named_by_the_launcher(tmp_path, capsys):
+    """A real OOM kill: a 'worker' (rank 1 of its cgroup) that joins its 100 MiB cap and touches 400 MiB.
+    The launcher's one line names the rank, the cap and its cgroup; exit 137."""
+    cfg = setup_atomic_run(tmp_path, "single", 1, epochs=1)
+    top = gl.cap_workers(100 * 2**20, 2)
+    try:
+        assert gl.cgroup_limit(top / "rank-1") == 100 * 2**20
+        hog = ("import os; os.environ['RANK'] = '1'; from gnnpipe.launch import join_worker_cap; join_worker_cap(); "
+               "x = bytearray(400 << 20); print('survived')")
+        os.environ[gl.MEMCAP_ENV] = str(top)
+        os.environ.pop(gl.MMAP_ENV, None)
+        try:
+            rc = gl.launch(str(Path(cfg.out_dir) / "run.yaml"), [sys.executable, "-c", hog])
+        finally:
+            del os.environ[gl.MEMCAP_ENV]
+        assert rc == gl.OOM_EXIT
+        line = one_error_line(capsys)
+        assert line == (f"gnnpipe: error: run {cfg.run_id}: rank 1 was killed by the out-of-memory killer (SIGKILL, "
+                        f"exit 137) at its memory cap of 0.10 GiB per worker ({top}/rank-1/memory.limit_in_bytes); "
+                        "gnnpipe plan-atomic --run-config says which P fits (the plan counts what a step holds; "
+                        "glibc may keep more resident: MALLOC_MMAP_THRESHOLD_=131072 bounds it, see gnnpipe.launch)"), line
+        assert gl.oom_kills(top / "rank-0") == 0 and gl.oom_kills(top / "rank-1") >= 1
+    finally:
+        gl.uncap_workers(top)
+    assert not top.exists()
+
+
+def test_plan_atomic_sizes_gemnet_xl(tmp_path, capsys):
+    """plan-atomic takes the kind from the registry: GemNet-XL's 292,941,056 parameters (fairchem's
+    292,939,520 trainable with its 83 embedding rows, + 12 · 128 of ours)."""
+    cfg = setup_atomic_run(tmp_path, "single", 1)
+    args = ["plan-atomic", "--systems", cfg.systems_path, "--graphs", cfg.graph_path, "--model", "gemnet_t"]
+    assert main([*args, "--preset", "xl", "--device-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("gemnet_t xl: 292,941,056 parameters") and "smallest P that fits: 1" in out
+    assert main([*args, "--preset", "huge"]) == 2
+    assert "plan-atomic: gemnet_t has no preset 'huge' (its presets: small, default, xl)" in one_error_line(capsys)
