@@ -9,7 +9,3 @@
 
 No torch anywhere in it: the layers hand their work functions in (``LayerSpec.work``).
 """
-
-# the two names the CLI and workflow/rules/common.smk import from here, until they import the parts
-from .bytes import FIRST_INPUT  # noqa: F401
-from .hardware import hardware_path  # noqa: F401

@@ -1,15 +1,16 @@
 """Graph layers on PyTorch sparse kernels and the GNN stack built from them.
 
 Every conv aggregates a bipartite :class:`Block`: ``conv(h_src, block, x0_dst=None)``. Every
-kind registers itself (its stack, its work, its exchange width) in :data:`CONVS`.
+kind defines its entry of :data:`gnnpipe.kinds.CONVS` (its stack, its work, its exchange width)
+beside its ``forward`` (``KIND``).
 """
 
-from . import gcn, sage, gat, gcnii, resgcn, mlp  # noqa: F401, I001  (each registers its kind, in this order)
+from ..kinds import CONVS
 from .block import Block
 from .gat import GATConv
 from .gcn import GCNConv
 from .gcnii import GCNIIConv
-from .kinds import CONVS, ConvKind
+from .kinds import ConvKind
 from .layer import GraphLayer
 from .model import GNN, KINDS
 from .resgcn import ResGCNLayer

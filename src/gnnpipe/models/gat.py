@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from ..costmodel.work import LayerCost, LayerSpec, Work, finish
 from .block import Block
-from .kinds import CONVS, ConvKind
+from .kinds import ConvKind
 from .layer import plain_stack
 from .ops import edge_softmax, edge_spmm, self_loop_csr
 
@@ -133,6 +133,7 @@ def _gat_conv(cfg, d_in: int, d_out: int, first: bool, last: bool) -> GATConv:
     return GATConv(d_in, d_out // cfg.heads, heads=cfg.heads, concat=True)
 
 
-CONVS.register("gat", ConvKind(
+#: the kind's registry entry (gnnpipe.kinds.CONVS["gat"])
+KIND = ConvKind(
     name="gat", description="GAT (Velickovic et al. 2018): multi-head attention over in-edges and a self edge",
-    stack=plain_stack(_gat_conv), work=GATConv.work))
+    stack=plain_stack(_gat_conv), work=GATConv.work)

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from ..costmodel.work import LayerCost, LayerSpec, aggregate_first, finish, linear_aggregate, memoised_linear
 from .block import Block
-from .kinds import CONVS, ConvKind
+from .kinds import ConvKind
 from .layer import plain_stack
 from .ops import gcn_aggregate, static_aggregate
 
@@ -93,7 +93,8 @@ class GCNConv(nn.Module):
         return f"{type(self).__name__}({self.in_dim}, {self.out_dim})"
 
 
-CONVS.register("gcn", ConvKind(
+#: the kind's registry entry (gnnpipe.kinds.CONVS["gcn"])
+KIND = ConvKind(
     name="gcn", description="GCN (Kipf & Welling 2017): symmetric normalisation, self loops",
     stack=plain_stack(lambda cfg, d_in, d_out, first, last: GCNConv(d_in, d_out, static_input=first)),
-    work=GCNConv.work))
+    work=GCNConv.work)

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ..costmodel.work import LayerCost, LayerSpec, Work, finish
 from .block import Block
-from .kinds import CONVS, ConvKind, Stack
+from .kinds import ConvKind, Stack
 from .ops import gcn_aggregate
 
 
@@ -91,6 +91,7 @@ def _stack(cfg, in_features: int, num_classes: int) -> Stack:
     return encoder, convs, nn.Linear(H, num_classes)
 
 
-CONVS.register("gcnii", ConvKind(
+#: the kind's registry entry (gnnpipe.kinds.CONVS["gcnii"])
+KIND = ConvKind(
     name="gcnii", description="GCNII (Chen et al. 2020): initial residual and identity mapping, for deep stacks",
-    stack=_stack, work=GCNIIConv.work, needs_x0=True))
+    stack=_stack, work=GCNIIConv.work, needs_x0=True)

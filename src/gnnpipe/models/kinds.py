@@ -1,5 +1,7 @@
-"""The registry of node model kinds: one :class:`~gnnpipe.registry.Registry` (the mechanism the
-atomic models use too), one entry per kind, registered beside its layer's ``forward``.
+"""What a node model kind is (:class:`ConvKind`): the entries of ``gnnpipe.kinds.CONVS``, one
+:class:`~gnnpipe.registry.Registry` (the mechanism the atomic models use too) whose names are
+listed there without torch and whose entries are defined beside each layer's ``forward``
+(``gnnpipe.models.<kind>.KIND``).
 
 A :class:`ConvKind` says everything the rest of the package asks about a kind: how its stack
 is built (encoder, convs, decoder, in that order: the seed draws the same weights), what its
@@ -24,7 +26,6 @@ from typing import Callable, Optional
 from torch import nn
 
 from ..costmodel.work import LayerSpec, WorkFn
-from ..registry import Registry
 
 #: (encoder or None, convs, decoder or None), built in that order
 Stack = tuple[Optional[nn.Module], list[nn.Module], Optional[nn.Module]]
@@ -51,5 +52,3 @@ class ConvKind:
         """The cost model's view of one conv of this kind (sizes given, not a built layer)."""
         return LayerSpec(self.name, d_in, d_out, work=self.work, **fields)
 
-
-CONVS: Registry[ConvKind] = Registry("conv")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .kinds import CONVS, ConvKind, Stack
+from .kinds import ConvKind, Stack
 
 
 def mlp_encoder(in_features: int, hidden: int, num_classes: int, layers: int,
@@ -30,5 +30,6 @@ def _stack(cfg, in_features: int, num_classes: int) -> Stack:
     return mlp_encoder(in_features, cfg.hidden, num_classes, cfg.layers, cfg.dropout), [], None
 
 
-CONVS.register("mlp", ConvKind(
-    name="mlp", description="the no-graph baseline: a per-node MLP (all encoder, no conv)", stack=_stack))
+#: the kind's registry entry (gnnpipe.kinds.CONVS["mlp"])
+KIND = ConvKind(
+    name="mlp", description="the no-graph baseline: a per-node MLP (all encoder, no conv)", stack=_stack)

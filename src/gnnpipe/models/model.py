@@ -28,9 +28,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from . import gcn, sage, gat, gcnii, resgcn, mlp  # noqa: F401, I001  (each registers its kind, in this order)
+from ..kinds import CONVS
 from .block import Block
-from .kinds import CONVS
 from .layer import GraphLayer  # noqa: F401  (the plain stacks' layer, imported from here too)
 
 KINDS = CONVS.names()  # ("gcn", "sage", "gat", "gcnii", "resgcn", "mlp"): the registry's order

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from ..costmodel.work import LayerCost, LayerSpec, finish, linear_aggregate
 from .block import Block
 from .gcn import GCNConv
-from .kinds import CONVS, ConvKind, Stack
+from .kinds import ConvKind, Stack
 from .ops import compact
 
 
@@ -80,6 +80,7 @@ def _stack(cfg, in_features: int, num_classes: int) -> Stack:
     return encoder, convs, nn.Sequential(nn.LayerNorm(H), nn.ReLU(), nn.Linear(H, num_classes))
 
 
-CONVS.register("resgcn", ConvKind(
+#: the kind's registry entry (gnnpipe.kinds.CONVS["resgcn"])
+KIND = ConvKind(
     name="resgcn", description="ResGCN+ (DeeperGCN res+, Li et al. 2020): pre-activation residual GCN blocks",
-    stack=_stack, work=ResGCNLayer.work))
+    stack=_stack, work=ResGCNLayer.work)

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from ..costmodel.work import LayerCost, LayerSpec, aggregate_first, finish, linear_aggregate, memoised_linear
 from .block import Block
 from .gcn import matmul_spmm_flops
-from .kinds import CONVS, ConvKind
+from .kinds import ConvKind
 from .layer import plain_stack
 from .ops import mean_aggregate, static_aggregate
 
@@ -90,7 +90,8 @@ class SAGEConv(nn.Module):
         return f"{type(self).__name__}({self.in_dim}, {self.out_dim}, aggr=mean)"
 
 
-CONVS.register("sage", ConvKind(
+#: the kind's registry entry (gnnpipe.kinds.CONVS["sage"])
+KIND = ConvKind(
     name="sage", description="GraphSAGE-mean (Hamilton et al. 2017): a self weight and a neighbour mean",
     stack=plain_stack(lambda cfg, d_in, d_out, first, last: SAGEConv(d_in, d_out, static_input=first)),
-    work=SAGEConv.work))
+    work=SAGEConv.work)
