@@ -53,7 +53,8 @@ from .config import BOUNDS, RunConfig, TrainingConfig, dump_run_config, to_dict
 from .engine import DTYPES, NonFiniteError
 from .evaluate import run_fingerprint
 from .io import GnnPipeError, write_json, write_text, write_torch
-from .parallel.dims import ParallelDims, ProcessGroups, build_groups
+from .layout import ParallelDims
+from .parallel.groups import ProcessGroups, build_groups
 
 
 # --------------------------------------------------------------------------- process set-up

@@ -31,12 +31,6 @@ class ProcessGroups:
     data: Optional[dist.ProcessGroup] = None  # the replicas of this rank's (stage, way); data > 1 only
 
     @property
-    def stage(self) -> Optional[dist.ProcessGroup]:
-        """The old name of ``graph`` (it holds the graph ways of a stage), kept for the atomic
-        engine until it asks for ``graph``."""
-        return self.graph
-
-    @property
     def stage_index(self) -> int:
         return self.dims.stage_of(self.rank)
 
