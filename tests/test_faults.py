@@ -234,13 +234,13 @@ def test_a_resume_state_of_fingerprint_v1_resumes_or_says_what_to_do(tmp_path):
     """A manifest of gnnpipe before fingerprint v2 has the hash of its config only: while this
     gnnpipe's config hashes the same, the run resumes to the weights of the run that never stopped
     (the fixture's finished model); else one line says to restart."""
-    from gnnpipe import evaluate
+    from gnnpipe import checkpoint
     from gnnpipe.config import to_dict
     from gnnpipe.train import run
 
     cfg = v1_run(tmp_path, "interrupted")
     manifest = json.loads((FIXTURE_V1 / "interrupted" / "resume" / "manifest.json").read_text())
-    if evaluate._hash(evaluate._fingerprinted(to_dict(cfg), 1)) != manifest["config_hash"]:
+    if checkpoint._hash(checkpoint._fingerprinted(to_dict(cfg), 1)) != manifest["config_hash"]:
         with pytest.raises(GnnPipeError, match=r"manifest.json: a checkpoint of another config, or one of gnnpipe "
                                                r"before fingerprint v2, .*rerun with `gnnpipe train --restart`"):
             run(cfg, progress=False)

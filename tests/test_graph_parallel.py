@@ -19,7 +19,7 @@ import torch
 from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, PipelineConfig, RunConfig,
                             TrainingConfig)
 from gnnpipe.engine import ce_sum, make_optimizer
-from gnnpipe.evaluate import exact_metrics
+from gnnpipe.engine import exact_metrics
 from gnnpipe.graph import Graph, csr_from_edges
 from gnnpipe.io import GnnPipeError
 from gnnpipe.models.block import Block

@@ -27,7 +27,7 @@ import torch
 from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, PipelineConfig,
                             RunConfig, TrainingConfig)
 from gnnpipe.engine import ce_sum, make_optimizer
-from gnnpipe.evaluate import exact_metrics
+from gnnpipe.engine import exact_metrics
 from gnnpipe.io import GnnPipeError
 from gnnpipe.models.model import GNN
 from gnnpipe.parallel.balance import (StageAssignment, assign_stages, balanced_bounds, profile_costs,

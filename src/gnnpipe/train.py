@@ -49,9 +49,9 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
+from .checkpoint import run_fingerprint
 from .config import BOUNDS, RunConfig, TrainingConfig, dump_run_config, to_dict
 from .engine import DTYPES, NonFiniteError
-from .evaluate import run_fingerprint
 from .io import GnnPipeError, write_json, write_text, write_torch
 from .layout import ParallelDims
 from .parallel.groups import ProcessGroups, build_groups

@@ -55,7 +55,7 @@ from torch import Tensor
 from .. import schedule
 from ..config import ConfigError, RunConfig
 from ..costmodel.bytes import first_input, hybrid_bytes
-from ..engine import DTYPES, EpochStats, ce_sum, correct_counts, make_optimizer
+from ..engine import DTYPES, SPLITS, EpochStats, ce_sum, correct_counts, make_optimizer
 from ..io import GnnPipeError
 from ..layout import PIPELINED, check_layout
 from ..models.block import Block
@@ -67,8 +67,6 @@ from .halo import way_plans
 from .stage import Chunk, Stage
 
 log = logging.getLogger(__name__)
-
-SPLITS = ("train", "val", "test")
 
 
 def check_config(cfg: RunConfig, groups=None) -> None:
