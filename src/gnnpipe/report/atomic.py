@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from ..report.plots import figure, history_panel, save
-from ..report.tables import DASH, fmt_bytes, fmt_s, md_table
+from .plots import figure, history_panel, save
+from .tables import DASH, fmt_bytes, fmt_s, md_table
 
 METRICS = ("energy_mae", "force_mae", "force_cos", "efwt")
 HEADER = ["run", "mode", "P × D", "params", "epoch", "bytes/epoch", "predicted", "peak mem",
