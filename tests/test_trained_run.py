@@ -146,3 +146,32 @@ def test_relax_run_without_a_reference_says_so(run, tmp_path):
     assert out["reference"] is None and out["note"] == NO_REFERENCE and "adwt" not in out
     assert out["per_system"][0]["ml_steps"] <= 2 and "ref_energy" not in out["per_system"][0]
     assert [p.name for p in (tmp_path / "traj").iterdir()] == ["0-ml.traj"]
+
+
+@pytest.mark.parametrize("unseen", [(78,), (29, 78)])
+def test_relax_run_skips_test_systems_with_unseen_elements_and_says_when_none_is_left(run, tmp_path, monkeypatch,
+                                                                                       unseen):
+    """A test system with an element no training system had cannot be computed: it is skipped and
+    listed; when none is left, relax.json says so (the workflow goes on) and the report shows the row."""
+    from gnnpipe.atomic import modelfile
+    from gnnpipe.report.records import Run
+
+    cfg, systems = run
+    real = modelfile.load_model_file
+
+    def fewer_elements(path):
+        mf = real(path)
+        return dataclasses.replace(mf, elements=tuple(z for z in mf.elements if z not in unseen))
+    monkeypatch.setattr("gnnpipe.atomic.calculator.load_model_file", fewer_elements)
+    out = relax_run(cfg, systems=4, fmax=0.05, steps=2, reference="emt", out=tmp_path / "relax.json",
+                    trajectories=tmp_path / "traj", progress=False)
+    test, ptr = np.nonzero(systems["split"] == 2)[0], systems["atom_ptr"]
+    skipped = [int(s) for s in test if set(systems["z"][ptr[s]:ptr[s + 1]].tolist()) & set(unseen)]
+    assert out["skipped_unseen_elements"] == skipped and skipped
+    assert [r["name"] for r in out["per_system"]] == [str(s) for s in test if s not in skipped][:4]
+    if len(skipped) == len(test):  # none left: said, not raised; the report's row and plot cope
+        from gnnpipe.atomic.report import is2rs_section
+        assert out["systems"] == 0 and "none relaxed" in out["note"] and out["ml_steps_mean"] is None
+        record = {"run_id": cfg.run_id, "mode": "single", "dataset": "slabs", "model": "gemnet_t", "ways": 1}
+        md = "\n".join(is2rs_section([Run(record, None, tmp_path, out)], tmp_path, str))
+        assert "none relaxed" in md and (tmp_path / "is2rs_slabs.png").is_file()

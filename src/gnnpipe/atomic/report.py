@@ -114,6 +114,7 @@ def plot_is2rs(dataset: str, runs: list, path: Path) -> None:
     def name(run):
         return f"{label(run)} {run['mode']} P={run['ways']}"
 
+    runs = [r for r in runs if r.relax["per_system"]]  # a run that relaxed none: its table row says so
     with_ref = [r for r in runs if r.relax.get("reference")]
     if with_ref:
         fig, axes = figure(10, 3.6, nrows=1, ncols=2)
@@ -133,9 +134,11 @@ def plot_is2rs(dataset: str, runs: list, path: Path) -> None:
         for k, run in enumerate(runs):
             steps = [row["ml_steps"] for row in run.relax["per_system"]]
             ax.bar(np.arange(len(steps)) + k * width, steps, width, label=name(run))
-        ax.set_title("ML relaxation steps per system (no reference calculator)")
+        ax.set_title("ML relaxation steps per system" + ("" if runs else ": none relaxed") +
+                     (" (no reference calculator)" if runs else ""))
         ax.set_xlabel("test system")
-        ax.legend(fontsize=7)
+        if runs:
+            ax.legend(fontsize=7)
     fig.suptitle(f"{dataset}: IS2RS")
     save(fig, path)
 
