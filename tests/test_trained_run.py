@@ -55,6 +55,8 @@ def test_the_finished_model_carries_its_payload_and_equals_evaluates_predictions
     state = torch.load(f"{cfg.out_dir}/model.pt", weights_only=True)
     assert state[PAYLOAD_KEY]["run_id"] == cfg.run_id
     assert state[PAYLOAD_KEY]["fingerprint"]["config_hash"] == state["config_hash"]
+    for k, w in state["model"].items():  # the weights are stored once: the payload's are the checkpoint's
+        assert state[PAYLOAD_KEY]["state_dict"][k].untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
     mf = load_model_file(cfg.out_dir)  # the run directory as it is: no upgrade step
     assert mf.kind == "gemnet_t" and mf.dtype == "float64" and mf.cutoff == 4.0 and mf.max_neighbors == 8
     assert set(mf.elements) == {1, 8, 29, 78}
