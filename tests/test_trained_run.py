@@ -135,7 +135,8 @@ def test_relax_run_scores_is2rs_into_relax_json_and_mlflow(run, tmp_path):
     assert len(read(tmp_path / "traj" / "0-ml.traj", ":")) == written["per_system"][0]["ml_steps"] + 1
     import mlflow
     record = json.loads(open(f"{cfg.out_dir}/metrics.json").read())
-    client = mlflow.tracking.MlflowClient()
+    from gnnpipe.tracking import tracking_uri
+    client = mlflow.tracking.MlflowClient(tracking_uri=tracking_uri(cfg))  # not mlflow's global (other tests set it)
     logged = client.get_run(record["mlflow_run_id"]).data.metrics
     assert logged["relax/adwt"] == pytest.approx(out["adwt"]) and "relax/afbt" in logged
     assert "mlflow_error" not in written
