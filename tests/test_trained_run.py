@@ -178,3 +178,17 @@ def test_relax_run_skips_test_systems_with_unseen_elements_and_says_when_none_is
         record = {"run_id": cfg.run_id, "mode": "single", "dataset": "slabs", "model": "gemnet_t", "ways": 1}
         md = "\n".join(is2rs_section([Run(record, None, tmp_path, out)], tmp_path, str))
         assert "none relaxed" in md and (tmp_path / "is2rs_slabs.png").is_file()
+
+
+def test_relax_cli_bad_input_is_one_line(run, tmp_path, capsys):
+    cfg, _ = run
+    run_yaml = tmp_path / "run.yaml"
+    from gnnpipe.config import dump_run_config
+    run_yaml.write_text(dump_run_config(cfg))
+    err = _one_error_line(capsys, ["relax", "--run-config", str(run_yaml), "--systems", "0"])
+    assert "relax: systems must be >= 1, got 0" in err
+    unfinished = dataclasses.replace(cfg, out_dir=str(tmp_path / "unfinished"))
+    (tmp_path / "unfinished").mkdir()
+    run_yaml.write_text(dump_run_config(unfinished))
+    err = _one_error_line(capsys, ["relax", "--run-config", str(run_yaml)])
+    assert "unfinished: no model.pt in this run directory" in err
