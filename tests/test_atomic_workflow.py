@@ -40,7 +40,7 @@ def _wf(models=None, **run):
     ({"model": "gem", "models": {"gem": {"kind": "gemnet_t", "gemnet_t": {"preset": "large"}}}},
      "config.models.gem.gemnet_t.preset: 'large' is not one of 'small', 'default', 'xl'"),
     ({"model": "gem", "models": {"gem": {"kind": "gemnet_t", "gemnet_t": {"hidden_channels": 8}}}},
-     "config.models.gem.gemnet_t: unknown key 'hidden_channels' (known: batch_size, cutoff, emb_size_atom,"),
+     "config.models.gem.gemnet_t: unknown key 'hidden_channels' (known: batch_size, clip_grad_norm, cutoff, ema_decay,"),
     ({"model": "gem", "models": {"gem": {"kind": "gemnet_t", "dimenetpp": {"num_blocks": 2}}}},
      "config.models.gem.dimenetpp: a dimenetpp section on a model of kind gemnet_t would be ignored; remove it"),
     ({"models": {"d": {"kind": "dimenet"}}}, "config.models.d.kind: 'dimenet' is not one of 'gcn', 'sage', 'gat', "
