@@ -126,3 +126,33 @@ def test_a_run_the_guard_stops_ends_with_one_line_failed_in_mlflow_and_no_model(
     assert not (Path(cfg.out_dir) / "metrics.json").exists() and not (Path(cfg.out_dir) / "model.pt").exists()
     run, = mlflow_runs(cfg)
     assert run.info.status == "FAILED" and "training diverged" in run.data.tags["gnnpipe.error"]
+
+
+def test_baselines_are_the_test_systems_per_element_energy_and_zero_force_errors(tmp_path):
+    """baseline_force_mae is the MAE of predicting F = 0 on the test systems' free atoms (computed here from
+    the arrays), beside the per-element energy baseline's; the record's extra carries both."""
+    import numpy as np
+
+    eng = _engine(tmp_path)
+    s, test = eng.systems, eng.ids["test"]
+    comps = [s["forces"][a][~s["fixed"][a]] for a in (slice(s["atom_ptr"][i], s["atom_ptr"][i + 1]) for i in test)]
+    base = eng.baselines()
+    assert base["baseline_force_mae"] == pytest.approx(np.abs(np.concatenate(comps)).mean(), rel=1e-12)
+    assert base["baseline_energy_mae"] > 0 and eng.extra_info()["baseline_force_mae"] == base["baseline_force_mae"]
+    assert eng.baselines("val")["baseline_force_mae"] != base["baseline_force_mae"]
+
+
+@pytest.mark.parametrize("energy,force,want", [(0.5, 0.1, "beats both"), (2.0, 0.1, "forces only"),
+                                               (0.5, 0.9, "energy only"), (2.0, 0.9, "**beats neither**")])
+def test_the_reports_atomic_row_shows_both_baselines_and_marks_a_model_that_beats_neither(energy, force, want):
+    from gnnpipe.atomic.report import HEADER, run_row, verdict
+    from gnnpipe.report.records import Run
+
+    record = {"run_id": "r", "mode": "single", "ways": 1, "epoch_time_s": 1.0, "comm_bytes_per_epoch": 0,
+              "comm_bytes_predicted": 0, "peak_mem_bytes": 0, "energy_mae": 9.0, "force_mae": 9.0,
+              "extra": {"atomic": True, "parameters": 10, "baseline_energy_mae": 9.0, "baseline_force_mae": 9.0}}
+    evaluation = {"energy_mae": energy, "force_mae": force, "force_cos": 0.5, "efwt": 0.0,
+                  "baseline_energy_mae": 1.0, "baseline_force_mae": 0.4}
+    row = dict(zip(HEADER, run_row(Run(record, evaluation, Path(".")))))
+    assert (row["baseline"], row["zero-force baseline"], row["vs baselines"]) == ("1.0000", "0.4000", want)
+    assert verdict(0.5, None, 0.1, 0.4) == "—"  # a run without a test split: no verdict

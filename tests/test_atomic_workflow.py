@@ -171,7 +171,9 @@ def test_atomic_chain_through_snakemake(tmp_path):
     recs = {rid: json.loads((results / "runs" / rid / "metrics.json").read_text()) for rid in runs}
     for rec in recs.values():
         evaluation = json.loads((results / "runs" / rec["run_id"] / "eval.json").read_text())
-        assert {"energy_mae", "force_mae", "force_cos", "efwt", "test_energy_mae"} <= set(evaluation)
+        assert {"energy_mae", "force_mae", "force_cos", "efwt", "test_energy_mae", "baseline_energy_mae",
+                "baseline_force_mae"} <= set(evaluation)
+        assert evaluation["baseline_force_mae"] == rec["extra"]["baseline_force_mae"] > 0
         assert rec["energy_mae"] == pytest.approx(evaluation["energy_mae"], rel=1e-5)
     report = (results / "report.md").read_text()
     assert "## Atomic models (DimeNet++, GemNet-T; edge/triplet graph parallelism)" in report
@@ -189,6 +191,8 @@ def test_atomic_chain_through_snakemake(tmp_path):
     found = mlflow.search_runs(experiment_names=["gnnpipe"])
     assert sorted(found["run_id"]) == sorted(r["mlflow_run_id"] for r in recs.values())
     assert set(found["status"]) == {"FINISHED"} and "metrics.final/force_cos" in found.columns
+    assert {"metrics.final/baseline_force_mae", "metrics.eval/baseline_force_mae"} <= set(found.columns)
+    assert "zero-force baseline" in report and "vs baselines" in report
 
 
 def _write_structures(systems: dict, xyz: Path, db: Path) -> None:

@@ -225,7 +225,7 @@ def _atomic_metrics(cfg: RunConfig, state: dict, checkpoint: Path) -> dict:
     except (RuntimeError, KeyError) as e:
         raise GnnPipeError(f"{checkpoint}: does not fit the run's {engine.kind.name} ({engine.model_cfg}): "
                            f"{' '.join(str(e).split())[:300]}") from None
-    return {k: v for k, v in engine.evaluate().items() if v is not None}
+    return {k: v for k, v in {**engine.evaluate(), **engine.baselines()}.items() if v is not None}
 
 
 def _finish(cfg: RunConfig, result: dict, out: Path) -> dict:
