@@ -141,18 +141,35 @@ def test_a_model_cutoff_above_the_graphs_is_refused_and_below_rebuilds_them(smal
     assert len(eng.graphs["edge_src"]) < len(data.read_graphs(small_data / "graphs.h5")["edge_src"])
 
 
+@pytest.fixture(scope="module")
+def frames_data(tmp_path_factory):
+    """The embedded dataset of config/config.yaml: frames along EMT relaxations, split by trajectory."""
+    from gnnpipe.atomic import data
+    from gnnpipe.config import load_workflow_config
+    atoms = load_workflow_config(yaml.safe_load((ROOT / "config" / "config.yaml").read_text())).datasets["slabs"].atoms
+    d = tmp_path_factory.mktemp("frames")
+    s = data.systems_from_config(atoms, progress=False)
+    digest = data.write_systems(d / "systems.h5", s)
+    data.write_graphs(d / "graphs.h5", data.build_graphs(s, atoms.cutoff, atoms.max_neighbors, progress=False),
+                      atoms.cutoff, atoms.max_neighbors, digest)
+    return d
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,lr", [("dimenetpp", 0.001), ("gemnet_t", 0.003)])
-def test_atomic_models_learn_the_embedded_dataset(small_data, monkeypatch, kind, lr):
-    """40 epochs on 51 EMT training systems: energy error well below the per-element baseline's,
-    forces pointing the right way (measured on the symmetric graphs: DimeNet++ small 0.63x the
-    baseline, force cosine 0.94, force MAE 0.12 eV/Å; GemNet-T small 0.46x, 0.90, 0.16 eV/Å)."""
+@pytest.mark.parametrize("kind,lr,epochs", [("dimenetpp", 0.001, 40), ("gemnet_t", 0.003, 30)])
+def test_atomic_models_learn_the_embedded_dataset(frames_data, monkeypatch, kind, lr, epochs):
+    """The embedded relaxation frames with the default habits, as `make run` trains them: both models
+    beat both baselines on the test trajectories (measured: DimeNet++ small energy MAE 0.43 eV against
+    the per-element baseline's 0.68, force MAE 0.071 eV/Å against the zero-force baseline's 0.19;
+    GemNet-T small 0.38 and 0.063)."""
     from gnnpipe import train
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{small_data / 'mlflow.db'}")
-    rec = train.run(_run_config(small_data, 40, kind, lr=lr), progress=False)
-    baseline = rec["extra"]["baseline_energy_mae"]
-    assert rec["energy_mae"] < 0.65 * baseline, (rec["energy_mae"], baseline)
-    assert rec["force_cos"] > 0.85 and rec["force_mae"] < 0.3, (rec["force_cos"], rec["force_mae"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{frames_data / 'mlflow.db'}")
+    cfg = _run_config(frames_data, epochs, kind, lr=lr, batch_size=4)
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, weight_decay=0.0005, eval_every=5))
+    rec = train.run(cfg, progress=False)
+    base = rec["extra"]
+    assert rec["energy_mae"] < 0.8 * base["baseline_energy_mae"], (rec["energy_mae"], base)
+    assert rec["force_mae"] < 0.5 * base["baseline_force_mae"] and rec["force_cos"] > 0.5, (rec["force_mae"], base)
 
 
 @pytest.mark.slow
@@ -210,22 +227,25 @@ def _write_structures(systems: dict, xyz: Path, db: Path) -> None:
                       pbc=systems["pbc"][s])
         atoms.set_constraint(FixAtoms(mask=systems["fixed"][a:b]))
         atoms.calc = SinglePointCalculator(atoms, energy=float(systems["energy"][s]), forces=systems["forces"][a:b])
+        atoms.info["trajectory"] = int(systems["group"][s])  # the default atoms.group_key
         frames.append(atoms)
     ase.io.write(xyz, frames, format="extxyz")
     with ase.db.connect(str(db)) as c:
         for atoms in frames:
-            c.write(atoms)
+            c.write(atoms, trajectory=atoms.info["trajectory"])
 
 
 @pytest.mark.slow
 def test_a_users_extxyz_and_ase_db_train_gemnet_through_snakemake(tmp_path):
     """The user's own structures, as extxyz and as an ASE db, train GemNet-T through the workflow as
     they are: single on the extxyz, graph P = 2 on the db (the same systems; extxyz rounds positions
-    to 1e-8 Å, which moves a pair at the neighbour cap: 612 edges against 614)."""
+    to 1e-8 Å, which can move a pair at the neighbour cap: a few edges apart). Each file names its
+    structures' trajectories (info key / column ``trajectory``, the default group_key): the splits keep
+    each trajectory whole."""
     from gnnpipe.atomic import data
 
-    _write_structures(data.generate(8, size=(2, 2, 2), seed=5, progress=False), tmp_path / "mine.extxyz",
-                      tmp_path / "mine.db")
+    _write_structures(data.generate(4, size=(2, 2, 2), seed=5, frames_per_trajectory=2, progress=False),
+                      tmp_path / "mine.extxyz", tmp_path / "mine.db")
     conf = {"datasets": {name: {"kind": "atoms", "atoms": {"file": str(tmp_path / f"mine.{ext}"), "cutoff": 4.0,
                                                              "max_neighbors": 8}}
                          for name, ext in (("xyz", "extxyz"), ("db", "db"))},
@@ -251,6 +271,10 @@ def test_a_users_extxyz_and_ase_db_train_gemnet_through_snakemake(tmp_path):
         assert rec["energy_mae"] is not None and rec["force_cos"] is not None
     assert graph["comm_bytes_per_epoch"] == graph["comm_bytes_predicted"] > 0
     assert (results / "runs" / "db-gem-graph-p2-seed0" / "eval.json").is_file()
+    for name in ("xyz", "db"):
+        systems = data.read_systems(results / "data" / name / "systems.h5")
+        assert list(systems["group"]) == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert all(len(set(systems["split"][systems["group"] == g])) == 1 for g in range(4))
     assert "### xyz: GemNet-T" in (results / "report.md").read_text()
 
 

@@ -90,12 +90,17 @@ class FilesConfig:
 class AtomsConfig:
     """Atomistic systems with energies and forces (gnnpipe.atomic.data) and their radius graphs.
 
-    ``file`` empty: generate slab + adsorbate systems labelled by ASE's EMT calculator (no
-    internet); else read the user's ASE database (``.db``) or extended XYZ file.
+    ``file`` empty: generate slab + adsorbate relaxations under ASE's EMT calculator, frames along
+    each as systems (no internet); else read the user's ASE database (``.db``) or extended XYZ file.
+    ``split``: ``trajectory`` keeps each trajectory (generated: a relaxation; a file: the structures
+    with one value of ``group_key``) in one of train/val/test; ``random``: structure by structure.
     """
 
     file: str = ""
-    num_systems: int = 64  # generated systems
+    num_trajectories: int = 21  # generated relaxations
+    frames_per_trajectory: int = 3  # systems taken along each (initial, ..., relaxed); 1: the start only
+    split: Literal["trajectory", "random"] = "trajectory"
+    group_key: str = "trajectory"  # a file's info key (extxyz) / column (ASE db) naming each structure's trajectory
     metals: list[str] = field(default_factory=lambda: ["Cu", "Ag", "Au", "Ni", "Pd", "Pt", "Al"])
     adsorbates: list[str] = field(default_factory=lambda: ["O", "H", "C", "N", "CO", "N2", "NO"])
     slab_size: list[int] = field(default_factory=lambda: [2, 2, 3])  # fcc(111)/(100) repeats, layers last
@@ -159,7 +164,7 @@ class GuardConfig:
 
     loss_factor: Optional[float] = 3.0
     patience: int = 3
-    min_force_cos: Optional[float] = 0.0
+    min_force_cos: Optional[float] = -0.2
 
 
 @dataclass
@@ -464,7 +469,7 @@ BOUNDS: dict[type, dict[str, Bound]] = {
                           degree_exponent=_GT0, feature_signal=_GE0, label_noise=_FRACTION,
                           train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
     FilesConfig: dict(train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
-    AtomsConfig: dict(num_systems=_GE1, rattle=_GE0, min_distance=_GT0, cutoff=_GT0, max_neighbors=_GE1,
+    AtomsConfig: dict(num_trajectories=_GE1, frames_per_trajectory=_GE1, rattle=_GE0, min_distance=_GT0, cutoff=_GT0, max_neighbors=_GE1,
                       train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
     ScheduleConfig: dict(warmup_epochs=_GE0, min_lr_factor=_FRACTION),
     GuardConfig: dict(loss_factor=Bound(1, lo_open=True), patience=_GE1, min_force_cos=Bound(-1, 1)),
