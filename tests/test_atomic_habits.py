@@ -156,3 +156,16 @@ def test_the_reports_atomic_row_shows_both_baselines_and_marks_a_model_that_beat
     row = dict(zip(HEADER, run_row(Run(record, evaluation, Path(".")))))
     assert (row["baseline"], row["zero-force baseline"], row["vs baselines"]) == ("1.0000", "0.4000", want)
     assert verdict(0.5, None, 0.1, 0.4) == "—"  # a run without a test split: no verdict
+
+
+def test_a_resume_state_from_before_the_habits_loads_with_a_fresh_guard_and_average(tmp_path):
+    """A resume state of a gnnpipe before the habits (model and optimizer only; its config matches at the
+    new keys' defaults) resumes: the average starts at the loaded weights, the guard afresh."""
+    eng = _engine(tmp_path)
+    eng.train_epoch(0)
+    old = {k: v for k, v in eng.state_dict().items() if k in ("model", "optimizer")}
+    other = _engine(tmp_path / "other")
+    other.load_state_dict(old)
+    assert other.ema.updates == 0 and other.guard.best == math.inf
+    final = other.full_state_dict()
+    assert all(torch.equal(final[k], v) for k, v in eng.model.state_dict().items())

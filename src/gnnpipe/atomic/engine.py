@@ -335,10 +335,16 @@ class AtomicEngine:
                 **({"ema": self.ema.state_dict()} if self.ema is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
+        """A resume state; one of a gnnpipe before the habits (no ``guard``, ``ema``) resumes with a
+        fresh guard and the average started at the loaded weights."""
         load_train_state(self.model, self.opt, state)
-        self.guard.load_state_dict(state["guard"])
+        if "guard" in state:
+            self.guard.load_state_dict(state["guard"])
         if self.ema is not None:
-            self.ema.load_state_dict(state["ema"])
+            if "ema" in state:
+                self.ema.load_state_dict(state["ema"])
+            else:
+                self.ema = EMA(self.model, self.ema.decay)
         self._fitted = True  # the state carries the fitted buffers
 
     def graph_info(self) -> dict:
