@@ -5,7 +5,7 @@
 #   snakemake --cores 2 --configfile .test/config.yaml --replace-workflow-config
 #
 # DAG: dataset_spec -> build_graph -> partition -> materialize -> run_config -> train
-#      -> evaluate -> report   (docs/WORKFLOW.md)
+#      -> evaluate [-> relax, atomic runs] -> report   (docs/WORKFLOW.md)
 from snakemake.utils import min_version
 
 min_version("8.0")

@@ -203,6 +203,9 @@ def test_atomic_chain_through_snakemake(tmp_path):
         assert graph["comm_bytes_per_epoch"] == graph["comm_bytes_predicted"] > 0
         assert f"### slabs: {label}" in report and f"`{graph['run_id']}`" in report
         assert (results / "plots" / f"atomic_curves_slabs_{kind}.png").is_file()
+    _check_trained_runs_are_usable(results, runs, "EMT")  # generated data: EMT labelled it
+    assert "### IS2RS: relaxations of test systems" in report and "#### slabs" in report
+    assert (results / "plots" / "is2rs_slabs.png").is_file()
     import mlflow
     mlflow.set_tracking_uri(f"sqlite:///{results / 'mlflow.db'}")
     found = mlflow.search_runs(experiment_names=["gnnpipe"])
@@ -210,6 +213,34 @@ def test_atomic_chain_through_snakemake(tmp_path):
     assert set(found["status"]) == {"FINISHED"} and "metrics.final/force_cos" in found.columns
     assert {"metrics.final/baseline_force_mae", "metrics.eval/baseline_force_mae"} <= set(found.columns)
     assert "zero-force baseline" in report and "vs baselines" in report
+    assert found["metrics.relax/adwt"].notna().all() and found["metrics.relax/afbt"].notna().all()
+
+
+def _check_trained_runs_are_usable(results: Path, runs: dict, reference) -> None:
+    """Every run the workflow trained, single or graph, loads as a calculator as it is; the
+    calculator equals evaluate's predictions.h5 (float32: to rounding); relax.json is there,
+    relaxed against ``reference`` (None: ML relaxations only)."""
+    from gnnpipe.ase import GNNPipeCalculator
+    from gnnpipe.atomic.is2rs import systems_to_atoms
+    from gnnpipe.atomic.predict import read_predictions
+
+    for rid, run in runs.items():
+        preds = read_predictions(results / "runs" / rid / "predictions.h5")
+        structures = systems_to_atoms({k: preds[k] for k in ("z", "pos", "cell", "pbc", "fixed", "atom_ptr")},
+                                      range(len(preds["system"])))
+        with GNNPipeCalculator.from_run(results / "runs" / rid) as calc:
+            assert calc.model_file.dtype == run.training.dtype
+            for k, atoms in enumerate(structures):
+                atoms.calc = calc
+                f = preds["forces"][preds["atom_ptr"][k]:preds["atom_ptr"][k + 1]]
+                assert atoms.get_potential_energy() == pytest.approx(preds["energy"][k], rel=1e-5)
+                np.testing.assert_allclose(atoms.get_forces(apply_constraint=False), f, rtol=0,
+                                           atol=1e-4 * max(np.abs(f).max(), 1e-3))
+        relax = json.loads((results / "runs" / rid / "relax.json").read_text())
+        assert relax["run_id"] == rid and relax["systems"] >= 1 and relax["reference"] == reference
+        if reference is not None:
+            assert 0 <= relax["adwt"] <= 1 and 0 <= relax["afbt"] <= 1 and relax["energy_mae"] >= 0
+        assert (results / "runs" / rid / "relax" / "0-ml.traj").is_file()
 
 
 def _write_structures(systems: dict, xyz: Path, db: Path) -> None:
@@ -251,7 +282,7 @@ def test_a_users_extxyz_and_ase_db_train_gemnet_through_snakemake(tmp_path):
                          for name, ext in (("xyz", "extxyz"), ("db", "db"))},
             "models": {"gem": {"kind": "gemnet_t", "gemnet_t": {"preset": "small", "num_blocks": 1, "batch_size": 2}}},
             "training": {"epochs": 2, "eval_every": 1, "checkpoint_every": 0},
-            "cost_model": {"calibrate": False},
+            "cost_model": {"calibrate": False}, "relax": {"systems": 1, "fmax": 0.1, "steps": 10},
             "runs": [{"mode": "single", "dataset": "xyz", "model": "gem"},
                      {"mode": "graph", "dataset": "db", "model": "gem", "workers": 2}]}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(conf))
@@ -275,7 +306,13 @@ def test_a_users_extxyz_and_ase_db_train_gemnet_through_snakemake(tmp_path):
         systems = data.read_systems(results / "data" / name / "systems.h5")
         assert list(systems["group"]) == [0, 0, 1, 1, 2, 2, 3, 3]
         assert all(len(set(systems["split"][systems["group"] == g])) == 1 for g in range(4))
-    assert "### xyz: GemNet-T" in (results / "report.md").read_text()
+    report = (results / "report.md").read_text()
+    assert "### xyz: GemNet-T" in report
+    # a user's file names no reference calculator: ML relaxations and energies only, and the report says so
+    _check_trained_runs_are_usable(results, resolve_runs(load_workflow_config(conf)), None)
+    relax = json.loads((results / "runs" / "xyz-gem-single-p1-seed0" / "relax.json").read_text())
+    assert relax["reference"] is None and "adwt" not in relax and "no reference calculator" in relax["note"]
+    assert "*no reference calculator for this dataset" in report and (results / "plots" / "is2rs_db.png").is_file()
 
 
 def test_plan_atomic_sizes_xl_and_finds_the_smallest_p(small_data, capsys):

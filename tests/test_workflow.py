@@ -53,8 +53,12 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
     assert job_counts(out) == {
         "all": 1, "dataset_spec": len(node) + len(atoms), "build_graph": len(node), "partition": len(stores),
         "materialize": len(stores), "build_systems": len(atoms), "atom_graphs": len(atoms),
-        "run_config": len(runs), "train": len(runs), "evaluate": len(runs), "report": 1,
-        "plan_stats": len(node), "calibrate": len(fitted)}
+        "run_config": len(runs), "train": len(runs), "report": 1, "plan_stats": len(node), "calibrate": len(fitted),
+        # atomic runs: eval.json and predictions.h5, then IS2RS (config relax:)
+        "evaluate": sum(not r.atomic for r in runs.values()), "evaluate_atomic": sum(r.atomic for r in runs.values()),
+        "relax": sum(r.atomic for r in runs.values()) if wf.relax.systems else 0}
+    for rid in (rid for rid, r in runs.items() if r.atomic):
+        assert f"results/runs/{rid}/predictions.h5" in out and f"results/runs/{rid}/relax.json" in out
     for d, m in fitted:
         assert f"results/cost_model/{d}/{m}.yaml" in out
     for store in stores:  # exactly the stores the runs read, at k = P (graph) or C (pipeline)

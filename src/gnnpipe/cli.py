@@ -9,6 +9,8 @@
     gnnpipe launch      --run-config run.yaml --mem-mb-per-worker 4096 [-- torchrun ...]
                                                       (the train rule: check the plan, start, report OOM)
     gnnpipe evaluate    --run-config results/runs/<run_id>/run.yaml
+    gnnpipe relax       --run-config results/runs/<run_id>/run.yaml --reference emt   (IS2RS)
+    gnnpipe predict     --run results/runs/<run_id> --structures in.extxyz --out out.extxyz [--workers N]
     gnnpipe report      --runs-dir results/runs --out results/report.md
     gnnpipe runs        --config config/config.yaml   (list / resolve the configured runs)
     gnnpipe plan        --graph graph.h5 --hardware 8xgpu-pcie --workers 8 --layers 32
@@ -173,8 +175,26 @@ def _evaluate(a):
     from .evaluate import evaluate_run
 
     res = evaluate_run(load_run_config(a.run_config), checkpoint=a.checkpoint, out=a.out,
-                       allow_partial=a.allow_partial)
+                       allow_partial=a.allow_partial, predictions=a.predictions)
     print(" ".join(f"{k}={v:.4f}" for k, v in res.items() if isinstance(v, float)), file=sys.stderr)
+
+
+def _relax(a):
+    from .atomic.is2rs import relax_run
+    from .config import load_run_config
+
+    res = relax_run(load_run_config(a.run_config), systems=a.systems, optimizer=a.optimizer, fmax=a.fmax,
+                    steps=a.steps, rattle_stdev=a.rattle, seed=a.seed,
+                    reference=None if a.reference == "none" else a.reference, out=a.out,
+                    trajectories=a.trajectories, progress=True)
+    print(" ".join(f"{k}={v:.4f}" for k, v in res.items() if isinstance(v, float)), file=sys.stderr)
+
+
+def _predict(a):
+    from .atomic.predict import predict
+
+    n = predict(a.run, a.structures, a.out, workers=a.workers, device=a.device, dtype=a.dtype, progress=True)
+    print(f"gnnpipe: {n} structures predicted into {a.out}", file=sys.stderr)
 
 
 def _report(a):
@@ -337,14 +357,57 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("evaluate", help="exact full-graph inference of a trained run",
                        description="Load the run's checkpoint and compute train/val/test accuracy with "
-                                   "exact (non-stale) full-graph inference in one process.")
+                                   "exact (non-stale) full-graph inference in one process. Atomic runs: "
+                                   "the OC20 S2EF metrics per split, and the test split's predicted energy "
+                                   "and forces per system (predictions.h5, docs/DESIGN.md).")
     e.add_argument("--run-config", required=True, help="results/runs/<run_id>/run.yaml")
     e.add_argument("--checkpoint", help="default: <out_dir>/model.pt")
     e.add_argument("--out", help="default: <out_dir>/eval.json")
+    e.add_argument("--predictions", help="atomic runs: default <out_dir>/predictions.h5")
     e.add_argument("--allow-partial", action="store_true",
                    help="accept a checkpoint of an unfinished run (e.g. <out_dir>/checkpoint.pt); "
                         "its config and data are still checked")
     e.set_defaults(func=_evaluate)
+
+    from .config import RelaxConfig
+    rd = RelaxConfig()
+    rx = sub.add_parser("relax", help="IS2RS of a trained atomic run: relax test systems, ADwT / FbT / AFbT",
+                        description="Rattle the first --systems systems of an atomic run's test split and relax "
+                                    "them with the run's finished model (one process, whatever mode trained it) "
+                                    "and with the reference calculator; write relax.json (ADwT, FbT, AFbT, "
+                                    "relaxed-energy MAE, steps; docs/DESIGN.md), one ASE trajectory per system "
+                                    "and calculator, and log the metrics to the run's MLflow run. Defaults: "
+                                    "OC20's IS2RS baseline (ASE L-BFGS, maxstep 0.04 Å, memory 50).")
+    rx.add_argument("--run-config", required=True, help="results/runs/<run_id>/run.yaml (its model.pt finished)")
+    rx.add_argument("--systems", type=int, default=rd.systems, help="test systems to relax, the first by id (default %(default)s)")
+    rx.add_argument("--optimizer", choices=("lbfgs", "fire"), default=rd.optimizer, help="ASE optimiser (default %(default)s)")
+    rx.add_argument("--fmax", type=float, default=rd.fmax, help="eV/Å: converged at this largest free-atom force (default %(default)s)")
+    rx.add_argument("--steps", type=int, default=rd.steps, help="optimiser steps at most per relaxation (default %(default)s)")
+    rx.add_argument("--rattle", type=float, default=rd.rattle,
+                    help="Å: Gaussian displacement of free atoms giving the initial structures (default %(default)s)")
+    rx.add_argument("--seed", type=int, default=rd.seed, help="seed of the rattle (default %(default)s)")
+    rx.add_argument("--reference", choices=("emt", "none"), default="emt",
+                    help="the calculator the data was labelled with (emt: generated data); none: a user's "
+                         "structures, ML relaxations and energies only (default %(default)s)")
+    rx.add_argument("--out", help="default: <out_dir>/relax.json")
+    rx.add_argument("--trajectories", help="directory of <i>-ml.traj / <i>-ref.traj (default: <out_dir>/relax)")
+    rx.set_defaults(func=_relax)
+
+    pr = sub.add_parser("predict", help="energies, forces (and stress) of structures with a trained atomic model",
+                        description="Compute every structure of an extended XYZ or ASE database with a trained "
+                                    "atomic model: energy, forces and, for 3-D periodic cells, stress, written to "
+                                    "an extended XYZ as ASE writes a calculator's results (ase.io.read(out, ':') "
+                                    "gives them back). --workers N splits each structure's graph over N local "
+                                    "processes (the same numbers to rounding). Every structure's elements are "
+                                    "checked against the model's before any is computed; errors name the row.")
+    pr.add_argument("--run", required=True,
+                    help="a finished run directory (results/runs/<run_id>) or a model file")
+    pr.add_argument("--structures", required=True, help="structures to compute: .extxyz / .xyz, or an ASE .db")
+    pr.add_argument("--out", required=True, help="extended XYZ to write (atomically)")
+    pr.add_argument("--workers", type=int, default=1, help="local processes per structure (graph parallelism; default %(default)s)")
+    pr.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
+    pr.add_argument("--dtype", choices=("float32", "float64"), help="default: the model's own")
+    pr.set_defaults(func=_predict)
 
     r = sub.add_parser("report", help="table and plots over runs",
                        description="Write a Markdown table over all run records and PNG plots.")

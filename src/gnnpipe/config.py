@@ -349,6 +349,21 @@ class CostModelConfig:
     calibrate: bool = True
 
 
+@dataclass
+class RelaxConfig:
+    """IS2RS after ``evaluate`` for every atomic run (rule ``relax``, ``gnnpipe.atomic.is2rs``): the
+    first ``systems`` systems of the test split, rattled, relaxed with the model and (generated
+    data) with EMT. Defaults as OC20's IS2RS baseline: ASE L-BFGS (maxstep 0.04 Å, memory 50),
+    fairchem's 300 steps and fmax 0.02 eV/Å."""
+
+    systems: int = 4  # test systems relaxed per run; 0: no relax rule
+    optimizer: Literal["lbfgs", "fire"] = "lbfgs"
+    fmax: float = 0.02  # eV/Å: converged when the largest free-atom force is at most this
+    steps: int = 300  # optimiser steps at most, per relaxation
+    rattle: float = 0.05  # Å: Gaussian displacement of every free atom before relaxing (the initial structure)
+    seed: int = 0  # of the rattle
+
+
 # --------------------------------------------------------------------------- runs
 MODES = ("single", "graph", "pipeline", "hybrid")
 
@@ -381,6 +396,7 @@ class WorkflowConfig:
     graph_parallel: GraphParallelConfig = field(default_factory=GraphParallelConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     cost_model: CostModelConfig = field(default_factory=CostModelConfig)
+    relax: RelaxConfig = field(default_factory=RelaxConfig)
     runs: list[RunSpec] = field(default_factory=list)
 
 
@@ -486,6 +502,7 @@ BOUNDS: dict[type, dict[str, Bound]] = {
     PartitionConfig: dict(seed=_SEED),
     ResourcesConfig: dict(mem_mb_per_worker=_GE1, runtime_min=_GE1, gpus_per_worker=_GE0,
                           workers_per_node=_GE1),
+    RelaxConfig: dict(systems=_GE0, fmax=_GT0, steps=_GE1, rattle=_GE0, seed=_SEED),
     RunSpec: dict(workers=_GE1, stages=_GE1, chunks=_GE1, seed=_SEED, epochs=_GE1, data_parallel=_GE1),
     RunConfig: dict(workers=_GE1, stages=_GE1, ways=_GE1, chunks=_GE1, data_parallel=_GE1),
 }

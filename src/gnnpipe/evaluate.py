@@ -186,11 +186,13 @@ def check_checkpoint(state: dict, cfg: RunConfig, path: Path, *, final: bool = T
 
 
 def evaluate_run(cfg: RunConfig, checkpoint: str | Path | None = None, out: str | Path | None = None,
-                 *, allow_partial: bool = False) -> dict:
+                 *, allow_partial: bool = False, predictions: str | Path | None = None) -> dict:
     """Exact inference of a trained run on its graph; writes ``eval.json`` and logs to MLflow.
 
     The checkpoint must be the run's finished model (``allow_partial``: any epoch) and
     have been trained from the run's config, graph and chunk store (``check_checkpoint``).
+    Atomic runs also write the test split's per-system predictions (``predictions``, default
+    ``<out_dir>/predictions.h5``; ``atomic.predict.write_predictions``).
     """
     checkpoint = Path(checkpoint or Path(cfg.out_dir) / "model.pt")
     out = Path(out or Path(cfg.out_dir) / "eval.json")
@@ -198,7 +200,9 @@ def evaluate_run(cfg: RunConfig, checkpoint: str | Path | None = None, out: str 
     state = load_checkpoint(checkpoint)
     check_checkpoint(state, cfg, checkpoint, final=not allow_partial)
     if cfg.atomic:
-        result = _atomic_metrics(cfg, state, checkpoint)
+        from .atomic.predict import PREDICTIONS_FILE
+        predictions = Path(predictions or Path(cfg.out_dir) / PREDICTIONS_FILE)
+        result = _atomic_metrics(cfg, state, checkpoint, predictions)
         return _finish(cfg, {"run_id": cfg.run_id, "checkpoint_epoch": int(state.get("epoch", -1)), **result}, out)
     graph = read_graph(cfg.graph_path)
     model = GNN(cfg.model, graph.num_features, graph.num_classes).to(dtype)
@@ -213,11 +217,16 @@ def evaluate_run(cfg: RunConfig, checkpoint: str | Path | None = None, out: str 
     return _finish(cfg, result, out)
 
 
-def _atomic_metrics(cfg: RunConfig, state: dict, checkpoint: Path) -> dict:
-    """S2EF metrics of an atomic run's checkpoint, in one process whatever mode trained it."""
+def _atomic_metrics(cfg: RunConfig, state: dict, checkpoint: Path, predictions: Path) -> dict:
+    """S2EF metrics of an atomic run's checkpoint, in one process whatever mode trained it, and
+    the test split's per-system predictions (``predictions.h5``) by the model file it carries
+    (a checkpoint without one, e.g. a partial one: the engine's model, as ``upgrade_run`` builds it)."""
     import dataclasses
 
     from .atomic.engine import AtomicEngine
+    from .atomic.inference import Predictor
+    from .atomic.modelfile import PAYLOAD_KEY, decode, payload_from_engine
+    from .atomic.predict import split_predictions, write_predictions
     one = dataclasses.replace(cfg, mode="single", workers=1, ways=1, data_parallel=1)
     engine = AtomicEngine(one, None, torch.device("cpu"))
     try:
@@ -225,7 +234,12 @@ def _atomic_metrics(cfg: RunConfig, state: dict, checkpoint: Path) -> dict:
     except (RuntimeError, KeyError) as e:
         raise GnnPipeError(f"{checkpoint}: does not fit the run's {engine.kind.name} ({engine.model_cfg}): "
                            f"{' '.join(str(e).split())[:300]}") from None
-    return {k: v for k, v in {**engine.evaluate(), **engine.baselines()}.items() if v is not None}
+    result = {k: v for k, v in {**engine.evaluate(), **engine.baselines()}.items() if v is not None}
+    payload = state[PAYLOAD_KEY] if PAYLOAD_KEY in state else payload_from_engine(engine)
+    preds = split_predictions(Predictor(decode(payload, str(checkpoint))), engine.systems, engine.graphs,
+                              engine.ids["test"], batch_size=engine.batch_size)
+    write_predictions(predictions, preds, split="test", run_id=cfg.run_id, dtype=cfg.training.dtype)
+    return result
 
 
 def _finish(cfg: RunConfig, result: dict, out: Path) -> dict:

@@ -266,22 +266,34 @@ def _log_run(client, rid: str, cfg: RunConfig, record: dict, out_dir: Path) -> N
 
 
 def log_evaluation(cfg: RunConfig, mlflow_run_id: str, result: dict, eval_json: Path) -> None:
-    """Add the exact-inference metrics of ``evaluate`` to the training run; a failure is a
-    warning and an ``mlflow_error`` in ``eval.json``, never an exception."""
+    """Add the exact-inference metrics of ``evaluate`` to the training run (``eval/<key>``); a
+    failure is a warning and an ``mlflow_error`` in ``eval.json``, never an exception."""
+    _log_result(cfg, mlflow_run_id, result, eval_json, "eval", "the evaluation")
+
+
+def log_relaxation(cfg: RunConfig, mlflow_run_id: str, result: dict, relax_json: Path) -> None:
+    """Add the IS2RS metrics of ``relax`` (ADwT, FbT, AFbT, relaxed-energy MAE, mean steps) to the
+    training run (``relax/<key>``), ``relax.json`` as an artifact; a failure is a warning and an
+    ``mlflow_error`` in ``relax.json``, never an exception."""
+    _log_result(cfg, mlflow_run_id, result, relax_json, "relax", "the relaxations")
+
+
+def _log_result(cfg: RunConfig, mlflow_run_id: str, result: dict, path: Path, prefix: str, what: str) -> None:
     try:
-        _log_evaluation(cfg, mlflow_run_id, result, eval_json)
+        _log_metrics(cfg, mlflow_run_id, result, path, prefix)
     except Exception as e:
-        write_json(eval_json, {**result, "mlflow_error": _one_line(e)})
-        _warn("logging of the evaluation", e, eval_json)
+        write_json(path, {**result, "mlflow_error": _one_line(e)})
+        _warn(f"logging of {what}", e, path)
 
 
-def _log_evaluation(cfg: RunConfig, mlflow_run_id: str, result: dict, eval_json: Path) -> None:
+def _log_metrics(cfg: RunConfig, mlflow_run_id: str, result: dict, path: Path, prefix: str) -> None:
+    """One burst under the store's lock: the top-level numbers of ``result`` and the file."""
     from mlflow.entities import Metric
     import time as _time
 
     with _client(cfg) as (client, _):
         now = int(_time.time() * 1000)
         client.log_batch(mlflow_run_id, metrics=[
-            Metric(f"eval/{k}", float(v), now, 0) for k, v in result.items()
-            if isinstance(v, (int, float)) and k != "checkpoint_epoch"])
-        client.log_artifact(mlflow_run_id, str(eval_json))
+            Metric(f"{prefix}/{k}", float(v), now, 0) for k, v in result.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("checkpoint_epoch", "seed")])
+        client.log_artifact(mlflow_run_id, str(path))

@@ -436,7 +436,7 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
     att.epoch = None
     if bar is not None:
         bar.close()
-    _checkpoint(engine, out_dir / "model.pt", tc.epochs - 1, cfg, ranks)
+    _checkpoint(engine, out_dir / "model.pt", tc.epochs - 1, cfg, ranks, finished=True)
     peak, = reduce([float(peak_memory_bytes(device))], "max")
     if rank != 0:
         return None
@@ -488,18 +488,25 @@ def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
     return record
 
 
-def _checkpoint(engine, path: Path, epoch: int, cfg: RunConfig, ranks: ckpt.World) -> None:
+def _checkpoint(engine, path: Path, epoch: int, cfg: RunConfig, ranks: ckpt.World, finished: bool = False) -> None:
     """Save the weights after ``epoch`` with what they were trained from (``run_fingerprint``).
 
     Intermediate checkpoints go to ``checkpoint.pt``, the finished model alone to ``model.pt``
     (the train rule's output): a run killed half-way never leaves a partial ``model.pt`` that
-    ``evaluate`` or Snakemake would take for the result.
+    ``evaluate`` or Snakemake would take for the result. The finished model of an atomic run also
+    carries its inference payload (``atomic.modelfile``: normaliser, cutoff, elements, ...), so
+    that ``GNNPipeCalculator.from_run`` needs nothing else.
     """
     state = engine.full_state_dict()  # collective in model-parallel modes: every rank calls it
     error = None
     if ranks.rank == 0:
         payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "epoch": epoch,
                    "epochs_done": epoch + 1, "run_id": cfg.run_id, "config": to_dict(cfg), **run_fingerprint(cfg)}
+        if finished and cfg.atomic:
+            from .atomic.modelfile import PAYLOAD_KEY, payload_from_engine
+            fingerprint = {k: payload[k] for k in ("config_hash", "graph_hash", "store_hash") if k in payload}
+            payload[PAYLOAD_KEY] = payload_from_engine(engine, fingerprint, state_dict=payload["model"])
+            payload[PAYLOAD_KEY]["state_dict"] = payload["model"]  # the same tensors: torch.save stores them once
         payload["digest"] = ckpt.digest(payload)  # a flipped bit is refused by evaluate.load_checkpoint
         try:
             write_torch(path, payload)

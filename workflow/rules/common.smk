@@ -114,15 +114,34 @@ wildcard_constraints:
     parts=r"[1-9][0-9]*",
 
 
+def run_id_pattern(ids) -> str:
+    """A wildcard constraint matching exactly ``ids`` (none: a pattern that matches nothing)."""
+    return "|".join(re.escape(r) for r in ids) or "(?!)"
+
+
+# evaluate (node runs) and evaluate_atomic (also predictions.h5) share eval.json: each its own runs
+ATOMIC_RUNS = [rid for rid, r in RUNS.items() if r.atomic]
+NODE_RUNS = [rid for rid, r in RUNS.items() if not r.atomic]
+RELAX_RUNS = ATOMIC_RUNS if WF.relax.systems > 0 else []  # IS2RS after evaluate (config relax:)
+
+
+def relax_reference(wildcards) -> str:
+    """The calculator the run's systems were labelled with: EMT for generated data; a user's
+    file (atoms.file) names none, so its relaxations are the model's only."""
+    return "none" if WF.datasets[RUNS[wildcards.run_id].dataset_name].atoms.file else "emt"
+
+
 # ----------------------------------------------------------------------------- targets
 def final_outputs():
-    return [f"{RESULTS}/report.md"] + [f"{RESULTS}/runs/{rid}/eval.json" for rid in RUNS]
+    return ([f"{RESULTS}/report.md"] + [f"{RESULTS}/runs/{rid}/eval.json" for rid in RUNS]
+            + [f"{RESULTS}/runs/{rid}/relax.json" for rid in RELAX_RUNS])
 
 
 def run_records(wildcards):
     return {
         "metrics": [f"{RESULTS}/runs/{rid}/metrics.json" for rid in RUNS],
         "evals": [f"{RESULTS}/runs/{rid}/eval.json" for rid in RUNS],
+        "relax": [f"{RESULTS}/runs/{rid}/relax.json" for rid in RELAX_RUNS],
     }
 
 

@@ -46,6 +46,8 @@ rule train:
 
 rule evaluate:
     """Exact (non-stale) full-graph inference from the trained model, in one process."""
+    wildcard_constraints:
+        run_id=run_id_pattern(NODE_RUNS),
     input:
         unpack(run_inputs),
         model=f"{RESULTS}/runs/{{run_id}}/model.pt",
@@ -63,3 +65,66 @@ rule evaluate:
     shell:
         "export OMP_NUM_THREADS={threads:q};"
         " gnnpipe evaluate --run-config {input.run_config:q} --out {output.evaluation:q} > {log:q} 2>&1"
+
+
+rule evaluate_atomic:
+    """An atomic run's S2EF metrics (eval.json) and its test split's per-system predicted energy
+    and forces (predictions.h5), in one process whatever mode trained it."""
+    wildcard_constraints:
+        run_id=run_id_pattern(ATOMIC_RUNS),
+    input:
+        unpack(run_inputs),
+        model=f"{RESULTS}/runs/{{run_id}}/model.pt",
+        metrics=f"{RESULTS}/runs/{{run_id}}/metrics.json",
+    output:
+        evaluation=f"{RESULTS}/runs/{{run_id}}/eval.json",
+        predictions=f"{RESULTS}/runs/{{run_id}}/predictions.h5",
+    log:
+        "logs/evaluate/{run_id}.log",
+    threads: train_threads
+    resources:
+        mem_mb=train_resource("mem_mb"),
+        runtime=train_resource("runtime"),
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        "export OMP_NUM_THREADS={threads:q};"
+        " gnnpipe evaluate --run-config {input.run_config:q} --out {output.evaluation:q}"
+        " --predictions {output.predictions:q} > {log:q} 2>&1"
+
+
+rule relax:
+    """IS2RS (config relax:): the first test systems rattled and relaxed with the run's model, one
+    process whatever mode trained it, and with EMT (generated data); relax.json, trajectories."""
+    wildcard_constraints:
+        run_id=run_id_pattern(RELAX_RUNS),
+    input:
+        run_config=f"{RESULTS}/runs/{{run_id}}/run.yaml",
+        systems=lambda wildcards: RUNS[wildcards.run_id].systems_path,
+        model=f"{RESULTS}/runs/{{run_id}}/model.pt",
+        evaluation=f"{RESULTS}/runs/{{run_id}}/eval.json",
+    output:
+        relax=f"{RESULTS}/runs/{{run_id}}/relax.json",
+        trajectories=directory(f"{RESULTS}/runs/{{run_id}}/relax"),
+    log:
+        "logs/relax/{run_id}.log",
+    threads: 1
+    resources:
+        mem_mb=train_resource("mem_mb"),
+        runtime=train_resource("runtime"),
+    params:
+        systems=WF.relax.systems,
+        optimizer=WF.relax.optimizer,
+        fmax=WF.relax.fmax,
+        steps=WF.relax.steps,
+        rattle=WF.relax.rattle,
+        seed=WF.relax.seed,
+        reference=relax_reference,
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        "export OMP_NUM_THREADS=1;"
+        " gnnpipe relax --run-config {input.run_config:q} --systems {params.systems:q}"
+        " --optimizer {params.optimizer:q} --fmax {params.fmax:q} --steps {params.steps:q}"
+        " --rattle {params.rattle:q} --seed {params.seed:q} --reference {params.reference:q}"
+        " --out {output.relax:q} --trajectories {output.trajectories:q} > {log:q} 2>&1"

@@ -237,3 +237,68 @@ def relax_systems(structures: Sequence, model_calc, reference: Optional[Callable
                     "ref_converged": float(np.mean([r["ref_converged"] for r in per]))})
     out["per_system"] = per
     return out
+
+
+# --------------------------------------------------------------------------- a trained run (rule relax)
+RELAX_FILE = "relax.json"
+REFERENCES = {"emt": "EMT"}  # --reference: the calculators a relaxation can be checked against
+NO_REFERENCE = ("no reference calculator for this dataset (a user's structures): ML relaxations and their "
+                "energies only; ADwT, FbT, AFbT and the relaxed-energy MAE need one")
+
+
+def relax_run(cfg, *, systems: int = 4, optimizer: str = "lbfgs", fmax: float = 0.02, steps: int = 300,
+              rattle_stdev: float = 0.05, seed: int = 0, reference: Optional[str] = "emt", out=None,
+              trajectories=None, progress: bool = True) -> dict:
+    """IS2RS of a trained atomic run (``RunConfig``): the first ``systems`` systems of its test
+    split, relaxed with its finished model (``GNNPipeCalculator.from_run``, one process whatever
+    mode trained it: the model is the same function) and with ``reference`` (``"emt"``, or None:
+    ML relaxations only). Writes ``relax.json`` (default ``<out_dir>/relax.json``) atomically,
+    a trajectory per system and calculator under ``trajectories`` (default ``<out_dir>/relax``),
+    and logs the metrics to the run's MLflow run; returns the dict."""
+    import json
+
+    from ..io import write_json
+    from .calculator import GNNPipeCalculator
+    from .data import read_systems
+    from .engine import SPLIT_NAMES
+
+    for name, value, low in (("systems", systems, 1), ("steps", steps, 1), ("fmax", fmax, 0), ("rattle", rattle_stdev, 0)):
+        if not value >= low or (name == "fmax" and value == 0):
+            raise GnnPipeError(f"relax: {name} must be {'>' if name == 'fmax' else '>='} {low}, got {value}")
+    if reference is not None and reference not in REFERENCES:
+        raise GnnPipeError(f"unknown reference calculator {reference!r}; known: {', '.join(REFERENCES)} (or none)")
+    run_dir = Path(cfg.out_dir)
+    out = Path(out or run_dir / RELAX_FILE)
+    trajectories = Path(trajectories or run_dir / "relax")
+    data = read_systems(cfg.systems_path)
+    test = np.nonzero(data["split"] == SPLIT_NAMES.index("test"))[0]
+    if not len(test):
+        raise GnnPipeError(f"{cfg.systems_path}: no test systems to relax (datasets.{cfg.dataset_name}.atoms: "
+                           "train_fraction + val_fraction leave none)")
+    calc = GNNPipeCalculator.from_run(run_dir)
+    known, ptr = set(calc.model_file.elements), data["atom_ptr"]
+    # a test system with an element no training system had: the model cannot compute it (skipped, named)
+    seen = np.array([set(data["z"][ptr[s]:ptr[s + 1]].tolist()) <= known for s in test])
+    skipped, test = test[~seen], test[seen][:systems]
+    factory = None
+    if reference is not None:
+        from ase.calculators.emt import EMT
+        factory = EMT
+    with calc:
+        result = relax_systems(systems_to_atoms(data, test), calc, factory, optimizer=optimizer, fmax=fmax,
+                               steps=steps, rattle_stdev=rattle_stdev, seed=seed, trajectories=trajectories,
+                               names=[str(int(s)) for s in test], progress=progress)
+    result = {"run_id": cfg.run_id, "mode": cfg.mode, "dataset": cfg.dataset_name, "model": cfg.model.kind,
+              "split": "test", **result, "reference": REFERENCES.get(reference),  # its name, or None
+              **({} if reference is not None else {"note": NO_REFERENCE}), "trajectories": trajectories.name,
+              "skipped_unseen_elements": [int(s) for s in skipped]}
+    if not len(test):  # not an error: the run trained and evaluated; its report says why no IS2RS
+        none = f"every test system has an element the model never saw in training (it knows Z = {sorted(known)}): none relaxed"
+        result["note"] = f"{result['note']}; {none}" if "note" in result else none
+    write_json(out, result)
+    metrics = run_dir / "metrics.json"
+    mlflow_id = json.loads(metrics.read_text()).get("mlflow_run_id") if metrics.exists() else None
+    if mlflow_id:
+        from ..tracking import log_relaxation
+        log_relaxation(cfg, mlflow_id, result, out)
+    return result

@@ -134,14 +134,16 @@ def kind_of(model_config) -> str:
     raise ValueError(f"{type(model_config).__name__} is the config of no registered atomic model kind")
 
 
-def payload_from_engine(engine, fingerprint: Optional[dict] = None) -> dict:
+def payload_from_engine(engine, fingerprint: Optional[dict] = None, state_dict: Optional[dict] = None) -> dict:
     """The payload of an ``atomic.engine.AtomicEngine``'s model as trained (the trainer calls it
-    on rank 0 after the last epoch and stores it under ``"inference"`` in ``model.pt``)."""
+    on rank 0 after the last epoch and stores it under ``"inference"`` in ``model.pt``, with the
+    weights it saves there as ``state_dict``; default: the engine's ``full_state_dict()``)."""
     systems, graphs = engine.systems, engine.graphs
     ptr, train = systems["atom_ptr"], engine.ids["train"]
     elements = np.unique(np.concatenate([systems["z"][ptr[s]:ptr[s + 1]] for s in train])) if len(train) else []
     return make_payload(kind=kind_of(engine.model_cfg), model_config=engine.model_cfg,
-                        state_dict=engine.full_state_dict(), cutoff=float(graphs["cutoff"]),
+                        state_dict=engine.full_state_dict() if state_dict is None else state_dict,
+                        cutoff=float(graphs["cutoff"]),
                         max_neighbors=int(graphs["max_neighbors"]),
                         symmetric_edges=bool(graphs.get("symmetric_edges", False)),
                         e_ref=engine.norm.e_ref, scale=engine.norm.scale, elements=elements,

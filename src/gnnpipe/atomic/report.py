@@ -6,6 +6,10 @@ MAE beside the per-element baseline's, force MAE beside the zero-force baseline'
 from ``eval.json``, and which baselines the model beats), and a
 plot of the loss and the validation energy / force MAE against the epoch. A run is atomic when
 its record says so (``extra.atomic``: its dataset is of kind ``atoms``).
+
+IS2RS (``relax.json`` of the ``relax`` rule), per dataset: a table of every relaxed run (ADwT, FbT,
+AFbT, relaxed-energy MAE, mean steps, converged share) and a plot of the two threshold curves whose
+means are ADwT and AFbT; without a reference calculator, the ML relaxations' steps and energies.
 """
 
 from __future__ import annotations
@@ -107,4 +111,84 @@ def section(runs: list, plots_dir: Path, rel) -> str:
         plot_curves(ds, model, members, png)
         out += [f"### {ds}: {model}", "", md_table(HEADER, [run_row(r) for r in members]), "",
                 f"![loss and validation MAE per epoch, {ds}, {model}]({rel(png)})", ""]
+    out += is2rs_section(runs, plots_dir, rel)
     return "\n".join(out)
+
+
+IS2RS_HEADER = ["run", "model", "mode", "systems", "optimizer, fmax, steps", "ADwT", "FbT", "AFbT",
+                "energy MAE (eV)", "ML steps", "ML converged", "ref steps"]
+
+
+def is2rs_row(run) -> list[str]:
+    x = run.relax
+    return [f"`{run.run_id}`", label(run), run["mode"], str(x["systems"]),
+            f"{x['optimizer']}, {x['fmax']:g} eV/Å, {x['steps']}", _f(x.get("adwt"), ".3f"), _f(x.get("fbt"), ".3f"),
+            _f(x.get("afbt"), ".3f"), _f(x.get("energy_mae")), _f(x.get("ml_steps_mean"), ".1f"),
+            _f(x.get("ml_converged"), ".2f"), _f(x.get("ref_steps_mean"), ".1f")]
+
+
+def plot_is2rs(dataset: str, runs: list, path: Path) -> None:
+    """The share of systems below each threshold: ML-to-reference mean distance (its mean over
+    the thresholds is ADwT) and the reference's largest force at the ML-relaxed structure (AFbT);
+    without a reference, the steps each ML relaxation took."""
+    import numpy as np
+
+    from .is2rs import ADWT_THRESHOLDS, AFBT_THRESHOLDS, threshold_curve
+
+    def name(run):
+        return f"{label(run)} {run['mode']} P={run['ways']}"
+
+    runs = [r for r in runs if r.relax["per_system"]]  # a run that relaxed none: its table row says so
+    with_ref = [r for r in runs if r.relax.get("reference")]
+    if with_ref:
+        fig, axes = figure(10, 3.6, nrows=1, ncols=2)
+        for ax, key, t, title, unit in ((axes[0], "mean_distance", ADWT_THRESHOLDS, "ADwT", "Å"),
+                                        (axes[1], "ref_fmax_at_ml", AFBT_THRESHOLDS, "AFbT", "eV/Å")):
+            for run in with_ref:
+                values = [row[key] for row in run.relax["per_system"]]
+                ax.plot(t, threshold_curve(values, t), label=f"{name(run)} ({run.relax[title.lower()]:.2f})")
+            ax.set_title(f"{title}: share of systems below the threshold")
+            ax.set_xlabel(f"threshold ({unit})")
+            ax.set_ylim(-0.02, 1.02)
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
+    else:
+        fig, ax = figure(6, 3.6)
+        width = 0.8 / max(len(runs), 1)
+        for k, run in enumerate(runs):
+            steps = [row["ml_steps"] for row in run.relax["per_system"]]
+            ax.bar(np.arange(len(steps)) + k * width, steps, width, label=name(run))
+        ax.set_title("ML relaxation steps per system" + ("" if runs else ": none relaxed") +
+                     (" (no reference calculator)" if runs else ""))
+        ax.set_xlabel("test system")
+        if runs:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"{dataset}: IS2RS")
+    save(fig, path)
+
+
+def is2rs_section(runs: list, plots_dir: Path, rel) -> list[str]:
+    relaxed = [r for r in runs if r.relax is not None]
+    if not relaxed:
+        return []
+    out = ["### IS2RS: relaxations of test systems", "",
+           "The first test systems of each run, every free atom rattled (seeded Gaussian), relaxed with the "
+           "run's model (`GNNPipeCalculator`, one process: a graph-mode run's model is the same function, so "
+           "it relaxes the same way) and with the reference calculator (EMT for generated data) from the same "
+           "start. As OC20 / fairchem: **ADwT** = share of systems whose mean free-atom distance between the "
+           "ML- and the reference-relaxed positions (minimum image) is below each threshold of 0.01 ... 0.5 Å, "
+           "averaged; **FbT** = share of ML-relaxed structures whose largest reference force on a free atom is "
+           "below 0.05 eV/Å; **AFbT** = FbT averaged over 0.01 ... 0.4 eV/Å; energy MAE = |E_ML(ML-relaxed) - "
+           "E_ref(reference-relaxed)|. relax.json holds the per-system figures; trajectories are in "
+           "`runs/<run_id>/relax/`.", ""]
+    groups = defaultdict(list)
+    for r in relaxed:
+        groups[r["dataset"]].append(r)
+    for ds, members in groups.items():
+        png = plots_dir / f"is2rs_{ds}.png"
+        plot_is2rs(ds, members, png)
+        notes = sorted({r.relax["note"] for r in members if r.relax.get("note")})
+        out += [f"#### {ds}", "", md_table(IS2RS_HEADER, [is2rs_row(r) for r in members]), ""]
+        out += [f"*{n}*" for n in notes] + ([""] if notes else [])
+        out += [f"![IS2RS threshold curves, {ds}]({rel(png)})", ""]
+    return out

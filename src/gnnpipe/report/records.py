@@ -33,6 +33,7 @@ class Run:
     record: dict
     evaluation: Optional[dict] = None
     path: Path = field(default_factory=Path)
+    relax: Optional[dict] = None  # relax.json of an atomic run (IS2RS), when the workflow relaxed it
 
     def __getitem__(self, key):
         return self.record[key]
@@ -107,7 +108,7 @@ def _read_json(path: Path) -> dict:
 
 
 def load_run(run_dir: Path) -> Run:
-    """``run_dir/metrics.json`` (required, checked) and ``run_dir/eval.json`` (optional)."""
+    """``run_dir/metrics.json`` (required, checked), ``run_dir/eval.json`` and ``relax.json`` (optional)."""
     run_dir = Path(run_dir)
     record = _read_json(run_dir / "metrics.json")
     missing = [k for k in REQUIRED if k not in record]
@@ -118,7 +119,8 @@ def load_run(run_dir: Path) -> Run:
         raise GnnPipeError(f"{run_dir / 'metrics.json'}: unknown mode {record['mode']!r}")
     eval_path = run_dir / "eval.json"
     evaluation = _read_json(eval_path) if eval_path.exists() else None
-    return Run(record, evaluation, run_dir)
+    relax_path = run_dir / "relax.json"
+    return Run(record, evaluation, run_dir, _read_json(relax_path) if relax_path.exists() else None)
 
 
 def load_runs(run_dirs: list[Path]) -> list[Run]:
