@@ -275,7 +275,9 @@ def test_a_users_extxyz_and_ase_db_train_gemnet_through_snakemake(tmp_path):
     each trajectory whole."""
     from gnnpipe.atomic import data
 
-    _write_structures(data.generate(4, size=(2, 2, 2), seed=5, frames_per_trajectory=2, progress=False),
+    # 4 relaxations x 2 frames, split 3 / 0 / 1 by trajectory; the test one's elements all in training
+    _write_structures(data.generate(4, size=(2, 2, 2), seed=6, frames_per_trajectory=2, metals=("Cu", "Pt"),
+                                    adsorbates=("O", "CO"), progress=False),
                       tmp_path / "mine.extxyz", tmp_path / "mine.db")
     conf = {"datasets": {name: {"kind": "atoms", "atoms": {"file": str(tmp_path / f"mine.{ext}"), "cutoff": 4.0,
                                                              "max_neighbors": 8}}
