@@ -133,17 +133,17 @@ def test_readers_and_bad_rows(tmp_path, systems):
         return a
     xyz = tmp_path / "s.extxyz"
     ase.io.write(xyz, [atoms([1, 8]), atoms([29, 29, 8])])
-    got = data.read_structures(xyz)
+    got = data.read_structures(xyz, split="random")
     assert list(got["atom_ptr"]) == [0, 2, 5] and np.allclose(got["energy"], -1.5)
     db = tmp_path / "s.db"
     with ase.db.connect(str(db)) as c:
         c.write(atoms([1, 8]))
         c.write(atoms([6, 8], with_labels=False))
     with pytest.raises(GnnPipeError, match="row id 2 has no energy and forces"):
-        data.read_structures(db)
+        data.read_structures(db, split="random")
     ase.io.write(xyz, [atoms([1, 118])])
     with pytest.raises(GnnPipeError, match=r"frame 0: element\(s\) \[118\]"):
-        data.read_structures(xyz)
+        data.read_structures(xyz, split="random")
 
 
 def test_bad_graph_settings(systems):
@@ -218,7 +218,8 @@ def test_the_graph_builder_refuses_an_unchecked_systems_file(tmp_path):
     before radius_graph, which read a zero cell as NaN image counts."""
     ok = _labelled([[0, 0, 0], [0.97, 0, 0]], BOX)
     systems = data._pack([(a.numbers, a.positions, np.zeros(2, bool), np.zeros((2, 3)), a.cell.array, a.pbc, -1.0)
-                          for a in (ok, IMPOSSIBLE["pbc with a zero cell"][0])], np.zeros(2), "hand", 0.5)
+                          for a in (ok, IMPOSSIBLE["pbc with a zero cell"][0])], np.zeros(2), "hand", 0.5,
+                         np.arange(2))
     path = tmp_path / "systems.h5"
     data.write_systems(path, systems)
     with pytest.raises(GnnPipeError, match=rf"^{path}: system 1: periodic along axis 0 but the cell's height "):
@@ -233,14 +234,14 @@ def test_min_distance_is_the_configs_and_the_generator_checks_too(tmp_path):
     path = tmp_path / "s.extxyz"
     ase.io.write(path, [_labelled([[0, 0, 0], [0.4, 0, 0]], BOX)])
     with pytest.raises(GnnPipeError, match=r"0.4 Å apart, closer than atoms.min_distance \(0.5 Å\)"):
-        data.systems_from_config(AtomsConfig(file=str(path)))
-    systems = data.systems_from_config(AtomsConfig(file=str(path), min_distance=0.3))
+        data.systems_from_config(AtomsConfig(file=str(path), split="random"))
+    systems = data.systems_from_config(AtomsConfig(file=str(path), min_distance=0.3, split="random"))
     assert systems["min_distance"] == 0.3
     data.write_systems(tmp_path / "systems.h5", systems)
     assert data.read_systems(tmp_path / "systems.h5")["min_distance"] == 0.3  # build_graphs checks with it
     data.build_graphs(data.read_systems(tmp_path / "systems.h5"), 4.0, 8, progress=False)
     # bonds are 1.1-2.9 Å long: a 3 Å minimum refuses the first system the generator makes
-    with pytest.raises(GnnPipeError, match=r"^atoms.generate: system 0 \(seed 0, \w+ \+ \w+, rattle 0.05 Å\): atom "
+    with pytest.raises(GnnPipeError, match=r"^atoms.generate: trajectory 0 \(seed 0, \w+ \+ \w+, rattle 0.05 Å\): atom "
                                            r"\d+ \(\w+\) and atom \d+ \(\w+\) are \d.\d+ Å apart, closer than "
                                            r"atoms.min_distance \(3 Å\)$"):
         data.generate(2, size=(2, 2, 2), seed=0, progress=False, min_distance=3.0)
@@ -256,8 +257,65 @@ def test_every_reader_of_atoms_goes_through_the_one_check(tmp_path, monkeypatch)
     systems = data.generate(2, size=(2, 2, 2), seed=0, progress=False, min_distance=0.7)
     path = tmp_path / "s.extxyz"
     ase.io.write(path, [_labelled([[0, 0, 0], [0.97, 0, 0]], BOX)] * 3)
-    data.read_structures(path, min_distance=0.6)
+    data.read_structures(path, min_distance=0.6, split="random")
     data.build_graphs(systems, 4.0, 8, progress=False)
     assert [m for _, m in seen] == [0.7, 0.7, 0.6, 0.6, 0.6, 0.7, 0.7]
     assert [w.split(":")[-1].split(" (")[0].strip() for w, _ in seen] == \
-        ["system 0", "system 1", "frame 0", "frame 1", "frame 2", "system 0", "system 1"]
+        ["trajectory 0", "trajectory 1", "frame 0", "frame 1", "frame 2", "system 0", "system 1"]
+
+
+def test_generated_relaxations_give_frames_tagged_by_trajectory_and_split_by_it():
+    """Frames along seeded EMT relaxations (first: the rattled start, last: relaxed, energies falling),
+    each tagged with its trajectory; no trajectory in two splits; split random mixes them."""
+    frames = data.generate(10, size=(2, 2, 2), seed=1, frames_per_trajectory=3, progress=False)
+    assert np.array_equal(frames["group"], np.repeat(np.arange(10), 3))  # each relaxation gives its 3 frames
+    ptr = frames["atom_ptr"]
+    for t in range(10):
+        first, last = 3 * t, 3 * t + 2
+        assert frames["energy"][first] > frames["energy"][3 * t + 1] > frames["energy"][last]
+        free = ~frames["fixed"][ptr[last]:ptr[last + 1]]
+        assert np.linalg.norm(frames["forces"][ptr[last]:ptr[last + 1]][free], axis=1).max() < data.RELAX_FMAX
+    assert all(len(set(frames["split"][frames["group"] == g])) == 1 for g in range(10))
+    assert list(np.bincount(frames["split"])) == [24, 3, 3]  # 8 / 1 / 1 trajectories
+    again = data.generate(10, size=(2, 2, 2), seed=1, frames_per_trajectory=3, progress=False)
+    assert all(np.array_equal(frames[k], again[k]) for k in data.SYSTEM_ARRAYS)
+    mixed = data.generate(10, size=(2, 2, 2), seed=1, frames_per_trajectory=3, split="random", progress=False)
+    assert np.array_equal(mixed["pos"], frames["pos"])
+    assert any(len(set(mixed["split"][mixed["group"] == g])) > 1 for g in range(10))
+    assert list(data.pick_frames(10, 4)) == [0, 3, 6, 9] and list(data.pick_frames(2, 4)) == [0, 1]
+
+
+def test_a_files_trajectory_key_splits_by_trajectory_and_a_missing_one_is_one_line(tmp_path):
+    """extxyz info key and ASE db column name each structure's trajectory: whole trajectories go to one
+    split; the key missing on a row is one line naming the row, the key and the two ways out."""
+    import ase.db
+    import ase.io
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    frames = data.generate(24, size=(2, 2, 2), seed=4, progress=False)
+    rows = []
+    for s in range(24):
+        a, b = frames["atom_ptr"][s], frames["atom_ptr"][s + 1]
+        at = __import__("ase").Atoms(numbers=frames["z"][a:b], positions=frames["pos"][a:b],
+                                     cell=frames["cell"][s], pbc=frames["pbc"][s])
+        at.calc = SinglePointCalculator(at, energy=float(frames["energy"][s]), forces=frames["forces"][a:b])
+        at.info["md_run"] = f"run{s % 10}"  # ten trajectories, interleaved
+        rows.append(at)
+    xyz, db = tmp_path / "mine.extxyz", tmp_path / "mine.db"
+    ase.io.write(xyz, rows, format="extxyz")
+    with ase.db.connect(str(db)) as c:
+        for at in rows:
+            c.write(at, md_run=at.info["md_run"])
+    for path in (xyz, db):
+        got = data.read_structures(path, group_key="md_run")
+        assert list(got["group"]) == [s % 10 for s in range(24)]  # numbered as they first appear
+        assert all(len(set(got["split"][got["group"] == g])) == 1 for g in range(10)), path
+        assert set(got["split"]) == {0, 1, 2} and "group_key=md_run" in got["source"]
+    with pytest.raises(GnnPipeError) as e:
+        data.read_structures(xyz, group_key="trajectory")
+    assert str(e.value) == (f"{xyz}: frame 0 has no info key 'trajectory' naming its trajectory (atoms.group_key; "
+                            "splits keep each trajectory in one of train/val/test): set atoms.group_key to the info "
+                            "key that does, or atoms.split: random to split structure by structure")
+    with pytest.raises(GnnPipeError, match=r"mine.db: row id 1 has no column 'traj' naming its trajectory"):
+        data.read_structures(db, group_key="traj")
+    assert list(data.read_structures(db, split="random", group_key="traj")["group"]) == list(range(24))

@@ -40,7 +40,7 @@ def _wf(models=None, **run):
     ({"model": "gem", "models": {"gem": {"kind": "gemnet_t", "gemnet_t": {"preset": "large"}}}},
      "config.models.gem.gemnet_t.preset: 'large' is not one of 'small', 'default', 'xl'"),
     ({"model": "gem", "models": {"gem": {"kind": "gemnet_t", "gemnet_t": {"hidden_channels": 8}}}},
-     "config.models.gem.gemnet_t: unknown key 'hidden_channels' (known: batch_size, cutoff, emb_size_atom,"),
+     "config.models.gem.gemnet_t: unknown key 'hidden_channels' (known: batch_size, clip_grad_norm, cutoff, ema_decay,"),
     ({"model": "gem", "models": {"gem": {"kind": "gemnet_t", "dimenetpp": {"num_blocks": 2}}}},
      "config.models.gem.dimenetpp: a dimenetpp section on a model of kind gemnet_t would be ignored; remove it"),
     ({"models": {"d": {"kind": "dimenet"}}}, "config.models.d.kind: 'dimenet' is not one of 'gcn', 'sage', 'gat', "
@@ -141,18 +141,35 @@ def test_a_model_cutoff_above_the_graphs_is_refused_and_below_rebuilds_them(smal
     assert len(eng.graphs["edge_src"]) < len(data.read_graphs(small_data / "graphs.h5")["edge_src"])
 
 
+@pytest.fixture(scope="module")
+def frames_data(tmp_path_factory):
+    """The embedded dataset of config/config.yaml: frames along EMT relaxations, split by trajectory."""
+    from gnnpipe.atomic import data
+    from gnnpipe.config import load_workflow_config
+    atoms = load_workflow_config(yaml.safe_load((ROOT / "config" / "config.yaml").read_text())).datasets["slabs"].atoms
+    d = tmp_path_factory.mktemp("frames")
+    s = data.systems_from_config(atoms, progress=False)
+    digest = data.write_systems(d / "systems.h5", s)
+    data.write_graphs(d / "graphs.h5", data.build_graphs(s, atoms.cutoff, atoms.max_neighbors, progress=False),
+                      atoms.cutoff, atoms.max_neighbors, digest)
+    return d
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,lr", [("dimenetpp", 0.001), ("gemnet_t", 0.003)])
-def test_atomic_models_learn_the_embedded_dataset(small_data, monkeypatch, kind, lr):
-    """40 epochs on 51 EMT training systems: energy error well below the per-element baseline's,
-    forces pointing the right way (measured on the symmetric graphs: DimeNet++ small 0.63x the
-    baseline, force cosine 0.94, force MAE 0.12 eV/Å; GemNet-T small 0.46x, 0.90, 0.16 eV/Å)."""
+@pytest.mark.parametrize("kind,lr,epochs", [("dimenetpp", 0.001, 40), ("gemnet_t", 0.003, 30)])
+def test_atomic_models_learn_the_embedded_dataset(frames_data, monkeypatch, kind, lr, epochs):
+    """The embedded relaxation frames with the default habits, as `make run` trains them: both models
+    beat both baselines on the test trajectories (measured: DimeNet++ small energy MAE 0.43 eV against
+    the per-element baseline's 0.68, force MAE 0.071 eV/Å against the zero-force baseline's 0.19;
+    GemNet-T small 0.38 and 0.063)."""
     from gnnpipe import train
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{small_data / 'mlflow.db'}")
-    rec = train.run(_run_config(small_data, 40, kind, lr=lr), progress=False)
-    baseline = rec["extra"]["baseline_energy_mae"]
-    assert rec["energy_mae"] < 0.65 * baseline, (rec["energy_mae"], baseline)
-    assert rec["force_cos"] > 0.85 and rec["force_mae"] < 0.3, (rec["force_cos"], rec["force_mae"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{frames_data / 'mlflow.db'}")
+    cfg = _run_config(frames_data, epochs, kind, lr=lr, batch_size=4)
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, weight_decay=0.0005, eval_every=5))
+    rec = train.run(cfg, progress=False)
+    base = rec["extra"]
+    assert rec["energy_mae"] < 0.8 * base["baseline_energy_mae"], (rec["energy_mae"], base)
+    assert rec["force_mae"] < 0.5 * base["baseline_force_mae"] and rec["force_cos"] > 0.5, (rec["force_mae"], base)
 
 
 @pytest.mark.slow
@@ -171,7 +188,9 @@ def test_atomic_chain_through_snakemake(tmp_path):
     recs = {rid: json.loads((results / "runs" / rid / "metrics.json").read_text()) for rid in runs}
     for rec in recs.values():
         evaluation = json.loads((results / "runs" / rec["run_id"] / "eval.json").read_text())
-        assert {"energy_mae", "force_mae", "force_cos", "efwt", "test_energy_mae"} <= set(evaluation)
+        assert {"energy_mae", "force_mae", "force_cos", "efwt", "test_energy_mae", "baseline_energy_mae",
+                "baseline_force_mae"} <= set(evaluation)
+        assert evaluation["baseline_force_mae"] == rec["extra"]["baseline_force_mae"] > 0
         assert rec["energy_mae"] == pytest.approx(evaluation["energy_mae"], rel=1e-5)
     report = (results / "report.md").read_text()
     assert "## Atomic models (DimeNet++, GemNet-T; edge/triplet graph parallelism)" in report
@@ -192,6 +211,8 @@ def test_atomic_chain_through_snakemake(tmp_path):
     found = mlflow.search_runs(experiment_names=["gnnpipe"])
     assert sorted(found["run_id"]) == sorted(r["mlflow_run_id"] for r in recs.values())
     assert set(found["status"]) == {"FINISHED"} and "metrics.final/force_cos" in found.columns
+    assert {"metrics.final/baseline_force_mae", "metrics.eval/baseline_force_mae"} <= set(found.columns)
+    assert "zero-force baseline" in report and "vs baselines" in report
     assert found["metrics.relax/adwt"].notna().all() and found["metrics.relax/afbt"].notna().all()
 
 
@@ -237,22 +258,27 @@ def _write_structures(systems: dict, xyz: Path, db: Path) -> None:
                       pbc=systems["pbc"][s])
         atoms.set_constraint(FixAtoms(mask=systems["fixed"][a:b]))
         atoms.calc = SinglePointCalculator(atoms, energy=float(systems["energy"][s]), forces=systems["forces"][a:b])
+        atoms.info["trajectory"] = int(systems["group"][s])  # the default atoms.group_key
         frames.append(atoms)
     ase.io.write(xyz, frames, format="extxyz")
     with ase.db.connect(str(db)) as c:
         for atoms in frames:
-            c.write(atoms)
+            c.write(atoms, trajectory=atoms.info["trajectory"])
 
 
 @pytest.mark.slow
 def test_a_users_extxyz_and_ase_db_train_gemnet_through_snakemake(tmp_path):
     """The user's own structures, as extxyz and as an ASE db, train GemNet-T through the workflow as
     they are: single on the extxyz, graph P = 2 on the db (the same systems; extxyz rounds positions
-    to 1e-8 Å, which moves a pair at the neighbour cap: 612 edges against 614)."""
+    to 1e-8 Å, which can move a pair at the neighbour cap: a few edges apart). Each file names its
+    structures' trajectories (info key / column ``trajectory``, the default group_key): the splits keep
+    each trajectory whole."""
     from gnnpipe.atomic import data
 
-    _write_structures(data.generate(8, size=(2, 2, 2), seed=5, progress=False), tmp_path / "mine.extxyz",
-                      tmp_path / "mine.db")
+    # 4 relaxations x 2 frames, split 3 / 0 / 1 by trajectory; the test one's elements all in training
+    _write_structures(data.generate(4, size=(2, 2, 2), seed=6, frames_per_trajectory=2, metals=("Cu", "Pt"),
+                                    adsorbates=("O", "CO"), progress=False),
+                      tmp_path / "mine.extxyz", tmp_path / "mine.db")
     conf = {"datasets": {name: {"kind": "atoms", "atoms": {"file": str(tmp_path / f"mine.{ext}"), "cutoff": 4.0,
                                                              "max_neighbors": 8}}
                          for name, ext in (("xyz", "extxyz"), ("db", "db"))},
@@ -278,6 +304,10 @@ def test_a_users_extxyz_and_ase_db_train_gemnet_through_snakemake(tmp_path):
         assert rec["energy_mae"] is not None and rec["force_cos"] is not None
     assert graph["comm_bytes_per_epoch"] == graph["comm_bytes_predicted"] > 0
     assert (results / "runs" / "db-gem-graph-p2-seed0" / "eval.json").is_file()
+    for name in ("xyz", "db"):
+        systems = data.read_systems(results / "data" / name / "systems.h5")
+        assert list(systems["group"]) == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert all(len(set(systems["split"][systems["group"] == g])) == 1 for g in range(4))
     report = (results / "report.md").read_text()
     assert "### xyz: GemNet-T" in report
     # a user's file names no reference calculator: ML relaxations and energies only, and the report says so

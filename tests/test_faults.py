@@ -53,15 +53,23 @@ def setup_run(root: Path, mode: str = "single", workers: int = 1, *, epochs: int
     return cfg
 
 
-def setup_atomic_run(root: Path, mode: str = "graph", workers: int = 2, *, epochs: int = 5, kind: str = "dimenetpp"):
-    """A tiny atomic run (DimeNet++ or GemNet-T, small, one block) on 10 EMT slabs under ``root/results``
-    (systems.h5, graphs.h5, run.yaml)."""
+#: the training habits all on, each where it acts on the tiny runs below: a warmup of 1.5 epochs into a
+#: cosine decay, a clip below the gradients' norms, a moving average, the guard
+HABITS = {"schedule": {"warmup_epochs": 1.5, "decay": "cosine", "min_lr_factor": 0.1}, "clip_grad_norm": 0.5,
+          "ema_decay": 0.9, "guard": {"loss_factor": 3.0, "patience": 2, "min_force_cos": -1.0}}
+
+
+def setup_atomic_run(root: Path, mode: str = "graph", workers: int = 2, *, epochs: int = 5, kind: str = "dimenetpp",
+                     spec=None, **training):
+    """A tiny atomic run (DimeNet++ or GemNet-T, small, one block, every training habit on) on 10 EMT
+    slabs under ``root/results`` (systems.h5, graphs.h5, run.yaml)."""
     from gnnpipe.atomic import data
 
+    spec = {"preset": "small", "num_blocks": 1, "batch_size": 2, "lr": 0.001, **HABITS, **(spec or {})}
     wf = load_workflow_config({
         "results": str(root / "results"), "datasets": {"slabs": {"kind": "atoms"}},
-        "models": {"dpp": {"kind": kind, kind: {"preset": "small", "num_blocks": 1, "batch_size": 2, "lr": 0.001}}},
-        "training": {"epochs": epochs, "eval_every": 5, "checkpoint_every": 2, "weight_decay": 0.0},
+        "models": {"dpp": {"kind": kind, kind: spec}},
+        "training": {"epochs": epochs, "eval_every": 5, "checkpoint_every": 2, "weight_decay": 0.0, **training},
         "runs": [{"mode": mode, "dataset": "slabs", "model": "dpp", "workers": workers}]})
     cfg = next(iter(resolve_runs(wf).values()))
     systems = data.generate(10, size=(2, 2, 2), seed=2, progress=False)
@@ -735,3 +743,25 @@ def test_atomic_graph_mode_killed_and_resumed_is_bit_identical(tmp_path, kind):
     assert_same_run(ref, cfg)
     scales = [k for k in weights(cfg) if k.endswith("scale_factor")]
     assert bool(scales) == (kind == "gemnet_t") and all(float(weights(cfg)[k]) != 1.0 for k in scales)
+
+
+@pytest.mark.slow
+def test_atomic_graph_mode_with_every_habit_trains_as_single(tmp_path):
+    """DimeNet++ with the schedule, clipping, the moving average and the guard on (float64): graph P = 2
+    under torchrun trains the model single does, to 1e-10: every epoch's loss, and the finished model's
+    weights (the average) and metrics."""
+    from gnnpipe import train
+
+    single = setup_atomic_run(tmp_path / "single", "single", 1, dtype="float64")
+    graph = setup_atomic_run(tmp_path / "graph", "graph", 2, dtype="float64")
+    proc, _ = torchrun(graph)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = train.run(single, progress=False)
+    ws, wg = weights(single), weights(graph)
+    assert list(ws) == list(wg)
+    for k in ws:
+        torch.testing.assert_close(wg[k], ws[k], rtol=0, atol=1e-10)
+    rec = json.loads((Path(graph.out_dir) / "metrics.json").read_text())
+    assert [h["loss"] for h in rec["history"]] == pytest.approx([h["loss"] for h in ref["history"]], rel=1e-10)
+    for k in ("energy_mae", "force_mae", "force_cos"):
+        assert rec[k] == pytest.approx(ref[k], rel=1e-9), k

@@ -92,12 +92,17 @@ class FilesConfig:
 class AtomsConfig:
     """Atomistic systems with energies and forces (gnnpipe.atomic.data) and their radius graphs.
 
-    ``file`` empty: generate slab + adsorbate systems labelled by ASE's EMT calculator (no
-    internet); else read the user's ASE database (``.db``) or extended XYZ file.
+    ``file`` empty: generate slab + adsorbate relaxations under ASE's EMT calculator, frames along
+    each as systems (no internet); else read the user's ASE database (``.db``) or extended XYZ file.
+    ``split``: ``trajectory`` keeps each trajectory (generated: a relaxation; a file: the structures
+    with one value of ``group_key``) in one of train/val/test; ``random``: structure by structure.
     """
 
     file: str = ""
-    num_systems: int = 64  # generated systems
+    num_trajectories: int = 21  # generated relaxations
+    frames_per_trajectory: int = 3  # systems taken along each (initial, ..., relaxed); 1: the start only
+    split: Literal["trajectory", "random"] = "trajectory"
+    group_key: str = "trajectory"  # a file's info key (extxyz) / column (ASE db) naming each structure's trajectory
     metals: list[str] = field(default_factory=lambda: ["Cu", "Ag", "Au", "Ni", "Pd", "Pt", "Al"])
     adsorbates: list[str] = field(default_factory=lambda: ["O", "H", "C", "N", "CO", "N2", "NO"])
     slab_size: list[int] = field(default_factory=lambda: [2, 2, 3])  # fcc(111)/(100) repeats, layers last
@@ -136,9 +141,33 @@ MODEL_KINDS = NODE_KINDS + ATOMIC_MODELS.names()
 
 
 @dataclass
+class ScheduleConfig:
+    """The learning rate of an atomic model per optimizer step (gnnpipe.atomic.habits.lr_at): a linear
+    warmup to the model's lr over ``warmup_epochs``, then a cosine decay to ``min_lr_factor`` x lr
+    at the last step (``decay: none``: lr after the warmup)."""
+
+    warmup_epochs: float = 2.0  # epochs of linear warmup (fractions allowed: steps are counted)
+    decay: Literal["cosine", "none"] = "cosine"
+    min_lr_factor: float = 0.02  # the last step's lr, as a fraction of lr
+
+
+@dataclass
+class GuardConfig:
+    """The divergence guard of an atomic run (gnnpipe.atomic.habits.Guard): a non-finite loss, the
+    loss above ``loss_factor`` x its best for ``patience`` epochs in a row, or a force cosine (val,
+    else train) below ``min_force_cos`` at an evaluation after the warmup stops the run: one line,
+    MLflow FAILED, exit non-zero, no model written. ``null`` switches a test off."""
+
+    loss_factor: Optional[float] = 3.0
+    patience: int = 3
+    min_force_cos: Optional[float] = -0.2
+
+
+@dataclass
 class AtomicSpec:
     """What every atomic model's section holds beside its sizes: a preset, the force head, how it
-    trains, and its basis cutoff. Sizes left ``None`` keep the preset's."""
+    trains (lr, its schedule, clipping, the weights' moving average, the divergence guard), and its
+    basis cutoff. Sizes left ``None`` keep the preset's."""
 
     preset: Literal["small", "default", "xl"] = "small"
     force_head: Optional[Literal["gradient", "direct"]] = None  # gradient: F = -dE/dpos; None: the preset's
@@ -148,6 +177,11 @@ class AtomicSpec:
     # Å, the model's basis cutoff: None = the graphs' (datasets.<name>.atoms.cutoff); a smaller one
     # drops the longer edges at set-up, a larger one is refused (the graphs lack those neighbours)
     cutoff: Optional[float] = None
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    clip_grad_norm: Optional[float] = 10.0  # the gradients' global 2-norm is clipped to this (None: off)
+    # the weights evaluated and written as the model: their exponential moving average (None: the last)
+    ema_decay: Optional[float] = 0.99
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
 
 @dataclass
@@ -438,7 +472,8 @@ _SEED = Bound(0, 2**31 - 1)
 # larger value is a typo, not a plan).
 _TIMEOUT = Bound(1, 7 * 24 * 3600)
 _PIPELINE = dict(chunks_per_stage=_GE1, grad_scale=_GT0, snapshot_every=_GE0, momentum=_BELOW1)
-_ATOMIC = dict(force_weight=_GE0, batch_size=_GE1, lr=_GT0, cutoff=_GT0)  # every AtomicSpec
+_ATOMIC = dict(force_weight=_GE0, batch_size=_GE1, lr=_GT0, cutoff=_GT0, clip_grad_norm=_GT0,
+               ema_decay=_BELOW1)  # every AtomicSpec
 
 BOUNDS: dict[type, dict[str, Bound]] = {
     SyntheticConfig: dict(num_nodes=_GE2, avg_degree=_GT0, num_features=_GE1, num_classes=_GE2,
@@ -446,8 +481,10 @@ BOUNDS: dict[type, dict[str, Bound]] = {
                           degree_exponent=_GT0, feature_signal=_GE0, label_noise=_FRACTION,
                           train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
     FilesConfig: dict(train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
-    AtomsConfig: dict(num_systems=_GE1, rattle=_GE0, min_distance=_GT0, cutoff=_GT0, max_neighbors=_GE1,
+    AtomsConfig: dict(num_trajectories=_GE1, frames_per_trajectory=_GE1, rattle=_GE0, min_distance=_GT0, cutoff=_GT0, max_neighbors=_GE1,
                       train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
+    ScheduleConfig: dict(warmup_epochs=_GE0, min_lr_factor=_FRACTION),
+    GuardConfig: dict(loss_factor=Bound(1, lo_open=True), patience=_GE1, min_force_cos=Bound(-1, 1)),
     DimeNetPPSpec: dict(_ATOMIC, hidden_channels=_GE1, num_blocks=_GE1, int_emb_size=_GE1, basis_emb_size=_GE1,
                         out_emb_channels=_GE1, num_spherical=_GE1, num_radial=_GE1),
     GemNetTSpec: dict(_ATOMIC, **{f.name: _GE1 for f in dataclasses.fields(GemNetTSpec)  # sizes: all >= 1

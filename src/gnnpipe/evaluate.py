@@ -70,7 +70,7 @@ def _atomic_metrics(cfg: RunConfig, state: dict, checkpoint: Path, predictions: 
     except (RuntimeError, KeyError) as e:
         raise GnnPipeError(f"{checkpoint}: does not fit the run's {engine.kind.name} ({engine.model_cfg}): "
                            f"{' '.join(str(e).split())[:300]}") from None
-    result = {k: v for k, v in engine.evaluate().items() if v is not None}
+    result = {k: v for k, v in {**engine.evaluate(), **engine.baselines()}.items() if v is not None}
     payload = state[PAYLOAD_KEY] if PAYLOAD_KEY in state else payload_from_engine(engine)
     preds = split_predictions(Predictor(decode(payload, str(checkpoint))), engine.systems, engine.graphs,
                               engine.ids["test"], batch_size=engine.batch_size)

@@ -248,6 +248,9 @@ def _log_run(client, rid: str, cfg: RunConfig, record: dict, out_dir: Path) -> N
                 "train_acc", "val_acc", "test_acc", "final_loss", "energy_mae", "force_mae", "force_cos", "efwt"):
         if record.get(key) is not None:
             metrics.append(Metric(f"final/{key}", float(record[key]), now, 0))
+    for key in ("baseline_energy_mae", "baseline_force_mae"):  # atomic runs: what the model must beat
+        if (record.get("extra") or {}).get(key) is not None:
+            metrics.append(Metric(f"final/{key}", float(record["extra"][key]), now, 0))
     for k, v in record["epoch_time_breakdown_s"].items():
         metrics.append(Metric(f"final/epoch_{k}_s", float(v), now, 0))
     for i in range(0, len(params), 100):

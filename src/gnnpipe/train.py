@@ -415,6 +415,8 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
                 comm.set_epoch(-1)  # evaluation traffic is not an epoch's training traffic
             last_eval = engine.evaluate()
             row.update({k: v for k, v in last_eval.items() if k != "loss"})
+        if cfg.atomic:  # the divergence guard: before the epoch is recorded or checkpointed
+            engine.check_epoch(epoch, row, att.where())
         history.append(row)
         if tc.checkpoint_every and (epoch + 1) % tc.checkpoint_every == 0 and epoch != tc.epochs - 1:
             _checkpoint(engine, out_dir / "checkpoint.pt", epoch, cfg, ranks)  # never model.pt: see _checkpoint

@@ -29,7 +29,7 @@ rule build_graph:
 
 
 rule build_systems:
-    """Generate (EMT slabs + adsorbates) or read (ASE db / extxyz) an atoms dataset: systems.h5."""
+    """Generate (frames along EMT relaxations of slabs + adsorbates) or read (ASE db / extxyz) an atoms dataset: systems.h5."""
     input:
         unpack(dataset_inputs),
     output:

@@ -6,7 +6,9 @@ missing array, a truncated, bit-flipped or edited file, naming the rule that reb
 
 * ``results/data/<ds>/systems.h5`` (rule ``build_systems``): concatenated ``z`` (N,), ``pos``
   (N, 3) Å, ``fixed`` (N,), ``forces`` (N, 3) eV/Å; per system ``cell`` (S, 3, 3), ``pbc``
-  (S, 3), ``energy`` (S,) eV, ``split`` (S,) 0/1/2 = train/val/test; ``atom_ptr`` (S+1,).
+  (S, 3), ``energy`` (S,) eV, ``split`` (S,) 0/1/2 = train/val/test, ``group`` (S,) the system's
+  trajectory (0, 1, ...: splits by trajectory keep each in one split; format version 2);
+  ``atom_ptr`` (S+1,).
 * ``results/data/<ds>/graphs.h5`` (rule ``atom_graphs``, format version 2): per system the
   **symmetric** directed edges ``j -> i`` within the cutoff over periodic images
   (``atomic.neighbors.radius_graph``, vesin cell lists: ``edge_src``/``edge_dst`` local atom
@@ -18,8 +20,9 @@ missing array, a truncated, bit-flipped or edited file, naming the rule that reb
   per-target cut: asymmetric where the cap binds, no ``id_swap``) is refused, naming the rule.
 
 Sources: ``generate`` (the embedded default: ASE fcc(111)/(100) slabs of Cu/Ag/Au/Ni/Pd/Pt/Al
-with a small adsorbate, rattled, bottom layer fixed, labelled by ASE's EMT calculator; no
-internet) and ``read_structures`` (a user's ASE database ``.db`` or extended XYZ). Both, and
+with a small adsorbate, rattled, bottom layer fixed, relaxed by BFGS under ASE's EMT calculator,
+frames along each relaxation as systems, like OC20's S2EF; no internet) and ``read_structures``
+(a user's ASE database ``.db`` or extended XYZ, its trajectories named by an info key or column). Both, and
 ``build_graphs``, pass every structure through ``checks.check_structure`` first (elements,
 finite positions, a sane periodic cell, no two atoms closer than ``atoms.min_distance``, kept
 in ``systems.h5`` as the attribute ``min_distance``).
@@ -41,14 +44,14 @@ from .checks import MIN_DISTANCE, check_structure
 from .neighbors import system_graph, triplets
 
 #: per file kind (others, e.g. predictions.h5: 1); graphs 2: symmetric edges (vesin) with id_swap
-#: (1: a per-target cut, no id_swap)
-FORMAT_VERSIONS = {"systems": 1, "atom_graphs": 2}
+#: (1: a per-target cut, no id_swap); systems 2: each system's trajectory (``group``; 1: none)
+FORMAT_VERSIONS = {"systems": 2, "atom_graphs": 2}
 
 
 def format_version(kind: str) -> int:
     return FORMAT_VERSIONS.get(kind, 1)
 EMT_ELEMENTS = ("Al", "Cu", "Ag", "Au", "Ni", "Pd", "Pt", "H", "C", "N", "O")  # ASE's EMT parameters
-SYSTEM_ARRAYS = ("z", "pos", "fixed", "forces", "cell", "pbc", "energy", "split", "atom_ptr")
+SYSTEM_ARRAYS = ("z", "pos", "fixed", "forces", "cell", "pbc", "energy", "split", "group", "atom_ptr")
 GRAPH_ARRAYS = ("edge_ptr", "triplet_ptr", "edge_src", "edge_dst", "edge_shift", "id_swap", "idx_kj", "idx_ji")
 # CH4/H2O/NH3/OH/O2 are left out on purpose: EMT gives them unphysical forces (8-70 eV/Å, measured)
 ADSORBATES = ("O", "H", "C", "N", "CO", "N2", "NO")
@@ -56,7 +59,7 @@ SLAB_METALS = ("Cu", "Ag", "Au", "Ni", "Pd", "Pt", "Al")
 
 
 # --------------------------------------------------------------------------- structures
-def _pack(structures: list, split: np.ndarray, source: str, min_distance: float) -> dict:
+def _pack(structures: list, split: np.ndarray, source: str, min_distance: float, group: np.ndarray) -> dict:
     """Concatenate (z, pos, fixed, forces, cell, pbc, energy) tuples into the systems arrays."""
     z, pos, fixed, forces, cell, pbc, energy = zip(*structures)
     sizes = [len(a) for a in z]
@@ -64,6 +67,7 @@ def _pack(structures: list, split: np.ndarray, source: str, min_distance: float)
             "fixed": np.concatenate(fixed).astype(bool), "forces": np.concatenate(forces).astype(np.float64),
             "cell": np.stack(cell).astype(np.float64), "pbc": np.stack(pbc).astype(bool),
             "energy": np.asarray(energy, dtype=np.float64), "split": split.astype(np.int8),
+            "group": np.asarray(group, dtype=np.int64),
             "atom_ptr": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), "source": source,
             "min_distance": float(min_distance)}
 
@@ -82,11 +86,49 @@ def random_split(n: int, train_fraction: float, val_fraction: float, seed: int) 
     return split
 
 
-def generate(num_systems: int = 64, metals=SLAB_METALS, adsorbates=ADSORBATES, size=(2, 2, 3),
+def group_split(groups: np.ndarray, train_fraction: float, val_fraction: float, seed: int) -> np.ndarray:
+    """(n,) 0/1/2 per system: ``random_split`` of the distinct groups (trajectories), each system in its
+    group's split, so that no group lands in two splits."""
+    names, inverse = np.unique(groups, return_inverse=True)
+    return random_split(len(names), train_fraction, val_fraction, seed)[inverse]
+
+
+#: the embedded relaxations: BFGS until every free atom's force is below RELAX_FMAX eV/Å, at most
+#: RELAX_STEPS steps (measured on 16 trajectories: 17-151 frames, 0.7 s each)
+RELAX_FMAX, RELAX_STEPS = 0.05, 150
+
+
+def pick_frames(n: int, k: int) -> np.ndarray:
+    """The ids of ``k`` frames spread evenly along a trajectory of ``n`` (the first and the last among
+    them; fewer when it has fewer than ``k``)."""
+    return np.unique(np.round(np.linspace(0, n - 1, k)).astype(np.int64)) if k > 1 else np.zeros(1, np.int64)
+
+
+def _relax(slab, frames_per_trajectory: int) -> list[tuple]:
+    """(positions, energy, forces) of the frames ``pick_frames`` takes from a BFGS relaxation under
+    EMT (deterministic); one frame: the starting structure, not relaxed."""
+    if frames_per_trajectory == 1:
+        return [(slab.positions.copy(), slab.get_potential_energy(), slab.get_forces(apply_constraint=False))]
+    from ase.optimize import BFGS
+
+    path = []
+    opt = BFGS(slab, logfile=None)  # the observer runs on the start and after every step
+    opt.attach(lambda: path.append((slab.positions.copy(), slab.get_potential_energy(),
+                                    slab.get_forces(apply_constraint=False))))
+    opt.run(fmax=RELAX_FMAX, steps=RELAX_STEPS)
+    return [path[i] for i in pick_frames(len(path), frames_per_trajectory)]
+
+
+def generate(num_trajectories: int = 64, metals=SLAB_METALS, adsorbates=ADSORBATES, size=(2, 2, 3),
              vacuum: float = 6.0, rattle: float = 0.05, seed: int = 0, train_fraction: float = 0.8,
-             val_fraction: float = 0.1, progress: bool = True, min_distance: float = MIN_DISTANCE) -> dict:
-    """Slab + adsorbate systems labelled by EMT (≈15 ms each), fully determined by the arguments
-    (a rattle that brings two atoms within ``min_distance`` is refused, naming the system)."""
+             val_fraction: float = 0.1, progress: bool = True, min_distance: float = MIN_DISTANCE,
+             frames_per_trajectory: int = 1, split: str = "trajectory") -> dict:
+    """Slab + adsorbate systems labelled by EMT, fully determined by the arguments: per trajectory a
+    rattled starting structure relaxed by BFGS under EMT, of which ``frames_per_trajectory`` frames
+    along the way (initial, intermediate, relaxed: like OC20's S2EF frames) are systems tagged with
+    their trajectory (``group``); one frame: the starting structure alone (≈15 ms). ``split``
+    ``trajectory``: whole trajectories go to train, val or test; ``random``: frame by frame. A frame
+    with two atoms within ``min_distance`` is refused, naming its trajectory."""
     from ase.build import add_adsorbate, fcc100, fcc111, molecule
     from ase.calculators.emt import EMT
     from ase.constraints import FixAtoms
@@ -96,12 +138,13 @@ def generate(num_systems: int = 64, metals=SLAB_METALS, adsorbates=ADSORBATES, s
     if bad or any(m not in SLAB_METALS for m in metals):
         raise GnnPipeError(f"atoms.generate: EMT labels only slabs of {', '.join(SLAB_METALS)} with adsorbates "
                            f"{', '.join(ADSORBATES)}; got metals {list(metals)}, adsorbates {list(adsorbates)}")
-    if num_systems < 1:
-        raise GnnPipeError("atoms.num_systems must be >= 1")
+    if num_trajectories < 1 or frames_per_trajectory < 1:
+        raise GnnPipeError(f"atoms.num_trajectories ({num_trajectories}) and atoms.frames_per_trajectory "
+                           f"({frames_per_trajectory}) must be >= 1")
     rng = np.random.default_rng(seed)
-    out = []
-    for k in tqdm(range(num_systems), desc="EMT structures", unit="system", file=sys.stderr,
-                  disable=not progress):
+    out, groups = [], []
+    for k in tqdm(range(num_trajectories), desc="EMT relaxations" if frames_per_trajectory > 1 else "EMT structures",
+                  unit="trajectory", file=sys.stderr, disable=not progress):
         metal, ads = metals[rng.integers(len(metals))], adsorbates[rng.integers(len(adsorbates))]
         build = fcc111 if rng.random() < 0.5 else fcc100
         slab = build(metal, size=tuple(size), vacuum=vacuum)
@@ -114,23 +157,34 @@ def generate(num_systems: int = 64, metals=SLAB_METALS, adsorbates=ADSORBATES, s
         add_adsorbate(slab, mol, height=float(height), position=tuple(xy), mol_index=low)
         free = ~np.isin(np.arange(len(slab)), slab.constraints[0].get_indices())
         slab.positions[free] += rng.normal(scale=rattle, size=(int(free.sum()), 3))  # rattle free atoms
+        where = f"atoms.generate: trajectory {k} (seed {seed}, {metal} + {ads}, rattle {rattle:g} Å)"
         check_structure(slab.numbers, slab.positions, slab.cell.array, slab.pbc, min_distance=min_distance,
-                        where=f"atoms.generate: system {k} (seed {seed}, {metal} + {ads}, rattle {rattle:g} Å)")
+                        where=where)
         slab.calc = EMT()
-        energy = slab.get_potential_energy()
-        forces = slab.get_forces(apply_constraint=False)
         fixed = np.zeros(len(slab), dtype=bool)
         for c in slab.constraints:
             fixed[c.get_indices()] = True
-        out.append((slab.numbers, slab.positions, fixed, forces, slab.cell.array, slab.pbc, energy))
-    return _pack(out, random_split(num_systems, train_fraction, val_fraction, seed),
-                 f"generated:ase-emt seed={seed}", min_distance)
+        for i, (pos, energy, forces) in enumerate(_relax(slab, frames_per_trajectory)):
+            if i:  # frame 0 is the start, checked above
+                check_structure(slab.numbers, pos, slab.cell.array, slab.pbc, min_distance=min_distance,
+                                where=f"{where}, frame {i}")
+            out.append((slab.numbers.copy(), pos, fixed, forces, slab.cell.array.copy(), slab.pbc.copy(), energy))
+            groups.append(k)
+    groups = np.asarray(groups, dtype=np.int64)
+    cut = (group_split(groups, train_fraction, val_fraction, seed) if split == "trajectory" else
+           random_split(len(groups), train_fraction, val_fraction, seed))
+    return _pack(out, cut, f"generated:ase-emt seed={seed} frames={frames_per_trajectory} split={split}",
+                 min_distance, groups)
 
 
 def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fraction: float = 0.1,
-                    seed: int = 0, min_distance: float = MIN_DISTANCE) -> dict:
+                    seed: int = 0, min_distance: float = MIN_DISTANCE, split: str = "trajectory",
+                    group_key: str = "trajectory") -> dict:
     """A user's ASE database (``.db``) or extended XYZ with energies and forces, checked row by row
-    (``checks.check_structure``, then finite energy and forces)."""
+    (``checks.check_structure``, then finite energy and forces). ``split`` ``trajectory``: each
+    structure's trajectory is the value of its ``group_key`` (an ``info`` key of extxyz, a column of
+    the db: ``key_value_pairs``), and whole trajectories go to train, val or test; ``random``:
+    structure by structure."""
     import ase.db
     import ase.io
 
@@ -140,15 +194,16 @@ def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fr
     try:
         if path.suffix == ".db":
             with ase.db.connect(str(path)) as db:
-                rows = [(f"row id {r.id}", r.toatoms(add_additional_information=False)) for r in db.select()]
+                rows = [(f"row id {r.id}", r.toatoms(add_additional_information=False), r.get(group_key))
+                        for r in db.select()]
         else:
-            rows = [(f"frame {i}", a) for i, a in enumerate(ase.io.read(str(path), index=":"))]
+            rows = [(f"frame {i}", a, a.info.get(group_key)) for i, a in enumerate(ase.io.read(str(path), index=":"))]
     except Exception as e:  # noqa: BLE001 - ASE raises many kinds; the user needs the file named
         raise GnnPipeError(f"{path}: cannot be read as an ASE database or extxyz ({type(e).__name__}: {e})") from None
     if not rows:
         raise GnnPipeError(f"{path}: holds no structures")
     out = []
-    for where, atoms in rows:
+    for where, atoms, _ in rows:
         z = atoms.numbers
         check_structure(z, atoms.positions, atoms.cell.array, atoms.pbc, min_distance=min_distance,
                         where=f"{path}: {where}")
@@ -165,7 +220,21 @@ def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fr
             if hasattr(c, "get_indices"):
                 fixed[c.get_indices()] = True
         out.append((z, atoms.positions, fixed, forces, atoms.cell.array, atoms.pbc, energy))
-    return _pack(out, random_split(len(out), train_fraction, val_fraction, seed), f"file:{path.name}", min_distance)
+    if split == "trajectory":  # trajectories numbered in the order they first appear
+        where, _, _ = next((r for r in rows if r[2] is None or not np.isscalar(r[2])), (None, None, None))
+        if where is not None:
+            what = "column" if path.suffix == ".db" else "info key"
+            raise GnnPipeError(f"{path}: {where} has no {what} {group_key!r} naming its trajectory (atoms.group_key; "
+                               f"splits keep each trajectory in one of train/val/test): set atoms.group_key to the "
+                               f"{what} that does, or atoms.split: random to split structure by structure")
+        _, first, inverse = np.unique([str(r[2]) for r in rows], return_index=True, return_inverse=True)
+        groups = np.argsort(np.argsort(first))[inverse]
+        cut = group_split(groups, train_fraction, val_fraction, seed)
+    else:
+        groups = np.arange(len(out))
+        cut = random_split(len(out), train_fraction, val_fraction, seed)
+    return _pack(out, cut, f"file:{path.name} split={split}" + (f" group_key={group_key}" if split == "trajectory"
+                                                               else ""), min_distance, groups)
 
 
 # --------------------------------------------------------------------------- graphs
@@ -317,15 +386,18 @@ def read_graphs(path, expect_systems_hash: str | None = None) -> dict:
 def systems_from_config(cfg, progress: bool = True) -> dict:
     """The systems of a ``datasets.<name>.atoms`` config (``AtomsConfig``): generated or read."""
     if cfg.file:
-        return read_structures(cfg.file, cfg.train_fraction, cfg.val_fraction, cfg.seed, cfg.min_distance)
-    return generate(cfg.num_systems, tuple(cfg.metals), tuple(cfg.adsorbates), tuple(cfg.slab_size),
+        return read_structures(cfg.file, cfg.train_fraction, cfg.val_fraction, cfg.seed, cfg.min_distance,
+                               cfg.split, cfg.group_key)
+    return generate(cfg.num_trajectories, tuple(cfg.metals), tuple(cfg.adsorbates), tuple(cfg.slab_size),
                     rattle=cfg.rattle, seed=cfg.seed, train_fraction=cfg.train_fraction,
-                    val_fraction=cfg.val_fraction, progress=progress, min_distance=cfg.min_distance)
+                    val_fraction=cfg.val_fraction, progress=progress, min_distance=cfg.min_distance,
+                    frames_per_trajectory=cfg.frames_per_trajectory, split=cfg.split)
 
 
 def systems_summary(systems: dict) -> dict:
     n = np.diff(systems["atom_ptr"])
-    return {"systems": int(len(n)), "atoms": int(n.sum()), "atoms_per_system_mean": float(n.mean()),
+    return {"systems": int(len(n)), "trajectories": int(len(np.unique(systems["group"]))),
+            "atoms": int(n.sum()), "atoms_per_system_mean": float(n.mean()),
             "elements": sorted(int(z) for z in np.unique(systems["z"])),
             "splits": {s: int((systems["split"] == i).sum()) for i, s in enumerate(("train", "val", "test"))},
             "energy_mean": float(systems["energy"].mean()), "source": systems.get("source", "")}

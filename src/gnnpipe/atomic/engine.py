@@ -25,10 +25,18 @@ fitted before training (GemNet's scale factors: ``AtomicModelKind.fit``), the fi
 runs once, on rank 0, on whole training batches in one process, before the first step; the
 fitted buffers are broadcast (op ``control``) and live in the state dict, so checkpoints and
 resumed runs carry them and every layout computes with the same constants.
+
+How it trains beyond Adam (``habits.py``, keys in the model's section): the learning rate per step
+(warmup, cosine decay), the gradients' norm clipped after their reduction (the same on every rank),
+an exponential moving average of the weights that evaluation and the finished model use, and a
+divergence guard on each epoch's record (``check_epoch``); the average and the guard's record are in
+the engine's state, so a resumed run continues bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,6 +46,7 @@ from torch import Tensor
 
 from ..engine import DTYPES, EpochStats, load_train_state, make_optimizer, train_state
 from ..io import GnnPipeError
+from .habits import EMA, Guard, lr_at
 from .parallel import EdgeGroup, shard_graph
 from .protocol import ATOMIC_MODELS
 
@@ -146,6 +155,13 @@ class AtomicEngine:
         self.num_params = self.kind.count_parameters(self.model_cfg)
         training = dataclasses.replace(cfg.training, lr=spec.lr) if spec.lr else cfg.training
         self.opt = make_optimizer(self.model.parameters(), training)
+        self.lr = training.lr
+        self.steps_per_epoch = -(-len(self.ids["train"]) // (self.batch_size * self.replicas))
+        self.warmup_steps = round(spec.schedule.warmup_epochs * self.steps_per_epoch)
+        self.ema = EMA(self.model, spec.ema_decay) if spec.ema_decay is not None else None
+        self.guard = Guard(spec.guard.loss_factor, spec.guard.patience, spec.guard.min_force_cos,
+                           after_epoch=math.ceil(spec.schedule.warmup_epochs),
+                           hint=f"lower models.<name>.{cfg.model.kind}.lr (now {self.lr:g}) or see its guard keys")
         self._epoch_steps: list[list[np.ndarray]] = []
         self._fitted = self.kind.fit is None  # loading a state (resume, evaluate) counts as fitted
 
@@ -212,7 +228,12 @@ class AtomicEngine:
         steps = self._steps(self.ids["train"], epoch)
         self._epoch_steps.append(steps)
         reports = []  # this rank's share of each step's loss
-        for step in steps:
+        spec = self.cfg.model.spec
+        for i, step in enumerate(steps):
+            lr = lr_at(epoch * self.steps_per_epoch + i, self.cfg.training.epochs * self.steps_per_epoch, self.lr,
+                       self.warmup_steps, spec.schedule.decay, spec.schedule.min_lr_factor)
+            for group in self.opt.param_groups:
+                group["lr"] = lr
             mine = self._replica_batch(step, self.replica)
             self.opt.zero_grad(set_to_none=False)
             if len(mine):  # a short last step can leave a replica without systems: it adds zeros
@@ -224,8 +245,12 @@ class AtomicEngine:
                                                self.force_weight)
                 loss.backward()
             reports.append(report if len(mine) else 0.0)
-            self._reduce_grads()
+            self._reduce_grads()  # every rank holds the step's whole gradients: it clips the same ones
+            if spec.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.clip_grad_norm)
             self.opt.step()
+            if self.ema is not None:
+                self.ema.update(self.model)
         losses = self._sum(reports) if reports else []  # the ranks' shares summed: each step's loss
         wall = time.perf_counter() - t0
         comm_s = (self.comm.epoch_comm_s(epoch) - comm0) if self.comm is not None else 0.0
@@ -250,7 +275,12 @@ class AtomicEngine:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
         """OC20 S2EF metrics per split on free atoms: energy MAE (eV), force MAE (eV/Å, components),
-        force cosine (per atom), EFwT (|ΔE| < 0.02 eV and max |ΔF| < 0.03 eV/Å)."""
+        force cosine (per atom), EFwT (|ΔE| < 0.02 eV and max |ΔF| < 0.03 eV/Å); with the weights'
+        moving average where the run keeps one."""
+        with self.ema.applied(self.model) if self.ema is not None else contextlib.nullcontext():
+            return self._evaluate()
+
+    def _evaluate(self) -> dict:
         self.model.eval()
         out: dict = {"train_acc": None, "val_acc": None, "test_acc": None}
         for split in SPLIT_NAMES:
@@ -292,14 +322,29 @@ class AtomicEngine:
         self.model.train()
         return out
 
+    def check_epoch(self, epoch: int, row: dict, where: str) -> None:
+        """The divergence guard on the epoch's record row (its loss; its force cosine where evaluated)."""
+        self.guard.check(epoch, row, where)
+
     def full_state_dict(self):
-        return self.model.state_dict()
+        """The finished model: the weights' moving average where the run keeps one."""
+        return self.ema.model_state(self.model) if self.ema is not None else self.model.state_dict()
 
     def state_dict(self) -> dict:
-        return train_state(self.model, self.opt)
+        return {**train_state(self.model, self.opt), "guard": self.guard.state_dict(),
+                **({"ema": self.ema.state_dict()} if self.ema is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
+        """A resume state; one of a gnnpipe before the habits (no ``guard``, ``ema``) resumes with a
+        fresh guard and the average started at the loaded weights."""
         load_train_state(self.model, self.opt, state)
+        if "guard" in state:
+            self.guard.load_state_dict(state["guard"])
+        if self.ema is not None:
+            if "ema" in state:
+                self.ema.load_state_dict(state["ema"])
+            else:
+                self.ema = EMA(self.model, self.ema.decay)
         self._fitted = True  # the state carries the fitted buffers
 
     def graph_info(self) -> dict:
@@ -307,16 +352,26 @@ class AtomicEngine:
                 "in_features": 0, "num_triplets": int(len(self.graphs["idx_kj"])),
                 "num_systems": int(len(self.systems["energy"]))}
 
+    def baselines(self, split: str = "test") -> dict:
+        """What a model must beat, on the split's systems (the metrics' own sums): the per-element
+        energy baseline's energy MAE (reference energies fitted on the training systems) and the
+        zero-force baseline's force MAE (predicting F = 0: the mean |F| component of free atoms)."""
+        s = self.systems
+        n = len(s["energy"])
+        ids = self.ids[split]
+        if not len(ids):
+            return {"baseline_energy_mae": None, "baseline_force_mae": None}
+        base = self.norm.baseline(s["z"], np.repeat(np.arange(n), np.diff(s["atom_ptr"])), n)
+        atoms = np.concatenate([np.arange(s["atom_ptr"][i], s["atom_ptr"][i + 1]) for i in ids])
+        free = atoms[~s["fixed"][atoms]]
+        return {"baseline_energy_mae": float(np.abs(base[ids] - s["energy"][ids]).mean()),
+                "baseline_force_mae": float(np.abs(s["forces"][free]).mean()) if len(free) else None}
+
     def extra_info(self) -> dict:
-        n = len(self.systems["energy"])
-        base = self.norm.baseline(self.systems["z"], np.repeat(np.arange(n), np.diff(self.systems["atom_ptr"])), n)
-        test = self.ids["test"]
         return {"atomic": True, "kind": self.kind.name, "label": self.kind.labels[self.model_cfg.force_head],
                 "data_parallel": self.replicas, "ways": self.ways,
                 "parameters": self.num_params, "cutoff": float(self.graphs["cutoff"]),
-                "force_head": self.model_cfg.force_head, "batch_size": self.batch_size,
-                "baseline_energy_mae": float(np.abs(base[test] - self.systems["energy"][test]).mean())
-                if len(test) else None}
+                "force_head": self.model_cfg.force_head, "batch_size": self.batch_size, **self.baselines()}
 
 
 def model_config(model, cutoff: float):

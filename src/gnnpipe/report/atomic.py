@@ -2,7 +2,8 @@
 
 One table per atomic dataset and model kind (DimeNet++, GemNet-T, ...: runs side by side: mode,
 ways P × replicas D, parameters, epoch time, bytes measured and predicted, peak memory, energy
-MAE beside the per-element baseline's, force MAE, force cosine, EFwT from ``eval.json``), and a
+MAE beside the per-element baseline's, force MAE beside the zero-force baseline's, force cosine, EFwT
+from ``eval.json``, and which baselines the model beats), and a
 plot of the loss and the validation energy / force MAE against the epoch. A run is atomic when
 its record says so (``extra.atomic``: its dataset is of kind ``atoms``).
 
@@ -21,7 +22,8 @@ from .tables import DASH, fmt_bytes, fmt_s, md_table
 
 METRICS = ("energy_mae", "force_mae", "force_cos", "efwt")
 HEADER = ["run", "mode", "P × D", "params", "epoch", "bytes/epoch", "predicted", "peak mem",
-          "energy MAE (eV)", "baseline MAE", "force MAE (eV/Å)", "force cos", "EFwT"]
+          "energy MAE (eV)", "baseline", "force MAE (eV/Å)", "zero-force baseline", "force cos", "EFwT",
+          "vs baselines"]
 
 
 def is_atomic(run) -> bool:
@@ -43,13 +45,33 @@ def _f(x, spec=".4f") -> str:
     return DASH if x is None else format(x, spec)
 
 
+def _baseline(run, key):
+    """The baseline's MAE on the test split: eval.json's, else the run record's (``extra``)."""
+    if run.evaluation is not None and run.evaluation.get(key) is not None:
+        return run.evaluation[key]
+    return (run.record.get("extra") or {}).get(key)
+
+
+def verdict(energy, base_energy, force, base_force) -> str:
+    """Which baselines the model beats (lower MAE); **neither** is marked."""
+    pairs = [("energy", energy, base_energy), ("forces", force, base_force)]
+    if any(m is None or b is None for _, m, b in pairs):
+        return DASH
+    beats = [name for name, m, b in pairs if m < b]
+    if not beats:
+        return "**beats neither**"
+    return "beats both" if len(beats) == 2 else f"{beats[0]} only"
+
+
 def run_row(run) -> list[str]:
     r, extra = run.record, run.record.get("extra") or {}
+    e, f = _metric(run, "energy_mae"), _metric(run, "force_mae")
+    be, bf = _baseline(run, "baseline_energy_mae"), _baseline(run, "baseline_force_mae")
     return [f"`{run.run_id}`", r["mode"], f"{r['ways']} × {r.get('data_parallel', 1)}",
             f"{extra.get('parameters', 0):,}", fmt_s(r["epoch_time_s"]), fmt_bytes(r["comm_bytes_per_epoch"]),
             fmt_bytes(r["comm_bytes_predicted"]), fmt_bytes(r["peak_mem_bytes"]),
-            _f(_metric(run, "energy_mae")), _f(extra.get("baseline_energy_mae")), _f(_metric(run, "force_mae")),
-            _f(_metric(run, "force_cos"), ".3f"), _f(_metric(run, "efwt"), ".3f")]
+            _f(e), _f(be), _f(f), _f(bf), _f(_metric(run, "force_cos"), ".3f"), _f(_metric(run, "efwt"), ".3f"),
+            verdict(e, be, f, bf)]
 
 
 def plot_curves(dataset: str, model: str, runs: list, path: Path) -> None:
@@ -79,7 +101,9 @@ def section(runs: list, plots_dir: Path, rel) -> str:
            "(triplets follow their output edge) and D replicas take different batches. Metrics are "
            "OC20 S2EF on free atoms (eval.json): energy MAE per system, force MAE over components, "
            "force cosine per atom, EFwT = share of systems with |ΔE| < 0.02 eV and max |ΔF| < 0.03 eV/Å. "
-           "*baseline MAE*: per-element reference energies fitted on the training systems. "
+           "*baseline*: per-element reference energies fitted on the training systems; *zero-force "
+           "baseline*: predicting no force at all (the mean |F| component); both on the test systems. A model "
+           "that beats **neither** has learnt nothing a practitioner could use. "
            "*predicted* bytes: the closed form of the model's kind (`AtomicModelKind.step_bytes`).", ""]
     for (ds, kind), members in groups.items():
         png = plots_dir / f"atomic_curves_{ds}_{kind}.png"
