@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # The optional DGL oracle lives outside the clone: it is large and slow to build.
 DGL_VENV ?= $(HOME)/.cache/gnnpipe/dgl-venv
 
-.PHONY: run test test-fast test-slurm lint dgl-env test-dgl bench clean
+.PHONY: run test test-fast test-slurm lint lint-imports dgl-env test-dgl bench clean
 
 $(STAMP): pyproject.toml requirements/cpu.lock.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,14 +24,20 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/snakemake --cores $(CORES) --rerun-incomplete --configfile config/config.yaml
 
+# lint-imports: the layering contracts of pyproject.toml (imports point down), before the tests
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/snakemake --lint --configfile config/config.yaml
+
+lint-imports: $(STAMP)
+	$(VENV)/bin/lint-imports
 
 # The lock is the exact closure, installed --no-deps into a cleared venv (see its header);
 # the import at the end fails the build, not the tests, if the environment is broken.

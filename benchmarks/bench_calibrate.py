@@ -242,8 +242,8 @@ def process_rss_gib() -> float:
     (torch, h5py, the engines): what its ru_maxrss holds before the run's first tensor."""
     import subprocess
 
-    code = ("import resource, torch, torch.distributed, h5py, gnnpipe.train, gnnpipe.parallel.graph_parallel, "
-            "gnnpipe.parallel.hybrid; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    code = ("import resource, torch, torch.distributed, h5py, gnnpipe.train, gnnpipe.parallel.engine; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     return int(out.stdout.split()[-1]) * 1024 / 2**30
@@ -380,7 +380,7 @@ def check(graph_path: str, model_cfg, hw_name: str, epochs: int, threads: int,
     alternate in ``rounds``: each round fits the rates, then times ``epochs`` epochs; the
     error of each round compares the two made at nearly the same time.
     """
-    from gnnpipe import costmodel as cm
+    from gnnpipe.costmodel import hardware as ch
     from gnnpipe.graph import read_graph
     from gnnpipe.planning.calibrate import calibrate
     from gnnpipe.planning.plan import plan, predict_layout
@@ -388,7 +388,7 @@ def check(graph_path: str, model_cfg, hw_name: str, epochs: int, threads: int,
     from gnnpipe.planning.stats import cached_graph_stats
 
     graph = read_graph(graph_path)
-    hw = cm.load_hardware(hw_name)
+    hw = ch.load_hardware(hw_name)
     stats = {"num_nodes": graph.num_nodes, "num_edges": graph.num_edges, "partitions": {}}
     per_round = []
     fitted = hw

@@ -30,7 +30,7 @@ import torch
 from gnnpipe.config import ModelConfig, SyntheticConfig, TrainingConfig
 from gnnpipe.data.synthetic import generate
 from gnnpipe.engine import make_optimizer, ce_sum
-from gnnpipe.evaluate import graph_tensors
+from gnnpipe.engine import graph_tensors
 from gnnpipe.graph import read_graph, write_graph
 from gnnpipe.io import write_json
 from gnnpipe.models.block import Block

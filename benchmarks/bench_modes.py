@@ -46,7 +46,7 @@ from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, P
 from gnnpipe.data.synthetic import generate
 from gnnpipe.graph import write_graph
 from gnnpipe.io import write_json
-from gnnpipe.parallel.dims import resolve_layout
+from gnnpipe.layout import resolve_layout
 from gnnpipe.partition import partition_graph, partition_stats
 from gnnpipe.store import materialize
 
@@ -76,8 +76,9 @@ def _worker(rank: int, world: int, cfg_dict: dict, epochs: int, warmup: int) -> 
     import torch.distributed as dist
 
     from gnnpipe.parallel.comm import Communicator
-    from gnnpipe.parallel.dims import ParallelDims, build_groups
-    from gnnpipe.parallel.graph_parallel import peak_memory
+    from gnnpipe.layout import ParallelDims
+    from gnnpipe.parallel.groups import build_groups
+    from gnnpipe.parallel.engine import peak_memory
     from gnnpipe.train import build_engine
 
     cfg = from_dict(RunConfig, cfg_dict)

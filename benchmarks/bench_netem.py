@@ -52,9 +52,9 @@ from bench_modes import prepare  # noqa: E402
 from gnnpipe import netem  # noqa: E402
 from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, PipelineConfig,  # noqa: E402
                             RunConfig, TrainingConfig, dump_run_config)
-from gnnpipe.costmodel import Hardware, load_hardware  # noqa: E402
+from gnnpipe.costmodel.hardware import Hardware, load_hardware  # noqa: E402
 from gnnpipe.io import GnnPipeError, write_json, write_text  # noqa: E402
-from gnnpipe.parallel.dims import resolve_layout  # noqa: E402
+from gnnpipe.layout import resolve_layout  # noqa: E402
 from gnnpipe.planning.calibrate import calibrate_run  # noqa: E402
 from gnnpipe.report.predictions import Predictor, rel_error  # noqa: E402
 from gnnpipe.report.records import load_run  # noqa: E402

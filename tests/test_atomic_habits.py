@@ -145,7 +145,7 @@ def test_baselines_are_the_test_systems_per_element_energy_and_zero_force_errors
 @pytest.mark.parametrize("energy,force,want", [(0.5, 0.1, "beats both"), (2.0, 0.1, "forces only"),
                                                (0.5, 0.9, "energy only"), (2.0, 0.9, "**beats neither**")])
 def test_the_reports_atomic_row_shows_both_baselines_and_marks_a_model_that_beats_neither(energy, force, want):
-    from gnnpipe.atomic.report import HEADER, run_row, verdict
+    from gnnpipe.report.atomic import HEADER, run_row, verdict
     from gnnpipe.report.records import Run
 
     record = {"run_id": "r", "mode": "single", "ways": 1, "epoch_time_s": 1.0, "comm_bytes_per_epoch": 0,

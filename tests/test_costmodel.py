@@ -7,45 +7,46 @@ import dataclasses
 import numpy as np
 import pytest
 
-from gnnpipe import costmodel as cm
+from gnnpipe.costmodel import bytes as cb, estimate as ce, hardware as ch, work as cw
 from gnnpipe.io import GnnPipeError
+from gnnpipe.models import CONVS
 
 
 # --------------------------------------------------------------------------- bytes
 def test_graph_parallel_bytes_hand_computed():
     # GCN F=4, H=2, L=3: exchange dims [4, 2, 2], Σ d = F + (L-1) H = 8
-    out = cm.graph_parallel_bytes([3, 5], [4, 2, 2], bytes_per_value=4, num_params=10, world=2)
+    out = cb.graph_parallel_bytes([3, 5], [4, 2, 2], bytes_per_value=4, num_params=10, world=2)
     assert out["halo"] == 2 * (3 + 5) * 8 * 4 == 512
     assert out["allreduce"] == 2 * 1 * 10 * 4 == 80  # ring: 2 (P-1)/P per rank, summed over P ranks
     assert out["p2p"] == 0 and out["total"] == 592
 
 
 def test_graph_parallel_bytes_single_worker_and_mismatch():
-    assert cm.graph_parallel_bytes([0], [4, 2], 4, 100, 1) == {"halo": 0, "p2p": 0, "allreduce": 0, "total": 0}
+    assert cb.graph_parallel_bytes([0], [4, 2], 4, 100, 1) == {"halo": 0, "p2p": 0, "allreduce": 0, "total": 0}
     with pytest.raises(GnnPipeError, match="needs 4 mirror counts"):
-        cm.graph_parallel_bytes([1, 2], [4], 4, 10, 4)
+        cb.graph_parallel_bytes([1, 2], [4], 4, 10, 4)
 
 
 def test_pipeline_bytes_hand_computed():
     # N = 10, S = 3 stages, H = 2 at both boundaries, float32
-    assert cm.pipeline_bytes(10, [2, 2], 4)["p2p"] == 2 * 10 * (2 + 2) * 4 == 320
-    assert cm.pipeline_bytes(10, [2, 2], 4, carries_x0=True)["total"] == 640  # GCNII: x0 travels too
-    assert cm.pipeline_bytes(10, [], 4)["total"] == 0  # one stage
+    assert cb.pipeline_bytes(10, [2, 2], 4)["p2p"] == 2 * 10 * (2 + 2) * 4 == 320
+    assert cb.pipeline_bytes(10, [2, 2], 4, carries_x0=True)["total"] == 640  # GCNII: x0 travels too
+    assert cb.pipeline_bytes(10, [], 4)["total"] == 0  # one stage
 
 
 def test_uniform_pipeline_is_2_s_minus_1_n_h_b():
     N, S, H, b = 1234, 5, 100, 4
-    assert cm.pipeline_bytes(N, [H] * (S - 1), b)["total"] == 2 * (S - 1) * N * H * b
+    assert cb.pipeline_bytes(N, [H] * (S - 1), b)["total"] == 2 * (S - 1) * N * H * b
 
 
 def test_hybrid_bytes_hand_computed():
     # N = 6, G = 2 ways with 2 and 1 mirrors, convs of widths [3, 2, 2, 2] on 2 stages
-    out = cm.hybrid_bytes(6, [2, 1], [3, 2, 2, 2], [(0, 2), (2, 4)], [30, 12], 4)
+    out = cb.hybrid_bytes(6, [2, 1], [3, 2, 2, 2], [(0, 2), (2, 4)], [30, 12], 4)
     assert out["p2p"] == 2 * 6 * 2 * 4  # stage boundary at conv 2 (width 2)
     assert out["halo"] == 2 * 3 * (3 + 2 + 2 + 2) * 4
     assert out["allreduce"] == 2 * 1 * 30 * 4 + 2 * 1 * 12 * 4
     assert out["total"] == 96 + 216 + 336
-    per_way = cm.hybrid_bytes(6, [2, 1], [3, 2, 2, 2], [(0, 2), (2, 4)], [30, 12], 4, nodes_per_way=[4, 2])
+    per_way = cb.hybrid_bytes(6, [2, 1], [3, 2, 2, 2], [(0, 2), (2, 4)], [30, 12], 4, nodes_per_way=[4, 2])
     assert per_way == out  # the ways' rows sum to N
 
 
@@ -58,17 +59,17 @@ def test_hybrid_identities(P, x0):
     mirrors = rng.integers(0, N, size=P).tolist()
     params = 12345
     # G = P: one stage holding every conv and parameter = graph parallelism
-    assert cm.hybrid_bytes(N, mirrors, dims, [(0, L)], [params], b, x0) == \
-        cm.graph_parallel_bytes(mirrors, dims, b, params, P)
+    assert cb.hybrid_bytes(N, mirrors, dims, [(0, L)], [params], b, x0) == \
+        cb.graph_parallel_bytes(mirrors, dims, b, params, P)
     # G = 1: no mirrors, no all-reduce = GNNPipe
     bounds = [(0, 1), (1, 3), (3, 6)]
-    assert cm.hybrid_bytes(N, [0], dims, bounds, [100, 200, 300], b, x0) == \
-        cm.pipeline_bytes(N, cm.boundary_dims(dims, bounds), b, x0)
+    assert cb.hybrid_bytes(N, [0], dims, bounds, [100, 200, 300], b, x0) == \
+        cb.pipeline_bytes(N, cb.boundary_dims(dims, bounds), b, x0)
 
 
 def test_hybrid_rejects_bad_bounds():
     with pytest.raises(GnnPipeError, match="do not cover"):
-        cm.hybrid_bytes(6, [1, 1], [3, 2, 2], [(0, 1), (2, 3)], [1, 1], 4)
+        cb.hybrid_bytes(6, [1, 1], [3, 2, 2], [(0, 1), (2, 3)], [1, 1], 4)
 
 
 def test_halo_bytes_from_real_partition_stats():
@@ -81,7 +82,7 @@ def test_halo_bytes_from_real_partition_stats():
               *(np.ones(4, bool) for _ in range(3)), num_classes=2)
     st = partition_stats(g, np.array([0, 0, 1, 1]))
     assert st["mirrors"] == [1, 1]
-    out = cm.graph_parallel_bytes(st["mirrors"], [3, 5], 4, num_params=0, world=2)
+    out = cb.graph_parallel_bytes(st["mirrors"], [3, 5], 4, num_params=0, world=2)
     assert out["halo"] == 2 * 2 * 8 * 4
 
 
@@ -89,28 +90,28 @@ def test_halo_bytes_from_real_partition_stats():
 def test_allreduce_matches_the_communicators_per_rank_rule(numel, n):
     from gnnpipe.parallel.comm import ring_allreduce_bytes
 
-    assert sum(ring_allreduce_bytes(numel, 4, n, r) for r in range(n)) == cm.allreduce_bytes(numel, 4, n)
+    assert sum(ring_allreduce_bytes(numel, 4, n, r) for r in range(n)) == cb.allreduce_bytes(numel, 4, n)
 
 
 # --------------------------------------------------------------------------- time model
-def _hw(**kw) -> cm.Hardware:
+def _hw(**kw) -> ch.Hardware:
     base = dict(name="test", workers_per_node=8, memory_gib=16.0, dense_gflops=1000.0, sparse_gvalues=50.0,
                 elementwise_gvalues=50.0, intra_bandwidth_gbs=10.0, intra_latency_us=10.0,
                 layer_overhead_us=20.0, nodes=1)
     base.update(kw)
-    return cm.Hardware(**base)
+    return ch.Hardware(**base)
 
 
-def _gcn_shape(L=8, F=64, H=32, C=5) -> cm.ModelShape:
+def _gcn_shape(L=8, F=64, H=32, C=5) -> cw.ModelShape:
     dims = [F] + [H] * (L - 1) + [C]
-    layers = tuple(cm.LayerSpec("gcn", dims[i], dims[i + 1], act=i < L - 1, dropout=i < L - 1,
+    layers = tuple(CONVS["gcn"].layer_spec(dims[i], dims[i + 1], act=i < L - 1, dropout=i < L - 1,
                                 input_grad=i > 0, params=dims[i] * dims[i + 1] + dims[i + 1])
                    for i in range(L))
-    return cm.ModelShape(layers=layers, in_features=F, num_classes=C)
+    return cw.ModelShape(layers=layers, in_features=F, num_classes=C)
 
 
-def _ways(P, N=40000, E=800000, mirror_ratio=1.0, inner=0.5) -> cm.WayStats:
-    return cm.WayStats([N / P] * P, [E / P] * P, [mirror_ratio * N / P] * P, [inner * N / P] * P)
+def _ways(P, N=40000, E=800000, mirror_ratio=1.0, inner=0.5) -> ce.WayStats:
+    return ce.WayStats([N / P] * P, [E / P] * P, [mirror_ratio * N / P] * P, [inner * N / P] * P)
 
 
 def _est(shape, mode, S, G, C, hw, ways=None, bounds=None, chunk_ratio=0.5, **kw):
@@ -126,8 +127,8 @@ def _est(shape, mode, S, G, C, hw, ways=None, bounds=None, chunk_ratio=0.5, **kw
         for s in range(S):
             bounds.append((a, a + q + (s < r)))
             a = bounds[-1][1]
-    ways = ways or (cm.WayStats.whole(N, E) if G == 1 else _ways(G))
-    return cm.estimate(shape, mode=mode, stages=S, ways=G, chunks=C, bounds=bounds, way_stats=ways,
+    ways = ways or (ce.WayStats.whole(N, E) if G == 1 else _ways(G))
+    return ce.estimate(shape, mode=mode, stages=S, ways=G, chunks=C, bounds=bounds, way_stats=ways,
                        num_nodes=N, num_edges=E, hw=hw, **kw)
 
 
@@ -157,8 +158,8 @@ def test_time_is_monotonic_in_compute_rate():
 def test_balanced_pipeline_bubble_is_gpipes():
     """Equal stages, free links: epoch = (C + S - 1) x per-chunk time, bubble (S-1)/(C+S-1)."""
     H = 32
-    layers = tuple(cm.LayerSpec("gcnii", H, H, act=True, params=H * H) for _ in range(8))
-    shape = cm.ModelShape(layers=layers, in_features=H, num_classes=2)
+    layers = tuple(CONVS["gcnii"].layer_spec(H, H, act=True, params=H * H) for _ in range(8))
+    shape = cw.ModelShape(layers=layers, in_features=H, num_classes=2)
     hw = _hw(intra_bandwidth_gbs=1e9, intra_latency_us=0.0, layer_overhead_us=0.0, elementwise_gvalues=1e9)
     for S, C in [(2, 8), (4, 16), (8, 8)]:
         e = _est(shape, "pipeline", S, 1, C, hw)
@@ -173,7 +174,7 @@ def test_graph_parallel_compute_scales_with_parts():
     hw = _hw(layer_overhead_us=0.0)
     single = _est(shape, "single", 1, 1, 1, hw)
     P = 4
-    ways = cm.WayStats([10000.0] * P, [200000.0] * P, [0.0] * P, [10000.0] * P)
+    ways = ce.WayStats([10000.0] * P, [200000.0] * P, [0.0] * P, [10000.0] * P)
     part = _est(shape, "graph", 1, P, P, hw, ways=ways)
     assert part.compute_s == pytest.approx(single.compute_s / P, rel=1e-3)
     assert single.bytes["total"] == 0 and single.bubble_s == pytest.approx(0.0, abs=1e-12)
@@ -258,7 +259,7 @@ def test_layer_cost_follows_the_layers_order_choice():
 
     for n_dst, n_src, nnz, d_in, d_out in [(100, 100, 1000, 64, 16), (100, 100, 1000, 16, 64),
                                            (10, 1000, 200, 32, 32)]:
-        c = cm.layer_cost(cm.LayerSpec("gcn", d_in, d_out), n_dst, n_src, nnz)
+        c = cw.layer_cost(CONVS["gcn"].layer_spec(d_in, d_out), n_dst, n_src, nnz)
         width = d_in if aggregate_first(n_src, n_dst, nnz + n_dst, d_in, d_out) else d_out
         assert c.fwd.sparse == (nnz + n_dst) * width
 
@@ -270,7 +271,7 @@ def test_layer_cost_matches_the_models_flop_estimate():
 
     n, e = 1000, 20000
     for conv, kind in [(GCNConv(64, 16), "gcn"), (GCNConv(16, 64), "gcn"), (SAGEConv(32, 32), "sage")]:
-        c = cm.layer_cost(cm.LayerSpec(kind, conv.in_dim, conv.out_dim), n, n, e)
+        c = cw.layer_cost(CONVS[kind].layer_spec(conv.in_dim, conv.out_dim), n, n, e)
         assert c.fwd.dense + 2 * c.fwd.sparse == pytest.approx(conv.cost(n, e))
 
 
@@ -286,14 +287,14 @@ def test_memoised_first_conv_costs_its_matmuls_only(conv_cls, kind):
 
     conv = getattr(gcn if kind == "gcn" else sage, conv_cls)(512, 16, static_input=True)
     n, e = 1000, 20000
-    spec = cm.LayerSpec(kind, 512, 16, input_grad=False, static_input=True)
-    c = cm.layer_cost(spec, n, n, e)
+    spec = CONVS[kind].layer_spec(512, 16, input_grad=False, static_input=True)
+    c = cw.layer_cost(spec, n, n, e)
     assert c.fwd.sparse == c.bwd.sparse == 0
     assert c.fwd.dense == pytest.approx(conv.cost(n, e))
     assert c.bwd.dense == c.fwd.dense  # the weight gradients; no input gradient
-    fresh = cm.layer_cost(spec, n, n, e, memoised=False)
+    fresh = cw.layer_cost(spec, n, n, e, memoised=False)
     assert fresh.fwd.sparse > 0
-    assert fresh.fwd.sparse == cm.layer_cost(cm.LayerSpec(kind, 512, 16, input_grad=False), n, n, e).fwd.sparse
+    assert fresh.fwd.sparse == cw.layer_cost(CONVS[kind].layer_spec(512, 16, input_grad=False), n, n, e).fwd.sparse
 
 
 def test_model_shape_marks_the_memoised_first_conv():
@@ -350,7 +351,7 @@ def test_chunks_pay_for_their_halo():
 def test_cached_input_halo_moves_and_costs_less():
     shape = _gcn_shape()
     hw = _hw(intra_bandwidth_gbs=1.0)
-    runs = {fi: _est(shape, "graph", 1, 8, 8, hw, first_input=fi) for fi in cm.FIRST_INPUT}
+    runs = {fi: _est(shape, "graph", 1, 8, 8, hw, first_input=fi) for fi in cb.FIRST_INPUT}
     assert runs["local"].bytes["halo"] < runs["forward"].bytes["halo"] < runs["exchanged"].bytes["halo"]
     assert runs["local"].epoch_s < runs["exchanged"].epoch_s
     dims = shape.exchange_dims
@@ -376,14 +377,14 @@ SHIPPED = ["cpu-2core", "8xgpu-pcie", "8xgpu-nvlink", "ib-100g", "ib-200g"]
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_profiles_load(name):
-    hw = cm.load_hardware(name)
+    hw = ch.load_hardware(name)
     assert hw.name == name and hw.source
     assert hw.dense_flops > 0 and hw.sparse_rate > 0 and hw.intra_bandwidth > 0
 
 
 def test_profile_speeds_are_ordered():
-    pcie, nvlink = cm.load_hardware("8xgpu-pcie"), cm.load_hardware("8xgpu-nvlink")
-    ib100, ib200 = cm.load_hardware("ib-100g"), cm.load_hardware("ib-200g")
+    pcie, nvlink = ch.load_hardware("8xgpu-pcie"), ch.load_hardware("8xgpu-nvlink")
+    ib100, ib200 = ch.load_hardware("ib-100g"), ch.load_hardware("ib-200g")
     assert nvlink.intra_bandwidth > pcie.intra_bandwidth
     assert ib200.inter_bandwidth > ib100.inter_bandwidth
 
@@ -407,7 +408,7 @@ intra_latency_us: 50
 
 
 def test_profile_round_trip(tmp_path):
-    hw = cm.load_hardware(_write(tmp_path, GOOD + "measured:\n  note: x\n"))
+    hw = ch.load_hardware(_write(tmp_path, GOOD + "measured:\n  note: x\n"))
     assert hw.memory_bytes == 4 * 2**30 and hw.intra_latency == pytest.approx(50e-6)
     assert hw.measured == {"note": "x"}
 
@@ -420,29 +421,29 @@ def test_profile_round_trip(tmp_path):
 ])
 def test_profile_errors(tmp_path, extra, match):
     with pytest.raises(GnnPipeError, match=match):
-        cm.load_hardware(_write(tmp_path, GOOD + extra))
+        ch.load_hardware(_write(tmp_path, GOOD + extra))
 
 
 def test_profile_bad_values(tmp_path):
     with pytest.raises(GnnPipeError, match="intra_bandwidth_gbs: must be > 0"):
-        cm.load_hardware(_write(tmp_path, GOOD.replace("intra_bandwidth_gbs: 1", "intra_bandwidth_gbs: 0")))
+        ch.load_hardware(_write(tmp_path, GOOD.replace("intra_bandwidth_gbs: 1", "intra_bandwidth_gbs: 0")))
     with pytest.raises(GnnPipeError, match="missing required key"):
-        cm.load_hardware(_write(tmp_path, GOOD.replace("dense_gflops: 10\n", "")))
+        ch.load_hardware(_write(tmp_path, GOOD.replace("dense_gflops: 10\n", "")))
     with pytest.raises(GnnPipeError, match="needs inter_bandwidth_gbs"):
-        cm.load_hardware(_write(tmp_path, GOOD.replace("nodes: 1", "nodes: 4")))
+        ch.load_hardware(_write(tmp_path, GOOD.replace("nodes: 1", "nodes: 4")))
     with pytest.raises(GnnPipeError, match="mapping"):
-        cm.load_hardware(_write(tmp_path, "- 1\n- 2\n"))
+        ch.load_hardware(_write(tmp_path, "- 1\n- 2\n"))
 
 
 def test_profile_lookup_errors(tmp_path):
     with pytest.raises(GnnPipeError, match="no hardware profile 'nope'.*8xgpu-pcie"):
-        cm.load_hardware("nope")
+        ch.load_hardware("nope")
     with pytest.raises(GnnPipeError, match="no such config file"):
-        cm.load_hardware(tmp_path / "missing.yaml")
+        ch.load_hardware(tmp_path / "missing.yaml")
 
 
 def test_hardware_is_a_plain_dataclass():
-    hw = cm.load_hardware("8xgpu-pcie")
+    hw = ch.load_hardware("8xgpu-pcie")
     faster = dataclasses.replace(hw, intra_bandwidth_gbs=2 * hw.intra_bandwidth_gbs)
     assert faster.intra_bandwidth == 2 * hw.intra_bandwidth and hw.as_dict()["name"] == "8xgpu-pcie"
 
@@ -454,8 +455,8 @@ def test_first_input_is_what_the_graph_engine_books(kind, uncached):
     from gnnpipe.models.model import GNN
 
     gnn = GNN(ModelConfig(kind=kind, layers=2, hidden=8, heads=2), 6, 3)
-    assert cm.first_input(gnn, GraphParallelConfig(cache_input_halo=True)) == "local"
-    assert cm.first_input(gnn, GraphParallelConfig(cache_input_halo=False)) == uncached
+    assert cb.first_input(gnn, GraphParallelConfig(cache_input_halo=True)) == "local"
+    assert cb.first_input(gnn, GraphParallelConfig(cache_input_halo=False)) == uncached
 
 
 def test_profile_loader_knows_every_hardware_field():
@@ -463,7 +464,7 @@ def test_profile_loader_knows_every_hardware_field():
     'unknown key' in every profile that sets it."""
     from dataclasses import fields
 
-    from gnnpipe.costmodel import Hardware, _HardwareFields
+    from gnnpipe.costmodel.hardware import Hardware, _HardwareFields
 
     typed = {(f.name, str(f.type), f.default) for f in fields(_HardwareFields)}
     assert typed == {(f.name, str(f.type), f.default) for f in fields(Hardware) if f.name != "measured"}

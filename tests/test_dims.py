@@ -1,11 +1,11 @@
-"""``parallel/dims.py``: the degrees, the rank layout and the one set of layout rules that
+"""``gnnpipe.layout``: the degrees, the rank layout and the one set of layout rules that
 the workflow, the engines, the cost model and ``gnnpipe plan`` share."""
 
 import pytest
 
 from gnnpipe.config import ConfigError, load_workflow_config, resolve_runs
 from gnnpipe.io import GnnPipeError
-from gnnpipe.parallel.dims import ParallelDims, check_layout, default_chunks, resolve_layout
+from gnnpipe.layout import ParallelDims, check_layout, default_chunks, resolve_layout
 from gnnpipe.planning.plan import layouts
 
 
@@ -15,10 +15,10 @@ def test_ranks_are_replica_then_stage_major():
     assert (d.replica_of(10), d.stage_of(10), d.way_of(10)) == (1, 1, 1)
     groups = d.rank_groups(10)
     assert groups.data == [4, 10]
-    assert groups.stage == [9, 10, 11]
-    assert groups.way == [7, 10]
-    # every rank is in exactly one data group and one stage group
-    for kind in ("data", "stage", "way"):
+    assert groups.graph == [9, 10, 11]
+    assert groups.pipeline == [7, 10]
+    # every rank is in exactly one data group, one graph group and one pipeline
+    for kind in ("data", "graph", "pipeline"):
         seen = sorted({tuple(getattr(d.rank_groups(r), kind)) for r in range(12)})
         assert sorted(r for g in seen for r in g) == list(range(12)), kind
 
@@ -27,10 +27,10 @@ def test_one_replica_is_the_old_layout():
     d = ParallelDims("hybrid", 6, 2, 3)
     assert d.data == 1
     assert [d.stage_of(r) for r in range(6)] == [0, 0, 0, 1, 1, 1]
-    assert d.stage_ranks(1) == [3, 4, 5] and d.way_ranks(2) == [2, 5]
+    assert d.graph_ranks(1) == [3, 4, 5] and d.pipeline_ranks(2) == [2, 5]
     assert d.rank_groups(4).data == [4]
     g = ParallelDims("graph", 4, 1, 4)
-    assert g.rank_groups(2).stage == [0, 1, 2, 3]
+    assert g.rank_groups(2).graph == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -49,7 +49,7 @@ def test_bad_degrees_are_one_full_message(kwargs, message):
 
 def test_data_replicas_of_the_mode_layouts():
     assert ParallelDims("graph", 8, 1, 4, data=2).rank_groups(5).data == [1, 5]
-    assert ParallelDims("pipeline", 6, 3, 1, data=2).rank_groups(4).way == [3, 4, 5]
+    assert ParallelDims("pipeline", 6, 3, 1, data=2).rank_groups(4).pipeline == [3, 4, 5]
     with pytest.raises(GnnPipeError, match="outside a world of 4"):
         ParallelDims("graph", 4, 1, 4).rank_groups(4)
 

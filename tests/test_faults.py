@@ -32,7 +32,7 @@ TIMINGS = {"epoch_time_s", "compute_s", "comm_s", "bubble_s"}
 
 
 def setup_run(root: Path, mode: str = "single", workers: int = 1, *, epochs: int = 8, checkpoint_every: int = 2,
-              model=None, pipeline=None, **training):
+              model=None, pipeline=None, stages=None, **training):
     """A tiny node-classification run under ``root/results`` (graph, chunk store, run.yaml)."""
     wf = load_workflow_config({
         "results": str(root / "results"), "datasets": {"tiny": {}},
@@ -41,7 +41,7 @@ def setup_run(root: Path, mode: str = "single", workers: int = 1, *, epochs: int
                      **training},
         **({"pipeline": pipeline} if pipeline else {}),
         "runs": [{"mode": mode, "dataset": "tiny", "model": "m", "workers": workers,
-                  **({"stages": workers} if mode == "pipeline" else {})}]})
+                  **({"stages": stages or workers} if mode in ("pipeline", "hybrid") else {})}]})
     cfg = next(iter(resolve_runs(wf).values()))
     g = random_graph(n=90, avg_degree=5, seed=3)
     write_graph(cfg.graph_path, g)
@@ -242,13 +242,13 @@ def test_a_resume_state_of_fingerprint_v1_resumes_or_says_what_to_do(tmp_path):
     """A manifest of gnnpipe before fingerprint v2 has the hash of its config only: while this
     gnnpipe's config hashes the same, the run resumes to the weights of the run that never stopped
     (the fixture's finished model); else one line says to restart."""
-    from gnnpipe import evaluate
+    from gnnpipe import checkpoint
     from gnnpipe.config import to_dict
     from gnnpipe.train import run
 
     cfg = v1_run(tmp_path, "interrupted")
     manifest = json.loads((FIXTURE_V1 / "interrupted" / "resume" / "manifest.json").read_text())
-    if evaluate._hash(evaluate._fingerprinted(to_dict(cfg), 1)) != manifest["config_hash"]:
+    if checkpoint._hash(checkpoint._fingerprinted(to_dict(cfg), 1)) != manifest["config_hash"]:
         with pytest.raises(GnnPipeError, match=r"manifest.json: a checkpoint of another config, or one of gnnpipe "
                                                r"before fingerprint v2, .*rerun with `gnnpipe train --restart`"):
             run(cfg, progress=False)
@@ -463,6 +463,12 @@ PARALLEL = {
                         model={"kind": "gcn", "layers": 4, "hidden": 8, "dropout": 0.5},
                         pipeline={"chunks_per_stage": 2, "grad_correction": False, "momentum": 0.5,
                                   "snapshot_every": 0}),
+    # kill rank 0 of S = 2 x G = 2 (2 chunks per way: history, carried gradients and the ways' halo
+    # exchange all resume); rank 1, its stage's other way, sees the group break
+    "hybrid-2x2": dict(mode="hybrid", workers=4, stages=2, kill=0,
+                       model={"kind": "gcnii", "layers": 4, "hidden": 8, "dropout": 0.5},
+                       pipeline={"chunks_per_stage": 2, "grad_correction": False, "momentum": 0.5,
+                                 "snapshot_every": 0}),
 }
 
 

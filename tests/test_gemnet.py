@@ -300,7 +300,8 @@ def _step(model, g, b: dict, systems: int, atoms: int, reduce_grads):
 def _sharded(rank: int, world: int, batches: list, ways: int, states: dict) -> dict:
     """One rank of the engine's layout (``rank = replica · P + way``, its groups from ParallelDims)."""
     from gnnpipe.parallel.comm import Communicator
-    from gnnpipe.parallel.dims import ParallelDims, build_groups
+    from gnnpipe.layout import ParallelDims
+    from gnnpipe.parallel.groups import build_groups
 
     torch.set_default_dtype(torch.float64)
     groups = build_groups(ParallelDims("graph", world, ways=ways, data=world // ways), rank)
@@ -308,10 +309,10 @@ def _sharded(rank: int, world: int, batches: list, ways: int, states: dict) -> d
     comm = Communicator()
     union = _concat(batches)
     b = batches[replica]
-    g = shard_graph(b, ways, way, EdgeGroup(comm, groups.stage, ways, way))
+    g = shard_graph(b, ways, way, EdgeGroup(comm, groups.graph, ways, way))
 
     def reduce(gs):
-        comm.all_reduce_coalesced_(gs, group=groups.stage)
+        comm.all_reduce_coalesced_(gs, group=groups.graph)
         if groups.data is not None:
             comm.all_reduce_coalesced_(gs, group=groups.data, op="dp_allreduce")
     out = {"lo": g.atom_lo, "hi": g.atom_hi, "replica": replica, "rank": rank, "triplets": g.num_local_triplets}

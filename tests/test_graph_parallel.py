@@ -19,15 +19,17 @@ import torch
 from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, PipelineConfig, RunConfig,
                             TrainingConfig)
 from gnnpipe.engine import ce_sum, make_optimizer
-from gnnpipe.evaluate import exact_metrics
+from gnnpipe.engine import exact_metrics
 from gnnpipe.graph import Graph, csr_from_edges
 from gnnpipe.io import GnnPipeError
 from gnnpipe.models.block import Block
 from gnnpipe.models.model import GNN
 from gnnpipe.parallel.comm import Communicator
-from gnnpipe.parallel.dims import ParallelDims, build_groups
-from gnnpipe.costmodel import graph_parallel_bytes
-from gnnpipe.parallel.graph_parallel import GraphEngine, split_block
+from gnnpipe.layout import ParallelDims
+from gnnpipe.parallel.groups import build_groups
+from gnnpipe.costmodel.bytes import graph_parallel_bytes
+from gnnpipe.parallel.engine import LayoutEngine
+from gnnpipe.parallel.stage import split_block
 from gnnpipe.parallel.testing import spawn_multi_process
 from gnnpipe.partition import partition_graph
 from gnnpipe.store import ChunkStore, materialize
@@ -95,7 +97,7 @@ def _train_cases(rank: int, world: int, store_path: str, cases: list) -> dict:
         kind, dtype, overlap, cache = case[:4]
         dropout = case[4] if len(case) > 4 else 0.0
         comm = Communicator(groups, "cpu")
-        engine = GraphEngine(run_cfg(store_path, world, kind, dtype, overlap, cache, dropout), groups, comm, "cpu")
+        engine = LayoutEngine(run_cfg(store_path, world, kind, dtype, overlap, cache, dropout), groups, comm, "cpu")
         losses, stats = [], []
         for e in range(EPOCHS):
             comm.set_epoch(e)
@@ -104,7 +106,7 @@ def _train_cases(rank: int, world: int, store_path: str, cases: list) -> dict:
             stats.append((s.compute_s, s.comm_s))
         comm.set_epoch(-1)
         metrics = engine.evaluate()
-        weights = torch.cat([p.detach().reshape(-1).double() for p in engine.model.parameters()])
+        weights = torch.cat([p.detach().reshape(-1).double() for p in engine.named_parameters().values()])
         out[case] = {
             "losses": losses, "stats": stats, "metrics": metrics, "state": engine.full_state_dict(),
             "weights": weights,  # every rank: replication check
@@ -318,16 +320,16 @@ def test_store_for_another_part_count_is_refused(stores):
     path, _ = stores[3]
     comm = Communicator(None, "cpu")  # a world of one: this run needs a 1-part store
     with pytest.raises(GnnPipeError, match=r"made for 3 parts, this run needs 1.*materialize"):
-        GraphEngine(run_cfg(path, 1, "gcn", "float32", True), None, comm, "cpu")
+        LayoutEngine(run_cfg(path, 1, "gcn", "float32", True), None, comm, "cpu")
     with pytest.raises(GnnPipeError, match="laid out for 3 workers, the process group has 1"):
-        GraphEngine(run_cfg(path, 3, "gcn", "float32", True), None, comm, "cpu")
+        LayoutEngine(run_cfg(path, 3, "gcn", "float32", True), None, comm, "cpu")
 
 
 def test_world_of_one_is_single_process(graph, tmp_path, references):
     path = tmp_path / "metis-1.h5"
     materialize(graph, np.zeros(graph.num_nodes, dtype=np.int64), path, method="metis")
     comm = Communicator(None, "cpu")
-    engine = GraphEngine(run_cfg(str(path), 1, "gcnii", "float64", True), None, comm, "cpu")
+    engine = LayoutEngine(run_cfg(str(path), 1, "gcnii", "float64", True), None, comm, "cpu")
     losses = []
     for e in range(EPOCHS):
         comm.set_epoch(e)

@@ -1,4 +1,5 @@
-"""Hybrid S x G (``gnnpipe.parallel.hybrid``) against single-process training and the other modes.
+"""Hybrid S x G (the layout engine, ``gnnpipe.parallel.engine``) against single-process training and the
+other modes.
 
 * ``C = G`` (one chunk per way), techniques off: hybrid *is* single-process training
   (losses, weights), 2x2, 1x2 and 2x1, several model kinds, float64 to 1e-10;
@@ -21,6 +22,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -29,8 +31,9 @@ import torch
 from gnnpipe.config import GraphParallelConfig, ModelConfig, PartitionConfig, PipelineConfig, RunConfig, TrainingConfig
 from gnnpipe.engine import ce_sum, make_optimizer
 from gnnpipe.io import GnnPipeError
+from gnnpipe.layout import ParallelDims
 from gnnpipe.models.model import GNN
-from gnnpipe.parallel.hybrid import HybridEngine, check_hybrid_config
+from gnnpipe.parallel.engine import LayoutEngine, check_config
 from gnnpipe.parallel.testing import spawn_multi_process
 from gnnpipe.partition import partition_graph
 from gnnpipe.store import ChunkStore, materialize
@@ -107,16 +110,13 @@ def reference_training(cfg: RunConfig):
 # --------------------------------------------------------------------------- the worker
 def _worker(rank, world, jobs):
     from gnnpipe.parallel.comm import Communicator
-    from gnnpipe.parallel.dims import ParallelDims, build_groups
-    from gnnpipe.parallel.graph_parallel import GraphEngine
-    from gnnpipe.parallel.pipeline import PipelineEngine
+    from gnnpipe.parallel.groups import build_groups
 
-    engines = {"hybrid": HybridEngine, "pipeline": PipelineEngine, "graph": GraphEngine}
     results = []
     for cfg in jobs:
         groups = build_groups(ParallelDims(cfg.mode, world, cfg.stages, cfg.ways), rank)
         comm = Communicator(groups, "cpu")
-        engine = engines[cfg.mode](cfg, groups, comm, "cpu")
+        engine = LayoutEngine(cfg, groups, comm, "cpu")
         losses, sent = [], []
         for epoch in range(cfg.training.epochs):
             comm.set_epoch(epoch)
@@ -240,19 +240,20 @@ def test_one_way_is_gnnpipe(spawned):
 
 def test_bad_layouts_are_refused(stores):
     with pytest.raises(GnnPipeError, match="multiple of ways"):
-        check_hybrid_config(run_cfg(stores[4], stages=1, ways=3, chunks=4))
+        check_config(run_cfg(stores[4], stages=1, ways=3, chunks=4))
     with pytest.raises(GnnPipeError, match="graph layers"):
-        check_hybrid_config(run_cfg(stores[4], stages=5, ways=1, chunks=4))
-    with pytest.raises(GnnPipeError, match="mode 'hybrid'"):
-        check_hybrid_config(run_cfg(stores[4], mode="pipeline", stages=2, ways=1, chunks=4))
+        check_config(run_cfg(stores[4], stages=5, ways=1, chunks=4))
+    with pytest.raises(GnnPipeError, match="process group has 4"):  # the groups of another layout
+        check_config(run_cfg(stores[4], stages=2, ways=2, chunks=4),
+                     SimpleNamespace(dims=ParallelDims("hybrid", 4, stages=1, ways=4)))
     # the hybrid always caches the input halo: asking otherwise is an error, not ignored
     import dataclasses
 
     no_cache = dataclasses.replace(run_cfg(stores[4], stages=2, ways=2, chunks=4),
                                    graph_parallel=GraphParallelConfig(cache_input_halo=False))
     with pytest.raises(GnnPipeError, match="cache_input_halo: false is not supported"):
-        check_hybrid_config(no_cache)
-    check_hybrid_config(run_cfg(stores[4], stages=2, ways=2, chunks=4))  # the same layout, cached: fine
+        check_config(no_cache)
+    check_config(run_cfg(stores[4], stages=2, ways=2, chunks=4))  # the same layout, cached: fine
 
 
 # --------------------------------------------------------------------------- the CLI under torchrun

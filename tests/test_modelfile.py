@@ -149,7 +149,7 @@ def test_payload_from_the_engine_and_upgrade_of_an_older_run(tmp_path, monkeypat
     from gnnpipe.atomic.engine import AtomicEngine
     from gnnpipe.atomic.inference import Predictor
     from gnnpipe.config import dump_run_config, load_workflow_config, resolve_runs, to_dict
-    from gnnpipe.evaluate import run_fingerprint
+    from gnnpipe.checkpoint import run_fingerprint
 
     s = data.generate(6, seed=4, progress=False)
     d = tmp_path / "data"

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from gnnpipe import costmodel as cm
+from gnnpipe.costmodel import bytes as cb, hardware as ch
 from gnnpipe.cli import build_parser
 from gnnpipe.planning import calibrate as cal
 from gnnpipe.planning import plan as pl
@@ -75,7 +75,7 @@ def test_chunk_ways_are_blocks_of_the_chunk_partition():
 
     a = partition_graph(g, "metis", 8, seed=0, balance_edges=True)
     for G in (2, 4):
-        way = a // (8 // G)  # way w owns chunks w·C/G .. (w+1)·C/G - 1, as HybridEngine
+        way = a // (8 // G)  # way w owns chunks w·C/G .. (w+1)·C/G - 1, as the layout engine
         halo = [len({int(u) for v in np.flatnonzero(way == w) for u in g.indices[g.indptr[v]:g.indptr[v + 1]]
                      if way[u] != w}) for w in range(G)]
         assert st["chunk_ways"]["8"][str(G)]["mirrors"] == halo
@@ -165,7 +165,7 @@ def small_stats():
 
 def test_plan_bytes_are_the_closed_forms(small_stats):
     stats, g = small_stats
-    hw = cm.load_hardware("8xgpu-pcie")
+    hw = ch.load_hardware("8xgpu-pcie")
     p = pl.plan(stats, GCN, g.num_features, g.num_classes, hw, 4)
     gnn = sh.build_model(GCN, g.num_features, g.num_classes)
     n_params = sum(q.numel() for q in gnn.parameters())
@@ -173,7 +173,7 @@ def test_plan_bytes_are_the_closed_forms(small_stats):
     graph = rows[("graph", 1, 4)]
     dims = gnn.exchange_dims()
     # the graph engine caches the input halo at set-up: convs 1.. exchange, both ways
-    assert graph.bytes == cm.graph_parallel_bytes(stats["partitions"]["4"]["mirrors"], dims, 4, n_params, 4,
+    assert graph.bytes == cb.graph_parallel_bytes(stats["partitions"]["4"]["mirrors"], dims, 4, n_params, 4,
                                                   first_input="local")
     assert graph.bytes["halo"] == 2 * stats["partitions"]["4"]["mirrors_total"] * sum(dims[1:]) * 4
     assert rows[("pipeline", 4, 1)].bytes["total"] == 2 * 3 * g.num_nodes * 16 * 4
@@ -183,7 +183,7 @@ def test_plan_bytes_are_the_closed_forms(small_stats):
     assert hybrid.bytes["halo"] == 2 * ways["mirrors_total"] * sum(dims[1:]) * 4
     assert ways["mirrors_total"] != stats["partitions"]["2"]["mirrors_total"]
     upper = pl.plan(stats, GCN, g.num_features, g.num_classes, hw, 4, first_input="exchanged")
-    assert upper.rows[0].bytes == cm.graph_parallel_bytes(stats["partitions"]["4"]["mirrors"], dims, 4,
+    assert upper.rows[0].bytes == cb.graph_parallel_bytes(stats["partitions"]["4"]["mirrors"], dims, 4,
                                                           n_params, 4)
     assert p.best is min(p.rows, key=lambda r: r.epoch_s)
     assert "Graph parallelism moves" in p.reason and "regardless of the cut" in p.reason
@@ -194,26 +194,26 @@ def test_plan_bytes_are_the_closed_forms(small_stats):
 def test_plan_needs_the_partitions_it_plans_for(small_stats):
     stats, g = small_stats
     with pytest.raises(GnnPipeError, match="lack a 32-part partition"):
-        pl.plan(stats, GCN, g.num_features, g.num_classes, cm.load_hardware("8xgpu-pcie"), 8)
+        pl.plan(stats, GCN, g.num_features, g.num_classes, ch.load_hardware("8xgpu-pcie"), 8)
     with pytest.raises(GnnPipeError, match="do not fit hardware"):
-        pl.plan(stats, GCN, g.num_features, g.num_classes, cm.load_hardware("8xgpu-pcie"), 16)
+        pl.plan(stats, GCN, g.num_features, g.num_classes, ch.load_hardware("8xgpu-pcie"), 16)
 
 
 def test_memory_filter_excludes_plans_that_do_not_fit(small_stats):
     stats, g = small_stats
-    hw = cm.load_hardware("8xgpu-pcie")
+    hw = ch.load_hardware("8xgpu-pcie")
     free = pl.plan(stats, GCN, g.num_features, g.num_classes, hw, 4)
     mems = sorted(r.peak_mem_bytes for r in free.rows)
     limit = (mems[0] + mems[-1]) / 2
     tight = pl.plan(stats, GCN, g.num_features, g.num_classes,
-                    cm.with_rates(hw, memory_gib=limit / 2**30), 4)
+                    ch.with_rates(hw, memory_gib=limit / 2**30), 4)
     fits = [r for r in tight.rows if r.memory["fits"]]
     assert 0 < len(fits) < len(tight.rows)
     assert all(r.peak_mem_bytes <= limit for r in fits)
     assert tight.best in fits and tight.best is min(fits, key=lambda r: r.epoch_s)
     assert "Excluded, out of memory" in tight.reason
     none = pl.plan(stats, GCN, g.num_features, g.num_classes,
-                   cm.with_rates(hw, memory_gib=mems[0] / 2 / 2**30), 4)
+                   ch.with_rates(hw, memory_gib=mems[0] / 2 / 2**30), 4)
     assert none.best is None and none.reason.startswith("No layout fits")
 
 
@@ -249,14 +249,14 @@ def test_reddit_regime_bytes_and_links():
     wins clearly; over NCCL-class PCIe compute dominates, the two are close, and the plan
     says above which link speed graph parallelism would win."""
     st, N = _reddit(), 232_965
-    nccl = pl.plan(st, DEEP, 602, 41, cm.load_hardware("8xgpu-pcie"), 8)
-    gloo = pl.plan(st, DEEP, 602, 41, cm.load_hardware("8xgpu-pcie-gloo"), 8)
+    nccl = pl.plan(st, DEEP, 602, 41, ch.load_hardware("8xgpu-pcie"), 8)
+    gloo = pl.plan(st, DEEP, 602, 41, ch.load_hardware("8xgpu-pcie-gloo"), 8)
     for p in (nccl, gloo):
         rows = {r.mode: r for r in p.rows}
         assert rows["pipeline"].bytes["total"] == 2 * 7 * N * 100 * 4
         halo = rows["graph"].bytes["halo"]
         assert halo == pytest.approx(2.1 * N * 2 * 31 * 100 * 4, rel=1e-5)  # input halo cached
-    upper = pl.plan(st, DEEP, 602, 41, cm.load_hardware("8xgpu-pcie"), 8, first_input="exchanged")
+    upper = pl.plan(st, DEEP, 602, 41, ch.load_hardware("8xgpu-pcie"), 8, first_input="exchanged")
     ratio = upper.rows[0].bytes["total"] / upper.rows[1].bytes["total"]
     assert ratio == pytest.approx(2.1 * (602 + 31 * 100) / (7 * 100), rel=0.01)  # DESIGN's form: ~11x
     g, pp = gloo.rows[0], gloo.rows[1]
@@ -288,7 +288,7 @@ def test_physics_regime_graph_parallelism_wins(hardware, balance):
     N = 34_493
     st = ps.override_mirror_ratio(_uniform_stats("physics", N, int(14.4 * N), 8415, 5, PHYSICS_LIKE,
                                                  PHYSICS_INNER), 8, 0.3)
-    p = pl.plan(st, DEEP, 8415, 5, cm.load_hardware(hardware), 8, balance=balance)
+    p = pl.plan(st, DEEP, 8415, 5, ch.load_hardware(hardware), 8, balance=balance)
     rows = {r.mode: r for r in p.rows}
     if hardware == "8xgpu-pcie":  # NCCL: a clear win
         assert p.best.mode == "graph" and rows["pipeline"].epoch_s > 1.5 * rows["graph"].epoch_s
@@ -343,7 +343,7 @@ def test_run_plan_on_a_graph_file(tmp_path):
 
 def test_calibrate_fits_positive_rates_on_the_real_layers():
     g = _graph(n=800, extra=800)
-    hw = cal.calibrate(g, ModelConfig(kind="gcn", layers=3, hidden=16), cm.load_hardware("cpu-2core"),
+    hw = cal.calibrate(g, ModelConfig(kind="gcn", layers=3, hidden=16), ch.load_hardware("cpu-2core"),
                       rows=(128, 512), reps=1)
     fit = hw.measured["calibration"]
     assert all(math.isfinite(v) and v > 0 for k, v in fit["rates"].items() if k != "layer_overhead_us")
@@ -379,8 +379,8 @@ def test_calibrate_command_writes_a_profile_the_report_finds(tmp_path):
     out = tmp_path / "fitted" / "gcn3.yaml"
     assert main(["calibrate", "--run-config", _run_yaml(tmp_path, graph_path, model),
                  "--hardware", "cpu-2core", "--out", str(out)]) == 0
-    hw = cm.load_hardware(out)
-    base = cm.load_hardware("cpu-2core")
+    hw = ch.load_hardware(out)
+    base = ch.load_hardware("cpu-2core")
     fit = hw.measured["calibration"]
     assert hw.name == "cpu-2core+ring" and fit["dataset"] == "ring" and fit["dtype"] == "float32"
     assert (hw.intra_bandwidth_gbs, hw.intra_latency_us) == (base.intra_bandwidth_gbs, base.intra_latency_us)

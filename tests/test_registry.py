@@ -25,7 +25,7 @@ def test_names_in_order_entries_by_name_and_clear_errors():
 
 
 def test_a_lazy_entry_is_imported_when_first_asked_for():
-    """The atomic kinds' names come without torch (the config and Snakemake list them); an entry is
+    """Every kind's name comes without torch (the config and Snakemake list them); an entry is
     imported from its module on first use."""
     import subprocess
     import sys
@@ -38,8 +38,16 @@ def test_a_lazy_entry_is_imported_when_first_asked_for():
     assert reg["path"] is os.path.join and reg.items() == [("path", os.path.join), ("eager", 1)]
     with pytest.raises(ValueError, match="a lazy entry is 'module:attribute'"):
         reg.register_lazy("bad", "os.path.join")
-    code = ("import sys; from gnnpipe.config import MODEL_KINDS; from gnnpipe.atomic.kinds import ATOMIC_MODELS; "
-            "assert 'torch' not in sys.modules, 'torch imported'; print(ATOMIC_MODELS.names()); "
-            "print(ATOMIC_MODELS['gemnet_t'].name, 'torch' in sys.modules)")
+    code = ("import sys; from gnnpipe.config import MODEL_KINDS; from gnnpipe.kinds import ATOMIC_MODELS, CONVS; "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(CONVS.names(), ATOMIC_MODELS.names()); "
+            "print(ATOMIC_MODELS['gemnet_t'].name, CONVS['sage'].name, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
-    assert out[:2] == ["('dimenetpp', 'gemnet_t')", "gemnet_t True"]
+    assert out[:2] == ["('gcn', 'sage', 'gat', 'gcnii', 'resgcn', 'mlp') ('dimenetpp', 'gemnet_t')", "gemnet_t sage True"]
+
+
+def test_every_entry_is_the_kind_it_is_registered_as():
+    """gnnpipe.kinds names each kind and where its entry is; the entry there says the same name."""
+    from gnnpipe.kinds import ATOMIC_MODELS, CONVS
+
+    for reg in (CONVS, ATOMIC_MODELS):
+        assert [entry.name for _, entry in reg.items()] == list(reg.names()), reg

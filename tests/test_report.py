@@ -261,14 +261,14 @@ def _with_run_yaml(d: Path, rec: dict, graph_path: Path, pipeline=None) -> None:
 
 
 def test_cost_model_prediction_beside_each_run_and_unavailable_ones(tmp_path, graph_file):
-    from gnnpipe import costmodel as cm
+    from gnnpipe.costmodel import hardware as ch
     from gnnpipe.config import ModelConfig, PipelineConfig
     from gnnpipe.planning.plan import predict_layout
     from gnnpipe.planning.shape import build_model, model_shape
     from gnnpipe.planning.stats import cached_graph_stats
     from gnnpipe.report.tables import PREDICTION_HEADER
 
-    hw = cm.load_hardware("cpu-2core")
+    hw = ch.load_hardware("cpu-2core")
     gnn = build_model(ModelConfig(kind="gcn", layers=4, hidden=8), 8, 3)
     stats = cached_graph_stats(graph_file, [2, 8])
     est = {mode: predict_layout(stats, gnn, model_shape(gnn), hw, mode, s, g, c, pipeline_cfg=PipelineConfig())

@@ -303,7 +303,7 @@ def test_engines_refuse_a_store_cut_from_another_graph(tmp_path, directed):
     from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, PipelineConfig,
                                 RunConfig, TrainingConfig)
     from gnnpipe.graph import write_graph
-    from gnnpipe.parallel.pipeline import PipelineEngine
+    from gnnpipe.parallel.engine import LayoutEngine
 
     other = random_graph(n=200, avg_degree=6, seed=6, symmetrize=False)
     graph_path, store_path = tmp_path / "graph.h5", tmp_path / "metis-2.h5"
@@ -315,8 +315,8 @@ def test_engines_refuse_a_store_cut_from_another_graph(tmp_path, directed):
                     pipeline=PipelineConfig(balance="uniform"), graph_parallel=GraphParallelConfig(),
                     workers=1, stages=1, ways=1, chunks=2)
     with pytest.raises(GnnPipeError, match=r"metis-2\.h5: stale: made from graph " + other.content_hash()[:12]):
-        PipelineEngine(cfg, None, None, "cpu")
+        LayoutEngine(cfg, None, None, "cpu")
     materialize(directed, partition_graph(directed, "metis", 2), store_path, graph_hash=directed.content_hash())
-    assert PipelineEngine(cfg, None, None, "cpu").N == directed.num_nodes
+    assert LayoutEngine(cfg, None, None, "cpu").N == directed.num_nodes
     with pytest.raises(GnnPipeError, match="no such graph file"):
-        PipelineEngine(replace(cfg, graph_path=str(tmp_path / "nope.h5")), None, None, "cpu")
+        LayoutEngine(replace(cfg, graph_path=str(tmp_path / "nope.h5")), None, None, "cpu")

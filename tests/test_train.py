@@ -22,7 +22,8 @@ def _no_global_mlflow(monkeypatch):
 
 
 def test_single_run_writes_record_checkpoint_and_mlflow(tmp_path):
-    from gnnpipe.evaluate import evaluate_run, load_checkpoint
+    from gnnpipe.checkpoint import load_checkpoint
+    from gnnpipe.evaluate import evaluate_run
     from gnnpipe.train import run
 
     cfg = run_cfg(tmp_path, {"kind": "gcn", "layers": 2, "hidden": 16, "dropout": 0.0})
@@ -103,7 +104,8 @@ def _kill_at(monkeypatch, at):
 
 
 def test_a_killed_run_leaves_no_model_pt_and_evaluate_refuses_its_checkpoint(tmp_path, monkeypatch):
-    from gnnpipe.evaluate import evaluate_run, load_checkpoint
+    from gnnpipe.checkpoint import load_checkpoint
+    from gnnpipe.evaluate import evaluate_run
     from gnnpipe.io import GnnPipeError
     from gnnpipe.train import run
 

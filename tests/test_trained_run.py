@@ -173,7 +173,7 @@ def test_relax_run_skips_test_systems_with_unseen_elements_and_says_when_none_is
     assert out["skipped_unseen_elements"] == skipped and skipped
     assert [r["name"] for r in out["per_system"]] == [str(s) for s in test if s not in skipped][:4]
     if len(skipped) == len(test):  # none left: said, not raised; the report's row and plot cope
-        from gnnpipe.atomic.report import is2rs_section
+        from gnnpipe.report.atomic import is2rs_section
         assert out["systems"] == 0 and "none relaxed" in out["note"] and out["ml_steps_mean"] is None
         record = {"run_id": cfg.run_id, "mode": "single", "dataset": "slabs", "model": "gemnet_t", "ways": 1}
         md = "\n".join(is2rs_section([Run(record, None, tmp_path, out)], tmp_path, str))

@@ -283,13 +283,13 @@ def _check(schema: dict, node: dict, tp, where: str) -> None:
 def test_schema_mirrors_the_config_dataclasses():
     """The schema common.smk validates with (the file, its model kinds from the registry) against the
     dataclasses; model.kind's enum is every node kind and every atomic kind registered."""
-    from gnnpipe.atomic.kinds import ATOMIC_MODELS
+    from gnnpipe.kinds import ATOMIC_MODELS, CONVS
     from gnnpipe.config import MODEL_KINDS, NODE_KINDS, workflow_schema
 
     schema = workflow_schema(SCHEMA)
     _check(schema, schema, WorkflowConfig, "config")
     assert schema["$defs"]["model"]["properties"]["kind"]["enum"] == list(MODEL_KINDS) == \
-        [*NODE_KINDS, *ATOMIC_MODELS.names()]
+        [*NODE_KINDS, *ATOMIC_MODELS.names()] == [*CONVS.names(), *ATOMIC_MODELS.names()]
     assert "enum" not in yaml.safe_load(SCHEMA.read_text())["$defs"]["model"]["properties"]["kind"]  # not retyped
 
 
@@ -340,7 +340,7 @@ def test_tiny_config_end_to_end(tmp_path):
         records[rid] = rec
     # the cost model: a profile fitted per (dataset, model with graph layers), named in the
     # report; the partition statistics are the rule's output, not a cache beside graph.h5
-    from gnnpipe.costmodel import load_hardware
+    from gnnpipe.costmodel.hardware import load_hardware
     from gnnpipe.graph import read_graph_attrs
     from gnnpipe.planning.stats import stats_cache_path
 

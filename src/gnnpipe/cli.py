@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stats", help="also write a JSON summary (edges, triplets per system)")
     g.set_defaults(func=_atom_graphs)
 
-    from .atomic.kinds import ATOMIC_MODELS
+    from .kinds import ATOMIC_MODELS
 
     pa = sub.add_parser("plan-atomic", help="memory per worker and bytes of an atomic model at P = 1, 2, 4, ...",
                         description="Size an atomic model (a kind and preset, e.g. gemnet_t xl, which may not fit "
@@ -432,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--resolve", metavar="RUN_ID", help="print this run's resolved config as YAML")
     s.set_defaults(func=_runs)
 
-    from .costmodel import FIRST_INPUT
+    from .costmodel.bytes import FIRST_INPUT
+    from .kinds import CONVS
     from .planning.calibrate import CLOCKS
     from .planning.shape import DTYPE_BYTES
 
@@ -452,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="scale every partition's mirrors so that G parts have R*N (e.g. 8:2.1, a "
                          "published figure for the graph the statistics stand in for)")
     pl.add_argument("--model", help="YAML of the model config (a models.<name> entry)")
-    pl.add_argument("--kind", choices=["gcn", "sage", "gat", "gcnii", "resgcn"], help="override model.kind")
+    pl.add_argument("--kind", choices=[k for k, kind in CONVS.items() if kind.work is not None],
+                    help="override model.kind (a kind with graph layers)")
     pl.add_argument("--layers", type=int, help="override model.layers")
     pl.add_argument("--hidden", type=int, help="override model.hidden")
     pl.add_argument("--hardware", required=True,

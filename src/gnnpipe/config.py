@@ -32,6 +32,8 @@ from typing import Any, Literal, Optional
 import yaml
 
 from .io import GnnPipeError
+from .kinds import ATOMIC_MODELS, CONVS
+from .layout import resolve_layout
 
 
 class ConfigError(GnnPipeError):
@@ -131,17 +133,11 @@ class DatasetConfig:
 
 
 # --------------------------------------------------------------------------- model & training
-#: Node-level model kinds (graph layers, gnnpipe.models); the atomic ones are the registry's.
-NODE_KINDS = ("gcn", "sage", "gat", "gcnii", "resgcn", "mlp")
-
-
-def _atomic_kinds() -> tuple[str, ...]:
-    from .atomic.kinds import ATOMIC_MODELS  # names only: no torch
-    return ATOMIC_MODELS.names()
-
+#: Node-level model kinds (graph layers, gnnpipe.models): the conv registry's names (no torch).
+NODE_KINDS = CONVS.names()
 
 #: Every model kind: the schema's enum and the CLI's choices are this tuple (common.smk injects it).
-MODEL_KINDS = NODE_KINDS + _atomic_kinds()
+MODEL_KINDS = NODE_KINDS + ATOMIC_MODELS.names()
 
 
 @dataclass
@@ -227,8 +223,8 @@ class GemNetTSpec(AtomicSpec):
 #: The config section of each atomic kind: ``models.<name>.<kind>`` (a field of ModelConfig). Its
 #: size fields are the kind's config fields (tests/test_config.py), the rest how it trains.
 ATOMIC_SPECS = {"dimenetpp": DimeNetPPSpec, "gemnet_t": GemNetTSpec}
-if set(ATOMIC_SPECS) != set(_atomic_kinds()):
-    raise ImportError(f"gnnpipe.config: atomic model kinds {_atomic_kinds()} registered, config sections for "
+if set(ATOMIC_SPECS) != set(ATOMIC_MODELS.names()):
+    raise ImportError(f"gnnpipe.config: atomic model kinds {ATOMIC_MODELS.names()} registered, config sections for "
                       f"{tuple(ATOMIC_SPECS)}: give every registered kind its section")
 
 
@@ -765,9 +761,7 @@ def run_pipeline(wf: WorkflowConfig, spec: RunSpec) -> PipelineConfig:
 
 def run_layout(wf: WorkflowConfig, spec: RunSpec) -> tuple[int, int, int, int]:
     """(workers, stages, ways, chunks) of a run, with the mode's defaults, validated
-    (``gnnpipe.parallel.dims.resolve_layout``: the rules every engine and the plan share)."""
-    from .parallel.dims import resolve_layout
-
+    (``gnnpipe.layout.resolve_layout``: the rules every engine and the plan share)."""
     if spec.mode == "graph" and wf.datasets[spec.dataset].kind == "atoms":  # ways x replicas, no chunks
         p, d = spec.workers, spec.data_parallel or 1
         if p < 1 or d < 1 or p % d:

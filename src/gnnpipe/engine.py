@@ -15,9 +15,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import TrainingConfig
+from .graph import Graph
 from .io import GnnPipeError
+from .models.block import Block
+from .models.model import GNN
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+SPLITS = ("train", "val", "test")
 
 
 class NonFiniteError(GnnPipeError):
@@ -82,3 +86,25 @@ def correct_counts(logits: Tensor, labels: Tensor, masks: dict[str, Tensor]) -> 
     pred = logits.argmax(dim=-1)
     hit = pred == labels
     return {k: (int(hit[m].sum()), int(m.sum())) for k, m in masks.items()}
+
+
+# --------------------------------------------------------------------------- exact metrics (single, evaluate)
+def graph_tensors(graph: Graph, dtype: torch.dtype, device) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Features, labels and split masks of ``graph`` as tensors on ``device``."""
+    x = torch.as_tensor(graph.features).to(device, dtype)
+    y = torch.as_tensor(graph.labels).to(device)
+    masks = {s: torch.as_tensor(getattr(graph, f"{s}_mask")).to(device) for s in SPLITS}
+    return x, y, masks
+
+
+@torch.no_grad()
+def exact_metrics(model: GNN, block: Block, x: Tensor, y: Tensor, masks: dict[str, Tensor]) -> dict[str, float]:
+    """Accuracy per split and the training loss, with dropout off, on one block."""
+    was_training = model.training
+    model.eval()
+    logits = model(x, block)
+    model.train(was_training)
+    out = {f"{k}_acc": (c / t if t else 0.0) for k, (c, t) in correct_counts(logits, y, masks).items()}
+    n_train = int(masks["train"].sum())
+    out["loss"] = float(ce_sum(logits, y, masks["train"]) / max(n_train, 1))
+    return out

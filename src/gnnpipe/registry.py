@@ -12,9 +12,9 @@ retyped; the code that builds a kind asks ``registry[name]`` and never switches 
 
 An entry may be registered *lazily*, as ``"module:attribute"``, imported the first time it is
 asked for: the names are then known without importing what the entries need (the config and
-Snakemake list the atomic kinds without importing torch). The atomic models
-(``gnnpipe.atomic.kinds``, defined in ``gnnpipe.atomic.protocol``) are one registry; the
-node-level convs are meant to be another instance of the same class.
+Snakemake list every kind without importing torch). The registries of kinds are in
+``gnnpipe.kinds``: the node models' convs (``CONVS``, entries in ``gnnpipe.models.<kind>``) and
+the atomic models (``ATOMIC_MODELS``, entries in ``gnnpipe.atomic.protocol``).
 """
 
 from __future__ import annotations

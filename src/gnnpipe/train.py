@@ -49,11 +49,12 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
+from .checkpoint import run_fingerprint
 from .config import BOUNDS, RunConfig, TrainingConfig, dump_run_config, to_dict
 from .engine import DTYPES, NonFiniteError
-from .evaluate import run_fingerprint
 from .io import GnnPipeError, write_json, write_text, write_torch
-from .parallel.dims import ParallelDims, ProcessGroups, build_groups
+from .layout import ParallelDims
+from .parallel.groups import ProcessGroups, build_groups
 
 
 # --------------------------------------------------------------------------- process set-up
@@ -112,16 +113,8 @@ def build_engine(cfg: RunConfig, groups: Optional[ProcessGroups], comm, device):
     if cfg.mode == "single":
         from .parallel.single import SingleEngine
         return SingleEngine(cfg, device)
-    if cfg.mode == "graph":
-        from .parallel.graph_parallel import GraphEngine
-        return GraphEngine(cfg, groups, comm, device)
-    if cfg.mode == "pipeline":
-        from .parallel.pipeline import PipelineEngine
-        return PipelineEngine(cfg, groups, comm, device)
-    if cfg.mode == "hybrid":
-        from .parallel.hybrid import HybridEngine
-        return HybridEngine(cfg, groups, comm, device)
-    raise GnnPipeError(f"unknown mode {cfg.mode!r}")
+    from .parallel.engine import LayoutEngine  # graph, pipeline, hybrid: one S x G x C engine
+    return LayoutEngine(cfg, groups, comm, device)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

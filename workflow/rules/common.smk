@@ -12,7 +12,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from gnnpipe.atomic.data import FORMAT_VERSIONS
-from gnnpipe.costmodel import hardware_path
+from gnnpipe.costmodel.hardware import hardware_path
 from gnnpipe.io import GnnPipeError
 from gnnpipe.config import (
     ConfigError,

@@ -142,9 +142,9 @@ class AtomicEngine:
             s = int(edges.argmin())
             raise GnnPipeError(f"graph parallelism over {self.ways} ways: system {s} has only {int(edges[s])} "
                                f"edges within the cutoff; use at most {int(edges.min())} workers per replica")
-        # the groups of gnnpipe.parallel.dims.build_groups: the replica's ways (stage group) and
-        # this way's replicas (data group); None where a layout has only one
-        self.graph_pg = groups.stage if groups is not None else None
+        # the groups of gnnpipe.parallel.groups.build_groups: the replica's graph ways (graph group)
+        # and this way's replicas (data group); None where a layout has only one
+        self.graph_pg = groups.graph if groups is not None else None
         self.dp_group = groups.data if groups is not None and self.replicas > 1 else None
         self.grp = EdgeGroup(comm, self.graph_pg, self.ways, self.way) if self.ways > 1 else None
         self.ids = {name: np.nonzero(self.systems["split"] == i)[0] for i, name in enumerate(SPLIT_NAMES)}

@@ -295,8 +295,8 @@ def upgrade_run(run_dir, out=None) -> Path:
     format version 1), from its ``run.yaml`` and data files, as ``evaluate`` refits them; writes
     a bare model file (default ``<run_dir>/model-v1.pt``, which ``load_model_file(run_dir)`` then
     reads) and returns its path."""
+    from ..checkpoint import check_checkpoint
     from ..config import load_run_config
-    from ..evaluate import check_checkpoint
     from .engine import AtomicEngine
 
     run_dir = Path(run_dir)

@@ -10,7 +10,7 @@ forces when the model is in training mode) or by a direct head. The model reads 
 ``AtomGraph`` holds and reduces only through its calls, so it runs unchanged as one rank of a
 graph-parallel group. The trainer never reaches into its submodules.
 
-A kind is registered once (its name in ``gnnpipe.atomic.kinds``, its entry here), with
+A kind is registered once (its name in ``gnnpipe.kinds``, its entry here), with
 everything the rest of the package asks about it (:class:`AtomicModelKind`): the config class and its presets, the model class, the exact
 parameter count, the closed-form bytes of a training step, the memory per worker, and the
 ``AtomGraph`` index sets and edge symmetry its graphs must have. Schema enums and CLI choices
@@ -33,9 +33,9 @@ from typing import Any, Callable, Mapping, Optional
 
 from torch import nn
 
+from ..kinds import ATOMIC_MODELS
 from . import dimenetpp, dimenetpp_costs, gemnet, gemnet_layers
 from .dimenetpp import DimeNetPPModel
-from .kinds import ATOMIC_MODELS
 
 __all__ = ["ATOMIC_MODELS", "AtomicModelKind", "DIMENETPP", "GEMNET_T", "DimeNetPPModel"]
 

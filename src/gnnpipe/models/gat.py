@@ -6,7 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..costmodel.work import LayerCost, LayerSpec, Work, finish
 from .block import Block
+from .kinds import ConvKind
+from .layer import plain_stack
 from .ops import edge_softmax, edge_spmm, self_loop_csr
 
 
@@ -43,6 +46,8 @@ class GATConv(nn.Module):
     (transform first) or on ``x`` then transforms (aggregate first), whichever is cheaper
     (both exact).
     """
+
+    kind = "gat"
 
     def __init__(self, in_dim: int, out_dim_head: int, heads: int = 1, *, concat: bool = True,
                  negative_slope: float = 0.2, attn_dropout: float = 0.0, bias: bool = True):
@@ -96,6 +101,39 @@ class GATConv(nn.Module):
             agg = 2.0 * (n * F_ * H * D + nnz * H * D)
         return scores + agg
 
+    @staticmethod
+    def work(spec: LayerSpec, n_dst: float, n_src: float, nnz: float, memoised: bool) -> LayerCost:
+        """Scores, softmax and attention dropout per (entry with self edges, head), the
+        aggregation in the order :meth:`forward` picks; backward adds the SDDMM."""
+        d_in = float(spec.d_in)
+        H, D = float(spec.heads), float(spec.head_dim or spec.d_out)
+        m = nnz + n_dst  # with self edges
+        score = 2.0 * (n_src + n_dst) * d_in * H  # x . (W^T a) for sources and destinations
+        g = 2.0 if spec.input_grad else 1.0
+        if _aggregate_first(n_src, n_dst, m, d_in, H, D):
+            mm, width, saved_dst, saved_src = 2.0 * n_dst * H * d_in * D, d_in, H * d_in, 0.0
+        else:
+            mm, width, saved_dst, saved_src = 2.0 * n_src * d_in * H * D, D, 0.0, H * D
+        fwd = Work(dense=score + mm, sparse=H * m * width, elem=9.0 * m * H)
+        bwd = Work(dense=g * (score + mm), sparse=2.0 * H * m * width, elem=12.0 * m * H)
+        c = LayerCost(fwd, bwd, saved_dst=saved_dst, saved_src=saved_src, saved_entry=2.0 * H, temp_src=H * D)
+        return finish(c, spec, n_dst, bias=True, mask=True)
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.in_dim}, {self.out_dim_head}, heads={self.heads}"
                 f"{'' if self.concat else ', concat=False'})")
+
+
+def _gat_conv(cfg, d_in: int, d_out: int, first: bool, last: bool) -> GATConv:
+    """Hidden layers split ``hidden`` over ``cfg.heads`` concatenated heads; the last averages them."""
+    if last:
+        return GATConv(d_in, d_out, heads=cfg.heads, concat=False)
+    if d_out % cfg.heads:
+        raise ValueError(f"gat: hidden ({d_out}) must be a multiple of heads ({cfg.heads})")
+    return GATConv(d_in, d_out // cfg.heads, heads=cfg.heads, concat=True)
+
+
+#: the kind's registry entry (gnnpipe.kinds.CONVS["gat"])
+KIND = ConvKind(
+    name="gat", description="GAT (Velickovic et al. 2018): multi-head attention over in-edges and a self edge",
+    stack=plain_stack(_gat_conv), work=GATConv.work)

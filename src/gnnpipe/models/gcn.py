@@ -5,19 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..costmodel.work import LayerCost, LayerSpec, aggregate_first, finish, linear_aggregate, memoised_linear
 from .block import Block
+from .kinds import ConvKind
+from .layer import plain_stack
 from .ops import gcn_aggregate, static_aggregate
 
-
-def aggregate_first(n_src: int, n_dst: int, nnz: int, d_in: int, d_out: int) -> bool:
-    """Whether ``(A x) W`` is cheaper than ``A (x W)`` for a linear map ``d_in -> d_out``.
-
-    Both orders are exact; their multiply-add counts are ``nnz d_in + n_dst d_in d_out``
-    and ``n_src d_in d_out + nnz d_out``. On a whole-graph block this is "aggregate the
-    narrower side"; on a chunk against the whole graph (``n_dst << n_src``) aggregating
-    first avoids transforming every source row once per chunk.
-    """
-    return nnz * d_in + n_dst * d_in * d_out <= n_src * d_in * d_out + nnz * d_out
+__all__ = ["GCNConv", "aggregate_first", "matmul_spmm_flops"]
 
 
 def matmul_spmm_flops(num_nodes: int, nnz: int, d_in: int, d_out: int) -> float:
@@ -46,6 +40,8 @@ class GCNConv(nn.Module):
     a stack, fed raw features), an input without gradient that comes back unchanged is
     aggregated once and the result reused (:func:`~gnnpipe.models.ops.static_aggregate`).
     """
+
+    kind = "gcn"
 
     def __init__(self, in_dim: int, out_dim: int, bias: bool = True, *, static_input: bool = False):
         super().__init__()
@@ -82,5 +78,23 @@ class GCNConv(nn.Module):
             return 2.0 * num_nodes * self.in_dim * self.out_dim
         return matmul_spmm_flops(num_nodes, num_nodes + num_edges, self.in_dim, self.out_dim)
 
+    @staticmethod
+    def work(spec: LayerSpec, n_dst: float, n_src: float, nnz: float, memoised: bool) -> LayerCost:
+        """Work on a block of ``n_dst`` rows, ``n_src`` sources, ``nnz`` in-edges (plus a self
+        loop per row), in the order :meth:`forward` picks; memoised: the matmul alone."""
+        d_in, d_out = float(spec.d_in), float(spec.d_out)
+        if memoised:  # (A x) W with A x memoised: the matmul and its weight gradient
+            c = memoised_linear(n_dst, d_in, d_out)
+        else:
+            c = linear_aggregate(n_dst, n_src, nnz + n_dst, d_in, d_out, spec.input_grad)
+        return finish(c, spec, n_dst, bias=True, mask=True)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.in_dim}, {self.out_dim})"
+
+
+#: the kind's registry entry (gnnpipe.kinds.CONVS["gcn"])
+KIND = ConvKind(
+    name="gcn", description="GCN (Kipf & Welling 2017): symmetric normalisation, self loops",
+    stack=plain_stack(lambda cfg, d_in, d_out, first, last: GCNConv(d_in, d_out, static_input=first)),
+    work=GCNConv.work)

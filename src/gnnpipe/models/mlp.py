@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from .kinds import ConvKind, Stack
+
 
 def mlp_encoder(in_features: int, hidden: int, num_classes: int, layers: int,
                 dropout: float) -> nn.Sequential:
@@ -22,3 +24,12 @@ def mlp_encoder(in_features: int, hidden: int, num_classes: int, layers: int,
         if i < layers - 1:
             mods += [nn.ReLU(), nn.Dropout(dropout)]
     return nn.Sequential(*mods)
+
+
+def _stack(cfg, in_features: int, num_classes: int) -> Stack:
+    return mlp_encoder(in_features, cfg.hidden, num_classes, cfg.layers, cfg.dropout), [], None
+
+
+#: the kind's registry entry (gnnpipe.kinds.CONVS["mlp"])
+KIND = ConvKind(
+    name="mlp", description="the no-graph baseline: a per-node MLP (all encoder, no conv)", stack=_stack)

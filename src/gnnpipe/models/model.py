@@ -25,66 +25,14 @@ Architectures (``cfg.kind``), ``L = cfg.layers``, ``H = cfg.hidden``:
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
+from ..kinds import CONVS
 from .block import Block
-from .gat import GATConv
-from .gcn import GCNConv
-from .gcnii import GCNIIConv
-from .mlp import mlp_encoder
-from .resgcn import ResGCNLayer
-from .sage import SAGEConv
+from .layer import GraphLayer  # noqa: F401  (the plain stacks' layer, imported from here too)
 
-KINDS = ("gcn", "sage", "gat", "gcnii", "resgcn", "mlp")
-
-
-class GraphLayer(nn.Module):
-    """A conv and what follows it in a plain stack: LayerNorm?, ReLU?, dropout.
-
-    ``layer(h_src, block) -> (n_dst, conv.out_dim)``; the post-processing is per row, so
-    it acts on the destination rows only (what the layer produces). Dropout on the output,
-    not the input, means each row is dropped once, by the worker that owns it.
-    """
-
-    def __init__(self, conv: nn.Module, *, norm: bool = False, act: bool = False,
-                 dropout: float = 0.0):
-        super().__init__()
-        self.conv = conv
-        self.norm = nn.LayerNorm(conv.out_dim) if norm else None
-        self.act = act
-        self.dropout = dropout
-
-    @property
-    def in_dim(self) -> int:
-        return self.conv.in_dim
-
-    @property
-    def out_dim(self) -> int:
-        return self.conv.out_dim
-
-    def reset_parameters(self) -> None:
-        self.conv.reset_parameters()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-
-    def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None) -> Tensor:
-        h = self.conv(h_src, block, x0_dst)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.act:  # in place: the conv's and the norm's backward do not read their output
-            h = F.relu_(h)
-        return F.dropout(h, self.dropout, self.training)
-
-    def cost(self, num_nodes: int, num_edges: int) -> float:
-        extra = num_nodes * self.out_dim * ((8 if self.norm is not None else 0) + self.act)
-        return self.conv.cost(num_nodes, num_edges) + float(extra)
-
-    def extra_repr(self) -> str:
-        parts = ["norm=layer" if self.norm is not None else None, "act=relu" if self.act else None,
-                 f"dropout={self.dropout}" if self.dropout else None]
-        return ", ".join(p for p in parts if p)
+KINDS = CONVS.names()  # ("gcn", "sage", "gat", "gcnii", "resgcn", "mlp"): the registry's order
 
 
 class GNN(nn.Module):
@@ -92,56 +40,25 @@ class GNN(nn.Module):
 
     Every conv is called ``conv(h_src, block, x0_dst=None) -> h_dst``; ``needs_x0`` says
     whether the convs read the initial residual ``x0_dst`` (the encoder's output on the
-    destination rows; GCNII).
+    destination rows; GCNII). The kind's registry entry (``CONVS[cfg.kind]``, ``self.spec``)
+    builds the stack and declares its convs' exchange width.
     """
 
     def __init__(self, cfg: ModelConfig, in_features: int, num_classes: int):
         super().__init__()
-        if cfg.kind not in KINDS:
-            raise ValueError(f"unknown model kind {cfg.kind!r} (known: {', '.join(KINDS)})")
+        if cfg.kind not in CONVS:
+            raise ValueError(f"unknown model kind {cfg.kind!r} (known: {', '.join(CONVS.names())})")
         if cfg.layers < 1:
             raise ValueError(f"model.layers must be >= 1, got {cfg.layers}")
         self.kind = cfg.kind
+        self.spec = CONVS[cfg.kind]
         self.in_features, self.num_classes, self.hidden = in_features, num_classes, cfg.hidden
-        self.needs_x0 = cfg.kind == "gcnii"
-        L, H, C, p = cfg.layers, cfg.hidden, num_classes, cfg.dropout
-        encoder: nn.Module | None = None
-        decoder: nn.Module | None = None
-        convs: list[nn.Module] = []
-        if cfg.kind in ("gcn", "sage", "gat"):
-            dims = [in_features] + [H] * (L - 1) + [C]
-            for i in range(L):
-                last = i == L - 1
-                conv = self._plain_conv(cfg, dims[i], dims[i + 1], i == 0, last)
-                convs.append(GraphLayer(conv, norm=cfg.norm == "layer" and not last,
-                                        act=not last, dropout=0.0 if last else p))
-        elif cfg.kind == "gcnii":
-            encoder = nn.Sequential(nn.Linear(in_features, H), nn.ReLU(), nn.Dropout(p))
-            convs = [GCNIIConv(H, layer=l, alpha=cfg.alpha, lambda_=cfg.lambda_, dropout=p)
-                     for l in range(1, L + 1)]
-            decoder = nn.Linear(H, C)
-        elif cfg.kind == "resgcn":
-            encoder = nn.Linear(in_features, H)
-            convs = [ResGCNLayer(H, dropout=p) for _ in range(L)]
-            decoder = nn.Sequential(nn.LayerNorm(H), nn.ReLU(), nn.Linear(H, C))
-        else:  # mlp
-            encoder = mlp_encoder(in_features, H, C, L, p)
+        self.needs_x0 = self.spec.needs_x0
+        encoder, convs, decoder = self.spec.stack(cfg, in_features, num_classes)
         # registered in construction order, so reset_parameters() draws the same numbers
         self.encoder = encoder
         self.convs = nn.ModuleList(convs)
         self.decoder = decoder
-
-    @staticmethod
-    def _plain_conv(cfg: ModelConfig, d_in: int, d_out: int, first: bool, last: bool) -> nn.Module:
-        if cfg.kind == "gcn":
-            return GCNConv(d_in, d_out, static_input=first)
-        if cfg.kind == "sage":
-            return SAGEConv(d_in, d_out, static_input=first)
-        if last:
-            return GATConv(d_in, d_out, heads=cfg.heads, concat=False)
-        if d_out % cfg.heads:
-            raise ValueError(f"gat: hidden ({d_out}) must be a multiple of heads ({cfg.heads})")
-        return GATConv(d_in, d_out // cfg.heads, heads=cfg.heads, concat=True)
 
     # ------------------------------------------------------------------ pieces
     def encode(self, x: Tensor) -> Tensor:
@@ -181,8 +98,9 @@ class GNN(nn.Module):
 
     # ------------------------------------------------------------------ shapes and costs
     def exchange_dims(self) -> list[int]:
-        """Input width of every conv: what one mirror/chunk row costs per layer, in values."""
-        return [conv.in_dim for conv in self.convs]
+        """What one mirror/chunk row of every conv's input costs on the wire, in values: each
+        conv kind's own declaration (``ConvKind.exchange_width``; its input width today)."""
+        return [self.spec.exchange_width(conv) for conv in self.convs]
 
     def conv_out_dims(self) -> list[int]:
         """Output width of every conv."""

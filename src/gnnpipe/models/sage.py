@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..costmodel.work import LayerCost, LayerSpec, aggregate_first, finish, linear_aggregate, memoised_linear
 from .block import Block
-from .gcn import aggregate_first, matmul_spmm_flops
+from .gcn import matmul_spmm_flops
+from .kinds import ConvKind
+from .layer import plain_stack
 from .ops import mean_aggregate, static_aggregate
 
 
@@ -25,6 +28,8 @@ class SAGEConv(nn.Module):
     ``static_input``: see :class:`~gnnpipe.models.gcn.GCNConv` (the neighbour mean of
     raw features is computed once).
     """
+
+    kind = "sage"
 
     def __init__(self, in_dim: int, out_dim: int, bias: bool = True, *, static_input: bool = False):
         super().__init__()
@@ -62,5 +67,31 @@ class SAGEConv(nn.Module):
             return 2.0 * mm
         return matmul_spmm_flops(num_nodes, num_edges, self.in_dim, self.out_dim) + mm
 
+    @staticmethod
+    def work(spec: LayerSpec, n_dst: float, n_src: float, nnz: float, memoised: bool) -> LayerCost:
+        """The neighbour term as :meth:`forward` orders it (memoised: its matmul alone), plus
+        the self term's matmul (and its input gradient)."""
+        d_in, d_out = float(spec.d_in), float(spec.d_out)
+        if memoised:
+            c = memoised_linear(n_dst, d_in, d_out)
+            mm = 2.0 * n_dst * d_in * d_out
+            c.fwd.dense += mm  # the self term, and its weight gradient
+            c.bwd.dense += mm
+            c.saved_dst += d_in
+        else:
+            c = linear_aggregate(n_dst, n_src, nnz, d_in, d_out, spec.input_grad)
+            self_mm = 2.0 * n_dst * d_in * d_out
+            c.fwd.dense += self_mm
+            c.bwd.dense += self_mm * (2.0 if spec.input_grad else 1.0)
+            c.saved_dst += d_in
+        return finish(c, spec, n_dst, bias=True, mask=True)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.in_dim}, {self.out_dim}, aggr=mean)"
+
+
+#: the kind's registry entry (gnnpipe.kinds.CONVS["sage"])
+KIND = ConvKind(
+    name="sage", description="GraphSAGE-mean (Hamilton et al. 2017): a self weight and a neighbour mean",
+    stack=plain_stack(lambda cfg, d_in, d_out, first, last: SAGEConv(d_in, d_out, static_input=first)),
+    work=SAGEConv.work)

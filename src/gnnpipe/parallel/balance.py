@@ -31,7 +31,7 @@ import torch
 
 from ..io import GnnPipeError
 from ..models.block import Block
-from .dims import check_stages
+from ..layout import check_stages
 
 METHODS = ("uniform", "estimate", "profile")
 

@@ -73,7 +73,7 @@ class Communicator:
     """Collectives, p2p, a byte ledger and a comm timer for one rank (docs/ARCHITECTURE.md)."""
 
     def __init__(self, groups=None, device: torch.device | str = "cpu", *, sync_cuda_timing: bool = True):
-        self.groups = groups  # gnnpipe.parallel.dims.ProcessGroups (None: the default world, or no world)
+        self.groups = groups  # gnnpipe.parallel.groups.ProcessGroups (None: the default world, or no world)
         self.device = torch.device(device)
         self.initialized = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.initialized else 0

@@ -1,5 +1,6 @@
-"""Halo exchange, the autograd pair of graph parallelism (``HaloPlan``, ``start_halo``,
-``finish_halo``, ``halo_exchange``); the bytes go through :class:`~gnnpipe.parallel.comm.Communicator`.
+"""Halo exchange: the one plan type (``HaloPlan``, from the chunk store's send lists, for every
+layout: :func:`way_plans`) and the autograd pair (``start_halo``, ``finish_halo``,
+``halo_exchange``); the bytes go through :class:`~gnnpipe.parallel.comm.Communicator`.
 
 Graph parallelism, one layer. Part p owns rows h_p (n_p, D) and needs, as sources of
 its edges, the halo rows owned by other parts. Stack every part's halo as
@@ -40,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -48,11 +50,13 @@ from .comm import Communicator, Work
 
 @dataclass
 class HaloPlan:
-    """The static index lists of one part's halo exchange (from the chunk store).
+    """The static index lists of one halo exchange (from the chunk store).
 
     ``send_index`` concatenates, in group-rank order, the local rows every peer needs
     (``store.send_index(p)``); ``send_rows[q]`` how many go to ``q``; ``recv_rows[q]`` how
-    many of this part's halo rows ``q`` owns (``store.recv_counts(p)``).
+    many of this part's halo rows ``q`` owns (``store.recv_counts(p)``). ``recv_pos``: where
+    the received rows go in the receiver's source rows (own rows, then its halo); ``None``:
+    right after the own rows, in order (a part whose whole halo arrives at once).
     """
 
     send_index: Tensor  # int64 (sum(send_rows),) local row ids
@@ -60,6 +64,7 @@ class HaloPlan:
     recv_rows: list[int]
     n_own: int
     group: object = None
+    recv_pos: Optional[Tensor] = None  # int64 (sum(recv_rows),) positions in the source rows
 
     @classmethod
     def from_lists(cls, send_index: Sequence, recv_counts: Sequence[int], n_own: int,
@@ -78,6 +83,47 @@ class HaloPlan:
     @property
     def n_send(self) -> int:
         return sum(self.send_rows)
+
+
+def way_plans(store, way: int, ways: int, halo: np.ndarray, device=None, group=None
+              ) -> tuple[list[HaloPlan], HaloPlan]:
+    """The exchanges of way ``way`` of ``ways`` (chunks ``way·c .. (way+1)·c - 1``, ``c = C / ways``),
+    derived from the chunk store's send lists alone (no negotiation at run time).
+
+    Returns, per local chunk index ``j``, the plan of the *step* that computes chunks ``q·c + j``
+    on every way ``q`` at once: the rows of this way's chunk ``j`` that each other way's halo
+    lists (its send list, rows local to the chunk, in that way's halo order) and where the rows
+    of the other ways' chunks ``j`` land in this way's source rows; and the plan of the way's
+    whole block (the exact passes), every step's at once. ``halo``: the way's halo ``H_g``
+    (sorted new ids; grouped by owner way since ways are contiguous id ranges). With one chunk
+    per way a step is the whole way: the plan is the store's own list for the part
+    (``send_index(p)``, ``recv_counts(p)``): graph parallelism.
+    """
+    c = store.num_parts // ways
+    offsets = store.offsets
+    mine = [way * c + j for j in range(c)]
+    base = int(offsets[mine[0]])
+    owner = store.part_of(halo)  # chunk of each halo row
+    steps, way_send = [], [[] for _ in range(ways)]
+    for j, chunk in enumerate(mine):
+        lists = store.send_index(chunk)  # per chunk q: rows of `chunk` q's halo lists
+        send = [np.zeros(0, np.int64) if q == way else
+                np.unique(np.concatenate([lists[p] for p in range(q * c, (q + 1) * c)]).astype(np.int64))
+                for q in range(ways)]
+        pos = [np.flatnonzero(owner == q * c + j) for q in range(ways)]
+        for q in range(ways):
+            way_send[q].append(send[q] + int(offsets[chunk]) - base)
+        steps.append(HaloPlan.from_lists(send, [len(p) for p in pos], int(offsets[chunk + 1] - offsets[chunk]),
+                                         device, group))
+        steps[-1].recv_pos = torch.as_tensor(store.offsets[mine[-1] + 1] - base + np.concatenate(pos),
+                                             dtype=torch.int64).to(device)
+    whole = HaloPlan.from_lists([np.concatenate(w) for w in way_send],
+                                [int(np.sum(owner // c == q)) for q in range(ways)],
+                                int(offsets[mine[-1] + 1]) - base, device, group)
+    if sum(whole.recv_rows) != len(halo):
+        raise ValueError(f"way {way}: its halo ({len(halo)} rows) is not what its chunks' owners send "
+                         f"({sum(whole.recv_rows)}); rebuild the chunk store")
+    return steps, whole
 
 
 class _HaloState:

@@ -12,8 +12,8 @@ import time
 import torch
 
 from ..config import RunConfig
-from ..engine import DTYPES, EpochStats, NonFiniteError, ce_sum, load_train_state, make_optimizer, train_state
-from ..evaluate import exact_metrics, graph_tensors
+from ..engine import (DTYPES, EpochStats, NonFiniteError, ce_sum, exact_metrics, graph_tensors, load_train_state,
+                      make_optimizer, train_state)
 from ..graph import read_graph
 from ..models.block import Block
 from ..models.model import GNN

@@ -12,11 +12,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
+import yaml
 
-from .. import costmodel as cm
-from ..config import ModelConfig, to_dict
-from ..io import GnnPipeError
-from .plan import predict_layout
+from ..config import ModelConfig, RunConfig, load_run_config, to_dict
+from ..costmodel.hardware import Hardware, load_hardware
+from ..costmodel.work import Work, layer_cost, rowwise_work
+from ..graph import read_graph, read_graph_attrs
+from ..io import GnnPipeError, write_text
+from .predict import predict_layout
 from .shape import DTYPE_BYTES, build_model, model_shape
 
 FLUSH_BYTES = 128 * 2**20
@@ -61,9 +64,9 @@ def sample_blocks(graph, rows: int, dtype):
     return chunk, part
 
 
-def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = None, *,
+def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[Hardware] = None, *,
               rows: Sequence[int] = (2048, 8192), reps: int = 5, threads: int = 1,
-              dtype: str = "float32", clock: str = "wall", evict: bool = True) -> cm.Hardware:
+              dtype: str = "float32", clock: str = "wall", evict: bool = True) -> Hardware:
     """Fit the compute rates of ``hardware`` to this machine, on the real graph and model.
 
     Times (median of ``reps``), with ``threads`` compute threads: each distinct conv of
@@ -102,7 +105,7 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = N
         gen = torch.Generator().manual_seed(0)
         X, y, names = [], [], []
 
-        def add(name, work: cm.Work, seconds: float):
+        def add(name, work: Work, seconds: float):
             X.append([work.dense, work.sparse, work.elem, work.rng, work.calls])
             y.append(seconds)
             names.append(name)
@@ -120,7 +123,7 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = N
                         h.requires_grad_(spec.input_grad)
                         x0 = (torch.randn(block.n_dst, spec.d_in, dtype=tdtype, generator=gen)
                               if gnn.needs_x0 else None)
-                        lc = cm.layer_cost(spec, block.n_dst, block.n_src, block.nnz)
+                        lc = layer_cost(spec, block.n_dst, block.n_src, block.nnz)
                         out = {}
 
                         def fwd():
@@ -139,23 +142,23 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = N
                     # bare kernels on this block: SpMM and a matmul at the hidden width
                     d = shape.layers[-1].d_in
                     xs = torch.randn(block.n_src, d, dtype=tdtype, generator=gen)
-                    add(f"spmm {bname} {r} width {d}", cm.Work(sparse=(block.nnz + block.n_dst) * d),
+                    add(f"spmm {bname} {r} width {d}", Work(sparse=(block.nnz + block.n_dst) * d),
                         median_time(lambda: gcn_aggregate(xs, block), reps, cold, clock))
                     w = torch.randn(d, d, dtype=tdtype, generator=gen)
-                    add(f"matmul {block.n_src}x{d}x{d}", cm.Work(dense=2.0 * block.n_src * d * d),
+                    add(f"matmul {block.n_src}x{d}x{d}", Work(dense=2.0 * block.n_src * d * d),
                         median_time(lambda: xs @ w, reps, cold, clock))
-                    add(f"relu+add {block.n_src}x{d}", cm.Work(elem=2.0 * block.n_src * d),
+                    add(f"relu+add {block.n_src}x{d}", Work(elem=2.0 * block.n_src * d),
                         median_time(lambda: torch.relu(xs).add_(1.0), reps, cold, clock))
-                    add(f"dropout {block.n_src}x{d}", cm.Work(rng=block.n_src * d, elem=block.n_src * d),
+                    add(f"dropout {block.n_src}x{d}", Work(rng=block.n_src * d, elem=block.n_src * d),
                         median_time(lambda: torch.nn.functional.dropout(xs, 0.5), reps, cold, clock))
                 n = min(r, graph.num_nodes)
                 if shape.encoder:
                     x = torch.randn(n, graph.num_features, dtype=tdtype, generator=gen)
-                    add(f"encoder {n} rows", cm.rowwise_work(shape.encoder, n, False, shape.encoder_dropout),
+                    add(f"encoder {n} rows", rowwise_work(shape.encoder, n, False, shape.encoder_dropout),
                         median_time(lambda: gnn.encode(x).sum().backward(), reps, cold, clock))
                 if shape.decoder:
                     hd = torch.randn(n, shape.decoder[0][0], dtype=tdtype, generator=gen).requires_grad_()
-                    add(f"decoder {n} rows", cm.rowwise_work(shape.decoder, n, True),
+                    add(f"decoder {n} rows", rowwise_work(shape.decoder, n, True),
                         median_time(lambda: gnn.decode(hd).sum().backward(), reps, cold, clock))
     finally:
         torch.set_num_threads(old_threads)
@@ -167,7 +170,7 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = N
     coef, _ = nnls((A / scale) / t[:, None], np.ones_like(t))  # relative errors
     coef = coef / scale  # seconds per unit of each kind of work
     pred = A @ coef
-    base = hardware or cm.Hardware(name="calibrated-cpu", workers_per_node=max(1, os.cpu_count() or 1),
+    base = hardware or Hardware(name="calibrated-cpu", workers_per_node=max(1, os.cpu_count() or 1),
                                    memory_gib=8.0, dense_gflops=1.0, sparse_gvalues=1.0,
                                    elementwise_gvalues=1.0, intra_bandwidth_gbs=1.0,
                                    intra_latency_us=50.0, nodes=1)
@@ -187,16 +190,13 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[cm.Hardware] = N
     return replace(base, **rates, measured={**base.measured, "calibration": fit})
 
 
-def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> cm.Hardware:
+def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> Hardware:
     """:func:`calibrate` on what one run trains: its graph, model, dtype and threads per
     worker. The result is named ``<profile>+<dataset>`` and keeps the profile's links; its
     ``measured["calibration"]`` records the model config and the graph's content hash, so
     that a report can match it to the runs it stands for (:func:`find_calibration`)."""
-    from ..config import RunConfig, load_run_config
-    from ..graph import read_graph, read_graph_attrs
-
     cfg = run_config if isinstance(run_config, RunConfig) else load_run_config(run_config)
-    hw = hardware if isinstance(hardware, cm.Hardware) else cm.load_hardware(hardware)
+    hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
     threads = cfg.training.threads_per_worker
     if clock == "cpu" and threads != 1:
         clock = "wall"  # the CPU clock of one thread says nothing about a team of threads
@@ -223,22 +223,18 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> cm.Hardware:
                    measured={**out.measured, "calibration": fit})
 
 
-def write_hardware(hw: cm.Hardware, path: str | os.PathLike) -> None:
-    """Write a profile as YAML that :func:`gnnpipe.costmodel.load_hardware` reads back."""
-    import yaml
-
-    from ..io import write_text
-
+def write_hardware(hw: Hardware, path: str | os.PathLike) -> None:
+    """Write a profile as YAML that :func:`gnnpipe.costmodel.hardware.load_hardware` reads back."""
     write_text(path, yaml.safe_dump(hw.as_dict(), sort_keys=False))
 
 
 def find_calibration(directory: str | os.PathLike, model_cfg: ModelConfig, graph_hash: str,
-                     dtype: str = "float32") -> Optional[cm.Hardware]:
+                     dtype: str = "float32") -> Optional[Hardware]:
     """The profile in ``directory`` (``*.yaml``, written by :func:`calibrate_run`) fitted to
     this model config, dtype and graph content, or None."""
     want = to_dict(model_cfg)
     for path in sorted(Path(directory).glob("*.yaml")):
-        hw = cm.load_hardware(path)
+        hw = load_hardware(path)
         fit = hw.measured.get("calibration") or {}
         if fit.get("model") == want and fit.get("graph_hash") == graph_hash and fit.get("dtype") == dtype:
             return hw

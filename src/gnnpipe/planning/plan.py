@@ -15,6 +15,7 @@ them (:func:`gnnpipe.planning.calibrate.calibrate`) before planning.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -22,10 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .. import costmodel as cm
 from ..config import ModelConfig, PipelineConfig, from_dict, load_yaml, to_dict
+from ..costmodel.bytes import boundary_dims, halo_values
+from ..costmodel.estimate import Estimate
+from ..costmodel.hardware import Hardware, load_hardware, scale_links
+from ..costmodel.work import ModelShape
+from ..graph import read_graph
 from ..io import GnnPipeError, write_json
-from ..parallel.dims import resolve_layout
+from ..layout import DEFAULT_CHUNKS_PER_STAGE, resolve_layout
+from .calibrate import calibrate
+from .predict import history_buffers, predict_layout, stage_bounds  # noqa: F401  (plan's API too)
 from .shape import DTYPE_BYTES, build_model, model_shape
 from .stats import cached_graph_stats, extrapolate_stats, override_mirror_ratio
 
@@ -36,8 +43,8 @@ class Plan:
     hardware: str
     graph: dict  # name, num_nodes, num_edges, num_features, num_classes, mirror ratios
     model: dict
-    rows: list[cm.Estimate]
-    best: Optional[cm.Estimate]
+    rows: list[Estimate]
+    best: Optional[Estimate]
     reason: str
     dtype_bytes: int = 4
     notes: list[str] = field(default_factory=list)
@@ -73,7 +80,7 @@ class Plan:
                 "sensitivity": self.sensitivity, "break_even": self.break_even}
 
 
-def describe(r: cm.Estimate) -> str:
+def describe(r: Estimate) -> str:
     layout = {"graph": f"graph, {r.ways} parts", "pipeline": f"pipeline, {r.stages} stages, {r.chunks} chunks",
               "hybrid": f"hybrid, {r.stages} stages x {r.ways} ways, {r.chunks} chunks",
               "single": "single"}[r.mode]
@@ -82,7 +89,7 @@ def describe(r: cm.Estimate) -> str:
 
 def layouts(workers: int, num_layers: int, chunks_per_stage: int) -> list[tuple[str, int, int, int]]:
     """``(mode, stages, ways, chunks)`` of every layout of ``workers`` workers that
-    ``gnnpipe.parallel.dims.resolve_layout`` (the workflow's rule) accepts."""
+    ``gnnpipe.layout.resolve_layout`` (the workflow's rule) accepts."""
     if workers < 1:
         raise GnnPipeError(f"workers must be >= 1, got {workers}")
     if workers == 1:
@@ -100,80 +107,9 @@ def layouts(workers: int, num_layers: int, chunks_per_stage: int) -> list[tuple[
     return out
 
 
-def stage_bounds(model, stages: int, balance: str, num_nodes: int, num_edges: int,
-                 shape: cm.ModelShape, hw: cm.Hardware,
-                 sample: Optional[tuple[float, float, float]] = None) -> list[tuple[int, int]]:
-    """The stage split the pipeline engine would use (``gnnpipe.parallel.balance``):
-    ``estimate`` from the model's whole-graph FLOPs, ``profile`` from per-conv times on a
-    sample chunk (the engine times its largest chunk; here the cost model's prediction for
-    ``sample = (rows, source rows, in-edges)``), ``uniform``."""
-    from ..parallel.balance import balanced_bounds, estimate_costs, uniform_bounds
-
-    L = len(model.convs)
-    if stages == 1:
-        return [(0, L)]
-    if balance == "uniform":
-        return uniform_bounds(L, stages)
-    if balance == "estimate":
-        costs, first, last = estimate_costs(model, num_nodes, num_edges)
-    elif balance == "profile":
-        n, src, e = sample or (num_nodes, num_nodes, num_edges)
-        costs = []
-        for spec, d in zip(shape.layers, shape.exchange_dims):
-            lc = cm.layer_cost(spec, n, src, e)
-            gf, gb = cm._gather_work(n, src, d, spec.input_grad)
-            costs.append((lc.training() + gf + gb).seconds(hw))
-        first = cm.rowwise_work(shape.encoder, n, False, shape.encoder_dropout).seconds(hw)
-        last = (cm.rowwise_work(shape.decoder, n, True) + cm.loss_work(n, shape.num_classes)).seconds(hw)
-    else:
-        raise GnnPipeError(f"unknown stage balance {balance!r} (uniform, estimate, profile)")
-    return balanced_bounds(costs, stages, first, last)
-
-
-def history_buffers(pc: PipelineConfig) -> int:
-    """Whole-graph buffers the pipeline engine keeps per buffered conv input: the current
-    rows and their gradients, a snapshot (technique 3), a second history (momentum, or
-    recompute without snapshots)."""
-    return 2 + (pc.snapshot_every > 0) + (pc.momentum > 0 or (pc.recompute and pc.snapshot_every == 0))
-
-
-def predict_layout(graph_stats: dict, gnn, shape: cm.ModelShape, hardware: cm.Hardware, mode: str,
-                   stages: int, ways: int, chunks: int, *, dtype_bytes: int = 4, overlap: bool = True,
-                   balance: str = "estimate", first_input: str = "local",
-                   pipeline_cfg: Optional[PipelineConfig] = None) -> cm.Estimate:
-    """The estimate of one layout (``mode``, ``stages`` x ``ways``, ``chunks``) of the built
-    model ``gnn`` (``shape = model_shape(gnn)``), with ``memory["fits"]`` set."""
-    pc = pipeline_cfg or PipelineConfig()
-    N, E = int(graph_stats["num_nodes"]), int(graph_stats["num_edges"])
-    parts = graph_stats.get("partitions", {})
-    for k in {ways, chunks}:
-        if k > 1 and str(k) not in parts:
-            raise GnnPipeError(f"graph statistics lack a {k}-part partition (needed by {mode} "
-                               f"{stages} x {ways}, {chunks} chunks); have "
-                               f"{', '.join(sorted(parts, key=int)) or 'none'}")
-    # a hybrid's ways are blocks of chunks: their statistics where the file has them (graph_stats),
-    # else those of a G-way partition of their own (extrapolated statistics)
-    of_chunks = graph_stats.get("chunk_ways", {}).get(str(chunks), {}).get(str(ways))
-    if ways > 1 and chunks > ways and of_chunks is not None:
-        way_stats = cm.WayStats.from_partition(of_chunks)
-    else:
-        way_stats = cm.WayStats.from_partition(parts[str(ways)]) if ways > 1 else cm.WayStats.whole(N, E)
-    chunk_stats = cm.WayStats.from_partition(parts[str(chunks)]) if chunks > ways else None
-    sample_of = chunk_stats or way_stats
-    big = max(range(sample_of.ways), key=lambda c: sample_of.edges[c])  # the engine profiles its largest chunk
-    sample = (sample_of.nodes[big], sample_of.nodes[big] + sample_of.mirrors[big], sample_of.edges[big])
-    bounds = stage_bounds(gnn, stages, balance, N, E, shape, hardware, sample)
-    est = cm.estimate(shape, mode=mode, stages=stages, ways=ways, chunks=chunks, bounds=bounds,
-                      way_stats=way_stats, chunk_stats=chunk_stats, num_nodes=N, num_edges=E,
-                      hw=hardware, bytes_per_value=dtype_bytes, overlap=overlap,
-                      first_input=first_input if ways > 1 else "local",
-                      history_buffers=history_buffers(pc), recompute=pc.recompute)
-    est.memory["fits"] = bool(est.peak_mem_bytes <= hardware.memory_bytes)
-    return est
-
-
 def plan(graph_stats: dict, model: ModelConfig, in_features: int, num_classes: int,
-         hardware: cm.Hardware, workers: int, *, chunks_per_stage: int = 4, dtype_bytes: int = 4,
+         hardware: Hardware, workers: int, *, chunks_per_stage: int = DEFAULT_CHUNKS_PER_STAGE,
+         dtype_bytes: int = 4,
          overlap: bool = True, balance: str = "estimate", first_input: str = "local",
          pipeline_cfg: Optional[PipelineConfig] = None) -> Plan:
     """Enumerate the layouts of ``workers`` workers, predict each, recommend one.
@@ -226,8 +162,8 @@ def plan(graph_stats: dict, model: ModelConfig, in_features: int, num_classes: i
     p = Plan(workers=workers, hardware=hardware.name, graph=gdesc, model=mdesc, rows=rows, best=best,
              reason="", dtype_bytes=dtype_bytes, notes=notes, first_input=first_input)
 
-    def at(row: cm.Estimate, factor: float) -> float:
-        return predict_layout(graph_stats, gnn, shape, cm.scale_links(hardware, factor), row.mode, row.stages,
+    def at(row: Estimate, factor: float) -> float:
+        return predict_layout(graph_stats, gnn, shape, scale_links(hardware, factor), row.mode, row.stages,
                               row.ways, row.chunks, dtype_bytes=dtype_bytes, overlap=overlap, balance=balance,
                               first_input=first_input, pipeline_cfg=pc).epoch_s
 
@@ -245,11 +181,11 @@ def plan(graph_stats: dict, model: ModelConfig, in_features: int, num_classes: i
 SENSITIVITY = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
 
 
-def _key(r: cm.Estimate) -> str:
+def _key(r: Estimate) -> str:
     return f"{r.mode} {r.stages}x{r.ways} c{r.chunks}"
 
 
-def _break_even(diff, hw: cm.Hardware, lo: float = 1e-3, hi: float = 1e3) -> Optional[dict]:
+def _break_even(diff, hw: Hardware, lo: float = 1e-3, hi: float = 1e3) -> Optional[dict]:
     """The link-speed factor ``k`` where ``diff(k) = graph - pipeline`` epoch changes sign
     (graph parallelism gains more from faster links), by bisection on ``log k``; None when
     one layout wins over the whole range."""
@@ -272,13 +208,13 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.3g} GB"
 
 
-def _reason(p: Plan, shape: cm.ModelShape, N: int, hw: cm.Hardware) -> str:
+def _reason(p: Plan, shape: ModelShape, N: int, hw: Hardware) -> str:
     by_mode = {}
     for r in p.rows:
         if r.mode not in by_mode or r.epoch_s < by_mode[r.mode].epoch_s:
             by_mode[r.mode] = r
     L, b = len(shape.layers), p.dtype_bytes
-    per_mirror = cm._halo_values(shape.exchange_dims, p.first_input)  # both directions
+    per_mirror = halo_values(shape.exchange_dims, p.first_input)  # both directions
     out = []
     if p.best is None:
         least = min(p.rows, key=lambda r: r.peak_mem_bytes)
@@ -299,7 +235,7 @@ def _reason(p: Plan, shape: cm.ModelShape, N: int, hw: cm.Hardware) -> str:
                    f"({per_mirror} values per mirror per epoch, forward and backward"
                    + (", the input halo cached" if p.first_input == "local" else "") + ").")
     if pp is not None:
-        dims = cm.boundary_dims(shape.exchange_dims, pp.stage_bounds)
+        dims = boundary_dims(shape.exchange_dims, pp.stage_bounds)
         out.append(f"The pipeline moves {_gb(pp.bytes['total'])} regardless of the cut "
                    f"(2·N·{'+'.join(map(str, sorted(set(dims))))}·{b} B across each of its "
                    f"{pp.stages - 1} stage boundaries{', with x0' if shape.carries_x0 else ''}).")
@@ -337,7 +273,7 @@ def _reason(p: Plan, shape: cm.ModelShape, N: int, hw: cm.Hardware) -> str:
     return " ".join(out)
 
 
-def _pipeline_overheads(pp: cm.Estimate, shape: cm.ModelShape) -> str:
+def _pipeline_overheads(pp: Estimate, shape: ModelShape) -> str:
     """What a pipeline row pays on top of an even split of the work, in words."""
     comp = [r["fwd_compute_s"] + r["bwd_compute_s"] + r["encoder_s"] for r in pp.stage_times]
     k = max(range(len(comp)), key=comp.__getitem__)
@@ -352,7 +288,8 @@ def _pipeline_overheads(pp: cm.Estimate, shape: cm.ModelShape) -> str:
     return text
 
 
-def part_counts(workers: int, num_layers: int = 1 << 30, chunks_per_stage: int = 4) -> list[int]:
+def part_counts(workers: int, num_layers: int = 1 << 30,
+                chunks_per_stage: int = DEFAULT_CHUNKS_PER_STAGE) -> list[int]:
     """Every partition (parts > 1) the layouts of ``workers`` need: the ways G of each
     layout (graph: G = P; hybrid: G = P/S) and its chunks C when a way has several."""
     need = set()
@@ -371,7 +308,8 @@ def _load_model_cfg(model_cfg) -> ModelConfig:
 
 def run_plan(graph_path, model_cfg, hardware_path, workers: int, out_json=None, *,
              stats_path=None, at_nodes: Optional[int] = None, at_edges: Optional[int] = None,
-             chunks_per_stage: int = 4, dtype: str = "float32", method: str = "metis",
+             chunks_per_stage: int = DEFAULT_CHUNKS_PER_STAGE, dtype: str = "float32",
+             method: str = "metis",
              seed: int = 0, overlap: bool = True, balance: str = "estimate",
              calibrate_rates: bool = False, threads: int = 1, progress: bool = True,
              mirror_ratio: Optional[tuple[int, float]] = None, first_input: str = "local",
@@ -383,10 +321,8 @@ def run_plan(graph_path, model_cfg, hardware_path, workers: int, out_json=None, 
     size to extrapolate to); ``stats_path``: a statistics JSON instead of a graph.
     ``quiet``: print nothing (the plan is returned and written all the same).
     """
-    import json
-
     model = _load_model_cfg(model_cfg)
-    hw = cm.load_hardware(hardware_path)
+    hw = load_hardware(hardware_path)
     if dtype not in DTYPE_BYTES:
         raise GnnPipeError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     parts = part_counts(workers, model.layers, chunks_per_stage)
@@ -414,10 +350,6 @@ def run_plan(graph_path, model_cfg, hardware_path, workers: int, out_json=None, 
     if calibrate_rates:
         if not graphs:
             raise GnnPipeError("--calibrate times the model on a real graph: give --graph")
-        from ..graph import read_graph
-
-        from .calibrate import calibrate
-
         hw = calibrate(read_graph(graphs[-1]), model, hw, threads=threads, dtype=dtype, clock=clock)
     result = plan(stats, model, int(stats["num_features"]), int(stats["num_classes"]), hw, workers,
                   chunks_per_stage=chunks_per_stage, dtype_bytes=DTYPE_BYTES[dtype], overlap=overlap,

@@ -8,6 +8,7 @@ target size."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -17,15 +18,15 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..graph import read_graph, read_graph_attrs
 from ..io import GnnPipeError, write_json
+from ..partition import partition_graph, partition_stats
 
 STATS_VERSION = 2  # 2: chunk_ways (the hybrid's ways as blocks of chunks)
 
 
 def partition_summary(graph, assignment: np.ndarray, parts: int) -> dict:
     """``partition_stats`` plus the inner nodes of every part (no in-neighbour outside it)."""
-    from ..partition import partition_stats
-
     st = partition_stats(graph, assignment, parts)
     deg = graph.in_degrees()
     dst = np.repeat(np.arange(graph.num_nodes, dtype=np.int64), deg)
@@ -47,8 +48,6 @@ def graph_stats(graph, parts: Sequence[int], *, method: str = "metis", seed: int
     ``g·C/G ..`` of the C chunks. So for every C in ``parts`` and every divisor ``1 < G <
     C``, ``chunk_ways[str(C)][str(G)]`` holds the statistics of those ways (the engine's
     halo per way, hence the hybrid's exact bytes)."""
-    from ..partition import partition_graph
-
     out = {"version": STATS_VERSION, "name": graph.name, "num_nodes": graph.num_nodes,
            "num_edges": graph.num_edges, "num_features": graph.num_features,
            "num_classes": graph.num_classes, "method": method, "seed": seed,
@@ -78,10 +77,6 @@ def cached_graph_stats(graph_path: str | os.PathLike, parts: Sequence[int], *, m
     """:func:`graph_stats` of a graph file, reusing (and extending) the JSON cache
     ``cache_file`` (default: next to the graph, :func:`stats_cache_path`); a cache of
     another graph content, method or seed is ignored and rewritten."""
-    import json
-
-    from ..graph import read_graph, read_graph_attrs
-
     attrs = read_graph_attrs(graph_path)
     digest = str(attrs["content_hash"])
     cache_file = Path(cache_file) if cache_file is not None else stats_cache_path(graph_path)

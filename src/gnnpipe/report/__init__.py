@@ -35,7 +35,7 @@ the record's). Output:
 
 Every file is written atomically. The modules: :mod:`.records` (run records, seeds
 pooled), :mod:`.predictions` (the cost model's), :mod:`.timing` (time to accuracy,
-overlapping runs), :mod:`.tables` (the Markdown), :mod:`.plots`; atomic runs' section is :mod:`gnnpipe.atomic.report`.
+overlapping runs), :mod:`.tables` (the Markdown), :mod:`.plots`; atomic runs' section is :mod:`.atomic`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..io import GnnPipeError, write_text
-from . import timing
+from . import atomic as atomic_report, timing
 from .plots import plot_bytes, plot_curves, plot_mode_curves, plot_time_to_accuracy, plot_times, plot_vs_workers
 from .predictions import DEFAULT_HARDWARE, Prediction, Predictor
 from .records import Run, aggregate, load_runs
@@ -64,7 +64,6 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
     (marked so)."""
     if not run_dirs:
         raise GnnPipeError("no runs to report on")
-    from ..atomic import report as atomic_report
 
     runs = load_runs([Path(d) for d in run_dirs])
     out_md, plots_dir = Path(out_md), Path(plots_dir)

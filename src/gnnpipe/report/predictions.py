@@ -1,6 +1,6 @@
 """The cost model's prediction beside every run: :class:`Predictor` predicts a run from its
 ``run.yaml``, its graph's partition statistics and a hardware profile (calibrated to the
-run's model when the workflow fitted one) with :func:`gnnpipe.planning.plan.predict_layout`;
+run's model when the workflow fitted one) with :func:`gnnpipe.planning.predict.predict_layout`;
 a run it cannot predict gets an unavailable :class:`Prediction` with the reason."""
 
 from __future__ import annotations
@@ -10,7 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from ..config import ConfigError, load_run_config, to_dict
+from ..costmodel.bytes import first_input
+from ..costmodel.hardware import Hardware, load_hardware
+from ..graph import read_graph_attrs
 from ..io import GnnPipeError
+from ..planning.calibrate import find_calibration
+from ..planning.predict import predict_layout
+from ..planning.shape import build_model, model_shape
+from ..planning.stats import cached_graph_stats
 
 if TYPE_CHECKING:
     from .records import Run
@@ -43,7 +51,7 @@ def rel_error(predicted: Optional[float], measured: Optional[float]) -> Optional
 
 
 class Predictor:
-    """Predicts runs with :func:`gnnpipe.planning.plan.predict_layout` on one hardware profile.
+    """Predicts runs with :func:`gnnpipe.planning.predict.predict_layout` on one hardware profile.
 
     Per run: its ``run.yaml`` (graph path, model, partitioning, pipeline and graph-parallel
     settings), the graph's partition statistics from :func:`gnnpipe.planning.stats.cached_graph_stats`
@@ -52,16 +60,14 @@ class Predictor:
     """
 
     def __init__(self, hardware=DEFAULT_HARDWARE, cost_model_dir=None):
-        from .. import costmodel as cm
-
         self.cost_model_dir = Path(cost_model_dir) if cost_model_dir is not None else None
         self.calibrated: set[str] = set()  # names of the calibrated profiles used
         self.hardware, self.error = None, None
-        if isinstance(hardware, cm.Hardware):
+        if isinstance(hardware, Hardware):
             self.hardware = hardware
         else:
             try:
-                self.hardware = cm.load_hardware(hardware)
+                self.hardware = load_hardware(hardware)
             except (GnnPipeError, OSError) as e:
                 self.error = f"hardware profile: {e}"
         self.name = self.hardware.name if self.hardware is not None else str(hardware)
@@ -83,10 +89,6 @@ class Predictor:
     def _fitted_profile(self, where: Path, cfg):
         """The profile in ``where`` calibrated to the run's model, dtype and graph content (None:
         none); looked up once per (dataset, model, dtype, graph), not once per run."""
-        from ..config import to_dict
-        from ..graph import read_graph_attrs
-        from ..planning.calibrate import find_calibration
-
         key = (str(where), repr(to_dict(cfg.model)), cfg.training.dtype, str(cfg.graph_path))
         if key not in self._fitted:
             digest = str(read_graph_attrs(cfg.graph_path)["content_hash"])
@@ -95,12 +97,6 @@ class Predictor:
         return self._fitted[key]
 
     def _predict(self, run: Run) -> Prediction:
-        from .. import costmodel as cm
-        from ..config import ConfigError, load_run_config, to_dict
-        from ..planning.plan import predict_layout
-        from ..planning.shape import build_model, model_shape
-        from ..planning.stats import cached_graph_stats
-
         if not run.config_path.exists():
             return Prediction(reason=f"{run.config_path}: no run.yaml (run the 'run_config' rule)")
         try:
@@ -133,7 +129,7 @@ class Predictor:
         est = predict_layout(stats, gnn, shape, hw, mode, S, G, C,
                              dtype_bytes=int(r.get("dtype_bytes", 4)), overlap=cfg.graph_parallel.overlap,
                              balance=cfg.pipeline.balance,
-                             first_input=cm.first_input(gnn, cfg.graph_parallel),
+                             first_input=first_input(gnn, cfg.graph_parallel),
                              pipeline_cfg=cfg.pipeline)
         return Prediction(bytes=float(est.bytes["total"]), epoch_s=float(est.epoch_s),
                           compute_s=float(est.compute_s), comm_s=float(est.comm_s),

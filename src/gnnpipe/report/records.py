@@ -14,6 +14,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
+from ..config import load_run_config, load_yaml
 from ..io import GnnPipeError
 from .predictions import Prediction
 
@@ -63,8 +64,6 @@ class Run:
     def seed(self) -> Optional[int]:
         """The training seed: run.yaml's, else the ``-seed<k>`` suffix of a generated run id."""
         try:
-            from ..config import load_yaml
-
             seed = (load_yaml(self.config_path).get("training") or {}).get("seed")
             if isinstance(seed, int):
                 return seed
@@ -77,8 +76,6 @@ class Run:
     def run_config(self):
         """The run's ``run.yaml`` as a ``gnnpipe.config.RunConfig``; None when it is missing
         or does not load (the report then shows "—" for what it would have told)."""
-        from ..config import load_run_config
-
         if not self.config_path.is_file():
             return None
         try:

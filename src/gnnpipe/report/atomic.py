@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from ..report.plots import figure, history_panel, save
-from ..report.tables import DASH, fmt_bytes, fmt_s, md_table
+from .plots import figure, history_panel, save
+from .tables import DASH, fmt_bytes, fmt_s, md_table
 
 METRICS = ("energy_mae", "force_mae", "force_cos", "efwt")
 HEADER = ["run", "mode", "P × D", "params", "epoch", "bytes/epoch", "predicted", "peak mem",
@@ -133,7 +133,7 @@ def plot_is2rs(dataset: str, runs: list, path: Path) -> None:
     without a reference, the steps each ML relaxation took."""
     import numpy as np
 
-    from .is2rs import ADWT_THRESHOLDS, AFBT_THRESHOLDS, threshold_curve
+    from ..atomic.is2rs import ADWT_THRESHOLDS, AFBT_THRESHOLDS, threshold_curve
 
     def name(run):
         return f"{label(run)} {run['mode']} P={run['ways']}"

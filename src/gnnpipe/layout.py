@@ -1,56 +1,64 @@
-"""How the workers are laid out: the one place the layout rules live.
+"""How the workers are laid out: the degrees, the rank layout and the layout rules, in one place.
 
-``ParallelDims`` is the validated object of the degrees: ``data`` replicas, each of
-``stages`` pipeline stages x ``ways`` graph-parallel ways. Ranks are laid out
-replica-major, then stage-major::
+The ground floor of the package (it imports nothing of gnnpipe but ``io``): the config, the
+engines, the cost model, ``gnnpipe plan`` and the workflow's run ids all ask it, so a layout
+one accepts the others accept too.
+
+``ParallelDims`` is the validated object of the degrees, one per axis, named for what it
+splits:
+
+* ``data``   replicas: the batch (atomic runs), each replica a whole ``stages x ways`` layout;
+* ``stages`` pipeline stages: the model's layers, in contiguous blocks;
+* ``ways``   graph ways: the graph's rows, in contiguous blocks of chunks.
+
+Ranks are laid out replica-major, then stage-major::
 
     rank = replica * (stages * ways) + stage * ways + way
 
-So, with one replica (``data = 1``, every mode today):
+So, with one replica (``data = 1``, every node-model mode):
 
 * ``graph``    : S = 1, G = P   (every rank is a way of the one stage)
 * ``pipeline`` : S = P, G = 1   (every rank is a stage)
 * ``hybrid``   : S x G
 * ``single``   : S = G = 1, no process group at all.
 
-``check_layout`` / ``resolve_layout`` add the chunks (the chunk store's parts) and the
-model's depth to the degrees: the workflow's run ids (``config.run_layout``), the
-engines' refusals, stage balancing, the cost model and ``gnnpipe plan`` all ask them,
-so a layout one accepts the others accept too.
+A rank belongs to three groups, each named for the axis it spans (``RankGroups``):
+``graph`` (the G ways of its stage: halo exchange, the stage's gradient all-reduce; the atomic
+engine's edge split), ``pipeline`` (the S stages of its way, in order) and ``data`` (its
+replicas). ``gnnpipe.parallel.groups.build_groups`` turns them into process groups.
 
-``build_groups`` creates the sub-groups once (``torch.distributed.new_group`` must be
-called by every rank in the same order) and returns them in a ``ProcessGroups``
-object that is passed explicitly to the engines: no module-global state.
+``check_layout`` / ``resolve_layout`` add the chunks (the chunk store's parts) and the
+model's depth to the degrees, with the defaults of a run that sets none
+(``DEFAULT_CHUNKS_PER_STAGE``, :func:`default_chunks`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
-from ..io import GnnPipeError
-
-if TYPE_CHECKING:  # torch stays unimported for the layout rules (the cost model has no torch)
-    import torch.distributed as dist
+from .io import GnnPipeError
 
 MODES = ("single", "graph", "pipeline", "hybrid")
 PIPELINED = ("pipeline", "hybrid")  # the modes whose store holds chunks, not one part per worker
+#: chunks per stage of a pipelined run that sets no ``chunks`` (``pipeline.chunks_per_stage``)
+DEFAULT_CHUNKS_PER_STAGE = 4
 
 
 class RankGroups(NamedTuple):
     """The global ranks of the groups one rank belongs to (``ParallelDims.rank_groups``)."""
 
     data: list[int]  # the replicas of this rank's (stage, way): gradient averaging across replicas
-    stage: list[int]  # the ways of this rank's stage in its replica: halo exchange, the stage's all-reduce
-    way: list[int]  # the stages of this rank's way in its replica, in order: the pipeline
+    graph: list[int]  # the graph ways of this rank's stage in its replica: halo exchange, the stage's all-reduce
+    pipeline: list[int]  # the stages of this rank's way in its replica, in order
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     mode: str
     world_size: int
-    stages: int = 1
-    ways: int = 1
+    stages: int = 1  # pipeline stages
+    ways: int = 1  # graph ways
     data: int = 1  # data-parallel replicas of the stages x ways layout
 
     def __post_init__(self):
@@ -89,12 +97,12 @@ class ParallelDims:
     def rank_of(self, stage: int, way: int, replica: int = 0) -> int:
         return replica * self.replica_size + stage * self.ways + way
 
-    def stage_ranks(self, stage: int, replica: int = 0) -> list[int]:
-        """The ranks of one stage: its G graph-parallel ways."""
+    def graph_ranks(self, stage: int, replica: int = 0) -> list[int]:
+        """The ranks of one stage's graph group: its G ways."""
         return [self.rank_of(stage, g, replica) for g in range(self.ways)]
 
-    def way_ranks(self, way: int, replica: int = 0) -> list[int]:
-        """The ranks of one way: its S pipeline stages, in order."""
+    def pipeline_ranks(self, way: int, replica: int = 0) -> list[int]:
+        """The ranks of one way's pipeline: its S stages, in order."""
         return [self.rank_of(s, way, replica) for s in range(self.stages)]
 
     def data_ranks(self, stage: int, way: int) -> list[int]:
@@ -102,16 +110,16 @@ class ParallelDims:
         return [self.rank_of(stage, way, r) for r in range(self.data)]
 
     def rank_groups(self, rank: int) -> RankGroups:
-        """The ranks of ``rank``'s data-parallel group, of its stage (graph-parallel) group and
-        of its way (pipeline)."""
+        """The ranks of ``rank``'s data-parallel group, graph group and pipeline."""
         if not 0 <= rank < self.world_size:
             raise GnnPipeError(f"rank {rank} is outside a world of {self.world_size}")
         s, g, r = self.stage_of(rank), self.way_of(rank), self.replica_of(rank)
-        return RankGroups(data=self.data_ranks(s, g), stage=self.stage_ranks(s, r), way=self.way_ranks(g, r))
+        return RankGroups(data=self.data_ranks(s, g), graph=self.graph_ranks(s, r),
+                          pipeline=self.pipeline_ranks(g, r))
 
 
 # --------------------------------------------------------------------------- chunks and depth
-def default_chunks(stages: int, ways: int, chunks_per_stage: int) -> int:
+def default_chunks(stages: int, ways: int, chunks_per_stage: int = DEFAULT_CHUNKS_PER_STAGE) -> int:
     """The chunks of a pipelined layout that sets none: ``chunks_per_stage`` per stage,
     rounded up to a multiple of the ways (each way owns ``chunks / ways`` of them)."""
     return -(-chunks_per_stage * stages // ways) * ways
@@ -160,7 +168,7 @@ def check_layout(mode: str, workers: int, stages: int, ways: int, chunks: int, *
 
 
 def resolve_layout(mode: str, workers: int, *, stages: Optional[int] = None, chunks: Optional[int] = None,
-                   chunks_per_stage: int = 4, layers: Optional[int] = None,
+                   chunks_per_stage: int = DEFAULT_CHUNKS_PER_STAGE, layers: Optional[int] = None,
                    where: str = "layout") -> tuple[int, int, int, int]:
     """``(workers, stages, ways, chunks)`` of ``mode`` on ``workers`` workers, with the mode's
     defaults (pipeline: S = P; hybrid: S = ``stages``, G = P / S; chunks:
@@ -183,67 +191,3 @@ def resolve_layout(mode: str, workers: int, *, stages: Optional[int] = None, chu
         c = chunks or default_chunks(s, g, chunks_per_stage)
     check_layout(mode, workers, s, g, c, layers=layers, where=where)
     return workers, s, g, c
-
-
-# --------------------------------------------------------------------------- process groups
-@dataclass
-class ProcessGroups:
-    """The groups one rank takes part in. ``None`` groups mean "the default world"."""
-
-    dims: ParallelDims
-    rank: int
-    world: Optional[dist.ProcessGroup]  # all ranks
-    # the ways of this rank's stage (halo exchange, grad all-reduce); used only with ways > 1
-    # (with one way and one replica it is the world, as before; with replicas, not built)
-    stage: Optional[dist.ProcessGroup]
-    data: Optional[dist.ProcessGroup] = None  # the replicas of this rank's (stage, way); data > 1 only
-
-    @property
-    def stage_index(self) -> int:
-        return self.dims.stage_of(self.rank)
-
-    @property
-    def way_index(self) -> int:
-        return self.dims.way_of(self.rank)
-
-    @property
-    def replica_index(self) -> int:
-        return self.dims.replica_of(self.rank)
-
-    def prev_rank(self) -> Optional[int]:
-        """Global rank of the same way on the previous stage, or None on stage 0."""
-        s = self.stage_index
-        return None if s == 0 else self.dims.rank_of(s - 1, self.way_index, self.replica_index)
-
-    def next_rank(self) -> Optional[int]:
-        s = self.stage_index
-        return None if s == self.dims.stages - 1 else self.dims.rank_of(s + 1, self.way_index,
-                                                                         self.replica_index)
-
-
-def build_groups(dims: ParallelDims, rank: int) -> ProcessGroups:
-    """Create this rank's sub-groups (only those a layout needs). Every rank must call it,
-    in the same order."""
-    import torch.distributed as dist
-
-    world = dist.group.WORLD if dist.is_initialized() else None
-    mine = dims.rank_groups(rank)
-    stage_group = world if dims.data == 1 else None
-    if dims.ways > 1 and len(mine.stage) < dims.world_size:
-        for r in range(dims.data):  # every rank creates every group, in order
-            for s in range(dims.stages):
-                ranks = dims.stage_ranks(s, r)
-                g = dist.new_group(ranks)
-                if ranks == mine.stage:
-                    stage_group = g
-    data_group = None
-    if dims.data > 1:
-        data_group = world
-        if len(mine.data) < dims.world_size:
-            for s in range(dims.stages):
-                for w in range(dims.ways):
-                    ranks = dims.data_ranks(s, w)
-                    g = dist.new_group(ranks)
-                    if ranks == mine.data:
-                        data_group = g
-    return ProcessGroups(dims=dims, rank=rank, world=world, stage=stage_group, data=data_group)
