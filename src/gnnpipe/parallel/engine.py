@@ -29,7 +29,7 @@ than one chunk per way one exact pass fills the buffers (the warm start).
 **Bytes per epoch** (all ranks; ``costmodel.bytes.hybrid_bytes``, one closed form for every mode):
 ``2 Σ_{s>=1} N (d_s + d_x0) b`` (the pipeline) ``+ Σ_g M_g · b · (k d_0 + 2 Σ_{l>=1} d_l)``
 (the halo; ``k`` = 0 with the input halo cached, 1 for raw features exchanged, 2 behind an
-encoder) ``+ Σ_s 2 (G-1) params_s b`` (the all-reduce). ``G = P`` is graph parallelism's
+encoder; ``d_l`` for ``l >= 1`` the narrow side with one chunk per way, ``Stage.halo_dims``) ``+ Σ_s 2 (G-1) params_s b`` (the all-reduce). ``G = P`` is graph parallelism's
 ``2 ΣM Σ d b + 2 (P-1) params b``, ``G = 1`` GNNPipe's ``2 (S-1) N H b``: independent of ``L``,
 of the edges and of the cut.
 

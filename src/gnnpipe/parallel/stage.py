@@ -27,7 +27,10 @@ chunks of this step, back to their owners by the same all-to-all (overlapping th
 backward); a join on the own rows (a ``_Hook`` too) adds, once all their uses are back-propagated, what
 other chunks left in the buffer and what the other ways sent back. The exchange is a copy, its
 adjoint a scatter-add (the derivation is in ``halo.py``). Each halo row crosses the wire once per
-conv and epoch, each way: ``Σ_g M_g · d_l`` values per conv and direction (``costmodel.bytes``).
+conv and epoch, each way: ``Σ_g M_g · d_l`` values per conv and direction (``costmodel.bytes``),
+``d_l`` the conv's halo width: with nothing buffered (``c = 1``), the *narrow side* a GCN / SAGE /
+GAT conv declares (``GNN.halo_dims()``; the stage's ``narrow`` convs project their own rows
+first, send those, and join their gradient at that width; docs/DESIGN.md §4), else its input.
 With one chunk per way this is graph parallelism's autograd pair, node for node.
 
 **Why reverse order delivers the right gradients** (GPipe, ``gnnpipe.schedule``): chunk ``c``
