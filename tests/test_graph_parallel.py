@@ -320,11 +320,12 @@ def _narrow_run(rank: int, world: int, store_path: str, kind: str) -> dict:
             "halo": comm.ledger_dict()[0]["halo"]["sent"]}
 
 
-@pytest.mark.parametrize("kind", ["sage", "gcn"])
-def test_narrow_side_crosses_the_wire(tmp_path, kind):
+@pytest.mark.parametrize("kind,last", [("sage", 16), ("gcn", 16), ("gat", 32)])
+def test_narrow_side_crosses_the_wire(tmp_path, kind, last):
     """Issue #27: a 3-layer conv 64->128->128->16 at P = 2 sends 16-wide rows (and gradients) at
-    the last layer, 128-wide at the middle one, nothing per epoch at the first (cached); the ledger
-    equals the closed form 2 · Σ M · (128 + 16) · b, and the losses are single-process's (float64)."""
+    the last layer (GAT: its 2 heads' projections, 32), 128-wide at the middle one, nothing per
+    epoch at the first (cached); the ledger equals the closed form 2 · Σ M · (128 + last) · b, and
+    the losses are single-process's (float64)."""
     g = community_graph(n=320, k=16, f=64, seed=2)
     a = partition_graph(g, "metis", 2, seed=1)
     path = tmp_path / "narrow-2.h5"
@@ -333,8 +334,8 @@ def test_narrow_side_crosses_the_wire(tmp_path, kind):
     mirrors = mirrors_brute_force(g, a)
     assert res[0]["mirrors"] == mirrors and sum(mirrors) > 0
     # per epoch: layer 1 forward, layer 2 forward, layer 2 backward, layer 1 backward
-    assert res[0]["widths"] == [128, 16, 16, 128] * 2
-    closed = sum(mirrors) * 2 * (128 + 16) * 8
+    assert res[0]["widths"] == [128, last, last, 128] * 2
+    closed = sum(mirrors) * 2 * (128 + last) * 8
     assert sum(r["halo"] for r in res) == res[0]["by_kind"]["halo"] == closed
     for e in range(2):
         assert sum(r["bytes"][e] for r in res) == res[0]["by_kind"]["total"]
@@ -342,7 +343,7 @@ def test_narrow_side_crosses_the_wire(tmp_path, kind):
     ref = dataclasses.replace(cfg.model, hidden=128, norm="none")
     torch.manual_seed(cfg.training.seed)
     model = GNN(ref, g.num_features, g.num_classes).to(torch.float64)
-    assert model.halo_dims() == [64, 128, 16]
+    assert model.halo_dims() == [64, 128, last]
     opt = make_optimizer(model.parameters(), cfg.training)
     block = Block.full(g.indptr, g.indices, torch.float64)
     x, y, m = torch.as_tensor(g.features).double(), torch.as_tensor(g.labels), torch.as_tensor(g.train_mask)
