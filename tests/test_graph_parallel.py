@@ -225,10 +225,11 @@ def test_ledger_equals_closed_form(world, graph):
         torch.manual_seed(0)
         model = GNN(model_cfg(kind), graph.num_features, graph.num_classes)
         b = {"float64": 8, "float32": 4}[dtype]
-        dims = [c.in_dim if l == 0 or kind not in ("gcn", "sage") else min(c.in_dim, c.out_dim)
-                for l, c in enumerate(model.convs)]  # the narrow side (gat: heads x width is not narrower here)
-        if kind == "gat":
-            dims = [c.in_dim for c in model.convs]
+        # the narrow side (#27): after conv 0, GCN / SAGE send min(in, out), GAT min(in, heads x head width)
+        projected = {"gcn": lambda c: c.out_dim, "sage": lambda c: c.out_dim,
+                     "gat": lambda c: c.heads * c.out_dim_head}.get(kind, lambda c: c.in_dim)
+        dims = [c.in_dim if l == 0 else min(c.in_dim, projected(c.conv if hasattr(c, "conv") else c))
+                for l, c in enumerate(model.convs)]
         n_params = sum(q.numel() for q in model.parameters())
         first = 0 if cache else (2 if model.encoder is not None else 1)
         assert halo == sum(mirrors) * b * (first * dims[0] + 2 * sum(dims[1:])), case
