@@ -224,7 +224,12 @@ def test_ledger_equals_closed_form(world, graph):
         # independent recomputation from the model's shape
         torch.manual_seed(0)
         model = GNN(model_cfg(kind), graph.num_features, graph.num_classes)
-        dims, b = model.exchange_dims(), {"float64": 8, "float32": 4}[dtype]
+        b = {"float64": 8, "float32": 4}[dtype]
+        # the narrow side (#27): after conv 0, GCN / SAGE send min(in, out), GAT min(in, heads x head width)
+        projected = {"gcn": lambda c: c.out_dim, "sage": lambda c: c.out_dim,
+                     "gat": lambda c: c.heads * c.out_dim_head}.get(kind, lambda c: c.in_dim)
+        dims = [c.in_dim if l == 0 else min(c.in_dim, projected(c.conv if hasattr(c, "conv") else c))
+                for l, c in enumerate(model.convs)]
         n_params = sum(q.numel() for q in model.parameters())
         first = 0 if cache else (2 if model.encoder is not None else 1)
         assert halo == sum(mirrors) * b * (first * dims[0] + 2 * sum(dims[1:])), case
@@ -289,6 +294,66 @@ def test_dropout_keeps_weights_replicated(stores):
         assert torch.equal(res[0][case]["weights"], res[1][case]["weights"])
         assert res[0][case]["losses"] == res[1][case]["losses"]
         assert all(np.isfinite(res[0][case]["losses"]))
+
+
+# --------------------------------------------------------------------------- the narrow side
+def _narrow_run(rank: int, world: int, store_path: str, kind: str) -> dict:
+    """Train two epochs of a 3-layer ``kind`` 64->128->128->16, recording every halo row width."""
+    groups = build_groups(ParallelDims("graph", world, 1, world), rank)
+    comm = Communicator(groups, "cpu")
+    widths = []
+    send = comm.all_to_all_rows
+
+    def recording(rows, *args, **kw):
+        if kw.get("op") == "halo":
+            widths.append(int(rows.shape[1]))
+        return send(rows, *args, **kw)
+    comm.all_to_all_rows = recording
+    cfg = run_cfg(store_path, world, kind, "float64", True)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden=128, norm="none"))
+    engine = LayoutEngine(cfg, groups, comm, "cpu")
+    losses = []
+    for e in range(2):
+        comm.set_epoch(e)
+        losses.append(engine.train_epoch(e).loss)
+    return {"widths": widths, "losses": losses, "bytes": [comm.epoch_bytes(e) for e in range(2)],
+            "by_kind": engine.predicted_bytes_by_kind(), "mirrors": engine.mirrors,
+            "halo": comm.ledger_dict()[0]["halo"]["sent"]}
+
+
+@pytest.mark.parametrize("kind,last", [("sage", 16), ("gcn", 16), ("gat", 32)])
+def test_narrow_side_crosses_the_wire(tmp_path, kind, last):
+    """Issue #27: a 3-layer conv 64->128->128->16 at P = 2 sends 16-wide rows (and gradients) at
+    the last layer (GAT: its 2 heads' projections, 32), 128-wide at the middle one, nothing per
+    epoch at the first (cached); the ledger equals the closed form 2 · Σ M · (128 + last) · b, and
+    the losses are single-process's (float64)."""
+    g = community_graph(n=320, k=16, f=64, seed=2)
+    a = partition_graph(g, "metis", 2, seed=1)
+    path = tmp_path / "narrow-2.h5"
+    materialize(g, a, path, method="metis")
+    res = spawn_multi_process(_narrow_run, 2, str(path), kind, timeout=120)
+    mirrors = mirrors_brute_force(g, a)
+    assert res[0]["mirrors"] == mirrors and sum(mirrors) > 0
+    # per epoch: layer 1 forward, layer 2 forward, layer 2 backward, layer 1 backward
+    assert res[0]["widths"] == [128, last, last, 128] * 2
+    closed = sum(mirrors) * 2 * (128 + last) * 8
+    assert sum(r["halo"] for r in res) == res[0]["by_kind"]["halo"] == closed
+    for e in range(2):
+        assert sum(r["bytes"][e] for r in res) == res[0]["by_kind"]["total"]
+    cfg = run_cfg("", 1, kind, "float64", False)
+    ref = dataclasses.replace(cfg.model, hidden=128, norm="none")
+    torch.manual_seed(cfg.training.seed)
+    model = GNN(ref, g.num_features, g.num_classes).to(torch.float64)
+    assert model.halo_dims() == [64, 128, last]
+    opt = make_optimizer(model.parameters(), cfg.training)
+    block = Block.full(g.indptr, g.indices, torch.float64)
+    x, y, m = torch.as_tensor(g.features).double(), torch.as_tensor(g.labels), torch.as_tensor(g.train_mask)
+    for e in range(2):
+        opt.zero_grad(set_to_none=True)
+        loss = ce_sum(model(x, block), y, m) / int(m.sum())
+        loss.backward()
+        opt.step()
+        np.testing.assert_allclose(res[0]["losses"][e], float(loss.detach()), **TOL["float64"])
 
 
 # --------------------------------------------------------------------------- a part with no halo

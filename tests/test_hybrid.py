@@ -139,6 +139,9 @@ def spawned(stores):
     four = {}
     for kind in ("gcn", "sage", "gcnii", "gat", "resgcn"):  # C = G: exact
         four[("exact", 2, 2, kind)] = run_cfg(stores[2], kind, stages=2, ways=2, chunks=2)
+    # recompute rebuilds a narrow conv (#27: its last conv 8 -> classes exchanges projected rows)
+    four[("exact", 2, 2, "sage", "recompute")] = run_cfg(stores[2], "sage", stages=2, ways=2, chunks=2,
+                                                         recompute=True)
     for t in ("off", "all"):  # same-step cross-way edges only: exact with C_w = 2
         four[("aligned", t)] = run_cfg(stores["aligned"], "gcnii", stages=2, ways=2, chunks=4,
                                        **(ALL if t == "all" else {}))
@@ -177,7 +180,7 @@ def assert_ledger(cfg, ranks):
 # --------------------------------------------------------------------------- tests
 def test_one_chunk_per_way_is_single_process_training(spawned):
     runs = {k: v for k, v in spawned.items() if k[0] == "exact"}
-    assert len(runs) == 9
+    assert len(runs) == 10
     for key, (cfg, ranks) in runs.items():
         ref_losses, ref_state = reference_training(cfg)
         for r in ranks:

@@ -69,17 +69,19 @@ def first_input(model, graph_parallel_cfg) -> str:
 
 def graph_parallel_bytes(mirrors_per_part: Sequence[int], exchange_dims: Sequence[int],
                          bytes_per_value: int, num_params: int, world: int,
-                         first_input: str = "exchanged") -> dict:
+                         first_input: str = "exchanged", halo_dims: Optional[Sequence[int]] = None) -> dict:
     """Bytes sent per epoch by all ranks of graph parallelism (``world`` parts).
 
     ``halo = 2 · Σ_p M_p · Σ_l d_l · b`` (``first_input="exchanged"``; see
     :func:`_halo_values` for the cheaper first-conv variants); ``allreduce = 2 (P-1) ·
-    num_params · b``. For a GCN of ``L`` layers ``Σ_l d_l = F + (L-1) H``.
+    num_params · b``. For a GCN of ``L`` layers ``Σ_l d_l = F + (L-1) H``. ``halo_dims``: the
+    halo width of every conv where it differs from ``exchange_dims`` (``GNN.halo_dims()``, the
+    narrow side: ``min(in, out)`` for GCN / SAGE).
     """
     if len(mirrors_per_part) != world:
         raise GnnPipeError(f"graph parallelism on {world} workers needs {world} mirror counts, "
                            f"got {len(mirrors_per_part)}")
-    halo = sum(int(m) for m in mirrors_per_part) * halo_values(exchange_dims, first_input) \
+    halo = sum(int(m) for m in mirrors_per_part) * halo_values(halo_dims or exchange_dims, first_input) \
         * int(bytes_per_value)
     return _bytes(halo=halo, allreduce=allreduce_bytes(num_params, bytes_per_value, world))
 
@@ -105,7 +107,8 @@ def boundary_dims(exchange_dims: Sequence[int], stage_bounds: Sequence[tuple[int
 def hybrid_bytes(num_nodes: int, mirrors_per_way: Sequence[int], exchange_dims: Sequence[int],
                  stage_bounds: Sequence[tuple[int, int]], params_per_stage: Sequence[int],
                  bytes_per_value: int, carries_x0: bool = False,
-                 nodes_per_way: Optional[Sequence[int]] = None, first_input: str = "exchanged") -> dict:
+                 nodes_per_way: Optional[Sequence[int]] = None, first_input: str = "exchanged",
+                 halo_dims: Optional[Sequence[int]] = None) -> dict:
     """Bytes sent per epoch by all ranks of hybrid ``S × G`` (``G = len(mirrors_per_way)``).
 
     * p2p: every way sends its ``N_g`` rows across every stage boundary and their
@@ -114,6 +117,10 @@ def hybrid_bytes(num_nodes: int, mirrors_per_way: Sequence[int], exchange_dims: 
       the G-way partition, ``2 · Σ_g M_g · d_l · b`` per conv (so ``Σ_l`` over all convs;
       ``first_input`` as in :func:`graph_parallel_bytes`);
     * allreduce: stage ``s``'s parameters across its ``G`` ways, ``2 (G-1) · params_s · b``.
+
+    ``halo_dims`` (default ``exchange_dims``): the halo width of every conv, the narrow side
+    where nothing is buffered (one chunk per way: ``GNN.halo_dims()``); the stage boundaries
+    always carry the input width.
 
     ``G = P`` (one stage) equals :func:`graph_parallel_bytes`, ``G = 1``
     :func:`pipeline_bytes`.
@@ -133,7 +140,9 @@ def hybrid_bytes(num_nodes: int, mirrors_per_way: Sequence[int], exchange_dims: 
     if covered != list(range(len(exchange_dims))):
         raise GnnPipeError(f"stage bounds {list(stage_bounds)} do not cover convs 0..{len(exchange_dims) - 1} "
                            "exactly once")
-    halo = sum(int(m) for m in mirrors_per_way) * halo_values(exchange_dims, first_input) \
+    if halo_dims is not None and len(halo_dims) != len(exchange_dims):
+        raise GnnPipeError(f"{len(exchange_dims)} convs but {len(halo_dims)} halo widths")
+    halo = sum(int(m) for m in mirrors_per_way) * halo_values(halo_dims or exchange_dims, first_input) \
         * int(bytes_per_value)
     allreduce = sum(allreduce_bytes(p, bytes_per_value, ways) for p in params_per_stage)
     return _bytes(halo=halo, p2p=p2p, allreduce=allreduce)

@@ -227,6 +227,7 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
     x0 = 2 if shape.carries_x0 else 1
     busy_on_node = min(P, wpn)
     buffered = cw > 1  # per-conv whole-way buffers (history) only where a way has several chunks
+    hdims = dims if buffered else shape.halo_dims  # the narrow side where nothing is buffered
 
     stage_rows = []
     for s, (a, bnd) in enumerate(bounds):
@@ -239,7 +240,7 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
                 for l in range(a, bnd):
                     lc = layer_cost(shape.layers[l], n_c, src_c, e_c,
                                     memoised=not (l == 0 and first_input == "forward"))
-                    gf, gb = (gather_work(n_c, src_c, dims[l], shape.layers[l].input_grad)
+                    gf, gb = (gather_work(n_c, src_c, hdims[l], shape.layers[l].input_grad)
                               if src_c > n_c else (Work(), Work()))
                     fwd, bwd = lc.fwd + gf, lc.bwd + gb
                     if overlap and G > 1:  # inner and boundary rows are two conv calls
@@ -250,7 +251,7 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
                         tb += tf
                     th = 0.0
                     if G > 1 and not (l == 0 and first_input == "local"):
-                        th = _a2a_seconds(halo_rows * dims[l] * b, G, busy_on_node, hw, wpn)
+                        th = _a2a_seconds(halo_rows * hdims[l] * b, G, busy_on_node, hw, wpn)
                     thb = 0.0 if (l == 0 and first_input != "exchanged") else th
                     # the halo is in flight while the inner rows aggregate (forward), and
                     # while the inner rows' backward runs (the engine overlaps both); the
@@ -328,7 +329,8 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
     mem += breakdown["runtime"]
     mirrors = [int(round(m)) for m in way_stats.mirrors]
     # one closed form for every mode: G = P is graph parallelism, G = 1 GNNPipe, 1 x 1 nothing
-    nbytes = hybrid_bytes(num_nodes, mirrors, dims, bounds, params, b, shape.carries_x0, first_input=first_input)
+    nbytes = hybrid_bytes(num_nodes, mirrors, dims, bounds, params, b, shape.carries_x0, first_input=first_input,
+                          halo_dims=hdims)
     return Estimate(mode=mode, workers=P, stages=S, ways=G, chunks=chunks, stage_bounds=list(bounds),
                     bytes=nbytes, epoch_s=epoch, compute_s=compute, comm_s=comm, bubble_s=bubble,
                     bubble_fraction=bubble / epoch if epoch > 0 else 0.0, imbalance=imbalance,

@@ -86,6 +86,7 @@ class LayerSpec:
     static_input: bool = False
     work: Optional[WorkFn] = None  # the kind's work (gnnpipe.models.<kind>.work)
     exchange: Optional[int] = None  # values per exchanged input row (the kind's declaration; None: d_in)
+    halo: Optional[int] = None  # values per halo row where nothing is buffered (the narrow side; None: exchange)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,12 @@ class ModelShape:
     def exchange_dims(self) -> list[int]:
         """Values per exchanged input row of every conv (``GNN.exchange_dims()``)."""
         return [l.d_in if l.exchange is None else l.exchange for l in self.layers]
+
+    @property
+    def halo_dims(self) -> list[int]:
+        """Values per halo row of every conv where nothing is buffered (``GNN.halo_dims()``:
+        the narrow side, docs/DESIGN.md §4)."""
+        return [d if l.halo is None else l.halo for l, d in zip(self.layers, self.exchange_dims)]
 
     @property
     def num_params(self) -> int:

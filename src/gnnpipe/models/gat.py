@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from ..costmodel.work import LayerCost, LayerSpec, Work, finish
 from .block import Block
-from .kinds import ConvKind
+from .kinds import ConvKind, narrow_width
 from .layer import plain_stack
 from .ops import edge_softmax, edge_spmm, self_loop_csr
 
@@ -69,18 +69,34 @@ class GATConv(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None) -> Tensor:
+    @property
+    def projected_width(self) -> int:
+        return self.heads * self.out_dim_head
+
+    def project(self, h: Tensor) -> Tensor:
+        """``h W^T``: every head's projection of a source row, ``(n, in) -> (n, heads * out_dim_head)``
+        (a source's score ``a_src^h . W^h x_j`` and its message ``W^h x_j`` are read from it)."""
+        return h @ self.weight.t()
+
+    def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None,
+                z_src: Tensor | None = None) -> Tensor:
         H, D = self.heads, self.out_dim_head
         w = self.weight.view(H, D, self.in_dim)
         csr = self_loop_csr(block)
         # attention scores: x . (W^h^T a^h), (n, H)
-        el = h_src @ torch.einsum("hdi,hd->ih", w, self.att_src)  # (n_src, H)
+        if z_src is not None:  # the sources projected by their owners: h_src is read for dst rows only
+            zs = z_src.view(-1, H, D)
+            el = torch.einsum("nhd,hd->nh", zs, self.att_src)  # (n_src, H)
+        else:
+            el = h_src @ torch.einsum("hdi,hd->ih", w, self.att_src)  # (n_src, H)
         er = block.dst_rows(h_src) @ torch.einsum("hdi,hd->ih", w, self.att_dst)  # (n_dst, H)
         scores = F.leaky_relu(el.index_select(0, csr.indices) + er.index_select(0, csr.row),
                               self.negative_slope)  # (nnz + n_dst, H)
         alpha = edge_softmax(scores, csr)
         alpha = F.dropout(alpha, self.attn_dropout, self.training)
-        if _aggregate_first(block.n_src, block.n_dst, csr.nnz, self.in_dim, H, D):
+        if z_src is not None:
+            out = edge_spmm(alpha, z_src.view(-1, H, D), csr)  # (n_dst, H, D)
+        elif _aggregate_first(block.n_src, block.n_dst, csr.nnz, self.in_dim, H, D):
             agg = edge_spmm(alpha, h_src[:, None, :], csr)  # (n_dst, H, in)
             out = torch.einsum("nhi,hdi->nhd", agg, w)  # (n_dst, H, D)
         else:
@@ -136,4 +152,4 @@ def _gat_conv(cfg, d_in: int, d_out: int, first: bool, last: bool) -> GATConv:
 #: the kind's registry entry (gnnpipe.kinds.CONVS["gat"])
 KIND = ConvKind(
     name="gat", description="GAT (Velickovic et al. 2018): multi-head attention over in-edges and a self edge",
-    stack=plain_stack(_gat_conv), work=GATConv.work)
+    stack=plain_stack(_gat_conv), work=GATConv.work, halo_width=narrow_width)

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from ..costmodel.work import LayerCost, LayerSpec, aggregate_first, finish, linear_aggregate, memoised_linear
 from .block import Block
-from .kinds import ConvKind
+from .kinds import ConvKind, narrow_width
 from .layer import plain_stack
 from .ops import gcn_aggregate, static_aggregate
 
@@ -56,7 +56,19 @@ class GCNConv(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None) -> Tensor:
+    @property
+    def projected_width(self) -> int:
+        return self.out_dim
+
+    def project(self, h: Tensor) -> Tensor:
+        """``h W^T``: what a source row contributes, ``(n, in) -> (n, out)`` (``Â(HW) = (ÂH)W``)."""
+        return h @ self.weight.t()
+
+    def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None,
+                z_src: Tensor | None = None) -> Tensor:
+        if z_src is not None:  # the sources projected by their owners (the narrow side crossed the wire)
+            out = gcn_aggregate(z_src, block)  # (n_dst, out)
+            return out if self.bias is None else out.add_(self.bias)
         nnz = block.nnz + block.n_dst  # edges plus self loops
         agg = None
         if self.static_input and not h_src.requires_grad:
@@ -97,4 +109,4 @@ class GCNConv(nn.Module):
 KIND = ConvKind(
     name="gcn", description="GCN (Kipf & Welling 2017): symmetric normalisation, self loops",
     stack=plain_stack(lambda cfg, d_in, d_out, first, last: GCNConv(d_in, d_out, static_input=first)),
-    work=GCNConv.work)
+    work=GCNConv.work, halo_width=narrow_width)

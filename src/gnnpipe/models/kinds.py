@@ -7,7 +7,9 @@ A :class:`ConvKind` says everything the rest of the package asks about a kind: h
 is built (encoder, convs, decoder, in that order: the seed draws the same weights), what its
 convs cost (``work``, the layer's own declaration, priced by ``gnnpipe.costmodel``), whether
 its convs read the initial residual ``x0``, and how wide a row of a conv's input is on the
-wire (``exchange_width``: the halo rows and the rows crossing a stage boundary). Schema enums
+wire (``exchange_width``: the rows crossing a stage boundary, and the halo rows unless the kind
+declares ``halo_width = narrow_width``: then a conv whose projected rows are narrower than its
+input exchanges those, docs/DESIGN.md §4 "Narrow side"). Schema enums
 and CLI choices are ``CONVS.names()``; ``GNN`` asks ``CONVS[cfg.kind]`` and never switches on
 the name.
 
@@ -32,9 +34,17 @@ Stack = tuple[Optional[nn.Module], list[nn.Module], Optional[nn.Module]]
 
 
 def input_width(layer: nn.Module) -> int:
-    """A conv's input rows cross the wire (every kind today; issue #27 lets a conv whose
-    aggregation commutes with its linear map declare its narrower side)."""
+    """A conv's input rows cross the wire (stage boundaries, buffers; the halo of a kind that
+    declares nothing narrower)."""
     return layer.in_dim
+
+
+def narrow_width(layer: nn.Module) -> int:
+    """The halo width of a conv whose aggregation commutes with its linear map (GCN, SAGE's
+    neighbour branch, GAT's projected heads): its input or its projected rows
+    (``layer.projected_width``, what ``layer.project(h)`` returns), whichever is narrower.
+    The engine sends the projected rows (and takes their gradient back) when they are."""
+    return min(layer.in_dim, layer.projected_width)
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,7 @@ class ConvKind:
     work: Optional[WorkFn] = None  # the conv's work (None: no conv)
     needs_x0: bool = False  # the convs read the initial residual x0_dst
     exchange_width: Callable[[nn.Module], int] = input_width  # values per exchanged row of a conv's input
+    halo_width: Callable[[nn.Module], int] = input_width  # values per halo row (narrow_width: projected when narrower)
 
     def layer_spec(self, d_in: int, d_out: int, **fields) -> LayerSpec:
         """The cost model's view of one conv of this kind (sizes given, not a built layer)."""

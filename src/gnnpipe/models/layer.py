@@ -36,13 +36,24 @@ class GraphLayer(nn.Module):
     def out_dim(self) -> int:
         return self.conv.out_dim
 
+    @property
+    def projected_width(self) -> int:
+        return self.conv.projected_width
+
+    def project(self, h: Tensor) -> Tensor:
+        """The rows a source contributes after the conv's linear map (``conv.project``)."""
+        return self.conv.project(h)
+
     def reset_parameters(self) -> None:
         self.conv.reset_parameters()
         if self.norm is not None:
             self.norm.reset_parameters()
 
-    def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None) -> Tensor:
-        h = self.conv(h_src, block, x0_dst)
+    def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None, *,
+                z_src: Tensor | None = None) -> Tensor:
+        """``z_src``: the source rows already projected (``project``); ``h_src`` is then read
+        for the destination rows only (a conv whose kind declares ``narrow_width``)."""
+        h = self.conv(h_src, block, x0_dst) if z_src is None else self.conv(h_src, block, x0_dst, z_src=z_src)
         if self.norm is not None:
             h = self.norm(h)
         if self.act:  # in place: the conv's and the norm's backward do not read their output

@@ -102,6 +102,13 @@ class GNN(nn.Module):
         conv kind's own declaration (``ConvKind.exchange_width``; its input width today)."""
         return [self.spec.exchange_width(conv) for conv in self.convs]
 
+    def halo_dims(self) -> list[int]:
+        """What one halo row of every conv costs on the wire where nothing is buffered (docs/DESIGN.md
+        §4 "Narrow side"): the kind's ``halo_width`` (the projected rows of a GCN / SAGE / GAT conv
+        when narrower than its input), except conv 0, whose input halo stays the input (cached)."""
+        dims = self.exchange_dims()
+        return dims[:1] + [self.spec.halo_width(conv) for conv in self.convs[1:]]
+
     def conv_out_dims(self) -> list[int]:
         """Output width of every conv."""
         return [conv.out_dim for conv in self.convs]

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from ..costmodel.work import LayerCost, LayerSpec, aggregate_first, finish, linear_aggregate, memoised_linear
 from .block import Block
 from .gcn import matmul_spmm_flops
-from .kinds import ConvKind
+from .kinds import ConvKind, narrow_width
 from .layer import plain_stack
 from .ops import mean_aggregate, static_aggregate
 
@@ -46,12 +46,23 @@ class SAGEConv(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None) -> Tensor:
+    @property
+    def projected_width(self) -> int:
+        return self.out_dim
+
+    def project(self, h: Tensor) -> Tensor:
+        """``h W_neigh^T``: what a source row contributes to a neighbour mean, ``(n, in) -> (n, out)``."""
+        return h @ self.weight_neigh.t()
+
+    def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None,
+                z_src: Tensor | None = None) -> Tensor:
         x_dst = block.dst_rows(h_src)
         if self.bias is not None:
             out = torch.addmm(self.bias, x_dst, self.weight_self.t())  # (n_dst, out)
         else:
             out = x_dst @ self.weight_self.t()
+        if z_src is not None:  # the sources projected by their owners (the narrow side crossed the wire)
+            return out.add_(mean_aggregate(z_src, block))
         if self.static_input and not h_src.requires_grad:
             agg = static_aggregate(h_src, block, "mean", mean_aggregate)  # (n_dst, in) or None
             if agg is not None:
@@ -94,4 +105,4 @@ class SAGEConv(nn.Module):
 KIND = ConvKind(
     name="sage", description="GraphSAGE-mean (Hamilton et al. 2017): a self weight and a neighbour mean",
     stack=plain_stack(lambda cfg, d_in, d_out, first, last: SAGEConv(d_in, d_out, static_input=first)),
-    work=SAGEConv.work)
+    work=SAGEConv.work, halo_width=narrow_width)

@@ -29,7 +29,7 @@ than one chunk per way one exact pass fills the buffers (the warm start).
 **Bytes per epoch** (all ranks; ``costmodel.bytes.hybrid_bytes``, one closed form for every mode):
 ``2 Σ_{s>=1} N (d_s + d_x0) b`` (the pipeline) ``+ Σ_g M_g · b · (k d_0 + 2 Σ_{l>=1} d_l)``
 (the halo; ``k`` = 0 with the input halo cached, 1 for raw features exchanged, 2 behind an
-encoder) ``+ Σ_s 2 (G-1) params_s b`` (the all-reduce). ``G = P`` is graph parallelism's
+encoder; ``d_l`` for ``l >= 1`` the narrow side with one chunk per way, ``Stage.halo_dims``) ``+ Σ_s 2 (G-1) params_s b`` (the all-reduce). ``G = P`` is graph parallelism's
 ``2 ΣM Σ d b + 2 (P-1) params b``, ``G = 1`` GNNPipe's ``2 (S-1) N H b``: independent of ``L``,
 of the edges and of the cut.
 
@@ -203,6 +203,7 @@ class LayoutEngine:
                            overlap=self.overlap, cache_input=self.cache_input, x_src=self.x_src,
                            labels=getattr(self, "labels", None), masks=getattr(self, "masks", None),
                            n_train=self.n_train, device=self.device, dtype=self.dtype)
+        self.halo_dims = self.stage.halo_dims  # the narrow side where nothing is buffered
         del gnn  # the other stages' convs are not ours to keep
         self.params = [p for _, m in self.stage.owned for p in m.parameters() if p.requires_grad]
         self.opt = make_optimizer(self.params, cfg.training)
@@ -447,7 +448,7 @@ class LayoutEngine:
     def predicted_bytes_by_kind(self) -> dict[str, int]:
         return hybrid_bytes(self.N, self.mirrors, self.dims, self.assignment.bounds, self.params_per_stage,
                             self.dtype.itemsize, self.needs_x0, nodes_per_way=self.nodes_per_way,
-                            first_input=self.first_input)
+                            first_input=self.first_input, halo_dims=self.halo_dims)
 
     def predicted_bytes(self) -> int:
         """Closed form of the training bytes all ranks send per epoch (not read from the ledger)."""

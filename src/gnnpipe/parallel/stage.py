@@ -27,7 +27,10 @@ chunks of this step, back to their owners by the same all-to-all (overlapping th
 backward); a join on the own rows (a ``_Hook`` too) adds, once all their uses are back-propagated, what
 other chunks left in the buffer and what the other ways sent back. The exchange is a copy, its
 adjoint a scatter-add (the derivation is in ``halo.py``). Each halo row crosses the wire once per
-conv and epoch, each way: ``Σ_g M_g · d_l`` values per conv and direction (``costmodel.bytes``).
+conv and epoch, each way: ``Σ_g M_g · d_l`` values per conv and direction (``costmodel.bytes``),
+``d_l`` the conv's halo width: with nothing buffered (``c = 1``), the *narrow side* a GCN / SAGE /
+GAT conv declares (``GNN.halo_dims()``; the stage's ``narrow`` convs project their own rows
+first, send those, and join their gradient at that width; docs/DESIGN.md §4), else its input.
 With one chunk per way this is graph parallelism's autograd pair, node for node.
 
 **Why reverse order delivers the right gradients** (GPipe, ``gnnpipe.schedule``): chunk ``c``
@@ -252,6 +255,10 @@ class Stage:
             + ([("decoder", self.decoder)] if self.decoder is not None else []))
         self.n_src = way.block.n_src
         self.buffered = len(chunks) > 1
+        # the narrow side (docs/DESIGN.md §4): with nothing buffered, a conv whose kind declares a
+        # narrower halo width exchanges its projected rows (the owner applies the map first)
+        self.halo_dims = list(self.dims) if self.buffered else gnn.halo_dims()
+        self.narrow = {l for l in layers if self.halo_dims[l] < self.dims[l] and self._exchanges(l)}
         keep_history = pc.recompute and pc.snapshot_every == 0
         self.hist: dict[int, History] = {
             l: History(self.n_src, self.dims[l], device=device, dtype=dtype, momentum=pc.momentum,
@@ -309,23 +316,32 @@ class Stage:
     # ------------------------------------------------------------------ one (conv, chunk)
     def _conv(self, l: int, ch: Chunk, own: Tensor, x0: Optional[Tensor], *, grad: bool, op: str = "halo",
               clock=None, fresh: Optional[Tensor] = None, rebuild: bool = False, halo_in: Optional[Tensor] = None,
-              on_grad=None) -> tuple[Tensor, Optional[Tensor]]:
+              on_grad=None, on_join=None) -> tuple[Tensor, Optional[Tensor]]:
         """Conv ``l`` on chunk ``ch`` from its own input rows ``own`` (and ``x0``, its residual rows):
         returns its output and the halo rows it read. The halo rows are exchanged with the other
         ways (``_exchanges``; the inner rows are aggregated meanwhile) and / or read from the
         buffers; ``rebuild`` (recompute): no exchange, the halo rows are ``halo_in`` or the
-        buffers'. ``on_grad``: routes the halo rows' gradient (a tap on them)."""
+        buffers'. ``on_grad``: routes the halo rows' gradient (a tap on them). A narrow conv
+        (``self.narrow``) projects its own rows first (``z``, joined by ``on_join``), sends and reads
+        projected rows, and aggregates those (``z_src``): the same maths, the narrow side on the wire."""
         conv, n = self.convs[l], ch.end - ch.start
         exchange = self._exchanges(l) and not rebuild
+        z = None
+        if l in self.narrow:
+            z = conv.project(own)  # (n_c, halo_dims[l])
+            if on_join is not None:
+                z = _Hook.apply(z, on_join)
+        sent = own if z is None else z
         work = None
         if exchange:
             plan = ch.plan
-            work = self.comm.all_to_all_rows(own.detach().index_select(0, plan.send_index), plan.send_rows,
+            work = self.comm.all_to_all_rows(sent.detach().index_select(0, plan.send_index), plan.send_rows,
                                              plan.recv_rows, self.group, op=op, async_op=True)
         ni = ch.n_inner if (self._exchanges(l) and self.overlap) else 0
         outs = []
+        narrow = {} if z is None else {"z_src": z}
         if ni:  # these rows need no halo: aggregate them while it is in flight
-            outs.append(conv(own, ch.inner, None if x0 is None else x0[:ni]))
+            outs.append(conv(own, ch.inner, None if x0 is None else x0[:ni], **narrow))
         halo = halo_in
         if exchange:
             got = clock.wait(work, "comm") if clock is not None else self.comm.wait(work)
@@ -340,8 +356,12 @@ class Stage:
         if halo is not None and grad and self._halo_grads(l) and on_grad is not None:
             halo = _Hook.apply(halo.detach().requires_grad_(), on_grad)  # the tap
         if ni < n:
-            src = own if halo is None else torch.cat([own, halo])  # (n_c + M_c, d_l)
-            outs.append(conv(src, ch.boundary if ni else ch.block, None if x0 is None else (x0[ni:] if ni else x0)))
+            blk, x0b = ch.boundary if ni else ch.block, None if x0 is None else (x0[ni:] if ni else x0)
+            if z is None:
+                src = own if halo is None else torch.cat([own, halo])  # (n_c + M_c, d_l)
+                outs.append(conv(src, blk, x0b))
+            else:  # the destination rows are own rows; the sources arrive projected
+                outs.append(conv(own, blk, x0b, z_src=z if halo is None else torch.cat([z, halo])))
         return (outs[0] if len(outs) == 1 else torch.cat(outs)), read
 
     def _buffered_halo(self, l: int, ch: Chunk, fresh: Optional[Tensor]) -> Tensor:
@@ -424,14 +444,18 @@ class Stage:
             if record:
                 ep.rng[(l, j)] = self._rng_state()
             with (self._replay(ep.rng.pop((l, j))) if rebuild else contextlib.nullcontext()):
+                join = None
                 if grad and self._halo_grads(l) and (self._exchanges(l) or l in self.hist):
-                    h = _Hook.apply(h, self._joiner(l, j, ch, ep, clock))  # the join
+                    join = self._joiner(l, j, ch, ep, clock)
+                    if l not in self.narrow:  # a narrow conv joins on its projected own rows
+                        h, join = _Hook.apply(h, join), None  # the join
                 x0 = None
                 if x0_rows is not None:  # a leaf per conv; stage 0's rows of h0 are not written in the
                     # epoch (a view will do), later stages' x0buf is, chunk by chunk (a copy)
                     x0 = (x0_rows.detach() if self.first else x0_rows.clone()).requires_grad_() if grad else x0_rows
                 h, halos[l] = self._conv(l, ch, h, x0, grad=grad, clock=clock, fresh=ep.fresh.get(j), rebuild=rebuild,
-                                         halo_in=(kept or {}).get(l), on_grad=self._router(l, j, ch, ep))
+                                         halo_in=(kept or {}).get(l), on_grad=self._router(l, j, ch, ep),
+                                         on_join=join)
                 x0s.append(x0)
         loss = self._chunk_loss(h, ch) if self.last else None
         return leaf, x0s, h, loss, halos

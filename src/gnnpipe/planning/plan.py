@@ -214,7 +214,7 @@ def _reason(p: Plan, shape: ModelShape, N: int, hw: Hardware) -> str:
         if r.mode not in by_mode or r.epoch_s < by_mode[r.mode].epoch_s:
             by_mode[r.mode] = r
     L, b = len(shape.layers), p.dtype_bytes
-    per_mirror = halo_values(shape.exchange_dims, p.first_input)  # both directions
+    per_mirror = halo_values(shape.halo_dims, p.first_input)  # both directions, graph mode's narrow side
     out = []
     if p.best is None:
         least = min(p.rows, key=lambda r: r.peak_mem_bytes)

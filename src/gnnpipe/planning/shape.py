@@ -22,8 +22,8 @@ def model_shape(model) -> ModelShape:
                            "distribute across workers (train it with mode single)")
     raw = model.encoder is None  # the first conv reads raw features: no gradient flows there
     specs = [replace(layer.layer_spec(raw_input=raw and i == 0, params=sum(p.numel() for p in layer.parameters())),
-                     exchange=width)  # the kind's declaration (ConvKind.exchange_width)
-             for i, (layer, width) in enumerate(zip(model.convs, model.exchange_dims()))]
+                     exchange=width, halo=halo)  # the kind's declarations (ConvKind.exchange_width, halo_width)
+             for i, (layer, width, halo) in enumerate(zip(model.convs, model.exchange_dims(), model.halo_dims()))]
 
     def linears(module):
         if module is None:
