@@ -42,6 +42,26 @@ def step_bytes(cfg, edges: Sequence[int], atoms: Sequence[int], systems: Sequenc
     return total + d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b
 
 
+def halo_step_bytes(cfg, halos: Sequence[dict], systems: Sequence[int], ways: int, dtype_bytes: int,
+                    params: int) -> int:
+    """Bytes one DimeNet++ training step sends in the atoms layout (``atomic/halo.py``), all ranks.
+
+    ``halos[d]``: replica d's halo rows summed over its ways (``halo.halo_counts``: ``kj`` edge rows,
+    ``ghosts`` atoms). Per replica: the input-edge halo ``passes·K·kj·I·b`` (``passes`` as in
+    :func:`step_bytes`), nothing for the output blocks (every edge ends at an own atom), forces
+    ``2·3·ghosts·b`` with the gradient head (the ghosts' ``-dE/dpos`` to their owners and its
+    adjoint; the direct head sums into own atoms: nothing); energies and parameters as the edges layout.
+    """
+    p, d, b = ways, len(halos), dtype_bytes
+    k, i = cfg.num_blocks, cfg.int_emb_size
+    gradient = cfg.force_head == "gradient"
+    total = 0
+    for h, s in zip(halos, systems):
+        total += b * ((4 if gradient else 2) * k * h["kj"] * i + (2 * 3 * h["ghosts"] if gradient else 0)
+                      + 2 * (p - 1) * s)
+    return total + d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b
+
+
 # --------------------------------------------------------------------------- memory
 #: Default padded block counts per worker, per ceil(E/P) local edges or ceil(T/P) local triplets, when
 #: the caller does not pass the measured ones (``block_counts``). Measured on the EMT slabs

@@ -164,7 +164,7 @@ class TripletInteraction(nn.Module):
         x_kj = g.gather_edges(x)[g.idx_kj]  # (T_loc, Tr): all-gather
         t = self.bilinear(rad3, sph, x_kj, g.idx_ji, g.triplet_rank)  # (E_loc, Bt)
         t = self.scale_cbf_sum(t, ref=x_kj)
-        t_rev = g.gather_edges(t)[g.id_swap]  # (E_loc, Bt): the reverse edge's aggregate
+        t_rev = g.gather_edges(t, "swap")[g.id_swap]  # (E_loc, Bt): the reverse edge's aggregate
         return (self.up_ca(t_rev) + self.up_ac(t)) * INV_SQRT2
 
 
@@ -320,6 +320,25 @@ def step_bytes(cfg: GemNetTConfig, edges: Sequence[int], atoms: Sequence[int], s
         total += (p - 1) * b * (passes * rows + 2 * 3 * n + 2 * s)
     return total + d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b
 
+
+
+def halo_step_bytes(cfg: GemNetTConfig, halos: Sequence[dict], systems: Sequence[int], ways: int,
+                    dtype_bytes: int, params: int) -> int:
+    """Bytes one training step sends in the atoms layout (``atomic/halo.py``), summed over every rank.
+
+    ``halos[d]``: replica d's halo rows summed over its ways (``halo.halo_counts``). Per replica and
+    interaction block, ``passes`` times (as :func:`step_bytes`): input-edge rows ``kj·Tr``, reverse-edge
+    rows ``swap·Bt``, atom rows ``atoms·A`` (the ghosts' embeddings); nothing for the atom update and the
+    output blocks (every edge ends at an own atom); forces ``2·3·ghosts`` (T; dT sums into own atoms:
+    nothing); energies and parameters as the edges layout.
+    """
+    p, d, b, c = ways, len(halos), dtype_bytes, cfg
+    passes = 4 if cfg.force_head == "gradient" else 2
+    total = 0
+    for h, s in zip(halos, systems):
+        rows = c.num_blocks * (h["kj"] * c.emb_size_trip + h["swap"] * c.emb_size_bil_trip + h["atoms"] * c.emb_size_atom)
+        total += b * (passes * rows + (2 * 3 * h["ghosts"] if passes == 4 else 0) + 2 * (p - 1) * s)
+    return total + d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b
 
 
 def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int, ways: int,

@@ -152,7 +152,7 @@ class ShardedAtomGraph(AtomGraph):
     atom_sizes: list = field(default_factory=list)  # own atoms per rank
     group: Optional[EdgeGroup] = None
 
-    def gather_edges(self, x: Tensor) -> Tensor:
+    def gather_edges(self, x: Tensor, rows: str = "kj") -> Tensor:
         return _GatherRows.apply(x, self.group, self.edge_sizes, OP_GATHER_EDGES, OP_SCATTER_EDGES)
 
     def sum_atoms(self, partial: Tensor) -> Tensor:
