@@ -15,11 +15,11 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .dimenetpp import count_parameters, triplet_blocks
-from .parallel import shard_graph
+from .parallel import collective_passes, shard_graph
 
 
 def step_bytes(cfg, edges: Sequence[int], atoms: Sequence[int], systems: Sequence[int], ways: int,
-               dtype_bytes: int, params: int) -> int:
+               dtype_bytes: int, params: int, training: bool = True) -> int:
     """Bytes one DimeNet++ training step sends, summed over every rank (what the ledger counts).
 
     ``edges[d], atoms[d], systems[d]``: the batch of replica d. With P ways, I = int_emb_size,
@@ -32,34 +32,39 @@ def step_bytes(cfg, edges: Sequence[int], atoms: Sequence[int], systems: Sequenc
     * direct forces: ``2·K·(P-1)·E·I·b + 2·(K+1)·(P-1)·N·H·b + 2·(P-1)·3N·b``;
     * energies: ``2·(P-1)·B·b`` (ring all-reduce); parameters: ``2·(P-1)·params·b`` per replica
       and ``2·(D-1)·params·b`` per way across replicas.
+
+    ``training=False``: one inference call (energies and forces, no loss): half the passes (forward,
+    and the force pass with the gradient head), the forces' exchange once, no parameters.
     """
     p, d, b = ways, len(edges), dtype_bytes
     k, i, h = cfg.num_blocks, cfg.int_emb_size, cfg.hidden_channels
-    passes = 4 if cfg.force_head == "gradient" else 2
+    passes, once = collective_passes(cfg.force_head, training)
     total = 0
     for e, n, s in zip(edges, atoms, systems):
-        total += (p - 1) * b * (passes * k * e * i + passes * (k + 1) * n * h + 2 * 3 * n + 2 * s)
-    return total + d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b
+        total += (p - 1) * b * (passes * k * e * i + passes * (k + 1) * n * h + once * 3 * n + 2 * s)
+    return total + training * (d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b)
+
 
 
 def halo_step_bytes(cfg, halos: Sequence[dict], systems: Sequence[int], ways: int, dtype_bytes: int,
-                    params: int) -> int:
+                    params: int, training: bool = True) -> int:
     """Bytes one DimeNet++ training step sends in the atoms layout (``atomic/halo.py``), all ranks.
 
     ``halos[d]``: replica d's halo rows summed over its ways (``halo.halo_counts``: ``kj`` edge rows,
     ``ghosts`` atoms). Per replica: the input-edge halo ``passes·K·kj·I·b`` (``passes`` as in
     :func:`step_bytes`), nothing for the output blocks (every edge ends at an own atom), forces
     ``2·3·ghosts·b`` with the gradient head (the ghosts' ``-dE/dpos`` to their owners and its
-    adjoint; the direct head sums into own atoms: nothing); energies and parameters as the edges layout.
+    adjoint; the direct head sums into own atoms: nothing); energies and parameters as the edges layout
+    (``training=False``: one inference call, as :func:`step_bytes`).
     """
     p, d, b = ways, len(halos), dtype_bytes
     k, i = cfg.num_blocks, cfg.int_emb_size
-    gradient = cfg.force_head == "gradient"
+    passes, once = collective_passes(cfg.force_head, training)
+    forces = once * 3 if cfg.force_head == "gradient" else 0
     total = 0
     for h, s in zip(halos, systems):
-        total += b * ((4 if gradient else 2) * k * h["kj"] * i + (2 * 3 * h["ghosts"] if gradient else 0)
-                      + 2 * (p - 1) * s)
-    return total + d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b
+        total += b * (passes * k * h["kj"] * i + forces * h["ghosts"] + 2 * (p - 1) * s)
+    return total + training * (d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b)
 
 
 # --------------------------------------------------------------------------- memory

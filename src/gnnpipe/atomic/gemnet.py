@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from .batch import AtomGraph, gradient_forces
 from .gemnet_layers import (INV_SQRT2, CircularBasis, CircularDown, Dense, EfficientBilinear, RadialBasis,
                             ResidualLayer, ScaleFactor, mlp)
+from .parallel import collective_passes
 
 
 @dataclass
@@ -293,7 +294,7 @@ def widths(cfg: GemNetTConfig) -> dict:
 
 
 def step_bytes(cfg: GemNetTConfig, edges: Sequence[int], atoms: Sequence[int], systems: Sequence[int],
-               ways: int, dtype_bytes: int, params: int) -> int:
+               ways: int, dtype_bytes: int, params: int, training: bool = True) -> int:
     """Bytes one training step sends, summed over every rank (what the ledger counts).
 
     ``edges[d], atoms[d], systems[d]``: the batch of replica d; P ways, K blocks, b dtype bytes.
@@ -309,36 +310,41 @@ def step_bytes(cfg: GemNetTConfig, edges: Sequence[int], atoms: Sequence[int], s
       ``sum_atoms`` of -dE/dpos and its adjoint); energies ``2·(P-1)·B·b`` (ring all-reduce,
       identity backward);
     * parameters ``2·(P-1)·params·b`` per replica, ``2·(D-1)·params·b`` per way.
+
+    ``training=False``: one inference call (energies and forces, no loss): half the passes, the
+    forces' exchange once, no parameters.
     """
     p, d, b = ways, len(edges), dtype_bytes
     c, k = cfg, cfg.num_blocks
-    passes = 4 if cfg.force_head == "gradient" else 2
+    passes, once = collective_passes(cfg.force_head, training)
     total = 0
     for e, n, s in zip(edges, atoms, systems):
         rows = k * e * (c.emb_size_trip + c.emb_size_bil_trip) + k * n * (c.emb_size_edge + c.emb_size_atom) \
             + (k + 1) * n * c.emb_size_edge
-        total += (p - 1) * b * (passes * rows + 2 * 3 * n + 2 * s)
-    return total + d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b
+        total += (p - 1) * b * (passes * rows + once * 3 * n + 2 * s)
+    return total + training * (d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b)
+
 
 
 
 def halo_step_bytes(cfg: GemNetTConfig, halos: Sequence[dict], systems: Sequence[int], ways: int,
-                    dtype_bytes: int, params: int) -> int:
+                    dtype_bytes: int, params: int, training: bool = True) -> int:
     """Bytes one training step sends in the atoms layout (``atomic/halo.py``), summed over every rank.
 
     ``halos[d]``: replica d's halo rows summed over its ways (``halo.halo_counts``). Per replica and
     interaction block, ``passes`` times (as :func:`step_bytes`): input-edge rows ``kj·Tr``, reverse-edge
     rows ``swap·Bt``, atom rows ``atoms·A`` (the ghosts' embeddings); nothing for the atom update and the
     output blocks (every edge ends at an own atom); forces ``2·3·ghosts`` (T; dT sums into own atoms:
-    nothing); energies and parameters as the edges layout.
+    nothing); energies and parameters as the edges layout (``training=False``: as :func:`step_bytes`).
     """
     p, d, b, c = ways, len(halos), dtype_bytes, cfg
-    passes = 4 if cfg.force_head == "gradient" else 2
+    passes, once = collective_passes(cfg.force_head, training)
+    forces = once * 3 if cfg.force_head == "gradient" else 0
     total = 0
     for h, s in zip(halos, systems):
         rows = c.num_blocks * (h["kj"] * c.emb_size_trip + h["swap"] * c.emb_size_bil_trip + h["atoms"] * c.emb_size_atom)
-        total += b * (passes * rows + (2 * 3 * h["ghosts"] if passes == 4 else 0) + 2 * (p - 1) * s)
-    return total + d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b
+        total += b * (passes * rows + forces * h["ghosts"] + 2 * (p - 1) * s)
+    return total + training * (d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b)
 
 
 def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int, ways: int,
