@@ -36,6 +36,9 @@ def _wf(models=None, **run):
     ({"mode": "pipeline"}, "mode single or graph"),
     ({"workers": 3, "data_parallel": 2}, "multiple of data_parallel"),
     ({"data_parallel": 0}, "config.runs[0].data_parallel: 0 must be >= 1"),
+    ({"mode": "single", "workers": 1, "atom_layout": "atoms"},
+     "config.runs[0].atom_layout: an atomic single run has no atomic graph layout"),
+    ({"atom_layout": "halo"}, "config.runs[0].atom_layout: 'halo' is not one of"),
     # an unknown preset, an unknown size key, a section of another kind
     ({"model": "gem", "models": {"gem": {"kind": "gemnet_t", "gemnet_t": {"preset": "large"}}}},
      "config.models.gem.gemnet_t.preset: 'large' is not one of 'small', 'default', 'xl'"),
@@ -50,6 +53,7 @@ def _wf(models=None, **run):
      "config.runs[0]: model 'gem' has cutoff 6 Å, larger than the graphs of dataset 'a' (atoms.cutoff 4.5 Å): they "
      "lack the neighbours between; raise datasets.a.atoms.cutoff or lower models.gem.gemnet_t.cutoff"),
 ], ids=["node-model", "node-data", "gemnet-on-node-data", "pipeline", "data-parallel", "data-parallel-0",
+         "atom-layout-single", "atom-layout-name",
         "preset", "size-key", "other-section", "kind", "cutoff"])
 def test_atomic_config_errors_are_one_line(edit, message):
     with pytest.raises(ConfigError) as err:
@@ -90,6 +94,9 @@ def test_atomic_run_layout_and_paths():
     (rid, r), = runs.items()
     assert rid == "a-d-graph-p4d2-seed0" and (r.ways, r.data_parallel, r.store_path) == (2, 2, None)
     assert r.graph_path.endswith("a/graphs.h5") and r.systems_path.endswith("a/systems.h5")
+    (rid, r), = resolve_runs(load_workflow_config(_wf(workers=2, atom_layout="atoms"))).items()
+    assert rid == "a-d-graph-p2atoms-seed0" and r.atom_layout == "atoms"
+    assert all(r.atom_layout == "edges" for r in resolve_runs(load_workflow_config(_wf(workers=2))).values())
     with pytest.raises(ConfigError, match=r"datasets.a.atoms.cutoff: 0.0 must be > 0"):
         load_workflow_config({**_wf(), "datasets": {"a": {"kind": "atoms", "atoms": {"cutoff": 0}}}})
     with pytest.raises(ConfigError, match=r"models.d.dimenetpp.batch_size: 0 must be >= 1"):

@@ -1,7 +1,8 @@
 """The training step of atomistic models, in one process or sharded (P graph ways × D replicas).
 
 World layout: ``world = D × P``, ``rank = replica * P + way`` (fairchem's ``dp × gp`` grid):
-the P ranks of a replica split each batch's edges and triplets (``parallel.shard_graph``);
+the P ranks of a replica split each batch's edges and triplets (``parallel.shard_graph``) or, with
+``atom_layout: atoms``, its atoms (``halo.shard_atoms``: each way receives only its halo);
 the D replicas take different batches. The loss of a step is written so that the sum over
 every rank is the single-process loss of the union of the replicas' batches:
 
@@ -47,6 +48,7 @@ from torch import Tensor
 from ..engine import DTYPES, EpochStats, load_train_state, make_optimizer, train_state
 from ..io import GnnPipeError
 from .habits import EMA, Guard, lr_at
+from .halo import atom_layout, halo_counts, shard_atoms
 from .parallel import EdgeGroup, shard_graph
 from .protocol import ATOMIC_MODELS
 
@@ -109,9 +111,19 @@ def step_loss(model, g, b: dict, norm: Normalizer, counts: StepCounts,
 
 
 def rank_view(b: dict, grp: Optional[EdgeGroup], dtype, device):
-    """This rank's AtomGraph of batch ``b`` (the whole batch without a group)."""
+    """This rank's AtomGraph of batch ``b`` (the whole batch without a group), edges layout."""
     parts, rank = (1, 0) if grp is None else (grp.size, grp.rank)
     return shard_graph(b, parts, rank, grp, dtype, device)
+
+
+def layout_view(b: dict, grp: Optional[EdgeGroup], dtype, device, layout: str) -> tuple[dict, object]:
+    """This rank's view of batch ``b`` in ``layout``, and the batch as the view numbers it: ``b`` itself
+    in the edges layout, reordered by part in the atoms layout (``halo.atom_layout``: the own atoms'
+    rows of its per-atom arrays are ``[atom_lo, atom_hi)`` in both)."""
+    if layout == "atoms" and grp is not None and grp.size > 1:
+        b = atom_layout(b, grp.size)
+        return b, shard_atoms(b, grp.rank, grp, dtype, device)
+    return b, rank_view(b, grp, dtype, device)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -134,6 +146,7 @@ class AtomicEngine:
         self.graphs = model_graphs(read_graphs(cfg.graph_path, expect_systems_hash=self.systems["content_hash"]),
                                    self.systems, spec.cutoff, cfg.graph_path)
         self.ways, self.replicas = (cfg.ways, cfg.data_parallel) if cfg.mode == "graph" else (1, 1)
+        self.layout = cfg.atom_layout  # how the ways split a batch (gnnpipe.atomic.halo)
         self.replica, self.way = divmod(groups.rank if groups is not None else 0, self.ways)
         self.batch_size, self.force_weight = spec.batch_size, spec.force_weight
         self.model_cfg = model_config(cfg.model, float(self.graphs["cutoff"]))
@@ -240,7 +253,7 @@ class AtomicEngine:
                 b = self._batch(mine)
                 free = int(sum((~self.systems["fixed"][self.systems["atom_ptr"][s]:self.systems["atom_ptr"][s + 1]]).sum()
                                for s in step))
-                g = rank_view(b, self.grp, self.dtype, self.device)
+                b, g = layout_view(b, self.grp, self.dtype, self.device, self.layout)
                 loss, _, _, report = step_loss(self.model, g, b, self.norm, StepCounts(len(step), free),
                                                self.force_weight)
                 loss.backward()
@@ -266,6 +279,11 @@ class AtomicEngine:
         b = torch.finfo(self.dtype).bits // 8
         for step in self._epoch_steps[-1]:
             parts = [self._replica_batch(step, r) for r in range(self.replicas)]
+            if self.layout == "atoms" and self.ways > 1:  # the halos of the same partitions as training's
+                halos = [halo_counts(atom_layout(self._batch(p), self.ways)) for p in parts]
+                total += self.kind.halo_step_bytes(self.model_cfg, halos, [len(p) for p in parts], self.ways, b,
+                                                   self.num_params)
+                continue
             e = [int(sum(np.diff(self.graphs["edge_ptr"])[p])) for p in parts]
             n = [int(sum(np.diff(self.systems["atom_ptr"])[p])) for p in parts]
             total += self.kind.step_bytes(self.model_cfg, e, n, [len(p) for p in parts], self.ways, b,
@@ -294,7 +312,7 @@ class AtomicEngine:
                 else:
                     count = True
                 b = self._batch(mine)
-                g = rank_view(b, self.grp, self.dtype, self.device)
+                b, g = layout_view(b, self.grp, self.dtype, self.device, self.layout)
                 _, energy, forces, _ = step_loss(self.model, g, b, self.norm, StepCounts(1, 1), 0.0)
                 own = slice(g.atom_lo, g.atom_hi)
                 free = ~b["fixed"][own]
