@@ -173,7 +173,7 @@ def test_atoms_layout_matches_unsharded(ways, replicas, forced):
                     [r["order"] for r in sorted(mine, key=lambda r: r["rank"])]))]
                 halos.append(_brute_counts(b, part))
                 assert halos[-1] == {k: sum(r["counts"][k] for r in mine) for k in halos[-1]}
-            want = spec.halo_step_bytes(cfg, halos, [b["num_systems"] for b in batches], ways, 8,
+            want = halo.step_bytes(spec, cfg, halos, [b["num_systems"] for b in batches], ways, 8,
                                         spec.count_parameters(cfg))
             assert sum(r[kind, head, "sent"] for r in res) == want, (kind, head)
 
@@ -261,10 +261,34 @@ def test_bulk_supercell_inference_bytes_atoms_below_edges():
         counts = {k: sum(r["atoms", "counts"][k] for r in res) for k in res[0]["atoms", "counts"]}
         assert counts == halo.halo_counts(halo.atom_layout(b, ways))
         want = {"edges": kind.step_bytes(cfg, [len(b["edge_src"])], [len(b["z"])], [1], ways, 8, 0, training=False),
-                "atoms": kind.halo_step_bytes(cfg, [counts], [1], ways, 8, 0, training=False)}
+                "atoms": halo.step_bytes(kind, cfg, [counts], [1], ways, 8, 0, training=False)}
         for name in ("edges", "atoms"):
             for r in res:
                 torch.testing.assert_close(r[name], ref, rtol=1e-12, atol=1e-10)
             sent[ways, name] = sum(r[name, "sent"] for r in res)
             assert sent[ways, name] == want[name], (ways, name)
         assert sent[ways, "atoms"] < sent[ways, "edges"], sent
+
+
+def test_the_plan_prices_both_layouts_and_chooses_by_bytes_then_memory():
+    """On a 500-atom cell the atoms layout sends fewer bytes (its closed form on its own halo counts);
+    a memory cap that only the edges layout fits chooses edges; at P = 1 both are the same."""
+    from gnnpipe.atomic.engine import batch_plan
+
+    b = _bulk(reps=5)
+    kind = ATOMIC_MODELS["gemnet_t"]
+    cfg = kind.preset("small", cutoff=4.0)
+    costs = halo.layout_costs(kind, cfg, b, 4, 4)
+    arranged = halo.atom_layout(b, 4)
+    assert costs["halo"] == halo.halo_counts(arranged) == _brute_counts(
+        b, np.repeat(np.arange(4), arranged["atom_parts"])[np.argsort(arranged["atom_order"])])
+    assert costs["atoms"]["bytes"] == halo.step_bytes(kind, cfg, [costs["halo"]], [1], 4, 4,
+                                                      kind.count_parameters(cfg))
+    assert costs["atoms"]["bytes"] < costs["edges"]["bytes"]
+    assert halo.choose_layout(costs) == "atoms"
+    squeeze = {"edges": {"bytes": 2, "memory": 1}, "atoms": {"bytes": 1, "memory": 3}}
+    assert halo.choose_layout(squeeze, cap=2) == "edges" and halo.choose_layout(squeeze, cap=3) == "atoms"
+    assert halo.choose_layout({"edges": {"bytes": 1, "memory": 1}, "atoms": {"bytes": 1, "memory": 1}}) == "edges"
+    rows = batch_plan(kind, cfg, b, 2**40, 4, max_ways=4)
+    assert [r["layout"] for r in rows] == ["edges", "atoms", "atoms"]
+    assert rows[2]["layouts"]["atoms"] == costs["atoms"]

@@ -46,27 +46,6 @@ def step_bytes(cfg, edges: Sequence[int], atoms: Sequence[int], systems: Sequenc
 
 
 
-def halo_step_bytes(cfg, halos: Sequence[dict], systems: Sequence[int], ways: int, dtype_bytes: int,
-                    params: int, training: bool = True) -> int:
-    """Bytes one DimeNet++ training step sends in the atoms layout (``atomic/halo.py``), all ranks.
-
-    ``halos[d]``: replica d's halo rows summed over its ways (``halo.halo_counts``: ``kj`` edge rows,
-    ``ghosts`` atoms). Per replica: the input-edge halo ``passes·K·kj·I·b`` (``passes`` as in
-    :func:`step_bytes`), nothing for the output blocks (every edge ends at an own atom), forces
-    ``2·3·ghosts·b`` with the gradient head (the ghosts' ``-dE/dpos`` to their owners and its
-    adjoint; the direct head sums into own atoms: nothing); energies and parameters as the edges layout
-    (``training=False``: one inference call, as :func:`step_bytes`).
-    """
-    p, d, b = ways, len(halos), dtype_bytes
-    k, i = cfg.num_blocks, cfg.int_emb_size
-    passes, once = collective_passes(cfg.force_head, training)
-    forces = once * 3 if cfg.force_head == "gradient" else 0
-    total = 0
-    for h, s in zip(halos, systems):
-        total += b * (passes * k * h["kj"] * i + forces * h["ghosts"] + 2 * (p - 1) * s)
-    return total + training * (d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b)
-
-
 # --------------------------------------------------------------------------- memory
 #: Default padded block counts per worker, per ceil(E/P) local edges or ceil(T/P) local triplets, when
 #: the caller does not pass the measured ones (``block_counts``). Measured on the EMT slabs

@@ -48,7 +48,8 @@ from torch import Tensor
 from ..engine import DTYPES, EpochStats, load_train_state, make_optimizer, train_state
 from ..io import GnnPipeError
 from .habits import EMA, Guard, lr_at
-from .halo import atom_layout, halo_counts, shard_atoms
+from .halo import atom_layout, choose_layout, halo_counts, layout_costs, shard_atoms
+from .halo import step_bytes as halo_step_bytes
 from .parallel import EdgeGroup, shard_graph
 from .protocol import ATOMIC_MODELS
 
@@ -281,8 +282,8 @@ class AtomicEngine:
             parts = [self._replica_batch(step, r) for r in range(self.replicas)]
             if self.layout == "atoms" and self.ways > 1:  # the halos of the same partitions as training's
                 halos = [halo_counts(atom_layout(self._batch(p), self.ways)) for p in parts]
-                total += self.kind.halo_step_bytes(self.model_cfg, halos, [len(p) for p in parts], self.ways, b,
-                                                   self.num_params)
+                total += halo_step_bytes(self.kind, self.model_cfg, halos, [len(p) for p in parts], self.ways, b,
+                                         self.num_params)
                 continue
             e = [int(sum(np.diff(self.graphs["edge_ptr"])[p])) for p in parts]
             n = [int(sum(np.diff(self.systems["atom_ptr"])[p])) for p in parts]
@@ -445,10 +446,21 @@ def plan_ways(kind, cfg, atoms: int, edges: int, triplets: int, device_bytes: in
 
 def batch_plan(kind, model_cfg, b: dict, device_bytes: int, dtype_bytes: int, overhead: int = 0,
                max_ways: int = 64) -> list[dict]:
-    """``plan_ways`` on batch ``b`` (``data.batch_arrays``): its sizes, and its kind-specific counts."""
+    """``plan_ways`` on batch ``b`` (``data.batch_arrays``): its sizes, and its kind-specific counts; each
+    row with P > 1 also prices the atoms layout on the same batch (``halo.layout_costs``: ``"layouts"``)
+    and names the layout to use (``"layout"``: fewer bytes among those that fit, ``halo.choose_layout``)."""
     counts = (lambda p: kind.batch_counts(b, p)) if kind.batch_counts else None
-    return plan_ways(kind, model_cfg, len(b["z"]), len(b["edge_src"]), len(b["idx_kj"]), device_bytes, dtype_bytes,
+    rows = plan_ways(kind, model_cfg, len(b["z"]), len(b["edge_src"]), len(b["idx_kj"]), device_bytes, dtype_bytes,
                      max_ways, overhead, counts)
+    for r in rows:
+        r["layout"], r["layouts"] = "edges", None
+        if 1 < r["ways"] <= len(b["z"]):
+            try:
+                r["layouts"] = layout_costs(kind, model_cfg, b, r["ways"], dtype_bytes)
+            except GnnPipeError:  # METIS could not give every way an atom: the edges layout only
+                continue
+            r["layout"] = choose_layout(r["layouts"], device_bytes - overhead)
+    return rows
 
 
 @dataclass

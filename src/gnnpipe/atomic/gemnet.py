@@ -327,24 +327,10 @@ def step_bytes(cfg: GemNetTConfig, edges: Sequence[int], atoms: Sequence[int], s
 
 
 
-def halo_step_bytes(cfg: GemNetTConfig, halos: Sequence[dict], systems: Sequence[int], ways: int,
-                    dtype_bytes: int, params: int, training: bool = True) -> int:
-    """Bytes one training step sends in the atoms layout (``atomic/halo.py``), summed over every rank.
-
-    ``halos[d]``: replica d's halo rows summed over its ways (``halo.halo_counts``). Per replica and
-    interaction block, ``passes`` times (as :func:`step_bytes`): input-edge rows ``kj·Tr``, reverse-edge
-    rows ``swap·Bt``, atom rows ``atoms·A`` (the ghosts' embeddings); nothing for the atom update and the
-    output blocks (every edge ends at an own atom); forces ``2·3·ghosts`` (T; dT sums into own atoms:
-    nothing); energies and parameters as the edges layout (``training=False``: as :func:`step_bytes`).
-    """
-    p, d, b, c = ways, len(halos), dtype_bytes, cfg
-    passes, once = collective_passes(cfg.force_head, training)
-    forces = once * 3 if cfg.force_head == "gradient" else 0
-    total = 0
-    for h, s in zip(halos, systems):
-        rows = c.num_blocks * (h["kj"] * c.emb_size_trip + h["swap"] * c.emb_size_bil_trip + h["atoms"] * c.emb_size_atom)
-        total += b * (passes * rows + forces * h["ghosts"] + 2 * (p - 1) * s)
-    return total + training * (d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b)
+def halo_widths(cfg: GemNetTConfig) -> dict:
+    """Row widths of the atoms layout's halo exchanges per interaction block (``atomic/halo.py``): the
+    input messages (Tr), the reverse edges' aggregates (Bt), the ghosts' atom embeddings (A)."""
+    return {"kj": cfg.emb_size_trip, "swap": cfg.emb_size_bil_trip, "atoms": cfg.emb_size_atom}
 
 
 def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int, ways: int,

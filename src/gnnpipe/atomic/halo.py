@@ -41,7 +41,7 @@ gradients summing to the single-process ones, as in ``parallel.py``. Energies ar
 with identity backward (``ShardedAtomGraph.sum_systems``).
 
 Bytes: each exchange sends ``rows × width × b``, its rows the halo counts of :func:`halo_counts`
-(summed over ranks); the closed form is each kind's ``halo_step_bytes``.
+(summed over ranks) and its widths the kind's ``halo_widths``; the closed form is :func:`step_bytes`.
 
 Why METIS and not a recursive coordinate bisection: a batch of several systems overlaps in space
 (every system sits in its own cell near the origin), so coordinates do not separate systems, while
@@ -62,7 +62,7 @@ from torch import Tensor
 from ..io import GnnPipeError
 from .batch import AtomGraph
 from .neighbors import triplet_rank
-from .parallel import EdgeGroup, ShardedAtomGraph, _t
+from .parallel import EdgeGroup, ShardedAtomGraph, _t, collective_passes
 
 LAYOUTS = ("edges", "atoms")
 ATOM_KEYS = ("z", "pos", "system", "fixed", "forces")  # per-atom arrays of a batch (graphs.batch_arrays)
@@ -180,15 +180,91 @@ def rank_needs(b: dict, rank: int) -> Needs:
                  ghosts=foreign_atoms(np.concatenate([src[local], src[kj], dst[kj]])))
 
 
-def halo_counts(b: dict) -> dict:
-    """Rows received per exchange, summed over the ranks of ``b``'s layout: the closed form's counts
+HALO_KEYS = ("kj", "swap", "atoms", "ghosts")
+
+
+def rank_sizes(b: dict) -> list[dict]:
+    """Per rank of ``b``'s layout: own ``atoms_own``, ``edges_own``, ``triplets_own`` and its halo rows
     (``kj``, ``swap`` edge rows; ``atoms`` embedding rows; ``ghosts`` atoms reduced to their owners)."""
-    out = dict(kj=0, swap=0, atoms=0, ghosts=0)
-    for r in range(len(b["atom_parts"])):
+    parts = len(b["atom_parts"])
+    owner = np.repeat(np.arange(parts), b["atom_parts"])
+    e_owner = owner[np.asarray(b["edge_dst"])]
+    edges = np.bincount(e_owner, minlength=parts)
+    trips = np.bincount(e_owner[np.asarray(b["idx_ji"])], minlength=parts)
+    out = []
+    for r in range(parts):
         need = rank_needs(b, r)
-        for k in out:
-            out[k] += int(len(getattr(need, k)))
+        out.append({"atoms_own": int(b["atom_parts"][r]), "edges_own": int(edges[r]), "triplets_own": int(trips[r]),
+                    **{k: int(len(getattr(need, k))) for k in HALO_KEYS}})
     return out
+
+
+def halo_counts(b: dict) -> dict:
+    """Rows received per exchange, summed over the ranks of ``b``'s layout: the closed form's counts."""
+    sizes = rank_sizes(b)
+    return {k: sum(r[k] for r in sizes) for k in HALO_KEYS}
+
+
+def step_bytes(kind, cfg, halos, systems, ways: int, dtype_bytes: int, params: int, training: bool = True) -> int:
+    """Bytes one step sends in the atoms layout, summed over every rank (what the ledger counts).
+
+    ``halos[d]``: replica d's halo rows summed over its P ways (:func:`halo_counts`), ``w`` the kind's
+    ``halo_widths``, K blocks, b dtype bytes; ``passes`` and ``once`` as the edges layout's
+    (``parallel.collective_passes``: 4 and 2 in a training step with gradient forces, 2 and 1 direct;
+    half in an inference call). Per replica::
+
+        b · ( passes · K · (kj·w_kj + swap·w_swap + atoms·w_atoms)     halo rows per interaction block
+              + once · 3 · ghosts     (gradient forces: the ghosts' -dE/dpos to their owners; direct: 0)
+              + 2·(P-1)·B )                                             energies (ring all-reduce)
+
+    Nothing for the output blocks and the atom updates: every edge ends at an own atom. Parameters
+    (training only): ``2·(P-1)·params·b`` per replica and ``2·(D-1)·params·b`` per way, as the edges
+    layout (``kind.step_bytes``).
+    """
+    p, d, b = ways, len(halos), dtype_bytes
+    w = kind.halo_widths(cfg)
+    passes, once = collective_passes(cfg.force_head, training)
+    forces = once * 3 if cfg.force_head == "gradient" else 0
+    total = 0
+    for h, s in zip(halos, systems):
+        total += b * (passes * cfg.num_blocks * sum(h[k] * w[k] for k in ("kj", "swap", "atoms"))
+                      + forces * h["ghosts"] + 2 * (p - 1) * s)
+    return total + training * (d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b)
+
+
+def layout_costs(kind, cfg, b: dict, ways: int, dtype_bytes: int, training: bool = True) -> dict:
+    """Both layouts of batch ``b`` (one replica) at ``ways`` ways: ``{layout: {"bytes": closed-form bytes
+    of a step, "memory": estimated bytes per worker}}``, and ``"halo"``: the atoms layout's counts.
+
+    Memory, edges: the kind's ``memory_per_worker`` at P ways. Atoms: the largest over the ranks of the
+    kind's estimate for its own atoms, edges and triplets in one process (the kind's default block
+    counts), plus one block's gathered halo rows (``halo_widths``): a part's activations are its own
+    rows', its halo rows are read, not kept.
+    """
+    params = kind.count_parameters(cfg)
+    n, e, t, s = len(b["z"]), len(b["edge_src"]), len(b["idx_kj"]), int(b["num_systems"])
+    counts = kind.batch_counts(b, ways) if kind.batch_counts else {}
+    out = {"edges": {"bytes": kind.step_bytes(cfg, [e], [n], [s], ways, dtype_bytes, params, training=training),
+                     "memory": kind.memory_per_worker(cfg, n, e, t, ways, dtype_bytes, **counts)["total"]}}
+    if ways == 1:
+        out["atoms"] = dict(out["edges"])
+        out["halo"] = dict.fromkeys(HALO_KEYS, 0)
+        return out
+    sizes = rank_sizes(atom_layout(b, ways))
+    w = kind.halo_widths(cfg)
+    mem = max(kind.memory_per_worker(cfg, r["atoms_own"], r["edges_own"], r["triplets_own"], 1, dtype_bytes)["total"]
+              + sum(r[k] * w[k] for k in ("kj", "swap", "atoms")) * dtype_bytes for r in sizes)
+    halos = {k: sum(r[k] for r in sizes) for k in HALO_KEYS}
+    out["atoms"] = {"bytes": step_bytes(kind, cfg, [halos], [s], ways, dtype_bytes, params, training), "memory": mem}
+    out["halo"] = halos
+    return out
+
+
+def choose_layout(costs: dict, cap: Optional[int] = None) -> str:
+    """The layout of ``layout_costs`` that sends fewer bytes among those whose memory fits ``cap``
+    (None: any); the edges layout on a tie or when neither fits."""
+    fits = [k for k in LAYOUTS if cap is None or costs[k]["memory"] <= cap] or ["edges"]
+    return min(fits, key=lambda k: (costs[k]["bytes"], LAYOUTS.index(k)))
 
 
 # --------------------------------------------------------------------------- the exchange
@@ -348,5 +424,6 @@ def shard_atoms(b: dict, rank: int, group: Optional[EdgeGroup], dtype=torch.floa
     return g.to(device) if device is not None else g
 
 
-__all__ = ["LAYOUTS", "partition_atoms", "group_by_part", "atom_layout", "rank_needs", "halo_counts",
+__all__ = ["LAYOUTS", "partition_atoms", "group_by_part", "atom_layout", "rank_needs", "rank_sizes", "halo_counts",
+           "step_bytes", "layout_costs", "choose_layout",
            "shard_atoms", "HaloAtomGraph", "HaloPlan"]
