@@ -292,3 +292,37 @@ def test_the_plan_prices_both_layouts_and_chooses_by_bytes_then_memory():
     rows = batch_plan(kind, cfg, b, 2**40, 4, max_ways=4)
     assert [r["layout"] for r in rows] == ["edges", "atoms", "atoms"]
     assert rows[2]["layouts"]["atoms"] == costs["atoms"]
+
+
+def _mutant(rank: int, world: int, batches: list, ways: int, states: dict) -> dict:
+    """``_worker`` with the classic mistake patched into this process: a halo gather whose backward
+    keeps only the own rows' gradient (the other ranks' reads of our rows are lost)."""
+    def backward(ctx, g):
+        plan = ctx.args[1]
+        return g[:plan.n_own], None, None, None, None
+    halo._HaloGather.backward = staticmethod(backward)
+    return _worker(rank, world, batches, ways, states, None)
+
+
+@pytest.mark.slow
+def test_a_halo_gather_that_drops_the_halo_gradient_fails_the_exactness_test():
+    """The exactness test can fail: with the mutant above, gradients (and gradient forces' double
+    backward) differ from single-process by far more than 1e-10 (measured 0.14-15)."""
+    batches = [_batch(20)]
+    union = _with_swap(_concat(batches))
+    torch.set_default_dtype(torch.float64)
+    try:
+        states, ref = {}, {}
+        for kind in KINDS:
+            for head in HEADS:
+                model = _build(kind, head, union)
+                states[kind, head] = {n: v.numpy() for n, v in model.state_dict().items()}
+                ref[kind, head] = _step(model, single_graph(union), union, union["num_systems"], len(union["z"]),
+                                        lambda gs: None)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    res = spawn_multi_process(_mutant, 2, batches, 2, states, timeout=180)
+    for kind in KINDS:
+        for head in HEADS:
+            err = max(float((x - y).abs().max()) for x, y in zip(res[0][kind, head][2], ref[kind, head][2]))
+            assert err > 1e-6, (kind, head, err)
