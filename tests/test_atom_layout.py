@@ -292,6 +292,12 @@ def test_the_plan_prices_both_layouts_and_chooses_by_bytes_then_memory():
     rows = batch_plan(kind, cfg, b, 2**40, 4, max_ways=4)
     assert [r["layout"] for r in rows] == ["edges", "atoms", "atoms"]
     assert rows[2]["layouts"]["atoms"] == costs["atoms"]
+    # a run in the atoms layout is sized by its layout's memory (gnnpipe launch's check)
+    from gnnpipe.atomic.engine import RunPlan
+    need = costs["atoms"]["memory"] + 100
+    plan = RunPlan(kind, cfg, b, 4, need, 100, rows, "atoms", 4)
+    assert plan.need(4) == need and plan.fits and "at P = 4 in the atoms layout" in plan.answer("r", "cap")
+    assert not RunPlan(kind, cfg, b, 4, need - 1, 100, rows, "atoms", 4).fits
 
 
 def _mutant(rank: int, world: int, batches: list, ways: int, states: dict) -> dict:

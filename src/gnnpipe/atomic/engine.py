@@ -474,6 +474,8 @@ class RunPlan:
     cap: int  # bytes per worker
     overhead: int  # bytes of a worker process before its model (counted in each row)
     rows: list
+    layout: str = "edges"  # the run's atom_layout: which layout's memory the run needs
+    dtype_bytes: int = 4
 
     @property
     def batch(self) -> tuple[int, int, int]:
@@ -482,7 +484,10 @@ class RunPlan:
         return len(b["z"]), len(b["edge_src"]), len(b["idx_kj"])
 
     def need(self, ways: int) -> int:
-        """Bytes per worker at ``ways`` ways (any P, not only the rows' powers of two)."""
+        """Bytes per worker at ``ways`` ways (any P, not only the rows' powers of two), in the run's layout."""
+        if self.layout == "atoms" and ways > 1:
+            return layout_costs(self.kind, self.model_cfg, self.arrays, ways, self.dtype_bytes)["atoms"]["memory"] \
+                + self.overhead
         counts = self.kind.batch_counts(self.arrays, ways) if self.kind.batch_counts else {}
         return self.kind.memory_per_worker(self.model_cfg, *self.batch, ways, **counts)["total"] + self.overhead
 
@@ -491,13 +496,18 @@ class RunPlan:
         return self.need(self.ways) <= self.cap
 
     def smallest(self) -> Optional[int]:
-        return next((r["ways"] for r in self.rows if r["fits"]), None)
+        def fits(r):
+            if self.layout == "atoms" and r.get("layouts"):
+                return r["layouts"]["atoms"]["memory"] + self.overhead <= self.cap
+            return r["fits"]
+        return next((r["ways"] for r in self.rows if fits(r)), None)
 
     def answer(self, run_id: str, cap_name: str) -> str:
         """The plan's one line on the run's P: it fits, or by how much it does not and which P would."""
         gib, need = 2**30, self.need(self.ways)
         need = (f"{self.kind.name} ({self.kind.count_parameters(self.model_cfg):,} parameters) needs about "
-                f"{need / gib:.2f} GiB per worker at P = {self.ways} (gnnpipe plan-atomic: "
+                f"{need / gib:.2f} GiB per worker at P = {self.ways}"
+                f"{' in the atoms layout' if self.layout == 'atoms' and self.ways > 1 else ''} (gnnpipe plan-atomic: "
                 f"{(need - self.overhead) / gib:.2f} GiB for a step on the largest batch, "
                 f"{self.batch[0]} atoms / {self.batch[1]} edges / {self.batch[2]} triplets, + "
                 f"{self.overhead / gib:.2f} GiB of process)")
@@ -521,4 +531,5 @@ def plan_run(cfg, cap_bytes: int, overhead: int = 0, max_ways: int = 64) -> RunP
     model_cfg = model_config(cfg.model, float(graphs["cutoff"]))
     b = batch_arrays(systems, graphs, largest_batch(systems, graphs, cfg.model.spec.batch_size))
     rows = batch_plan(kind, model_cfg, b, cap_bytes, DTYPES[cfg.training.dtype].itemsize, overhead, max_ways)
-    return RunPlan(kind, model_cfg, b, cfg.ways, cap_bytes, overhead, rows)
+    return RunPlan(kind, model_cfg, b, cfg.ways, cap_bytes, overhead, rows, cfg.atom_layout,
+                   DTYPES[cfg.training.dtype].itemsize)
