@@ -218,56 +218,61 @@ def _bulk(reps: int = 8, cutoff: float = 4.0) -> dict:
                                                                     "idx_kj", "idx_ji", "id_swap")})
 
 
-def _infer(rank: int, world: int, b: dict, state: dict, cfg) -> dict:
-    """Both layouts, one inference call each (energies and gradient forces): energies and bytes sent."""
+def _infer(rank: int, world: int, b: dict, states: dict, cfgs: dict) -> dict:
+    """Both layouts and force heads, one inference call each: energies, bytes sent, halo counts."""
     from gnnpipe.atomic.parallel import shard_graph
     from gnnpipe.parallel.comm import Communicator
 
     torch.set_default_dtype(torch.float64)
     comm = Communicator()
     grp = EdgeGroup(comm, None, world, rank)
-    model = ATOMIC_MODELS["dimenetpp"].build(cfg).double().eval()
-    model.load_state_dict({n: torch.as_tensor(v) for n, v in state.items()})
-    out = {}
     arranged = halo.atom_layout(b, world)
-    for epoch, (name, g) in enumerate((("edges", shard_graph(b, world, rank, grp)),
-                                       ("atoms", halo.shard_atoms(arranged, rank, grp)))):
-        comm.set_epoch(epoch)
-        out[name] = model(g)["energy"].detach()
-        out[name, "sent"] = sum(v["sent"] for v in comm.ledger_dict()[epoch].values())
-        out[name, "counts"] = getattr(g, "counts", None)
+    views = {"edges": shard_graph(b, world, rank, grp), "atoms": halo.shard_atoms(arranged, rank, grp)}
+    out, epoch = {"counts": views["atoms"].counts}, 0
+    for head, cfg in cfgs.items():
+        model = ATOMIC_MODELS["dimenetpp"].build(cfg).double().eval()
+        model.load_state_dict({n: torch.as_tensor(v) for n, v in states[head].items()})
+        for name, g in views.items():
+            comm.set_epoch(epoch)
+            out[head, name] = model(g)["energy"].detach()
+            out[head, name, "sent"] = sum(v["sent"] for v in comm.ledger_dict()[epoch].values())
+            epoch += 1
     return out
 
 
 @pytest.mark.slow
 def test_bulk_supercell_inference_bytes_atoms_below_edges():
-    """A 2,048-atom EMT-labelled Cu cell, DimeNet++ ``small``, one inference call (forward and the force
-    pass) at P = 2 and 4: energies equal single-process, each layout's ledger equals its closed form, and
-    the atoms layout sends fewer bytes than the edges layout."""
+    """A 2,048-atom EMT-labelled Cu cell, DimeNet++ ``small``, one inference call at P = 2 and 4: forward
+    only (direct forces) and forward + force pass (gradient forces). Energies equal single-process, each
+    layout's ledger equals its closed form, and the atoms layout sends fewer bytes than the edges layout."""
     b = _bulk()
     assert len(b["z"]) >= 2000
     kind = ATOMIC_MODELS["dimenetpp"]
-    cfg = kind.preset("small", cutoff=4.0)
-    torch.manual_seed(0)
-    model = kind.build(cfg).double().eval()
-    with torch.no_grad():  # the zero-initialised output layers would make every energy 0
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    ref = model(single_graph(b))["energy"].detach()
-    state = {n: v.numpy() for n, v in model.state_dict().items()}
-    sent = {}
+    cfgs = {head: kind.preset("small", cutoff=4.0, force_head=head) for head in HEADS}
+    ref, states = {}, {}
+    for head, cfg in cfgs.items():
+        torch.manual_seed(0)
+        model = kind.build(cfg).double().eval()
+        with torch.no_grad():  # the zero-initialised output layers would make every energy 0
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        ref[head] = model(single_graph(b))["energy"].detach()
+        states[head] = {n: v.numpy() for n, v in model.state_dict().items()}
     for ways in (2, 4):
-        res = spawn_multi_process(_infer, ways, b, state, cfg, timeout=300)
-        counts = {k: sum(r["atoms", "counts"][k] for r in res) for k in res[0]["atoms", "counts"]}
+        res = spawn_multi_process(_infer, ways, b, states, cfgs, timeout=300)
+        counts = {k: sum(r["counts"][k] for r in res) for k in res[0]["counts"]}
         assert counts == halo.halo_counts(halo.atom_layout(b, ways))
-        want = {"edges": kind.step_bytes(cfg, [len(b["edge_src"])], [len(b["z"])], [1], ways, 8, 0, training=False),
-                "atoms": halo.step_bytes(kind, cfg, [counts], [1], ways, 8, 0, training=False)}
-        for name in ("edges", "atoms"):
-            for r in res:
-                torch.testing.assert_close(r[name], ref, rtol=1e-12, atol=1e-10)
-            sent[ways, name] = sum(r[name, "sent"] for r in res)
-            assert sent[ways, name] == want[name], (ways, name)
-        assert sent[ways, "atoms"] < sent[ways, "edges"], sent
+        for head, cfg in cfgs.items():
+            want = {"edges": kind.step_bytes(cfg, [len(b["edge_src"])], [len(b["z"])], [1], ways, 8, 0,
+                                             training=False),
+                    "atoms": halo.step_bytes(kind, cfg, [counts], [1], ways, 8, 0, training=False)}
+            sent = {}
+            for name in ("edges", "atoms"):
+                for r in res:
+                    torch.testing.assert_close(r[head, name], ref[head], rtol=1e-12, atol=1e-10)
+                sent[name] = sum(r[head, name, "sent"] for r in res)
+                assert sent[name] == want[name], (ways, head, name)
+            assert sent["atoms"] < sent["edges"], (ways, head, sent)
 
 
 def test_the_plan_prices_both_layouts_and_chooses_by_bytes_then_memory():
