@@ -36,6 +36,9 @@ def _wf(models=None, **run):
     ({"mode": "pipeline"}, "mode single or graph"),
     ({"workers": 3, "data_parallel": 2}, "multiple of data_parallel"),
     ({"data_parallel": 0}, "config.runs[0].data_parallel: 0 must be >= 1"),
+    ({"mode": "single", "workers": 1, "atom_layout": "atoms"},
+     "config.runs[0].atom_layout: an atomic single run has no atomic graph layout"),
+    ({"atom_layout": "halo"}, "config.runs[0].atom_layout: 'halo' is not one of"),
     # an unknown preset, an unknown size key, a section of another kind
     ({"model": "gem", "models": {"gem": {"kind": "gemnet_t", "gemnet_t": {"preset": "large"}}}},
      "config.models.gem.gemnet_t.preset: 'large' is not one of 'small', 'default', 'xl'"),
@@ -50,6 +53,7 @@ def _wf(models=None, **run):
      "config.runs[0]: model 'gem' has cutoff 6 Å, larger than the graphs of dataset 'a' (atoms.cutoff 4.5 Å): they "
      "lack the neighbours between; raise datasets.a.atoms.cutoff or lower models.gem.gemnet_t.cutoff"),
 ], ids=["node-model", "node-data", "gemnet-on-node-data", "pipeline", "data-parallel", "data-parallel-0",
+         "atom-layout-single", "atom-layout-name",
         "preset", "size-key", "other-section", "kind", "cutoff"])
 def test_atomic_config_errors_are_one_line(edit, message):
     with pytest.raises(ConfigError) as err:
@@ -90,6 +94,9 @@ def test_atomic_run_layout_and_paths():
     (rid, r), = runs.items()
     assert rid == "a-d-graph-p4d2-seed0" and (r.ways, r.data_parallel, r.store_path) == (2, 2, None)
     assert r.graph_path.endswith("a/graphs.h5") and r.systems_path.endswith("a/systems.h5")
+    (rid, r), = resolve_runs(load_workflow_config(_wf(workers=2, atom_layout="atoms"))).items()
+    assert rid == "a-d-graph-p2atoms-seed0" and r.atom_layout == "atoms"
+    assert all(r.atom_layout == "edges" for r in resolve_runs(load_workflow_config(_wf(workers=2))).values())
     with pytest.raises(ConfigError, match=r"datasets.a.atoms.cutoff: 0.0 must be > 0"):
         load_workflow_config({**_wf(), "datasets": {"a": {"kind": "atoms", "atoms": {"cutoff": 0}}}})
     with pytest.raises(ConfigError, match=r"models.d.dimenetpp.batch_size: 0 must be >= 1"):
@@ -334,3 +341,40 @@ def test_plan_atomic_sizes_xl_and_finds_the_smallest_p(small_data, capsys):
                  str(small_data / "graphs.h5"), "--preset", "xl", "--device-gib", "4"]) == 0
     out = capsys.readouterr().out
     assert "219,342,342 parameters" in out and "smallest P that fits" in out
+
+
+@pytest.mark.slow
+def test_a_users_extxyz_of_a_large_cell_trains_on_the_atoms_layout_through_snakemake(tmp_path):
+    """A user's extxyz of 256-atom Cu cells (EMT-labelled here) trains DimeNet++ through the workflow
+    with ``atom_layout: atoms`` on 2 workers: each way holds a METIS part of every cell and receives
+    only its halo; the measured bytes equal the halo closed form."""
+    import ase.io
+    from ase.build import bulk
+    from ase.calculators.emt import EMT
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    frames = []
+    for t in range(4):
+        atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((4, 4, 4))
+        atoms.rattle(0.05, seed=t)
+        atoms.calc = EMT()
+        atoms.calc = SinglePointCalculator(atoms, energy=atoms.get_potential_energy(), forces=atoms.get_forces())
+        atoms.info["trajectory"] = t
+        frames.append(atoms)
+    ase.io.write(tmp_path / "cells.extxyz", frames, format="extxyz")
+    conf = {"datasets": {"cells": {"kind": "atoms", "atoms": {"file": str(tmp_path / "cells.extxyz"), "cutoff": 4.0,
+                                                               "max_neighbors": 12}}},
+            "models": {"d": {"kind": "dimenetpp", "dimenetpp": {"preset": "small", "num_blocks": 1, "batch_size": 1}}},
+            "training": {"epochs": 1, "eval_every": 1, "checkpoint_every": 0},
+            "cost_model": {"calibrate": False}, "relax": {"systems": 1, "fmax": 0.5, "steps": 2},
+            "runs": [{"mode": "graph", "dataset": "cells", "model": "d", "workers": 2, "atom_layout": "atoms"}]}
+    from helpers import snakemake
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(conf))
+    done = snakemake(tmp_path / "work", tmp_path / "config.yaml", "--replace-workflow-config", "--cores", "2",
+                     timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rec = json.loads((tmp_path / "work" / "results" / "runs" / "cells-d-graph-p2atoms-seed0" / "metrics.json").read_text())
+    assert rec["num_systems"] == 4 and rec["world_size"] == 2 and rec["num_nodes"] == 4 * 256
+    assert len(rec["history"]) == 1 and np.isfinite(rec["history"][0]["loss"]) and rec["force_cos"] is not None
+    assert rec["comm_bytes_per_epoch"] == rec["comm_bytes_predicted"] > 0

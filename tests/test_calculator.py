@@ -336,3 +336,26 @@ def test_velocity_verlet_gives_the_same_trajectory_at_1_and_2_workers(models):
         paths.append(np.array(frames))
     np.testing.assert_allclose(paths[1], paths[0], atol=1e-10, rtol=0)
     assert torch.get_num_threads() == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_large_cell_takes_the_atoms_layout_and_equals_one_process(models, kind):
+    """A 108-atom cell on 2 workers: ``auto`` takes the atoms layout (fewer closed-form bytes), and
+    energy, forces (back in the structure's atom order) and stress equal one process (float64, 1e-10),
+    as the edges layout's do."""
+    mf = models[kind]
+    cell = _bulk(mf, (3, 3, 3), seed=3)
+    cell.calc = GNNPipeCalculator(mf)
+    want = cell.get_potential_energy(), cell.get_forces(), cell.get_stress()
+    for layout in ("auto", "edges"):
+        with GNNPipeCalculator(mf, workers=2, layout=layout) as calc:
+            a = cell.copy()
+            a.calc = calc
+            got = a.get_potential_energy(), a.get_forces(), a.get_stress()
+            assert calc.predictor.last_layout == ("atoms" if layout == "auto" else "edges")
+        assert got[0] == pytest.approx(want[0], abs=1e-10 * max(1.0, abs(want[0])))
+        for x, y in zip(got[1:], want[1:]):
+            np.testing.assert_allclose(x, y, atol=1e-10 * max(1.0, np.abs(y).max()))
+    with pytest.raises(GnnPipeError, match="layout 'halo': one of auto, edges, atoms"):
+        GNNPipeCalculator(mf, workers=2, layout="halo")

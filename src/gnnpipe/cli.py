@@ -116,12 +116,15 @@ def _plan_atomic(a):
     print(f"{title}: {kind.count_parameters(mcfg):,} parameters; largest step batch: {n} atoms, {e} edges, "
           f"{t} triplets")
     parts = [k for k in rows[0]["memory"] if k != "total"]  # the kind's own parts (GiB per worker)
-    print(f"{'P':>4} {'GiB/worker':>11} " + " ".join(f"{k[:14]:>14}" for k in parts) + f" {'MB/step':>10}  fits")
+    print(f"{'P':>4} {'GiB/worker':>11} " + " ".join(f"{k[:14]:>14}" for k in parts) + f" {'MB/step':>10}  fits"
+          f" {'atoms GiB':>10} {'atoms MB':>10}  layout")
     for r in rows:
-        m = r["memory"]
+        m, atoms = r["memory"], (r.get("layouts") or {}).get("atoms")
         print(f"{r['ways']:>4} {r['memory_per_worker'] / 2**30:>11.2f} "
               + " ".join(f"{m[k] / 2**30:>14.3f}" for k in parts)
-              + f" {r['bytes_per_step'] / 1e6:>10.1f}  {'yes' if r['fits'] else 'no'}")
+              + f" {r['bytes_per_step'] / 1e6:>10.1f}  {'yes' if r['fits'] else 'no ':<3}"
+              + (f" {atoms['memory'] / 2**30:>10.2f} {atoms['bytes'] / 1e6:>10.1f}" if atoms else f" {'-':>10} {'-':>10}")
+              + f"  {r.get('layout', 'edges')}")
     need = next((r["ways"] for r in rows if r["fits"]), None)
     print(f"smallest P that fits: {need}" if need else "no P up to the edge count fits: use a smaller model")
     if line:
@@ -292,7 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "here; or a run's own model and batch) on an atoms dataset's largest "
                                     "systems: estimated memory per graph-parallel worker, the closed-form bytes "
                                     "per step, and the smallest P that fits a device (--device-gib) or a "
-                                    "worker's memory (--mem-mb-per-worker, with the process's own).")
+                                    "worker's memory (--mem-mb-per-worker, with the process's own). For P > 1 "
+                                    "also the atoms layout (runs[].atom_layout: METIS atom parts, each worker "
+                                    "receives only its halo): its memory and bytes per step, and the layout to "
+                                    "use (fewer bytes among those that fit).")
     pa.add_argument("--run-config", help="a run's run.yaml: its model, batch size, dtype, data and P")
     pa.add_argument("--systems", help="systems.h5 (without --run-config)")
     pa.add_argument("--graphs", help="graphs.h5 (without --run-config)")

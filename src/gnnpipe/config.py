@@ -379,6 +379,9 @@ class RunSpec:
     name: Optional[str] = None  # overrides the generated run id
     pipeline: Optional[PipelineOverride] = None  # this run's own pipeline settings (ablations)
     data_parallel: Optional[int] = None  # atomic graph mode: D replicas of P = workers / D ways
+    # atomic graph mode: how the P ways split a batch (gnnpipe.atomic.halo): "edges" (contiguous edge
+    # blocks, all-gathers: Sriram et al.) or "atoms" (METIS atom parts, halo all_to_all); null: edges
+    atom_layout: Optional[Literal["edges", "atoms"]] = None
 
 
 @dataclass
@@ -416,6 +419,7 @@ class RunConfig:
     ways: int = 1
     chunks: int = 1  # parts in the chunk store: P for graph, C for pipeline/hybrid
     data_parallel: int = 1  # atomic models: replicas (workers = data_parallel * ways)
+    atom_layout: Literal["edges", "atoms"] = "edges"  # atomic graph mode: how the ways split a batch
     systems_path: Optional[str] = None  # atomic models: results/data/<dataset>/systems.h5
 
     @property
@@ -742,6 +746,9 @@ def _refuse_ignored_keys(run: RunSpec, atomic: bool, where: str) -> None:
     if run.data_parallel is not None and not (atomic and run.mode == "graph"):
         raise ConfigError(f"{where}.data_parallel: {kind} has no data-parallel replicas (only atomic "
                           f"runs in mode graph do); remove the key")
+    if run.atom_layout is not None and not (atomic and run.mode == "graph"):
+        raise ConfigError(f"{where}.atom_layout: {kind} has no atomic graph layout (only atomic runs in "
+                          f"mode graph do); remove the key")
     for key in ("stages", "chunks", "pipeline"):
         if getattr(run, key) is not None and not staged:
             raise ConfigError(f"{where}.{key}: {kind} has no pipeline stages or chunks (only pipeline and "
@@ -788,6 +795,8 @@ def run_id(wf: WorkflowConfig, spec: RunSpec) -> str:
               "hybrid": f"s{s}g{g}c{c}"}[spec.mode]
     if (spec.data_parallel or 1) > 1:
         layout += f"d{spec.data_parallel}"
+    if spec.atom_layout == "atoms":
+        layout += "atoms"
     return f"{spec.dataset}-{spec.model}-{spec.mode}-{layout}-seed{seed}"
 
 
@@ -812,6 +821,7 @@ def resolve_run(wf: WorkflowConfig, spec: RunSpec) -> RunConfig:
         graph_path=f"{data}/graphs.h5" if atomic else f"{data}/graph.h5", store_path=store,
         systems_path=f"{data}/systems.h5" if atomic else None,
         data_parallel=(spec.data_parallel or 1) if atomic else 1,
+        atom_layout=spec.atom_layout or "edges",
         out_dir=f"{wf.results}/runs/{rid}", model=wf.models[spec.model], training=training,
         partitioning=wf.partitioning, pipeline=run_pipeline(wf, spec), graph_parallel=wf.graph_parallel,
         workers=p, stages=s, ways=g, chunks=c,

@@ -124,8 +124,10 @@ class AtomGraph:
         return v if self.strain is None else v + v @ self.strain  # v (I + ε)
 
     # ------------------------------------------------------------------ reductions
-    def gather_edges(self, x: Tensor) -> Tensor:
-        """(E_loc, w) -> (E, w): every edge's row, in global edge order."""
+    def gather_edges(self, x: Tensor, rows: str = "kj") -> Tensor:
+        """(E_loc, w) -> (E, w): every edge's row, in global edge order. ``rows`` names the index that
+        will read the result (``"kj"``: ``idx_kj``, ``"swap"``: ``id_swap``); the atoms layout
+        (``gnnpipe.atomic.halo``) gathers only the rows that index reads."""
         return x
 
     def sum_atoms(self, partial: Tensor) -> Tensor:

@@ -20,7 +20,9 @@ asked. Results follow the ASE contract: the forces are the raw ones (constraints
 by ``Atoms``), arrays are float64 whatever the model's dtype.
 
 ``workers=N`` keeps N local processes alive for the calculator's life (``close()``, a ``with``
-block, or interpreter exit end them); the energies, forces and stress equal ``workers=1`` to
+block, or interpreter exit end them); they split each structure's edges (Sriram et al.) or, for one
+large system when it sends fewer bytes, its atoms (METIS parts, each worker receiving only its halo:
+``atomic.halo``; ``layout="auto"``, the default, chooses per structure); the energies, forces and stress equal ``workers=1`` to
 rounding (1e-10 in float64; float32: see docs/ARCHITECTURE.md). A dead worker is one
 ``GnnPipeError`` naming it, raised within a fraction of a second.
 """
@@ -45,13 +47,16 @@ class GNNPipeCalculator(Calculator):
     nolabel = True
 
     def __init__(self, model: Union[str, Path, ModelFile], *, device: str = "cpu", workers: int = 1,
-                 dtype: Optional[str] = None, threads: Optional[int] = None, **kwargs):
+                 dtype: Optional[str] = None, threads: Optional[int] = None, layout: str = "auto", **kwargs):
         """``model``: a run directory, a model file (or checkpoint holding one), or a ``ModelFile``.
         ``dtype``: ``"float32"``/``"float64"`` (default: the model's own); ``threads``: torch
-        threads per worker (``workers > 1``; default: the cores shared out)."""
+        threads per worker (``workers > 1``; default: the cores shared out); ``layout``: how the
+        workers split a structure, ``"edges"``, ``"atoms"`` or ``"auto"`` (per structure, the one whose
+        closed-form bytes are fewer: ``atomic.inference.Predictor``)."""
         super().__init__(**kwargs)
         self.model_file = model if isinstance(model, ModelFile) else load_model_file(model)
-        self.predictor = Predictor(self.model_file, device=device, workers=workers, dtype=dtype, threads=threads)
+        self.predictor = Predictor(self.model_file, device=device, workers=workers, dtype=dtype, threads=threads,
+                                   layout=layout)
 
     @classmethod
     def from_run(cls, path: Union[str, Path], device: str = "cpu", workers: int = 1, **kwargs) -> "GNNPipeCalculator":

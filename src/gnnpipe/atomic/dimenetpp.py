@@ -522,5 +522,11 @@ def widths(cfg: DimeNetPPConfig) -> dict:
             "triplet": cfg.int_emb_size + cfg.basis_emb_size + cfg.num_spherical * cfg.num_radial}
 
 
+def halo_widths(cfg: DimeNetPPConfig) -> dict:
+    """Row widths of the atoms layout's halo exchanges per interaction block (``atomic/halo.py``): the
+    input messages only (I); no reverse edges, no atom embeddings."""
+    return {"kj": cfg.int_emb_size, "swap": 0, "atoms": 0}
+
+
 def config_fields() -> list[str]:
     return [f.name for f in fields(DimeNetPPConfig)]

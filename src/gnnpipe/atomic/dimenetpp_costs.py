@@ -15,11 +15,11 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .dimenetpp import count_parameters, triplet_blocks
-from .parallel import shard_graph
+from .parallel import collective_passes, shard_graph
 
 
 def step_bytes(cfg, edges: Sequence[int], atoms: Sequence[int], systems: Sequence[int], ways: int,
-               dtype_bytes: int, params: int) -> int:
+               dtype_bytes: int, params: int, training: bool = True) -> int:
     """Bytes one DimeNet++ training step sends, summed over every rank (what the ledger counts).
 
     ``edges[d], atoms[d], systems[d]``: the batch of replica d. With P ways, I = int_emb_size,
@@ -32,14 +32,18 @@ def step_bytes(cfg, edges: Sequence[int], atoms: Sequence[int], systems: Sequenc
     * direct forces: ``2·K·(P-1)·E·I·b + 2·(K+1)·(P-1)·N·H·b + 2·(P-1)·3N·b``;
     * energies: ``2·(P-1)·B·b`` (ring all-reduce); parameters: ``2·(P-1)·params·b`` per replica
       and ``2·(D-1)·params·b`` per way across replicas.
+
+    ``training=False``: one inference call (energies and forces, no loss): half the passes (forward,
+    and the force pass with the gradient head), the forces' exchange once, no parameters.
     """
     p, d, b = ways, len(edges), dtype_bytes
     k, i, h = cfg.num_blocks, cfg.int_emb_size, cfg.hidden_channels
-    passes = 4 if cfg.force_head == "gradient" else 2
+    passes, once = collective_passes(cfg.force_head, training)
     total = 0
     for e, n, s in zip(edges, atoms, systems):
-        total += (p - 1) * b * (passes * k * e * i + passes * (k + 1) * n * h + 2 * 3 * n + 2 * s)
-    return total + d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b
+        total += (p - 1) * b * (passes * k * e * i + passes * (k + 1) * n * h + once * 3 * n + 2 * s)
+    return total + training * (d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b)
+
 
 
 # --------------------------------------------------------------------------- memory

@@ -1,7 +1,8 @@
 """The training step of atomistic models, in one process or sharded (P graph ways × D replicas).
 
 World layout: ``world = D × P``, ``rank = replica * P + way`` (fairchem's ``dp × gp`` grid):
-the P ranks of a replica split each batch's edges and triplets (``parallel.shard_graph``);
+the P ranks of a replica split each batch's edges and triplets (``parallel.shard_graph``) or, with
+``atom_layout: atoms``, its atoms (``halo.shard_atoms``: each way receives only its halo);
 the D replicas take different batches. The loss of a step is written so that the sum over
 every rank is the single-process loss of the union of the replicas' batches:
 
@@ -47,6 +48,8 @@ from torch import Tensor
 from ..engine import DTYPES, EpochStats, load_train_state, make_optimizer, train_state
 from ..io import GnnPipeError
 from .habits import EMA, Guard, lr_at
+from .halo import atom_layout, choose_layout, halo_counts, layout_costs, shard_atoms
+from .halo import step_bytes as halo_step_bytes
 from .parallel import EdgeGroup, shard_graph
 from .protocol import ATOMIC_MODELS
 
@@ -109,9 +112,19 @@ def step_loss(model, g, b: dict, norm: Normalizer, counts: StepCounts,
 
 
 def rank_view(b: dict, grp: Optional[EdgeGroup], dtype, device):
-    """This rank's AtomGraph of batch ``b`` (the whole batch without a group)."""
+    """This rank's AtomGraph of batch ``b`` (the whole batch without a group), edges layout."""
     parts, rank = (1, 0) if grp is None else (grp.size, grp.rank)
     return shard_graph(b, parts, rank, grp, dtype, device)
+
+
+def layout_view(b: dict, grp: Optional[EdgeGroup], dtype, device, layout: str) -> tuple[dict, object]:
+    """This rank's view of batch ``b`` in ``layout``, and the batch as the view numbers it: ``b`` itself
+    in the edges layout, reordered by part in the atoms layout (``halo.atom_layout``: the own atoms'
+    rows of its per-atom arrays are ``[atom_lo, atom_hi)`` in both)."""
+    if layout == "atoms" and grp is not None and grp.size > 1:
+        b = atom_layout(b, grp.size)
+        return b, shard_atoms(b, grp.rank, grp, dtype, device)
+    return b, rank_view(b, grp, dtype, device)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -134,6 +147,7 @@ class AtomicEngine:
         self.graphs = model_graphs(read_graphs(cfg.graph_path, expect_systems_hash=self.systems["content_hash"]),
                                    self.systems, spec.cutoff, cfg.graph_path)
         self.ways, self.replicas = (cfg.ways, cfg.data_parallel) if cfg.mode == "graph" else (1, 1)
+        self.layout = cfg.atom_layout  # how the ways split a batch (gnnpipe.atomic.halo)
         self.replica, self.way = divmod(groups.rank if groups is not None else 0, self.ways)
         self.batch_size, self.force_weight = spec.batch_size, spec.force_weight
         self.model_cfg = model_config(cfg.model, float(self.graphs["cutoff"]))
@@ -240,7 +254,7 @@ class AtomicEngine:
                 b = self._batch(mine)
                 free = int(sum((~self.systems["fixed"][self.systems["atom_ptr"][s]:self.systems["atom_ptr"][s + 1]]).sum()
                                for s in step))
-                g = rank_view(b, self.grp, self.dtype, self.device)
+                b, g = layout_view(b, self.grp, self.dtype, self.device, self.layout)
                 loss, _, _, report = step_loss(self.model, g, b, self.norm, StepCounts(len(step), free),
                                                self.force_weight)
                 loss.backward()
@@ -266,6 +280,11 @@ class AtomicEngine:
         b = torch.finfo(self.dtype).bits // 8
         for step in self._epoch_steps[-1]:
             parts = [self._replica_batch(step, r) for r in range(self.replicas)]
+            if self.layout == "atoms" and self.ways > 1:  # the halos of the same partitions as training's
+                halos = [halo_counts(atom_layout(self._batch(p), self.ways)) for p in parts]
+                total += halo_step_bytes(self.kind, self.model_cfg, halos, [len(p) for p in parts], self.ways, b,
+                                         self.num_params)
+                continue
             e = [int(sum(np.diff(self.graphs["edge_ptr"])[p])) for p in parts]
             n = [int(sum(np.diff(self.systems["atom_ptr"])[p])) for p in parts]
             total += self.kind.step_bytes(self.model_cfg, e, n, [len(p) for p in parts], self.ways, b,
@@ -294,7 +313,7 @@ class AtomicEngine:
                 else:
                     count = True
                 b = self._batch(mine)
-                g = rank_view(b, self.grp, self.dtype, self.device)
+                b, g = layout_view(b, self.grp, self.dtype, self.device, self.layout)
                 _, energy, forces, _ = step_loss(self.model, g, b, self.norm, StepCounts(1, 1), 0.0)
                 own = slice(g.atom_lo, g.atom_hi)
                 free = ~b["fixed"][own]
@@ -427,10 +446,21 @@ def plan_ways(kind, cfg, atoms: int, edges: int, triplets: int, device_bytes: in
 
 def batch_plan(kind, model_cfg, b: dict, device_bytes: int, dtype_bytes: int, overhead: int = 0,
                max_ways: int = 64) -> list[dict]:
-    """``plan_ways`` on batch ``b`` (``data.batch_arrays``): its sizes, and its kind-specific counts."""
+    """``plan_ways`` on batch ``b`` (``data.batch_arrays``): its sizes, and its kind-specific counts; each
+    row with P > 1 also prices the atoms layout on the same batch (``halo.layout_costs``: ``"layouts"``)
+    and names the layout to use (``"layout"``: fewer bytes among those that fit, ``halo.choose_layout``)."""
     counts = (lambda p: kind.batch_counts(b, p)) if kind.batch_counts else None
-    return plan_ways(kind, model_cfg, len(b["z"]), len(b["edge_src"]), len(b["idx_kj"]), device_bytes, dtype_bytes,
+    rows = plan_ways(kind, model_cfg, len(b["z"]), len(b["edge_src"]), len(b["idx_kj"]), device_bytes, dtype_bytes,
                      max_ways, overhead, counts)
+    for r in rows:
+        r["layout"], r["layouts"] = "edges", None
+        if 1 < r["ways"] <= len(b["z"]):
+            try:
+                r["layouts"] = layout_costs(kind, model_cfg, b, r["ways"], dtype_bytes)
+            except GnnPipeError:  # METIS could not give every way an atom: the edges layout only
+                continue
+            r["layout"] = choose_layout(r["layouts"], device_bytes - overhead)
+    return rows
 
 
 @dataclass
@@ -444,6 +474,8 @@ class RunPlan:
     cap: int  # bytes per worker
     overhead: int  # bytes of a worker process before its model (counted in each row)
     rows: list
+    layout: str = "edges"  # the run's atom_layout: which layout's memory the run needs
+    dtype_bytes: int = 4
 
     @property
     def batch(self) -> tuple[int, int, int]:
@@ -452,7 +484,10 @@ class RunPlan:
         return len(b["z"]), len(b["edge_src"]), len(b["idx_kj"])
 
     def need(self, ways: int) -> int:
-        """Bytes per worker at ``ways`` ways (any P, not only the rows' powers of two)."""
+        """Bytes per worker at ``ways`` ways (any P, not only the rows' powers of two), in the run's layout."""
+        if self.layout == "atoms" and ways > 1:
+            return layout_costs(self.kind, self.model_cfg, self.arrays, ways, self.dtype_bytes)["atoms"]["memory"] \
+                + self.overhead
         counts = self.kind.batch_counts(self.arrays, ways) if self.kind.batch_counts else {}
         return self.kind.memory_per_worker(self.model_cfg, *self.batch, ways, **counts)["total"] + self.overhead
 
@@ -461,13 +496,18 @@ class RunPlan:
         return self.need(self.ways) <= self.cap
 
     def smallest(self) -> Optional[int]:
-        return next((r["ways"] for r in self.rows if r["fits"]), None)
+        def fits(r):
+            if self.layout == "atoms" and r.get("layouts"):
+                return r["layouts"]["atoms"]["memory"] + self.overhead <= self.cap
+            return r["fits"]
+        return next((r["ways"] for r in self.rows if fits(r)), None)
 
     def answer(self, run_id: str, cap_name: str) -> str:
         """The plan's one line on the run's P: it fits, or by how much it does not and which P would."""
         gib, need = 2**30, self.need(self.ways)
         need = (f"{self.kind.name} ({self.kind.count_parameters(self.model_cfg):,} parameters) needs about "
-                f"{need / gib:.2f} GiB per worker at P = {self.ways} (gnnpipe plan-atomic: "
+                f"{need / gib:.2f} GiB per worker at P = {self.ways}"
+                f"{' in the atoms layout' if self.layout == 'atoms' and self.ways > 1 else ''} (gnnpipe plan-atomic: "
                 f"{(need - self.overhead) / gib:.2f} GiB for a step on the largest batch, "
                 f"{self.batch[0]} atoms / {self.batch[1]} edges / {self.batch[2]} triplets, + "
                 f"{self.overhead / gib:.2f} GiB of process)")
@@ -491,4 +531,5 @@ def plan_run(cfg, cap_bytes: int, overhead: int = 0, max_ways: int = 64) -> RunP
     model_cfg = model_config(cfg.model, float(graphs["cutoff"]))
     b = batch_arrays(systems, graphs, largest_batch(systems, graphs, cfg.model.spec.batch_size))
     rows = batch_plan(kind, model_cfg, b, cap_bytes, DTYPES[cfg.training.dtype].itemsize, overhead, max_ways)
-    return RunPlan(kind, model_cfg, b, cfg.ways, cap_bytes, overhead, rows)
+    return RunPlan(kind, model_cfg, b, cfg.ways, cap_bytes, overhead, rows, cfg.atom_layout,
+                   DTYPES[cfg.training.dtype].itemsize)

@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from .batch import AtomGraph, gradient_forces
 from .gemnet_layers import (INV_SQRT2, CircularBasis, CircularDown, Dense, EfficientBilinear, RadialBasis,
                             ResidualLayer, ScaleFactor, mlp)
+from .parallel import collective_passes
 
 
 @dataclass
@@ -164,7 +165,7 @@ class TripletInteraction(nn.Module):
         x_kj = g.gather_edges(x)[g.idx_kj]  # (T_loc, Tr): all-gather
         t = self.bilinear(rad3, sph, x_kj, g.idx_ji, g.triplet_rank)  # (E_loc, Bt)
         t = self.scale_cbf_sum(t, ref=x_kj)
-        t_rev = g.gather_edges(t)[g.id_swap]  # (E_loc, Bt): the reverse edge's aggregate
+        t_rev = g.gather_edges(t, "swap")[g.id_swap]  # (E_loc, Bt): the reverse edge's aggregate
         return (self.up_ca(t_rev) + self.up_ac(t)) * INV_SQRT2
 
 
@@ -293,7 +294,7 @@ def widths(cfg: GemNetTConfig) -> dict:
 
 
 def step_bytes(cfg: GemNetTConfig, edges: Sequence[int], atoms: Sequence[int], systems: Sequence[int],
-               ways: int, dtype_bytes: int, params: int) -> int:
+               ways: int, dtype_bytes: int, params: int, training: bool = True) -> int:
     """Bytes one training step sends, summed over every rank (what the ledger counts).
 
     ``edges[d], atoms[d], systems[d]``: the batch of replica d; P ways, K blocks, b dtype bytes.
@@ -309,17 +310,27 @@ def step_bytes(cfg: GemNetTConfig, edges: Sequence[int], atoms: Sequence[int], s
       ``sum_atoms`` of -dE/dpos and its adjoint); energies ``2·(P-1)·B·b`` (ring all-reduce,
       identity backward);
     * parameters ``2·(P-1)·params·b`` per replica, ``2·(D-1)·params·b`` per way.
+
+    ``training=False``: one inference call (energies and forces, no loss): half the passes, the
+    forces' exchange once, no parameters.
     """
     p, d, b = ways, len(edges), dtype_bytes
     c, k = cfg, cfg.num_blocks
-    passes = 4 if cfg.force_head == "gradient" else 2
+    passes, once = collective_passes(cfg.force_head, training)
     total = 0
     for e, n, s in zip(edges, atoms, systems):
         rows = k * e * (c.emb_size_trip + c.emb_size_bil_trip) + k * n * (c.emb_size_edge + c.emb_size_atom) \
             + (k + 1) * n * c.emb_size_edge
-        total += (p - 1) * b * (passes * rows + 2 * 3 * n + 2 * s)
-    return total + d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b
+        total += (p - 1) * b * (passes * rows + once * 3 * n + 2 * s)
+    return total + training * (d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b)
 
+
+
+
+def halo_widths(cfg: GemNetTConfig) -> dict:
+    """Row widths of the atoms layout's halo exchanges per interaction block (``atomic/halo.py``): the
+    input messages (Tr), the reverse edges' aggregates (Bt), the ghosts' atom embeddings (A)."""
+    return {"kj": cfg.emb_size_trip, "swap": cfg.emb_size_bil_trip, "atoms": cfg.emb_size_atom}
 
 
 def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int, ways: int,

@@ -14,7 +14,9 @@ or graph-parallel across N persistent local worker processes.
   127.0.0.1, the rendezvous store held here on a port the OS picks), each holding the model.
   This process is a pure client: per call it sends the structure's graph to every worker; worker
   r computes its ``parallel.shard_graph`` view (edge block r, the triplets of its edges, atom
-  block r) with ``ShardedAtomGraph`` exactly as training's graph mode, and returns the energy
+  block r) with ``ShardedAtomGraph`` exactly as training's graph mode — or, in the atoms layout
+  (``Predictor(layout=...)``; ``auto`` takes it when its closed-form bytes are fewer, as for one large
+  system), its ``halo.shard_atoms`` view (METIS part r, receiving only its halo) — and returns the energy
   (replicated), the forces of its own atoms and its part of ``dE/dε``. A worker that dies is
   found from its process sentinel within ~0.2 s (one error naming it, the others are stopped,
   nothing hangs); ``close()``, a ``with`` block, garbage collection or interpreter exit shut the
@@ -128,12 +130,15 @@ class Predictor:
     ``workers`` persistent local processes (graph parallelism); see the module docstring."""
 
     def __init__(self, model_file: ModelFile, device="cpu", workers: int = 1, dtype: Optional[str] = None,
-                 threads: Optional[int] = None, timeout_s: float = 600.0):
+                 threads: Optional[int] = None, timeout_s: float = 600.0, layout: str = "auto"):
         from ..engine import DTYPES
         from .engine import Normalizer
 
         if workers < 1:
             raise GnnPipeError(f"workers must be >= 1, got {workers}")
+        if layout not in ("auto", "edges", "atoms"):
+            raise GnnPipeError(f"layout {layout!r}: one of auto, edges, atoms")
+        self.layout, self.last_layout = layout, None
         if (dtype or model_file.dtype) not in DTYPES:
             raise GnnPipeError(f"dtype {dtype or model_file.dtype!r}: one of {', '.join(DTYPES)}")
         self.model_file, self.workers = model_file, int(workers)
@@ -162,7 +167,8 @@ class Predictor:
                                f"(pbc {list(map(bool, np.broadcast_to(pbc, 3)))}, volume {volume:.3g} Å³)")
         b = structure_graph(numbers, positions, cell, pbc, self.model_file)
         if self.pool is not None:
-            y, f, dy = self.pool.compute(b, stress, where)
+            self.last_layout = self.choose_layout(b)
+            y, f, dy = self.pool.compute(b, stress, where, self.last_layout)
         else:
             from .parallel import single_graph
             g = single_graph(b, self.dtype, self.device)
@@ -175,6 +181,20 @@ class Predictor:
             sym = 0.5 * (dy + dy.T) * s / volume
             out.stress = np.array([sym[i, j] for i, j in VOIGT])
         return out
+
+    def choose_layout(self, b: dict) -> str:
+        """The workers' layout for structure ``b``: the one given, or (``auto``) the one whose closed-form
+        bytes of this call are fewer (``halo.step_bytes`` on its METIS parts, ``kind.step_bytes``)."""
+        if self.layout != "auto":
+            return self.layout
+        if len(b["z"]) < self.workers:
+            return "edges"
+        from .halo import atom_layout, halo_counts, step_bytes
+
+        spec, cfg, db = self.model_file.spec, self.model_file.config(), torch.finfo(self.dtype).bits // 8
+        edges = spec.step_bytes(cfg, [len(b["edge_src"])], [len(b["z"])], [1], self.workers, db, 0, training=False)
+        atoms = step_bytes(spec, cfg, [halo_counts(atom_layout(b, self.workers))], [1], self.workers, db, 0, False)
+        return "atoms" if atoms < edges else "edges"
 
     def close(self) -> None:
         if self.pool is not None:
@@ -249,8 +269,10 @@ class WorkerPool:
     def alive(self) -> bool:
         return self._finalizer.alive and self._broken is None
 
-    def compute(self, b: dict, stress: bool, where: str = "") -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-        """Model-unit energies (1,), every atom's forces (N, 3) and ``dy/dε`` summed over the workers."""
+    def compute(self, b: dict, stress: bool, where: str = "",
+                layout: str = "edges") -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+        """Model-unit energies (1,), every atom's forces (N, 3) and ``dy/dε`` summed over the workers,
+        the structure split by edges or (``layout="atoms"``) by METIS atom parts (``atomic.halo``)."""
         if not self._finalizer.alive:
             raise GnnPipeError("the inference workers were shut down (close()); create a new calculator")
         if self._broken:
@@ -260,7 +282,10 @@ class WorkerPool:
         if edges < self.workers:
             raise GnnPipeError(f"{where}graph-parallel inference over {self.workers} workers needs at least "
                                f"{self.workers} edges, this structure has {edges} within the cutoff; use fewer workers")
-        msg = pickle.dumps((b, bool(stress)))
+        if layout == "atoms":
+            from .halo import atom_layout
+            b = atom_layout(b, self.workers)  # the workers' own atoms are consecutive blocks of it
+        msg = pickle.dumps((b, bool(stress), layout))
         for r, c in enumerate(self._conns):
             try:
                 c.send_bytes(msg)
@@ -274,6 +299,8 @@ class WorkerPool:
             raise
         y = replies[0][0]
         forces = np.concatenate([f for _, f, _ in replies])
+        if layout == "atoms":  # back to the structure's atom order
+            forces[b["atom_order"]] = forces.copy()
         dy = sum(d for _, _, d in replies) if stress else None
         return y, forces, dy
 
@@ -357,6 +384,7 @@ def _worker_main(rank: int, world: int, port: int, blob: bytes, device: str, dty
         import torch.distributed as dist
 
         from .modelfile import decode
+        from .halo import shard_atoms
         from .parallel import EdgeGroup, shard_graph
         from ..parallel.comm import Communicator
 
@@ -383,8 +411,9 @@ def _worker_main(rank: int, world: int, port: int, blob: bytes, device: str, dty
                 break
             if (rank, calls) == (kill_rank, kill_call):
                 os.kill(os.getpid(), signal.SIGKILL)
-            b, stress = msg
-            y, f, dy = view_outputs(model, shard_graph(b, world, rank, grp, dtype, dev), stress)
+            b, stress, layout = msg
+            g = shard_atoms(b, rank, grp, dtype, dev) if layout == "atoms" else shard_graph(b, world, rank, grp, dtype, dev)
+            y, f, dy = view_outputs(model, g, stress)
             conn.send(("ok", _numpy(y), _numpy(f), _numpy(dy)))
             calls += 1
     except (EOFError, KeyboardInterrupt):  # the client went away, or Ctrl-C reached the group

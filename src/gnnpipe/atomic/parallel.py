@@ -73,6 +73,14 @@ def split_sizes(n: int, parts: int) -> list[int]:
     return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
 
 
+def collective_passes(force_head: str, training: bool) -> tuple[int, int]:
+    """(times a model collective crosses the wire, times the forces' exchange does) in one training
+    step or one inference call: forward, the force pass (gradient head), and in training the adjoint
+    of each (the loss backward; through the force pass too: double backward)."""
+    passes = 4 if force_head == "gradient" else 2
+    return (passes, 2) if training else (passes // 2, 1)
+
+
 @dataclass
 class EdgeGroup:
     """The graph-parallel group one rank computes a batch with (explicit, no global state)."""
@@ -152,7 +160,7 @@ class ShardedAtomGraph(AtomGraph):
     atom_sizes: list = field(default_factory=list)  # own atoms per rank
     group: Optional[EdgeGroup] = None
 
-    def gather_edges(self, x: Tensor) -> Tensor:
+    def gather_edges(self, x: Tensor, rows: str = "kj") -> Tensor:
         return _GatherRows.apply(x, self.group, self.edge_sizes, OP_GATHER_EDGES, OP_SCATTER_EDGES)
 
     def sum_atoms(self, partial: Tensor) -> Tensor:

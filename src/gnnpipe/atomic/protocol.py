@@ -52,6 +52,9 @@ class AtomicModelKind:
     count_parameters: Callable[[Any], int]  # cfg -> trainable parameters, exact
     # (cfg, edges, atoms, systems, ways, dtype_bytes, params) -> bytes of one step, all ranks
     step_bytes: Callable[..., int]
+    # cfg -> {"kj", "swap", "atoms": width}: the rows of the atoms layout's halo exchanges per interaction
+    # block (input edges, reverse edges, ghost embeddings; 0: not exchanged); halo.step_bytes prices them
+    halo_widths: Callable[[Any], dict]
     # (cfg, atoms, edges, triplets, ways, dtype_bytes, **counts) -> {part: bytes, "total": bytes};
     # counts: optional kind-specific sizes, measured on a batch by ``batch_counts``
     memory_per_worker: Callable[..., dict]
@@ -84,6 +87,7 @@ DIMENETPP = AtomicModelKind(
     name="dimenetpp", description="DimeNet++ (Gasteiger et al. 2020), PyG's parameterisation",
     config=dimenetpp.DimeNetPPConfig, model=DimeNetPPModel, presets=dimenetpp.PRESETS,
     count_parameters=dimenetpp.count_parameters, step_bytes=dimenetpp_costs.step_bytes,
+    halo_widths=dimenetpp.halo_widths,
     memory_per_worker=dimenetpp_costs.memory_per_worker, batch_counts=dimenetpp_costs.block_counts,
     index_sets=("triplets",), symmetric_edges=False,
     width="hidden_channels", labels={"gradient": "DimeNet++", "direct": "DimeNet++ (direct forces)"})
@@ -91,7 +95,7 @@ DIMENETPP = AtomicModelKind(
 GEMNET_T = AtomicModelKind(
     name="gemnet_t", description="GemNet-T / GemNet-dT (Gasteiger et al. 2021), fairchem's gemnet_t",
     config=gemnet.GemNetTConfig, model=gemnet.GemNetT, presets=gemnet.PRESETS,
-    count_parameters=gemnet.count_parameters, step_bytes=gemnet.step_bytes,
+    count_parameters=gemnet.count_parameters, step_bytes=gemnet.step_bytes, halo_widths=gemnet.halo_widths,
     memory_per_worker=gemnet.memory_per_worker, index_sets=("triplets", "id_swap", "triplet_rank"),
     symmetric_edges=True, width="emb_size_edge", labels={"gradient": "GemNet-T", "direct": "GemNet-dT"},
     fit=gemnet_layers.fit_scale_factors)

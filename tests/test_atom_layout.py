@@ -1,0 +1,339 @@
+"""The atoms layout (gnnpipe.atomic.halo): atom-partitioned graph parallelism with halo exchanges.
+
+Exactness: DimeNet++ and GemNet-T/dT, both force heads, on P ways × D replicas, each rank's energies,
+forces and the summed parameter gradients of an energy + force loss (double backward for gradient
+forces) equal single-process training on the union of the batches (float64, 1e-10). The ledger
+equals the closed form, its halo counts recounted here from the partition by brute force.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from gnnpipe.atomic import halo
+from gnnpipe.atomic.dimenetpp import DimeNetPPConfig
+from gnnpipe.atomic.parallel import EdgeGroup, single_graph
+from gnnpipe.atomic.protocol import ATOMIC_MODELS
+from gnnpipe.io import GnnPipeError
+from gnnpipe.parallel.testing import spawn_multi_process
+from test_atomic_parallel import _concat
+from gnnpipe.atomic import neighbors as nb
+from test_gemnet import CUTOFF, _model, _system, _with_swap
+
+DIMENET = DimeNetPPConfig(hidden_channels=8, num_blocks=2, int_emb_size=4, basis_emb_size=3, out_emb_channels=6,
+                          num_spherical=3, num_radial=3, cutoff=CUTOFF)
+KINDS = ("dimenetpp", "gemnet_t")
+HEADS = ("gradient", "direct")
+
+
+def _lattice(rng, reps=(3, 3, 2), a: float = 1.9) -> dict:
+    """A jittered simple-cubic periodic cell (18 atoms, ~18 neighbours within the cutoff): METIS must
+    cut it, and its halo edges cross the cell."""
+    grid = np.stack(np.meshgrid(*[np.arange(r) for r in reps], indexing="ij"), -1).reshape(-1, 3)
+    pos = (grid + rng.uniform(-0.08, 0.08, grid.shape)) * a
+    cell, pbc = np.diag(np.array(reps, dtype=float) * a), (True, True, True)
+    g = nb.system_graph(pos, cell, pbc, CUTOFF)
+    n = len(pos)
+    return dict(z=rng.integers(1, 10, n), pos=pos, system=np.zeros(n, dtype=np.int64), num_systems=1,
+                edge_src=g["edge_src"], edge_dst=g["edge_dst"], edge_shift=g["edge_shift"], idx_kj=g["idx_kj"],
+                idx_ji=g["idx_ji"], energy=rng.normal(size=1), forces=rng.normal(size=(n, 3)),
+                fixed=rng.random(n) < 0.2)
+
+
+def _batch(seed: int, dimers: int = 5) -> dict:
+    """A periodic cell METIS must cut, a 4-atom cell whose atoms neighbour their own images, a
+    molecule and a few dimers (edges, no triplets)."""
+    rng = np.random.default_rng(seed)
+    systems = [_lattice(rng), _system(rng, "periodic"), _system(rng, "molecule")]
+    systems += [_system(rng, "dimers", dimers)] if dimers else []
+    return _with_swap(_concat(systems))
+
+
+def _build(kind: str, head: str, union=None):
+    if kind == "gemnet_t":
+        return _model(head, fit_on=None if union is None else [single_graph(union)])
+    torch.manual_seed(0)
+    m = ATOMIC_MODELS["dimenetpp"].build(dataclasses.replace(DIMENET, force_head=head)).double()
+    with torch.no_grad():  # the zero-initialised output layers would make every energy 0
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return m
+
+
+def _step(model, g, b: dict, systems: int, atoms: int, reduce_grads):
+    model.train()
+    out = model(g)
+    own = slice(g.atom_lo, g.atom_hi)
+    loss = ((out["energy"] - torch.as_tensor(b["energy"])) ** 2).sum() / systems \
+        + ((out["forces"] - torch.as_tensor(b["forces"][own])) ** 2).sum() / (3 * atoms)
+    model.zero_grad(set_to_none=False)
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    reduce_grads(grads)
+    return out["energy"].detach(), out["forces"].detach(), grads
+
+
+def _worker(rank: int, world: int, batches: list, ways: int, states: dict, parts) -> dict:
+    from gnnpipe.layout import ParallelDims
+    from gnnpipe.parallel.comm import Communicator
+    from gnnpipe.parallel.groups import build_groups
+
+    torch.set_default_dtype(torch.float64)
+    groups = build_groups(ParallelDims("graph", world, ways=ways, data=world // ways), rank)
+    replica, way = groups.replica_index, groups.way_index
+    comm = Communicator()
+    union = _concat(batches)
+    b = batches[replica]
+    b = halo.group_by_part(b, parts[replica], ways) if parts is not None else halo.atom_layout(b, ways)
+    g = halo.shard_atoms(b, way, EdgeGroup(comm, groups.graph, ways, way))
+
+    def reduce(gs):
+        comm.all_reduce_coalesced_(gs, group=groups.graph)
+        if groups.data is not None:
+            comm.all_reduce_coalesced_(gs, group=groups.data, op="dp_allreduce")
+    out = {"order": b["atom_order"][g.atom_lo:g.atom_hi], "replica": replica, "rank": rank,
+           "triplets": g.num_local_triplets, "counts": g.counts, "parts": b["atom_parts"]}
+    epoch = 0
+    for kind in KINDS:
+        for head in HEADS:
+            comm.set_epoch(epoch)
+            model = _build(kind, head)
+            model.load_state_dict({n: torch.as_tensor(v) for n, v in states[kind, head].items()})
+            out[kind, head] = _step(model, g, b, union["num_systems"], len(union["z"]), reduce)
+            out[kind, head, "sent"] = sum(v["sent"] for v in comm.ledger_dict()[epoch].values())
+            epoch += 1
+    return out
+
+
+def _brute_counts(b: dict, part: np.ndarray) -> dict:
+    """Halo rows summed over parts, from sets of the original batch (no reordering, no masks)."""
+    src, dst = b["edge_src"], b["edge_dst"]
+    out = dict(kj=0, swap=0, atoms=0, ghosts=0)
+    for p in range(part.max() + 1):
+        local = {e for e in range(len(src)) if part[dst[e]] == p}
+        kj = {int(k) for k, j in zip(b["idx_kj"], b["idx_ji"]) if int(j) in local}
+        out["kj"] += len({e for e in kj if part[dst[e]] != p})
+        out["swap"] += len({int(b["id_swap"][e]) for e in local if part[dst[b["id_swap"][e]]] != p})
+        srcs = {int(src[e]) for e in local if part[src[e]] != p}
+        out["atoms"] += len(srcs)
+        out["ghosts"] += len(srcs | {int(src[e]) for e in kj if part[src[e]] != p})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ways,replicas,forced", [(2, 1, False), (3, 1, False), (4, 1, False), (2, 2, False),
+                                                  (3, 1, True)])
+def test_atoms_layout_matches_unsharded(ways, replicas, forced):
+    """Both kinds and heads; METIS parts, or (``forced``) a partition with a part of dimers only: a
+    rank without triplets. Periodic images inside the 2.8 Å cell make halo edges cross the cell."""
+    batches = [_batch(20 + d) for d in range(replicas)]
+    parts = None
+    if forced:  # the systems with triplets over ways - 1 parts; the dimers (last 10 atoms) the last part
+        n = len(batches[0]["z"])
+        part = np.arange(n) * (ways - 1) // (n - 10)
+        part[-10:] = ways - 1
+        parts = [part]
+    union = _with_swap(_concat(batches))
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref, states = {}, {}
+        for kind in KINDS:
+            for head in HEADS:
+                model = _build(kind, head, union)
+                states[kind, head] = {n: v.numpy() for n, v in model.state_dict().items()}  # no shared fds
+                ref[kind, head] = _step(model, single_graph(union), union, union["num_systems"], len(union["z"]),
+                                        lambda gs: None)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    res = spawn_multi_process(_worker, ways * replicas, batches, ways, states, parts, timeout=180)
+    if forced:
+        assert any(r["triplets"] == 0 for r in res), "the case must include a rank with no triplets"
+    assert sum(r["counts"]["kj"] for r in res) > 0, "the case must exchange halo rows"
+    for kind in KINDS:
+        for head in HEADS:
+            energy, forces, grads = ref[kind, head]
+            energy = energy.split([b["num_systems"] for b in batches])
+            forces = forces.split([len(b["z"]) for b in batches])
+            for r in res:
+                e, f, gr = r[kind, head]
+                torch.testing.assert_close(e, energy[r["replica"]], rtol=0, atol=1e-10)
+                torch.testing.assert_close(f, forces[r["replica"]][r["order"]], rtol=0, atol=1e-10)
+                bad = [i for i, (x, y) in enumerate(zip(gr, grads)) if not torch.allclose(x, y, rtol=0, atol=1e-10)]
+                assert len(gr) == len(grads) and not bad, f"{kind} {head}, rank {r['rank']}: gradients differ: {bad}"
+            spec = ATOMIC_MODELS[kind]
+            cfg = _build(kind, head).cfg
+            halos = []
+            for d, b in enumerate(batches):
+                mine = [r for r in res if r["replica"] == d]
+                part = np.repeat(np.arange(ways), mine[0]["parts"])[np.argsort(np.concatenate(
+                    [r["order"] for r in sorted(mine, key=lambda r: r["rank"])]))]
+                halos.append(_brute_counts(b, part))
+                assert halos[-1] == {k: sum(r["counts"][k] for r in mine) for k in halos[-1]}
+            want = halo.step_bytes(spec, cfg, halos, [b["num_systems"] for b in batches], ways, 8,
+                                        spec.count_parameters(cfg))
+            assert sum(r[kind, head, "sent"] for r in res) == want, (kind, head)
+
+
+def test_group_by_part_keeps_the_graph():
+    """Reordering is a relabelling: the same edges (as atom pairs with shifts), triplets and reverses."""
+    b = _batch(3, dimers=4)
+    part = halo.partition_atoms(b, 3)
+    assert sorted(np.bincount(part)) == sorted(np.bincount(part, minlength=3)) and part.max() == 2
+    r = halo.group_by_part(b, part, 3)
+    o = r["atom_order"]
+    assert np.array_equal(np.diff(np.repeat(np.arange(3), r["atom_parts"])) >= 0, np.ones(len(o) - 1, bool))
+    assert np.array_equal(part[o], np.repeat(np.arange(3), r["atom_parts"]))
+    edges = lambda s, d, sh: sorted(zip(s.tolist(), d.tolist(), map(tuple, sh.round(9).tolist())))  # noqa: E731
+    assert edges(o[r["edge_src"]], o[r["edge_dst"]], r["edge_shift"]) == edges(b["edge_src"], b["edge_dst"],
+                                                                               b["edge_shift"])
+    assert np.array_equal(r["edge_dst"][r["id_swap"]], r["edge_src"])
+    assert np.array_equal(r["edge_src"][r["idx_ji"]], r["edge_dst"][r["idx_kj"]])
+    assert np.all(np.diff(np.repeat(np.arange(3), r["atom_parts"])[r["edge_dst"]]) >= 0)  # edges by owner
+
+
+def test_too_many_workers_is_one_clear_line():
+    b = _batch(3, dimers=0)
+    with pytest.raises(GnnPipeError, match="at least 40 atoms"):
+        halo.partition_atoms(b, 40)
+
+
+# --------------------------------------------------------------------------- one large system
+def _bulk(reps: int = 8, cutoff: float = 4.0) -> dict:
+    """An EMT-labelled, rattled fcc Cu supercell of 4·reps³ atoms (2,048 at reps = 8): the batch of one system."""
+    from ase.build import bulk
+    from ase.calculators.emt import EMT
+
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((reps,) * 3)
+    atoms.rattle(0.05, seed=1)
+    atoms.calc = EMT()
+    g = nb.system_graph(atoms.positions, atoms.cell.array, atoms.pbc, cutoff)
+    n = len(atoms)
+    return dict(z=atoms.numbers.astype(np.int64), pos=atoms.positions, system=np.zeros(n, dtype=np.int64),
+                num_systems=1, energy=np.array([atoms.get_potential_energy()]), forces=atoms.get_forces(),
+                fixed=np.zeros(n, dtype=bool), **{k: g[k] for k in ("edge_src", "edge_dst", "edge_shift",
+                                                                    "idx_kj", "idx_ji", "id_swap")})
+
+
+def _infer(rank: int, world: int, b: dict, states: dict, cfgs: dict) -> dict:
+    """Both layouts and force heads, one inference call each: energies, bytes sent, halo counts."""
+    from gnnpipe.atomic.parallel import shard_graph
+    from gnnpipe.parallel.comm import Communicator
+
+    torch.set_default_dtype(torch.float64)
+    comm = Communicator()
+    grp = EdgeGroup(comm, None, world, rank)
+    arranged = halo.atom_layout(b, world)
+    views = {"edges": shard_graph(b, world, rank, grp), "atoms": halo.shard_atoms(arranged, rank, grp)}
+    out, epoch = {"counts": views["atoms"].counts}, 0
+    for head, cfg in cfgs.items():
+        model = ATOMIC_MODELS["dimenetpp"].build(cfg).double().eval()
+        model.load_state_dict({n: torch.as_tensor(v) for n, v in states[head].items()})
+        for name, g in views.items():
+            comm.set_epoch(epoch)
+            out[head, name] = model(g)["energy"].detach()
+            out[head, name, "sent"] = sum(v["sent"] for v in comm.ledger_dict()[epoch].values())
+            epoch += 1
+    return out
+
+
+@pytest.mark.slow
+def test_bulk_supercell_inference_bytes_atoms_below_edges():
+    """A 2,048-atom EMT-labelled Cu cell, DimeNet++ ``small``, one inference call at P = 2 and 4: forward
+    only (direct forces) and forward + force pass (gradient forces). Energies equal single-process, each
+    layout's ledger equals its closed form, and the atoms layout sends fewer bytes than the edges layout."""
+    b = _bulk()
+    assert len(b["z"]) >= 2000
+    kind = ATOMIC_MODELS["dimenetpp"]
+    cfgs = {head: kind.preset("small", cutoff=4.0, force_head=head) for head in HEADS}
+    ref, states = {}, {}
+    for head, cfg in cfgs.items():
+        torch.manual_seed(0)
+        model = kind.build(cfg).double().eval()
+        with torch.no_grad():  # the zero-initialised output layers would make every energy 0
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        ref[head] = model(single_graph(b))["energy"].detach()
+        states[head] = {n: v.numpy() for n, v in model.state_dict().items()}
+    for ways in (2, 4):
+        res = spawn_multi_process(_infer, ways, b, states, cfgs, timeout=300)
+        counts = {k: sum(r["counts"][k] for r in res) for k in res[0]["counts"]}
+        assert counts == halo.halo_counts(halo.atom_layout(b, ways))
+        for head, cfg in cfgs.items():
+            want = {"edges": kind.step_bytes(cfg, [len(b["edge_src"])], [len(b["z"])], [1], ways, 8, 0,
+                                             training=False),
+                    "atoms": halo.step_bytes(kind, cfg, [counts], [1], ways, 8, 0, training=False)}
+            sent = {}
+            for name in ("edges", "atoms"):
+                for r in res:
+                    torch.testing.assert_close(r[head, name], ref[head], rtol=1e-12, atol=1e-10)
+                sent[name] = sum(r[head, name, "sent"] for r in res)
+                assert sent[name] == want[name], (ways, head, name)
+            assert sent["atoms"] < sent["edges"], (ways, head, sent)
+
+
+def test_the_plan_prices_both_layouts_and_chooses_by_bytes_then_memory():
+    """On a 500-atom cell the atoms layout sends fewer bytes (its closed form on its own halo counts);
+    a memory cap that only the edges layout fits chooses edges; at P = 1 both are the same."""
+    from gnnpipe.atomic.engine import batch_plan
+
+    b = _bulk(reps=5)
+    kind = ATOMIC_MODELS["gemnet_t"]
+    cfg = kind.preset("small", cutoff=4.0)
+    costs = halo.layout_costs(kind, cfg, b, 4, 4)
+    arranged = halo.atom_layout(b, 4)
+    assert costs["halo"] == halo.halo_counts(arranged) == _brute_counts(
+        b, np.repeat(np.arange(4), arranged["atom_parts"])[np.argsort(arranged["atom_order"])])
+    assert costs["atoms"]["bytes"] == halo.step_bytes(kind, cfg, [costs["halo"]], [1], 4, 4,
+                                                      kind.count_parameters(cfg))
+    assert costs["atoms"]["bytes"] < costs["edges"]["bytes"]
+    assert halo.choose_layout(costs) == "atoms"
+    squeeze = {"edges": {"bytes": 2, "memory": 1}, "atoms": {"bytes": 1, "memory": 3}}
+    assert halo.choose_layout(squeeze, cap=2) == "edges" and halo.choose_layout(squeeze, cap=3) == "atoms"
+    assert halo.choose_layout({"edges": {"bytes": 1, "memory": 1}, "atoms": {"bytes": 1, "memory": 1}}) == "edges"
+    rows = batch_plan(kind, cfg, b, 2**40, 4, max_ways=4)
+    assert [r["layout"] for r in rows] == ["edges", "atoms", "atoms"]
+    assert rows[2]["layouts"]["atoms"] == costs["atoms"]
+    # a run in the atoms layout is sized by its layout's memory (gnnpipe launch's check)
+    from gnnpipe.atomic.engine import RunPlan
+    need = costs["atoms"]["memory"] + 100
+    plan = RunPlan(kind, cfg, b, 4, need, 100, rows, "atoms", 4)
+    assert plan.need(4) == need and plan.fits and "at P = 4 in the atoms layout" in plan.answer("r", "cap")
+    assert not RunPlan(kind, cfg, b, 4, need - 1, 100, rows, "atoms", 4).fits
+
+
+def _mutant(rank: int, world: int, batches: list, ways: int, states: dict) -> dict:
+    """``_worker`` with the classic mistake patched into this process: a halo gather whose backward
+    keeps only the own rows' gradient (the other ranks' reads of our rows are lost)."""
+    def backward(ctx, g):
+        plan = ctx.args[1]
+        return g[:plan.n_own], None, None, None, None
+    halo._HaloGather.backward = staticmethod(backward)
+    return _worker(rank, world, batches, ways, states, None)
+
+
+@pytest.mark.slow
+def test_a_halo_gather_that_drops_the_halo_gradient_fails_the_exactness_test():
+    """The exactness test can fail: with the mutant above, gradients (and gradient forces' double
+    backward) differ from single-process by far more than 1e-10 (measured 0.14-15)."""
+    batches = [_batch(20)]
+    union = _with_swap(_concat(batches))
+    torch.set_default_dtype(torch.float64)
+    try:
+        states, ref = {}, {}
+        for kind in KINDS:
+            for head in HEADS:
+                model = _build(kind, head, union)
+                states[kind, head] = {n: v.numpy() for n, v in model.state_dict().items()}
+                ref[kind, head] = _step(model, single_graph(union), union, union["num_systems"], len(union["z"]),
+                                        lambda gs: None)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    res = spawn_multi_process(_mutant, 2, batches, 2, states, timeout=180)
+    for kind in KINDS:
+        for head in HEADS:
+            err = max(float((x - y).abs().max()) for x, y in zip(res[0][kind, head][2], ref[kind, head][2]))
+            assert err > 1e-6, (kind, head, err)
