@@ -29,8 +29,7 @@ import torch
 
 from gnnpipe.config import ModelConfig, SyntheticConfig, TrainingConfig
 from gnnpipe.data.synthetic import generate
-from gnnpipe.engine import make_optimizer, ce_sum
-from gnnpipe.engine import graph_tensors
+from gnnpipe.engine import ce_sum, graph_tensors, make_optimizer, retain_freed_memory
 from gnnpipe.graph import read_graph, write_graph
 from gnnpipe.io import write_json
 from gnnpipe.models.block import Block
@@ -49,8 +48,10 @@ def timed(fn, *args, **kw):
 
 def our_step(graph_path: Path, kind: str, hidden: int, threads: int, layers: int = 2):
     """A fresh model on the graph file and a function that trains it one epoch
-    (forward + backward + Adam) and returns the epoch's wall time."""
+    (forward + backward + Adam) and returns the epoch's wall time. The process is set up as
+    ``gnnpipe.train.run`` sets up a training process (threads, ``retain_freed_memory``)."""
     torch.set_num_threads(threads)
+    retain_freed_memory()
     graph = read_graph(graph_path, verify=False)
     block = Block.full(graph.indptr, graph.indices)
     x, y, masks = graph_tensors(graph, torch.float32, "cpu")

@@ -162,3 +162,12 @@ def test_evaluate_refuses_a_checkpoint_of_another_config_or_graph(tmp_path):
     torch.save({"model": ckpt["model"], "epoch": 2}, model)  # as an older gnnpipe wrote it
     with pytest.raises(GnnPipeError, match="does not say which config and data it was trained from"):
         evaluate_run(cfg)
+
+
+def test_retain_freed_memory_applies_on_glibc():
+    """A training process keeps freed large blocks for reuse (gnnpipe.train.run calls this): on glibc
+    both mallopt settings take; elsewhere it does nothing and says so."""
+    import platform
+
+    from gnnpipe.engine import retain_freed_memory
+    assert retain_freed_memory() is (platform.libc_ver()[0] == "glibc")
