@@ -14,9 +14,11 @@ recorded beside every pair. The JSON has, per model, every pair, each side's med
 ``speedup_vs_dgl`` = DGL's median / ours (issue #27's target for SAGE 3x128: >= 2), and the
 median of the pairs' own ratios beside it. The same is printed.
 
-Both frameworks run the same maths on the same graph file; one difference is ours, and exact:
-the first GCN/SAGE layer memoises the aggregation of the static input features
-(``static_input``), which DGL recomputes every epoch.
+Both frameworks run the same maths on the same graph file. Two differences are ours: the first
+GCN/SAGE layer memoises the aggregation of the static input features (``static_input``, exact),
+which DGL recomputes every epoch; and our process is set up as ``gnnpipe.train.run`` sets up a
+training process, which keeps freed memory for reuse (``gnnpipe.engine.retain_freed_memory``),
+while DGL's runs with glibc's defaults.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
     if not a.dgl_python.exists():
         raise SystemExit(f"bench_dgl: no DGL environment at {a.dgl_python} (make dgl-env, or --dgl-python)")
 
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()
     syn = SyntheticConfig(num_nodes=a.nodes, avg_degree=a.degree, num_features=FEATURES, num_classes=CLASSES,
                           seed=0)
     g = generate(syn, name="dcsbm")
@@ -121,8 +123,9 @@ def main(argv=None) -> int:
         "model": {"layers": a.layers, "hidden": a.hidden, "dropout": 0.0, "norm": "none"},
         "threads": a.threads, "epochs": a.epochs, "target_speedup_sage": 2.0,
         "models": models, "loadavg_1min_median": statistics.median(loads),
+        "ours_process": "as gnnpipe.train.run sets one up: --threads threads, retain_freed_memory()",
         "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "cpus": os.cpu_count(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__, "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg())},
         "wall_s": time.perf_counter() - t0})
     return 0
 
