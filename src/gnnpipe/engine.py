@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -72,9 +73,13 @@ def retain_freed_memory() -> bool:
     tuning guide swaps the allocator for the same reason). With mmap off for large blocks and
     the heap trimmed only past 2 GiB free, the next epoch reuses the same pages. The peak is the
     same up to fragmentation, but the process keeps its high-water mark instead of returning it.
-    Returns whether it applied (glibc; elsewhere it does nothing). Called once per training
-    process (``gnnpipe.train.run``).
+    Returns whether it applied: glibc, and no ``MALLOC_*_`` tuning in the environment (a run
+    that sets one, as ``bench_memory_cap`` sets ``MALLOC_MMAP_THRESHOLD_``, keeps its own);
+    elsewhere it does nothing. Called once per node-model training process (``gnnpipe.train.run``;
+    atomic runs keep glibc's defaults: their memory plan is checked against resident peaks).
     """
+    if any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
+        return False
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):

@@ -319,7 +319,8 @@ def run(cfg: RunConfig, *, progress: bool = True, restart: bool = False) -> Opti
     ``GNNPIPE_RESTART=1``: discard it). Returns the run record on rank 0 (None elsewhere)."""
     restart = restart or os.environ.get("GNNPIPE_RESTART", "0") not in ("", "0")
     torch.set_num_threads(max(int(os.environ.get("OMP_NUM_THREADS", 0)) or cfg.training.threads_per_worker, 1))
-    retain_freed_memory()  # the epochs' large tensors reuse their pages instead of faulting them in again
+    if not cfg.atomic:  # node runs: the epochs' (N, hidden) tensors reuse their pages (docs/ARCHITECTURE.md)
+        retain_freed_memory()
     device = _device()
     rank, world = init_distributed(cfg, device)
     att = _Attempt(cfg, rank, world)
