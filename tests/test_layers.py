@@ -196,23 +196,6 @@ def test_spmm_gradcheck(kernel):
     assert torch.autograd.gradcheck(lambda t: ops.spmm(t, csr, vals), (x1,))
 
 
-def test_spmm_column_slices_are_exact(monkeypatch):
-    """Features larger than ``ops.GATHER_BYTES`` are gathered in column slices (``ops._bag_sum``):
-    the very same numbers as one pass, forward and backward (the transposed product too)."""
-    monkeypatch.setattr(ops, "_SMALL", 0)  # embedding_bag at this size
-    csr, _ = tiny_csr(n_rows=5, n_cols=7)
-    vals = torch.rand(csr.nnz, dtype=F64)
-    x = torch.randn(7, 37, dtype=F64, requires_grad=True)
-    g = torch.randn(5, 37, dtype=F64)
-    whole = ops.spmm(x, csr, vals)
-    (g_whole,) = torch.autograd.grad(whole, x, g)
-    monkeypatch.setattr(ops, "GATHER_BYTES", 7 * 8 * 20)  # 20 float64 columns of 7 rows: slices of 16, 16, 5
-    sliced = ops.spmm(x, csr, vals)
-    (g_sliced,) = torch.autograd.grad(sliced, x, g)
-    assert torch.equal(sliced, whole) and torch.equal(g_sliced, g_whole)
-    assert torch.autograd.gradcheck(lambda t: ops.spmm(t, csr, vals), (x,))
-
-
 def test_spmm_rejects_mixed_dtypes():
     csr, _ = tiny_csr()
     with pytest.raises(TypeError, match="float32"):

@@ -49,10 +49,6 @@ _SMALL = 1 << 15  # nnz * width below which CPU products gather + index_add_ (se
 #: The CPU kernel of large products: "embedding_bag" (FBGEMM, the fastest) or "sparse"
 #: (the sparse CSR tensor product, MKL; what CUDA runs, kept selectable for tests/benchmarks).
 CPU_KERNEL = "embedding_bag"
-#: Bytes of feature columns one embedding-bag pass gathers from: a wider ``x`` is aggregated in
-#: column slices of at most this size (at least 16 columns), which stay cached while every
-#: edge reads its row (half this machine's 32 MiB L3; None: one pass). See :func:`_bag_sum`.
-GATHER_BYTES: int | None = 16 << 20
 
 
 # --------------------------------------------------------------------------- structures
@@ -100,8 +96,7 @@ class CSR:
 
         * CPU: ``embedding_bag(mode="sum", per_sample_weights=values)`` over the CSR, which
           *is* a weighted CSR SpMM; its FBGEMM kernel is ~2.5x faster than MKL's sparse
-          ``A @ x`` here (``benchmarks/bench_layers.py``); a large ``x`` in cached column
-          slices (:func:`_bag_sum`);
+          ``A @ x`` here (``benchmarks/bench_layers.py``);
         * CPU, small products (``nnz * d <= _SMALL``): gather + ``index_add_``. Both kernels
           above fork an OpenMP team on every call, which costs milliseconds when the cores
           are oversubscribed (several workers per core, as in tests), while torch's
@@ -117,8 +112,10 @@ class CSR:
             if CPU_KERNEL == "embedding_bag":
                 if transpose:
                     values = values.index_select(0, self.perm) if values_t is None else values_t
-                    return _bag_sum(self.t_indices, x, self.t_indptr, values)
-                return _bag_sum(self.indices, x, self.indptr, values)
+                    return F.embedding_bag(self.t_indices, x, self.t_indptr, mode="sum",
+                                           per_sample_weights=values, include_last_offset=True)
+                return F.embedding_bag(self.indices, x, self.indptr, mode="sum",
+                                       per_sample_weights=values, include_last_offset=True)
         return (self.matrix_t(values, values_t) if transpose else self.matrix(values)) @ x
 
     def sddmm(self, a: Tensor, b: Tensor) -> Tensor:
@@ -128,28 +125,6 @@ class CSR:
             return (a.index_select(0, self.row) * b.index_select(0, self.indices)).sum(-1)
         pattern = self.matrix(a.new_zeros(self.nnz))
         return torch.sparse.sampled_addmm(pattern, a.contiguous(), b.t(), beta=0.0).values()
-
-
-def _bag_sum(indices: Tensor, x: Tensor, indptr: Tensor, values: Tensor) -> Tensor:
-    """``out[i] = sum_k values[k] x[indices[k]]`` over row ``i``'s entries: ``embedding_bag``.
-
-    When ``x`` is larger than :data:`GATHER_BYTES`, in column slices (views: the kernel reads
-    rows with a stride) of at most that size: each pass gathers every edge's row from a slice
-    that stays in cache instead of from all of ``x``. Exact: every output value is the same
-    sum in the same order. On the issue #27 graph (10^5 rows of 128 floats, 4.9·10^6 edges,
-    one thread) 32-column slices take ~0.65x the time of one pass.
-    """
-    n, d = x.shape
-    width = d if GATHER_BYTES is None else max(16, GATHER_BYTES // max(1, n * x.element_size()))
-    if width >= d:
-        return F.embedding_bag(indices, x, indptr, mode="sum", per_sample_weights=values,
-                               include_last_offset=True)
-    width = 1 << (width.bit_length() - 1)  # a power of two: whole cache lines of a row
-    out = x.new_empty(indptr.shape[0] - 1, d)
-    for c in range(0, d, width):
-        out[:, c:c + width] = F.embedding_bag(indices, x[:, c:c + width], indptr, mode="sum",
-                                              per_sample_weights=values, include_last_offset=True)
-    return out
 
 
 def _silence_beta_warning() -> None:
