@@ -135,7 +135,7 @@ def test_arrays_shapes_dtypes_and_ranges():
     g.validate()
     n = 2000
     assert g.num_nodes == n and g.num_edges == n * 12  # avg_degree counts stored CSR entries
-    assert g.indptr.dtype == g.indices.dtype == g.labels.dtype == np.int64
+    assert g.indptr.dtype == g.labels.dtype == np.int64 and g.indices.dtype == np.int32  # ids fit int32
     assert g.features.dtype == np.float32 and g.features.shape == (n, 16)
     assert np.isfinite(g.features).all()
     assert g.num_classes == SHAPES["default"]["num_classes"]
