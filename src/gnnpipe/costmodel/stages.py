@@ -1,0 +1,57 @@
+"""Peak memory of the whole-graph stages (data, partition, materialize): one process that holds
+the whole graph, before any training job starts.
+
+Each stage's peak is ``BASE + 4·N·F + bytes_per_entry[stage]·E + 64·N`` (``E`` stored CSR entries,
+``N`` nodes, ``F`` float32 features): the interpreter and its libraries, the features, the
+edge-proportional arrays of the stage and a few per-node arrays. The per-entry counts follow the
+arrays each stage makes (graph.h5 format 2, int32 ids) and were checked against
+``benchmarks/bench_scale.py`` at 10^7 and 10^8 edges (measured peaks in results/bench/scale.json):
+
+* ``data`` (synthetic): the sorted undirected keys (4 B per stored entry), the endpoint arrays
+  (8), the CSR's ids (4) and the row-merge's flags (1), plus the sampler's ~1 GiB of draws;
+* ``partition`` (METIS): the graph's ids (4), the symmetric adjacency built with scipy (row ids,
+  a boolean CSR and its sum with the transpose: ~17), the int64 copy handed to METIS (8) and
+  METIS's own graph and coarsened levels (~15: not ours, measured);
+* ``materialize``: the renumbering's int64 row, gather and renumbered-id arrays and the per-row
+  sort's boolean CSR (~28).
+
+:func:`metis_extra_bytes` is what METIS needs beyond the graph already in memory:
+``gnnpipe partition`` refuses before building anything when the machine has less available.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+BASE_BYTES = 0.3 * 2**30  # python, numpy, scipy, h5py, pymetis
+SAMPLER_BYTES = 1.0 * 2**30  # the synthetic sampler's largest round of draws (MAX_DRAW)
+BYTES_PER_ENTRY = {"data": 17.0, "partition": 44.0, "materialize": 28.0}
+BYTES_PER_NODE = 64.0
+GRAPH_BYTES_PER_ENTRY = 4.0  # int32 ids of graph.h5 format 2
+
+
+def graph_stage_memory(num_nodes: int, num_edges: int, num_features: int) -> dict[str, float]:
+    """Estimated peak resident bytes of each whole-graph stage (``data``, ``partition``,
+    ``materialize``) for a graph of ``num_nodes`` nodes, ``num_edges`` stored entries and
+    ``num_features`` float32 features."""
+    fixed = BASE_BYTES + 4.0 * num_nodes * num_features + BYTES_PER_NODE * num_nodes
+    out = {stage: fixed + per * num_edges for stage, per in BYTES_PER_ENTRY.items()}
+    out["data"] += SAMPLER_BYTES
+    return out
+
+
+def metis_extra_bytes(num_nodes: int, num_edges: int) -> float:
+    """Bytes METIS partitioning needs beyond the graph already held (adjacency + METIS)."""
+    return (BYTES_PER_ENTRY["partition"] - GRAPH_BYTES_PER_ENTRY) * num_edges + BYTES_PER_NODE * num_nodes
+
+
+def available_memory() -> Optional[int]:
+    """The machine's available memory in bytes (``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
