@@ -89,14 +89,14 @@ class TreeSampler:
         self._thread.join()
 
 
-def run_stage(cmd: list[str], log: Path, every: float, limit: float) -> dict:
+def run_stage(cmd: list[str], log: Path, every: float, limit: float, env: dict | None = None) -> dict:
     """Run ``cmd`` to completion; wall time, sampled summed peak RSS, children's maxrss."""
     import resource
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         sampler = TreeSampler(proc.pid, every, limit)
         rc = proc.wait()
         sampler.stop()
@@ -168,6 +168,9 @@ def main(argv=None):
     ap.add_argument("--sample-s", type=float, default=0.2, help="RSS sampling period, seconds")
     ap.add_argument("--max-gib", type=float, default=20.0,
                     help="kill a stage whose processes hold more than this together (GiB; the machine is shared)")
+    ap.add_argument("--malloc-mmap-threshold", type=int, default=131072,
+                    help="MALLOC_MMAP_THRESHOLD_ of the training ranks (bytes; 0: glibc's default). glibc's "
+                         "sliding threshold keeps freed CSR-building temporaries resident (gnnpipe.launch)")
     ap.add_argument("--timeout", type=float, default=3600, help="per training run, seconds")
     # internal: one training stage in a process of its own
     ap.add_argument("--train", choices=["single", "graph", "pipeline"], help=argparse.SUPPRESS)
@@ -178,6 +181,7 @@ def main(argv=None):
     if a.train:
         return train_main(a)
 
+    from gnnpipe.costmodel.stages import graph_stage_memory
     from gnnpipe.data.synthetic import SHAPES
     from gnnpipe.io import write_json
     from bench_modes import layout
@@ -187,7 +191,8 @@ def main(argv=None):
     nodes = int(round(a.edges / degree))
     params = {"edges": a.edges, "shape": a.shape, "avg_degree": degree, "num_nodes": nodes,
               "num_features": a.features or shape["num_features"], "hidden": a.hidden, "epochs": a.epochs,
-              "warmup": a.warmup, "chunks_per_stage": a.chunks_per_stage}
+              "warmup": a.warmup, "chunks_per_stage": a.chunks_per_stage,
+              "malloc_mmap_threshold": a.malloc_mmap_threshold}
     out_path = Path(a.out)
     work = a.work_dir or out_path.with_suffix(".work")
     work.mkdir(parents=True, exist_ok=True)
@@ -232,7 +237,9 @@ def main(argv=None):
             continue
         avail = psutil.virtual_memory().available
         print(f"[scale] {name}: starting ({avail / 2**30:.1f} GiB available)", file=sys.stderr, flush=True)
-        row = run_stage(cmd, work / f"{name}.log", a.sample_s, a.max_gib * 2**30)
+        env = ({"MALLOC_MMAP_THRESHOLD_": str(a.malloc_mmap_threshold)}
+               if name.startswith("train-") and a.malloc_mmap_threshold else None)
+        row = run_stage(cmd, work / f"{name}.log", a.sample_s, a.max_gib * 2**30, env)
         row["available_before_bytes"] = avail
         row["files_bytes"] = sizes(outputs)
         if name.startswith("train-"):
@@ -240,6 +247,11 @@ def main(argv=None):
         if name == "data":
             row["graph"] = {k: v for k, v in json.loads((work / "graph.json").read_text()).items()
                             if k in ("num_nodes", "num_edges", "num_features", "num_classes")}
+        kind = name.split("-")[0]
+        if kind in ("data", "partition", "materialize"):  # the cost model's price of the stage
+            g = stages.get("data", row).get("graph") or row["graph"]
+            row["predicted_peak_bytes"] = graph_stage_memory(g["num_nodes"], g["num_edges"],
+                                                             g["num_features"])[kind]
         if name.startswith("partition-"):
             st = json.loads((work / f"metis-{name.split('-')[1]}.json").read_text())
             row["partition"] = {k: st[k] for k in ("edge_cut_fraction", "mirrors_total", "mirrors_over_n",
