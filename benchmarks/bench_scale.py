@@ -259,9 +259,30 @@ def main(argv=None):
         stages[name] = row
         print(f"[scale] {name}: {row['wall_s']:.1f}s, peak {row['peak_rss_bytes'] / 2**30:.2f} GiB "
               f"({row['processes_at_peak']} processes)", file=sys.stderr, flush=True)
-        res["peak_rss_max_bytes"] = max(s["peak_rss_bytes"] for s in stages.values())
+        res["summary"] = summary(stages)
         write_json(out_path, res)
-    print(json.dumps(res, indent=2))
+    res["summary"] = summary(stages)
+    write_json(out_path, res)
+    print(json.dumps(res["summary"], indent=2))
+
+
+def summary(stages: dict) -> dict:
+    """The headline figures: GiB and seconds per stage, epoch time and bytes per mode and model."""
+    gib = 2.0**30
+    out = {"stages": {}, "epochs": {}}
+    for name, row in stages.items():
+        out["stages"][name] = {"wall_s": round(row["wall_s"], 1), "peak_gib": round(row["peak_rss_bytes"] / gib, 2)}
+        if "predicted_peak_bytes" in row:
+            out["stages"][name]["predicted_gib"] = round(row["predicted_peak_bytes"] / gib, 2)
+        for kind, m in row.get("models", {}).items():
+            out["epochs"][f"{name[len('train-'):]} {kind}"] = {
+                "epoch_s": round(m["epoch_time_s"], 2), "bytes_per_epoch": m["comm_bytes_per_epoch"],
+                "bytes_match_closed_form": m["bytes_match"],
+                "peak_gib_sum_of_ranks": round(m["peak_rss_sum_of_ranks_bytes"] / gib, 2)}
+    peaks = [r["peak_rss_bytes"] for r in stages.values()]
+    out["peak_gib_max"] = round(max(peaks) / gib, 2) if peaks else None
+    out["every_stage_under_24_gib"] = bool(peaks) and max(peaks) < 24 * gib
+    return out
 
 
 if __name__ == "__main__":

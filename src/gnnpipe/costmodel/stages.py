@@ -4,16 +4,19 @@ the whole graph, before any training job starts.
 Each stage's peak is ``BASE + 4·N·F + bytes_per_entry[stage]·E + 64·N`` (``E`` stored CSR entries,
 ``N`` nodes, ``F`` float32 features): the interpreter and its libraries, the features, the
 edge-proportional arrays of the stage and a few per-node arrays. The per-entry counts follow the
-arrays each stage makes (graph.h5 format 2, int32 ids) and were checked against
-``benchmarks/bench_scale.py`` at 10^7 and 10^8 edges (measured peaks in results/bench/scale.json):
+arrays each stage makes (graph.h5 format 2, int32 ids); the constants were set from
+``benchmarks/bench_scale.py``'s measured peaks (reddit-like shape, F = 602) so that every stage is
+priced at or above them: at 10^8 edges (N = 2·10^5) data / METIS / materialize measured 2.58 /
+5.00 / 3.48 GiB against 2.70 / 5.15 / 3.57 priced (benchmarks/results/scale.json); at 10^7
+(``--edges 1e7 --avg-degree 100``: N = 10^5) 0.73 / 1.05 / 0.81 against 1.04 / 1.06 / 0.90:
 
 * ``data`` (synthetic): the sorted undirected keys (4 B per stored entry), the endpoint arrays
-  (8), the CSR's ids (4) and the row-merge's flags (1), plus the sampler's ~1 GiB of draws;
+  (8), the CSR's ids (4) and the row-merge's flags (1), plus the sampler's draws;
 * ``partition`` (METIS): the graph's ids (4), the symmetric adjacency built with scipy (row ids,
   a boolean CSR and its sum with the transpose: ~17), the int64 copy handed to METIS (8) and
-  METIS's own graph and coarsened levels (~15: not ours, measured);
+  METIS's own graph and coarsened levels (~17: not ours, measured);
 * ``materialize``: the renumbering's int64 row, gather and renumbered-id arrays and the per-row
-  sort's boolean CSR (~28).
+  sort's boolean CSR (~29).
 
 :func:`metis_extra_bytes` is what METIS needs beyond the graph already in memory:
 ``gnnpipe partition`` refuses before building anything when the machine has less available.
@@ -23,9 +26,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-BASE_BYTES = 0.3 * 2**30  # python, numpy, scipy, h5py, pymetis
-SAMPLER_BYTES = 1.0 * 2**30  # the synthetic sampler's largest round of draws (MAX_DRAW)
-BYTES_PER_ENTRY = {"data": 17.0, "partition": 44.0, "materialize": 28.0}
+BASE_BYTES = 0.4 * 2**30  # python, numpy, scipy, h5py, pymetis
+SAMPLER_BYTES = 0.25 * 2**30  # the synthetic sampler's rounds of draws (MAX_DRAW), net of what is freed
+BYTES_PER_ENTRY = {"data": 17.0, "partition": 46.0, "materialize": 29.0}
 BYTES_PER_NODE = 64.0
 GRAPH_BYTES_PER_ENTRY = 4.0  # int32 ids of graph.h5 format 2
 
