@@ -237,7 +237,7 @@ def generate(cfg: SyntheticConfig, *, symmetrize: bool = True, self_loops: str =
         intra += int(np.count_nonzero(community[ca] == community[cb]))
         ca[:], cb[:] = perm[ca], perm[cb]
     intra_share = intra / num_pairs if num_pairs else 0.0
-    indptr, indices = csr_from_edges(a, b, n, symmetrize=symmetrize, self_loops=self_loops)
+    indptr, indices = csr_from_edges(a, b, n, symmetrize=symmetrize, self_loops=self_loops, chunk=CSR_CHUNK)
     del a, b
     log(f"built CSR with {indices.shape[0]:,} stored edges")
 
