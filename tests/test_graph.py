@@ -125,3 +125,23 @@ def test_invalid_graph_is_not_written(tmp_path):
     with pytest.raises(GnnPipeError, match="labels must lie in"):
         write_graph(tmp_path / "g.h5", g)
     assert not list(tmp_path.iterdir())
+
+
+def test_structure_only_read_still_checks_the_features_streamed_through_the_hash(tmp_path, monkeypatch):
+    """features=False (the partition rule): no features held, the same structure, and a damaged
+    feature is still refused: the file's features are hashed in slabs (here 3 rows each)."""
+    import gnnpipe.io as gio
+
+    g = tiny_graph()
+    write_graph(tmp_path / "g.h5", g)
+    monkeypatch.setattr(gio, "HASH_SLAB", 3 * 3 * 4)
+    with h5py.File(tmp_path / "g.h5") as f:
+        assert gio.hash_arrays({"features": f["features"]}) == gio.hash_arrays({"features": g.features})
+    s = read_graph(tmp_path / "g.h5", features=False)
+    assert s.features.shape == (g.num_nodes, 0)
+    np.testing.assert_array_equal(s.indices, g.indices)
+    np.testing.assert_array_equal(s.labels, g.labels)
+    with h5py.File(tmp_path / "g.h5", "a") as f:
+        f["features"][5, 2] += 1.0
+    with pytest.raises(GnnPipeError, match="content hash does not match"):
+        read_graph(tmp_path / "g.h5", features=False)

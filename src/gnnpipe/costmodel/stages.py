@@ -1,14 +1,15 @@
 """Peak memory of the whole-graph stages (data, partition, materialize): one process that holds
 the whole graph, before any training job starts.
 
-Each stage's peak is ``BASE + 4·N·F + bytes_per_entry[stage]·E + 64·N`` (``E`` stored CSR entries,
-``N`` nodes, ``F`` float32 features): the interpreter and its libraries, the features, the
-edge-proportional arrays of the stage and a few per-node arrays. The per-entry counts follow the
+Each stage's peak is ``BASE + bytes_per_entry[stage]·E + 64·N`` (``E`` stored CSR entries, ``N``
+nodes) plus ``4·N·F`` for the float32 features where the stage holds them (data, materialize; the
+partition rule reads the structure only): the interpreter and its libraries, the edge-proportional
+arrays of the stage, a few per-node arrays. The per-entry counts follow the
 arrays each stage makes (graph.h5 format 2, int32 ids); the constants were set from
 ``benchmarks/bench_scale.py``'s measured peaks (reddit-like shape, F = 602) so that every stage is
 priced at or above them: at 10^8 edges (N = 2·10^5) data / METIS / materialize measured 2.58 /
-5.00 / 3.48 GiB against 2.70 / 5.15 / 3.57 priced (benchmarks/results/scale.json); at 10^7
-(``--edges 1e7 --avg-degree 100``: N = 10^5) 0.73 / 1.05 / 0.81 against 1.04 / 1.06 / 0.90:
+4.46 / 3.48 GiB against 2.70 / 4.70 / 3.57 priced (benchmarks/results/scale.json); at 10^7
+(``--edges 1e7 --avg-degree 100``: N = 10^5) 0.73 / 0.83 / 0.81 against 1.04 / 0.83 / 0.90:
 
 * ``data`` (synthetic): the sorted undirected keys (4 B per stored entry), the endpoint arrays
   (8), the CSR's ids (4) and the row-merge's flags (1), plus the sampler's draws;
@@ -37,9 +38,10 @@ def graph_stage_memory(num_nodes: int, num_edges: int, num_features: int) -> dic
     """Estimated peak resident bytes of each whole-graph stage (``data``, ``partition``,
     ``materialize``) for a graph of ``num_nodes`` nodes, ``num_edges`` stored entries and
     ``num_features`` float32 features."""
-    fixed = BASE_BYTES + 4.0 * num_nodes * num_features + BYTES_PER_NODE * num_nodes
+    fixed = BASE_BYTES + BYTES_PER_NODE * num_nodes
     out = {stage: fixed + per * num_edges for stage, per in BYTES_PER_ENTRY.items()}
-    out["data"] += SAMPLER_BYTES
+    out["data"] += SAMPLER_BYTES + 4.0 * num_nodes * num_features
+    out["materialize"] += 4.0 * num_nodes * num_features  # the partition rule reads no features
     return out
 
 
