@@ -161,7 +161,7 @@ def hash_arrays(arrays: dict) -> str:
     h = hashlib.sha256()
     for name in sorted(arrays):
         a = arrays[name]
-        if isinstance(a, np.ndarray) or not hasattr(a, "dtype") or not a.shape:
+        if isinstance(a, np.ndarray) or not isinstance(getattr(a, "dtype", None), np.dtype) or not a.shape:
             a = np.ascontiguousarray(a)
             h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
             h.update(memoryview(a).cast("B"))
