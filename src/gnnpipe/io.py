@@ -151,11 +151,23 @@ def _json_default(o):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def hash_arrays(arrays: dict[str, np.ndarray]) -> str:
-    """SHA-256 over the names, dtypes, shapes and bytes of ``arrays`` (in key order)."""
+HASH_SLAB = 1 << 26  # bytes of a dataset read at a time when hashing it from its file
+
+
+def hash_arrays(arrays: dict) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of ``arrays`` (in key order). A value may
+    be an h5py dataset instead of an array: it is read in slabs of ``HASH_SLAB`` bytes, never
+    whole, and gives the digest its array would."""
     h = hashlib.sha256()
     for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
-        h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
-        h.update(memoryview(a).cast("B"))
+        a = arrays[name]
+        if isinstance(a, np.ndarray) or not isinstance(getattr(a, "dtype", None), np.dtype) or not a.shape:
+            a = np.ascontiguousarray(a)
+            h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+            h.update(memoryview(a).cast("B"))
+            continue
+        h.update(f"{name}:{a.dtype.str}:{tuple(a.shape)}".encode())
+        step = max(1, HASH_SLAB // max(1, int(np.prod(a.shape[1:])) * a.dtype.itemsize))
+        for i in range(0, a.shape[0], step):
+            h.update(memoryview(np.ascontiguousarray(a[i:i + step])).cast("B"))
     return h.hexdigest()
