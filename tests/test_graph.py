@@ -71,12 +71,23 @@ def test_ids_are_int32_when_they_fit_and_round_trip(tmp_path):
     np.testing.assert_array_equal(read_graph(tmp_path / "g.h5").indices, g.indices)
 
 
-def test_refuses_version_1_int64_file_with_the_rebuild_command(tmp_path):
-    write_graph(tmp_path / "g.h5", tiny_graph())
+def test_reads_a_version_1_file_as_the_same_graph_with_the_same_content_hash(tmp_path):
+    """Version 1 stored int64 ids: it is read (ids converted on load) and hashes as the graph it
+    holds, so runs, stores and checkpoints fingerprinted with it stay valid."""
+    g = tiny_graph()
+    digest = write_graph(tmp_path / "g.h5", g)
     with h5py.File(tmp_path / "g.h5", "a") as f:
+        ids = f["indices"][()].astype(np.int64)
+        del f["indices"]
+        f["indices"] = ids
         f.attrs["format_version"] = 1
-    with pytest.raises(GnnPipeError, match=r"graph format version 1, this gnnpipe reads version 2\. "
-                                           r"Delete it and rebuild it .*snakemake .*g\.h5"):
+    back = read_graph(tmp_path / "g.h5")
+    assert back.indices.dtype == np.int32 and back.content_hash() == digest
+    np.testing.assert_array_equal(back.indices, g.indices)
+    assert read_graph(tmp_path / "g.h5", features=False).num_edges == g.num_edges  # the streamed digest too
+    with h5py.File(tmp_path / "g.h5", "a") as f:
+        f["indices"][0] += 1  # an edited id is still caught in the int64 file
+    with pytest.raises(GnnPipeError, match="content hash does not match"):
         read_graph(tmp_path / "g.h5")
 
 

@@ -15,10 +15,12 @@ Layout of ``results/data/<dataset>/graph.h5`` (format version ``FORMAT_VERSION``
 file whose content does not match (a truncated or edited file), as it refuses a
 file of another format version. Both errors name the file and the rule that
 rebuilds it. Version 2 stores ``indices`` as int32 whenever the node ids fit (half the
-bytes of the largest array, on disk and in every process that reads it); a version-1
-file (int64 ids) is refused with the command that rebuilds it. ``Graph`` holds its
-``indices`` in the same dtype whatever it was built from, so that the content hash of a
-graph does not depend on how it was made.
+bytes of the largest array, on disk and in every process that reads it). A version-1 file
+(int64 ids, otherwise the same) is still read: ``Graph`` holds its ``indices`` in
+``index_dtype(N)`` whatever it was built or read from, and the content hash takes the ids
+as int64 (``HASH_AS``), so one graph has one content hash in either version — the runs,
+partitions, chunk stores and checkpoints fingerprinted with a version-1 graph stay valid
+(nothing is rebuilt or retrained for the new format).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import numpy as np
 from .io import GnnPipeError, atomic_path, hash_arrays
 
 FORMAT_VERSION = 2  # 2: int32 source ids when they fit (index_dtype)
+READABLE_VERSIONS = (1, 2)  # 1: int64 ids (read, converted on load; same content hash)
+HASH_AS = {"indices": np.dtype("<i8")}  # the content hash takes node ids as int64 in every version
 _INT32_MAX = 2**31 - 1
 _ARRAYS = ("indptr", "indices", "features", "labels", "train_mask", "val_mask", "test_mask")
 
@@ -90,7 +94,7 @@ class Graph:
         return {name: getattr(self, name) for name in _ARRAYS}
 
     def content_hash(self) -> str:
-        return hash_arrays(self.arrays())
+        return hash_arrays(self.arrays(), HASH_AS)
 
     def validate(self) -> None:
         """Check shapes, dtypes and id ranges; raise ``GnnPipeError`` naming the problem."""
@@ -208,8 +212,9 @@ def read_graph_attrs(path: str | os.PathLike) -> dict:
     except OSError as e:
         raise _refuse(path, f"not a readable HDF5 file ({e})") from None
     version = attrs.get("format_version")
-    if version != FORMAT_VERSION:
-        raise _refuse(path, f"graph format version {version}, this gnnpipe reads version {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise _refuse(path, f"graph format version {version}, this gnnpipe reads versions "
+                            f"{', '.join(map(str, READABLE_VERSIONS))}")
     return attrs
 
 
@@ -224,7 +229,7 @@ def read_graph(path: str | os.PathLike, *, verify: bool = True, features: bool =
     try:
         with h5py.File(path, "r") as f:
             arrays = {name: f[name][()] for name in _ARRAYS if features or name != "features"}
-            digest = (hash_arrays({**arrays, "features": f["features"]}) if verify and not features
+            digest = (hash_arrays({**arrays, "features": f["features"]}, HASH_AS) if verify and not features
                       else None)
     except (OSError, KeyError) as e:
         raise _refuse(path, f"damaged or truncated ({e})") from None

@@ -13,7 +13,6 @@ from snakemake.utils import validate
 
 from gnnpipe.atomic.data import FORMAT_VERSIONS
 from gnnpipe.costmodel.hardware import hardware_path
-from gnnpipe.graph import FORMAT_VERSION as GRAPH_FORMAT
 from gnnpipe.io import GnnPipeError
 from gnnpipe.config import (
     ConfigError,

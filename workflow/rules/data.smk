@@ -21,8 +21,6 @@ rule build_graph:
         stats=f"{RESULTS}/data/{{dataset}}/stats.json",
     log:
         "logs/data/{dataset}.log",
-    params:
-        format_version=GRAPH_FORMAT,  # a new format (2: int32 ids) rebuilds graph.h5 (Snakemake's params trigger)
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
