@@ -29,8 +29,7 @@ import torch
 
 from gnnpipe.config import ModelConfig, SyntheticConfig, TrainingConfig
 from gnnpipe.data.synthetic import generate
-from gnnpipe.engine import make_optimizer, ce_sum
-from gnnpipe.engine import graph_tensors
+from gnnpipe.engine import ce_sum, graph_tensors, make_optimizer, retain_freed_memory
 from gnnpipe.graph import read_graph, write_graph
 from gnnpipe.io import write_json
 from gnnpipe.models.block import Block
@@ -47,35 +46,53 @@ def timed(fn, *args, **kw):
     return out, time.perf_counter() - t0
 
 
-def our_epoch(graph_path: Path, kind: str, hidden: int, threads: int, epochs: int, warmup: int) -> dict:
+def our_step(graph_path: Path, kind: str, hidden: int, threads: int, layers: int = 2):
+    """A fresh model on the graph file and a function that trains it one epoch
+    (forward + backward + Adam) and returns the epoch's wall time. The process is set up as
+    ``gnnpipe.train.run`` sets up a training process (threads, ``retain_freed_memory``)."""
     torch.set_num_threads(threads)
+    retain_freed_memory()
     graph = read_graph(graph_path, verify=False)
     block = Block.full(graph.indptr, graph.indices)
     x, y, masks = graph_tensors(graph, torch.float32, "cpu")
     torch.manual_seed(0)
-    model = GNN(ModelConfig(kind=kind, layers=2, hidden=hidden, dropout=0.0), graph.num_features, graph.num_classes)
+    model = GNN(ModelConfig(kind=kind, layers=layers, hidden=hidden, dropout=0.0), graph.num_features,
+                graph.num_classes)
     opt = make_optimizer(model.parameters(), TrainingConfig(lr=0.01, weight_decay=0.0))
     n_train = int(masks["train"].sum())
-    times = []
-    for epoch in range(warmup + epochs):
+
+    def epoch() -> float:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = ce_sum(model(x, block), y, masks["train"]) / n_train
         loss.backward()
         opt.step()
-        if epoch >= warmup:
-            times.append(time.perf_counter() - t0)
-    return {"framework": "gnnpipe", "torch_version": torch.__version__, "model": kind, "threads": threads,
-            "epoch_time_s": statistics.median(times), "epoch_times_s": times}
+        return time.perf_counter() - t0
+    return epoch
 
 
-def dgl_epoch(python: Path, graph_path: Path, kind: str, hidden: int, threads: int, epochs: int) -> dict:
+def our_epoch(graph_path: Path, kind: str, hidden: int, threads: int, epochs: int, warmup: int,
+              layers: int = 2) -> dict:
+    epoch = our_step(graph_path, kind, hidden, threads, layers)
+    times = [epoch() for _ in range(warmup + epochs)][warmup:]
+    return {"framework": "gnnpipe", "torch_version": torch.__version__, "model": kind, "layers": layers,
+            "hidden": hidden, "threads": threads, "epoch_time_s": statistics.median(times), "epoch_times_s": times}
+
+
+def dgl_command(python: Path, graph_path: Path, kind: str, hidden: int, threads: int, layers: int = 2,
+                extra: tuple = ()) -> tuple[list[str], dict]:
+    """The command line and environment of benchmarks/dgl_epoch.py in the DGL environment."""
     script = Path(__file__).with_name("dgl_epoch.py")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     env.pop("PYTHONPATH", None)
-    out = subprocess.run([str(python), str(script), "--graph", str(graph_path), "--model", kind,
-                          "--hidden", str(hidden), "--threads", str(threads), "--epochs", str(epochs)],
-                         capture_output=True, text=True, env=env, check=False)
+    return [str(python), str(script), "--graph", str(graph_path), "--model", kind, "--hidden", str(hidden),
+            "--layers", str(layers), "--threads", str(threads), *extra], env
+
+
+def dgl_epoch(python: Path, graph_path: Path, kind: str, hidden: int, threads: int, epochs: int,
+              layers: int = 2) -> dict:
+    cmd, env = dgl_command(python, graph_path, kind, hidden, threads, layers, ("--epochs", str(epochs)))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode:
         return {"framework": "dgl", "error": out.stderr.strip().splitlines()[-1:] or ["failed"]}
     return json.loads(out.stdout.strip().splitlines()[-1])

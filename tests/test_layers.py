@@ -270,6 +270,23 @@ def test_conv_gradcheck(kind):
     assert torch.autograd.gradcheck(lambda t: run(conv, kind, t, block, x0), (x,))
 
 
+@pytest.mark.parametrize("shape", [(5, 4), (4, 9)])  # project first (one product for both maps), aggregate first
+def test_sage_without_bias_matches_dense(shape):
+    indptr, indices = random_csr(12, 0.25, seed=4, isolated=2)
+    a = dense_adj(indptr, indices)
+    torch.manual_seed(0)
+    conv = SAGEConv(*shape, bias=False).double()
+    x = torch.randn(12, shape[0], dtype=F64, requires_grad=True)
+    out = conv(x, Block.full(indptr, indices, F64))
+    mean = a / a.sum(1, keepdim=True).clamp(min=1)
+    ref = x @ conv.weight_self.t() + mean @ x @ conv.weight_neigh.t()
+    torch.testing.assert_close(out, ref, **TOL)
+    g = torch.randn_like(out)
+    params = [x, conv.weight_self, conv.weight_neigh]
+    for o, t in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(o, t, **TOL)
+
+
 def test_zero_in_degree_rows():
     indptr, indices = random_csr(8, 0.5, seed=6, isolated=3)
     block = Block.full(indptr, indices, F64)

@@ -1,6 +1,7 @@
 """Single-process training end to end: run record, checkpoint, exact evaluation, MLflow."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -162,3 +163,17 @@ def test_evaluate_refuses_a_checkpoint_of_another_config_or_graph(tmp_path):
     torch.save({"model": ckpt["model"], "epoch": 2}, model)  # as an older gnnpipe wrote it
     with pytest.raises(GnnPipeError, match="does not say which config and data it was trained from"):
         evaluate_run(cfg)
+
+
+def test_retain_freed_memory_applies_on_glibc(monkeypatch):
+    """A node training process keeps freed large blocks for reuse (gnnpipe.train.run calls this): on
+    glibc both mallopt settings take, unless the environment tunes glibc's malloc itself;
+    elsewhere it does nothing and says so."""
+    import platform
+
+    from gnnpipe.engine import retain_freed_memory
+    for k in [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(k)
+    assert retain_freed_memory() is (platform.libc_ver()[0] == "glibc")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert retain_freed_memory() is False

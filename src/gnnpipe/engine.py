@@ -7,6 +7,9 @@ docs/ARCHITECTURE.md "Engines".
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -57,6 +60,32 @@ class Engine(Protocol):
     def graph_info(self) -> dict: ...  # the run record's num_nodes, num_edges, in_features
 
     def extra_info(self) -> dict: ...  # what the run record keeps about this mode ("extra")
+
+
+def retain_freed_memory() -> bool:
+    """Keep freed memory in this process for its next allocation (glibc's ``mallopt``).
+
+    Every epoch allocates and frees the same large tensors: an ``(N, hidden)`` activation or
+    gradient is tens of MB. glibc serves each block above its mmap threshold (at most 32 MB) with
+    a fresh ``mmap`` and hands it back with ``munmap`` when freed, so the kernel page-faults and
+    zeroes those pages again every epoch: on the issue #27 graph (10^5 nodes, SAGE 3x128) about a
+    quarter of a second of system time per epoch (``benchmarks/bench_dgl.py``; PyTorch's CPU
+    tuning guide swaps the allocator for the same reason). With mmap off for large blocks and
+    the heap trimmed only past 2 GiB free, the next epoch reuses the same pages. The peak is the
+    same up to fragmentation, but the process keeps its high-water mark instead of returning it.
+    Returns whether it applied: glibc, and no ``MALLOC_*_`` tuning in the environment (a run
+    that sets one, as ``bench_memory_cap`` sets ``MALLOC_MMAP_THRESHOLD_``, keeps its own);
+    elsewhere it does nothing. Called once per node-model training process (``gnnpipe.train.run``;
+    atomic runs keep glibc's defaults: their memory plan is checked against resident peaks).
+    """
+    if any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def make_optimizer(params, cfg: TrainingConfig) -> torch.optim.Optimizer:

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .checkpoint import run_fingerprint
 from .config import BOUNDS, RunConfig, TrainingConfig, dump_run_config, to_dict
-from .engine import DTYPES, NonFiniteError
+from .engine import DTYPES, NonFiniteError, retain_freed_memory
 from .io import GnnPipeError, write_json, write_text, write_torch
 from .layout import ParallelDims
 from .parallel.groups import ProcessGroups, build_groups
@@ -319,6 +319,8 @@ def run(cfg: RunConfig, *, progress: bool = True, restart: bool = False) -> Opti
     ``GNNPIPE_RESTART=1``: discard it). Returns the run record on rank 0 (None elsewhere)."""
     restart = restart or os.environ.get("GNNPIPE_RESTART", "0") not in ("", "0")
     torch.set_num_threads(max(int(os.environ.get("OMP_NUM_THREADS", 0)) or cfg.training.threads_per_worker, 1))
+    if not cfg.atomic:  # node runs: the epochs' (N, hidden) tensors reuse their pages (docs/ARCHITECTURE.md)
+        retain_freed_memory()
     device = _device()
     rank, world = init_distributed(cfg, device)
     att = _Attempt(cfg, rank, world)

@@ -42,7 +42,11 @@ class Block:
         return int(self.indices.shape[0])
 
     def dst_rows(self, x_src: Tensor) -> Tensor:
-        """The destination rows of a source-row tensor: ``(n_dst, ...)``."""
+        """The destination rows of a source-row tensor: ``(n_dst, ...)``; ``x_src`` itself when
+        they are all of its rows (a whole-graph block: no slice, whose backward would allocate
+        and zero-fill a gradient the size of ``x_src`` to copy into)."""
+        if self.dst_offset == 0 and self.n_dst == x_src.shape[0]:
+            return x_src
         return x_src[self.dst_offset:self.dst_offset + self.n_dst]
 
     def dst_of_edge(self) -> Tensor:

@@ -57,6 +57,14 @@ class SAGEConv(nn.Module):
     def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None,
                 z_src: Tensor | None = None) -> Tensor:
         x_dst = block.dst_rows(h_src)
+        if z_src is None and not (self.static_input and not h_src.requires_grad) and x_dst is h_src and \
+                not aggregate_first(block.n_src, block.n_dst, block.nnz, self.in_dim, self.out_dim):
+            # a whole-graph block, projecting first: both maps in one product over h (n, 2 out), and
+            # in backward one product back (no second (n, in) gradient to add to the first)
+            w = torch.cat([self.weight_self, self.weight_neigh])  # (2 out, in)
+            y_self, y_neigh = (h_src @ w.t()).split(self.out_dim, dim=1)  # (n, out) each
+            agg = mean_aggregate(y_neigh, block)
+            return agg.add_(y_self) if self.bias is None else agg.add_(y_self).add_(self.bias)
         if self.bias is not None:
             out = torch.addmm(self.bias, x_dst, self.weight_self.t())  # (n_dst, out)
         else:
