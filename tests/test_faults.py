@@ -60,9 +60,9 @@ HABITS = {"schedule": {"warmup_epochs": 1.5, "decay": "cosine", "min_lr_factor":
 
 
 def setup_atomic_run(root: Path, mode: str = "graph", workers: int = 2, *, epochs: int = 5, kind: str = "dimenetpp",
-                     spec=None, **training):
+                     spec=None, run=None, **training):
     """A tiny atomic run (DimeNet++ or GemNet-T, small, one block, every training habit on) on 10 EMT
-    slabs under ``root/results`` (systems.h5, graphs.h5, run.yaml)."""
+    slabs under ``root/results`` (systems.h5, graphs.h5, run.yaml); ``run``: more keys of its runs entry."""
     from gnnpipe.atomic import data
 
     spec = {"preset": "small", "num_blocks": 1, "batch_size": 2, "lr": 0.001, **HABITS, **(spec or {})}
@@ -70,7 +70,7 @@ def setup_atomic_run(root: Path, mode: str = "graph", workers: int = 2, *, epoch
         "results": str(root / "results"), "datasets": {"slabs": {"kind": "atoms"}},
         "models": {"dpp": {"kind": kind, kind: spec}},
         "training": {"epochs": epochs, "eval_every": 5, "checkpoint_every": 2, "weight_decay": 0.0, **training},
-        "runs": [{"mode": mode, "dataset": "slabs", "model": "dpp", "workers": workers}]})
+        "runs": [{"mode": mode, "dataset": "slabs", "model": "dpp", "workers": workers, **(run or {})}]})
     cfg = next(iter(resolve_runs(wf).values()))
     systems = data.generate(10, size=(2, 2, 2), seed=2, progress=False)
     Path(cfg.graph_path).parent.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,70 @@ def test_triplets_and_their_ranks():
     for e in range(len(g["edge_src"])):
         assert np.array_equal(rank[ji_shuffled == e], np.arange(int((ji == e).sum())))
 
+def _triplets_before(src, dst, shift):
+    """``neighbors.triplets`` as it was before its per-edge exclusion (per-triplet shifts and masks):
+    the reference its output must equal, order included."""
+    by_dst = np.argsort(dst, kind="stable")
+    starts = np.searchsorted(dst[by_dst], np.arange(int(max(dst.max(initial=-1), src.max(initial=-1))) + 2))
+    counts = starts[src + 1] - starts[src]
+    idx_ji = np.repeat(np.arange(len(src)), counts)
+    offs = np.arange(len(idx_ji)) - np.repeat(np.cumsum(counts) - counts, counts)
+    idx_kj = by_dst[np.repeat(starts[src], counts) + offs]
+    same = (src[idx_kj] == dst[idx_ji]) & np.all(np.abs(shift[idx_kj] + shift[idx_ji]) < 1e-8, axis=1)
+    return idx_kj[~same].astype(np.int64), idx_ji[~same].astype(np.int64)
+
+
+def _triplets_by_definition(src, dst, shift):
+    """Every edge ji in edge order, its source's input edges kj by edge id, but i's own image."""
+    kj, ji = [], []
+    for e in range(len(src)):
+        for f in range(len(src)):
+            if dst[f] == src[e] and not (src[f] == dst[e] and np.all(np.abs(shift[f] + shift[e]) < 1e-8)):
+                kj.append(f)
+                ji.append(e)
+    return np.array(kj, dtype=np.int64), np.array(ji, dtype=np.int64)
+
+
+def _graphs(slabs):
+    """Symmetric graphs (generated slabs, a skewed cell, atoms beside their own images, a Cu cell with a
+    cap), asymmetric ones (the dense search's per-target cut, random edges with random images and
+    repeated atom pairs), one edge, none."""
+    from test_atomic_parallel import _batch
+
+    ptr = slabs["atom_ptr"]
+    for s in range(len(ptr) - 1):
+        pos = slabs["pos"][ptr[s]:ptr[s + 1]]
+        yield "slab", nb.radius_graph(pos, slabs["cell"][s], slabs["pbc"][s], 4.5)
+        yield "slab cut", dense_radius_graph(pos, slabs["cell"][s], slabs["pbc"][s], 5.0, 6)
+    pos = np.random.default_rng(0).random((4, 3)) @ SKEWED
+    yield "skewed", nb.radius_graph(pos, SKEWED, True, 3.3)
+    yield "own images", nb.radius_graph(np.array([[0.1, 0.2, 0.3], [1.1, 0.9, 1.2]]), np.eye(3) * 2.0, True, 2.1)
+    from ase.build import bulk
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((3, 3, 3))
+    atoms.rattle(0.05, seed=1)
+    yield "Cu capped", nb.radius_graph(atoms.positions, atoms.cell.array, True, 5.0, 16)
+    for seed in range(3):
+        b = _batch(seed, quiet_tail=3)
+        yield "random", (b["edge_src"], b["edge_dst"], b["edge_shift"])
+    yield "one edge", (np.array([0]), np.array([1]), np.zeros((1, 3)))
+    yield "none", (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 3)))
+
+
+def test_triplets_equal_the_per_triplet_function_and_the_definition_in_order(slabs):
+    """The CSR expansion with a per-edge exclusion gives what the function before it gave, in the same
+    order (by ji, then kj by edge id), and what the definition's loops give on the small graphs."""
+    seen = set()
+    for name, (src, dst, shift) in _graphs(slabs):
+        got = nb.triplets(src, dst, shift)
+        want = _triplets_before(np.asarray(src), np.asarray(dst), np.asarray(shift, dtype=float).reshape(-1, 3))
+        assert all(np.array_equal(a, b) and a.dtype == np.int64 for a, b in zip(got, want)), name
+        if len(src) < 400:
+            assert all(np.array_equal(a, b) for a, b in zip(got, _triplets_by_definition(src, dst, shift))), name
+        excluded = sum(np.sum(dst == s) for s in src) - len(got[0])
+        seen.add((name, bool(len(got[0])), bool(excluded)))
+    assert ("own images", True, True) in seen and ("random", True, True) in seen and ("one edge", False, False) in seen
+
+
 def test_a_lone_atom_and_a_dimer():
     src, dst, shift = nb.radius_graph(np.zeros((1, 3)), np.zeros((3, 3)), False, 3.0)
     assert len(src) == 0

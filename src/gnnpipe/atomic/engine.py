@@ -53,7 +53,7 @@ from .halo import step_bytes as halo_step_bytes
 from .parallel import EdgeGroup, shard_graph
 from .protocol import ATOMIC_MODELS
 
-#: whole training batches (of the run's batch size) GemNet's scale factors are fitted on
+#: whole step batches (the run's batch size × its replicas) GemNet's scale factors are fitted on
 FIT_BATCHES = 4
 
 
@@ -181,12 +181,14 @@ class AtomicEngine:
 
     def fit_constants(self) -> dict:
         """Fit what the kind fits before training (GemNet's scale factors) on rank 0, on the first
-        ``FIT_BATCHES`` whole training batches in one process (deterministic: a seeded order), and
-        broadcast the model's buffers; returns name -> value (rank 0's fit)."""
+        ``FIT_BATCHES`` whole step batches (B·D systems: what single-process training on the union of the
+        replicas' batches fits) in one process (deterministic: a seeded order), and broadcast the model's
+        buffers; returns name -> value (rank 0's fit)."""
         fitted = {}
         if self.comm is None or self.comm.rank == 0:
             ids = np.random.default_rng([self.cfg.training.seed, 2**31]).permutation(self.ids["train"])
-            batches = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)][:FIT_BATCHES]
+            per = self.batch_size * self.replicas
+            batches = [ids[i:i + per] for i in range(0, len(ids), per)][:FIT_BATCHES]
             fitted = self.kind.fit(self.model, [rank_view(self._batch(b), None, self.dtype, self.device)
                                                 for b in batches])
         if self.comm is not None:  # every rank computes with rank 0's constants, bit for bit

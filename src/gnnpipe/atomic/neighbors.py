@@ -37,15 +37,40 @@ __all__ = ["radius_graph", "reverse_edges", "triplets", "triplet_rank", "system_
 
 def triplets(src: np.ndarray, dst: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(idx_kj, idx_ji)``: for every edge ji (j -> i) every edge kj (k -> j), except the one whose
-    source is i's own image (``k == i`` and ``shift_kj + shift_ji == 0``)."""
-    by_dst = np.argsort(dst, kind="stable")
-    starts = np.searchsorted(dst[by_dst], np.arange(int(max(dst.max(initial=-1), src.max(initial=-1))) + 2))
+    source is i's own image (``k == i`` and ``shift_kj + shift_ji == 0``).
+
+    Order: by ``ji``, then ``kj`` by edge id. Per triplet only index arithmetic (a CSR expansion of
+    each edge's source's input edges); the excluded pairs are found per edge (the edges ``i -> j``,
+    few), so no per-triplet shifts or id comparisons are built (the graph building timed by
+    benchmarks/bench_atom_layout.py)."""
+    src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    shift = np.asarray(shift, dtype=np.float64).reshape(-1, 3)
+    e = len(src)
+    n = int(max(dst.max(initial=-1), src.max(initial=-1))) + 1
+    by_dst = np.argsort(dst, kind="stable")  # the input edges of each atom, by edge id
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(dst, minlength=n), out=starts[1:])
     counts = starts[src + 1] - starts[src]  # input edges of each edge's source j
-    idx_ji = np.repeat(np.arange(len(src)), counts)
-    offs = np.arange(len(idx_ji)) - np.repeat(np.cumsum(counts) - counts, counts)
-    idx_kj = by_dst[np.repeat(starts[src], counts) + offs]
-    same = (src[idx_kj] == dst[idx_ji]) & np.all(np.abs(shift[idx_kj] + shift[idx_ji]) < 1e-8, axis=1)
-    return idx_kj[~same].astype(np.int64), idx_ji[~same].astype(np.int64)
+    first = np.cumsum(counts) - counts  # each edge's first triplet
+    # excluded: the pairs (ji, kj) with kj = i -> j and shift_kj = -shift_ji; the candidates are the
+    # edges i -> j (any image), found by their (dst, src) key
+    korder = np.argsort(dst * n + src, kind="stable")
+    keys, query = (dst * n + src)[korder], src * n + dst
+    lo = np.searchsorted(keys, query, side="left")
+    many = np.searchsorted(keys, query, side="right") - lo
+    pair_ji = np.repeat(np.arange(e), many)
+    pair_kj = korder[np.repeat(lo - (np.cumsum(many) - many), many) + np.arange(len(pair_ji))]
+    same = np.all(np.abs(shift[pair_kj] + shift[pair_ji]) < 1e-8, axis=1)
+    pair_ji, pair_kj = pair_ji[same], pair_kj[same]
+    rank = np.empty(e, dtype=np.int64)  # each edge's place among its target's input edges
+    rank[by_dst] = np.arange(e) - starts[dst[by_dst]]
+    keep = np.ones(int(counts.sum()), dtype=bool)
+    keep[first[pair_ji] + rank[pair_kj]] = False
+    pos = np.repeat(starts[src] - first, counts)  # the triplet's input edge, as a position in by_dst
+    pos += np.arange(len(pos))
+    idx_kj = by_dst[pos[keep]]
+    idx_ji = np.repeat(np.arange(e), counts - np.bincount(pair_ji, minlength=e))
+    return idx_kj, idx_ji
 
 
 def _reverse(src: np.ndarray, dst: np.ndarray, image: np.ndarray) -> np.ndarray:
