@@ -127,6 +127,28 @@ def test_text_edge_errors_name_file_and_line(arrays, text, match):
         load(arrays(write(arrays.dir, "e.csv", text)))
 
 
+@pytest.mark.parametrize("suffix", ["csv", "npy", "npy_cols"])
+def test_streamed_edges_equal_one_read_and_errors_count_from_the_start(tmp_path, suffix):
+    """Chunks of 3 rows give the edges of one read, as int32; a bad id in a later chunk is named
+    by its line / row in the whole file."""
+    from gnnpipe.data.files import read_edges
+
+    edges = np.random.default_rng(0).integers(0, N, (20, 2))
+    path = tmp_path / f"e.{suffix.split('_')[0]}"
+    save = (lambda e: path.write_text("src,dst\n" + "".join(f"{s},{t}\n" for s, t in e))) if suffix == "csv" \
+        else (lambda e: np.save(path, e.T if suffix == "npy_cols" else e))
+    save(edges)
+    for chunk in (3, 10**6):
+        src, dst = read_edges(path, N, chunk=chunk)
+        assert src.dtype == dst.dtype == np.int32
+        np.testing.assert_array_equal(np.stack([src, dst], 1), edges)
+    edges[13, 1] = N
+    save(edges)
+    where = {"csv": "line 15", "npy": "row 13", "npy_cols": r"column 13 \(edge 13"}[suffix]
+    with pytest.raises(GnnPipeError, match=rf"{where}.*: node id 6 is outside \[0, 6\)"):
+        read_edges(path, N, chunk=3)
+
+
 @pytest.mark.parametrize("array,match", [
     (np.array([[0, 1], [1, 9], [2, 3]]), r"e\.npy: row 1: node id 9 is outside \[0, 6\)"),
     (np.array([[0, 1, 2], [1, -1, 3]]), r"e\.npy: column 1 \(edge 1 of the \(2, E\) array\): node id -1"),

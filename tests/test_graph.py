@@ -4,7 +4,7 @@ import h5py
 import numpy as np
 import pytest
 
-from gnnpipe.graph import FORMAT_VERSION, Graph, csr_from_edges, read_graph, write_graph
+from gnnpipe.graph import FORMAT_VERSION, Graph, csr_from_edges, index_dtype, read_graph, write_graph
 from gnnpipe.io import GnnPipeError
 
 
@@ -26,6 +26,69 @@ def test_csr_symmetrises_dedups_and_drops_self_loops():
     indptr, indices = csr_from_edges(np.array([0]), np.array([1]), 3, symmetrize=False, self_loops="add")
     edges = {(int(s), int(d)) for d in range(3) for s in indices[indptr[d]:indptr[d + 1]]}
     assert edges == {(0, 1), (0, 0), (1, 1), (2, 2)}
+
+
+def _csr_reference(src, dst, n, symmetrize, self_loops):
+    """The CSR by one sort of (dst, src) keys: what the streamed builder must equal."""
+    src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+    if symmetrize:
+        src, dst = np.concatenate([src, dst]), np.concatenate([dst, src])
+    if self_loops != "keep":
+        keep = src != dst
+        src, dst = src[keep], dst[keep]
+    if self_loops == "add":
+        src, dst = np.concatenate([src, np.arange(n)]), np.concatenate([dst, np.arange(n)])
+    d, s = np.divmod(np.unique(dst * n + src), n)
+    indptr = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(d, minlength=n), out=indptr[1:])
+    return indptr, s
+
+
+@pytest.mark.parametrize("self_loops", ["remove", "add", "keep"])
+@pytest.mark.parametrize("symmetrize", [True, False])
+def test_streamed_csr_equals_one_shot(symmetrize, self_loops):
+    """Chunks of 1, 7 and all edges (repeats and loops across chunk borders) give the same CSR."""
+    rng = np.random.default_rng(1)
+    n = 40
+    src, dst = rng.integers(0, n, 600), rng.integers(0, n, 600)
+    want = _csr_reference(src, dst, n, symmetrize, self_loops)
+    for chunk in (1, 7, 10**6):
+        indptr, indices = csr_from_edges(src, dst, n, symmetrize=symmetrize, self_loops=self_loops, chunk=chunk)
+        np.testing.assert_array_equal(indptr, want[0])
+        np.testing.assert_array_equal(indices, want[1])
+        assert indptr.dtype == np.int64 and indices.dtype == np.int32
+
+
+def test_ids_are_int32_when_they_fit_and_round_trip(tmp_path):
+    assert index_dtype(2**31 - 1) == np.int32 and index_dtype(2**31) == np.int64
+    g = tiny_graph()
+    g64 = Graph(g.indptr, g.indices.astype(np.int64), g.features, g.labels, g.train_mask, g.val_mask,
+                g.test_mask, num_classes=2, name="tiny")
+    assert g64.indices.dtype == np.int32 and g64.content_hash() == g.content_hash()  # one canonical dtype
+    write_graph(tmp_path / "g.h5", g64)
+    with h5py.File(tmp_path / "g.h5") as f:
+        assert f["indices"].dtype == np.int32 and f["indptr"].dtype == np.int64
+    np.testing.assert_array_equal(read_graph(tmp_path / "g.h5").indices, g.indices)
+
+
+def test_reads_a_version_1_file_as_the_same_graph_with_the_same_content_hash(tmp_path):
+    """Version 1 stored int64 ids: it is read (ids converted on load) and hashes as the graph it
+    holds, so runs, stores and checkpoints fingerprinted with it stay valid."""
+    g = tiny_graph()
+    digest = write_graph(tmp_path / "g.h5", g)
+    with h5py.File(tmp_path / "g.h5", "a") as f:
+        ids = f["indices"][()].astype(np.int64)
+        del f["indices"]
+        f["indices"] = ids
+        f.attrs["format_version"] = 1
+    back = read_graph(tmp_path / "g.h5")
+    assert back.indices.dtype == np.int32 and back.content_hash() == digest
+    np.testing.assert_array_equal(back.indices, g.indices)
+    assert read_graph(tmp_path / "g.h5", features=False).num_edges == g.num_edges  # the streamed digest too
+    with h5py.File(tmp_path / "g.h5", "a") as f:
+        f["indices"][0] += 1  # an edited id is still caught in the int64 file
+    with pytest.raises(GnnPipeError, match="content hash does not match"):
+        read_graph(tmp_path / "g.h5")
 
 
 def test_round_trip(tmp_path):
@@ -73,3 +136,23 @@ def test_invalid_graph_is_not_written(tmp_path):
     with pytest.raises(GnnPipeError, match="labels must lie in"):
         write_graph(tmp_path / "g.h5", g)
     assert not list(tmp_path.iterdir())
+
+
+def test_structure_only_read_still_checks_the_features_streamed_through_the_hash(tmp_path, monkeypatch):
+    """features=False (the partition rule): no features held, the same structure, and a damaged
+    feature is still refused: the file's features are hashed in slabs (here 3 rows each)."""
+    import gnnpipe.io as gio
+
+    g = tiny_graph()
+    write_graph(tmp_path / "g.h5", g)
+    monkeypatch.setattr(gio, "HASH_SLAB", 3 * 3 * 4)
+    with h5py.File(tmp_path / "g.h5") as f:
+        assert gio.hash_arrays({"features": f["features"]}) == gio.hash_arrays({"features": g.features})
+    s = read_graph(tmp_path / "g.h5", features=False)
+    assert s.features.shape == (g.num_nodes, 0)
+    np.testing.assert_array_equal(s.indices, g.indices)
+    np.testing.assert_array_equal(s.labels, g.labels)
+    with h5py.File(tmp_path / "g.h5", "a") as f:
+        f["features"][5, 2] += 1.0
+    with pytest.raises(GnnPipeError, match="content hash does not match"):
+        read_graph(tmp_path / "g.h5", features=False)

@@ -167,3 +167,16 @@ def test_partition_file_round_trip(tmp_path, graph):
         read_partition(tmp_path / "junk.npy", 10)
     with pytest.raises(GnnPipeError, match="non-negative part ids"):
         write_partition(tmp_path / "neg.npy", np.array([0, -1]))
+
+
+def test_metis_refuses_early_naming_the_memory_it_needs(graph):
+    """Not enough memory for METIS's structures: one line with the need, before any is built."""
+    from gnnpipe.costmodel.stages import metis_extra_bytes
+
+    need = metis_extra_bytes(graph.num_nodes, graph.num_edges)
+    with pytest.raises(GnnPipeError, match=rf"METIS on .*\({graph.num_nodes:,} nodes, {graph.num_edges:,} "
+                                           rf"stored edges\) needs about {need / 2**30:.1f} GiB beside the graph, "
+                                           r"0\.0 GiB are available.*'contiguous' or 'random'"):
+        partition_graph(graph, "metis", 2, memory_bytes=1000)
+    assert partition_graph(graph, "metis", 2, memory_bytes=int(need) + 1).shape == (graph.num_nodes,)
+    assert partition_graph(graph, "random", 2, memory_bytes=1000).shape == (graph.num_nodes,)  # no METIS

@@ -221,6 +221,23 @@ def test_memory_filter_excludes_plans_that_do_not_fit(small_stats):
     assert none.best is None and none.reason.startswith("No layout fits")
 
 
+def test_whole_graph_stages_are_priced_and_refused_when_a_node_cannot_hold_them(small_stats):
+    """The data / METIS / materialize processes hold the whole graph: the plan prices them and says
+    which cannot run on one node, with the GiB they need."""
+    from gnnpipe.costmodel.stages import graph_stage_memory
+
+    stats, g = small_stats
+    hw = ch.load_hardware("8xgpu-pcie")
+    p = pl.plan(stats, GCN, g.num_features, g.num_classes, hw, 4)
+    want = graph_stage_memory(g.num_nodes, g.num_edges, g.num_features)
+    assert p.as_dict()["graph_stages_peak_bytes"] == want and not any("before training" in n for n in p.notes)
+    assert want["partition"] > want["materialize"] > 0  # METIS's structures are the largest
+    tight = pl.plan(stats, GCN, g.num_features, g.num_classes,
+                    ch.with_rates(hw, memory_gib=want["materialize"] / hw.workers_per_node / 2**30), 4)
+    note = next(n for n in tight.notes if "before training" in n)
+    assert f"partition needs about {want['partition'] / 2**30:.1f} GiB" in note and "materialize" not in note
+
+
 def _uniform_stats(name, N, E, F, C, ratios: dict, inner: dict):
     parts = {str(g): {"nodes_per_part": [N / g] * g, "edges_per_part": [E / g] * g,
                       "mirrors": [r * N / g] * g, "inner_per_part": [inner[g] * N / g] * g,

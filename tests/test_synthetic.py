@@ -112,6 +112,18 @@ def test_same_parameters_and_seed_give_identical_graphs():
     assert a.content_hash() == b.content_hash() and a.params == b.params
 
 
+@pytest.mark.parametrize("symmetrize", [True, False])
+def test_streamed_in_small_chunks_gives_the_one_shot_graph(monkeypatch, symmetrize):
+    """Ids mapped and the CSR built 7 edges at a time: the same graph, hash included."""
+    import gnnpipe.data.synthetic as synthetic
+
+    cfg = SyntheticConfig(num_nodes=300, avg_degree=6.0, num_features=4)
+    whole = generate(cfg, symmetrize=symmetrize)
+    monkeypatch.setattr(synthetic, "CSR_CHUNK", 7)
+    chunked = generate(cfg, symmetrize=symmetrize)
+    assert chunked.content_hash() == whole.content_hash() and chunked.params == whole.params
+
+
 def test_another_seed_gives_another_graph():
     a, c = generate(small()), generate(small(seed=1))
     assert a.num_edges == c.num_edges  # the edge count is a parameter, not a draw
@@ -135,7 +147,7 @@ def test_arrays_shapes_dtypes_and_ranges():
     g.validate()
     n = 2000
     assert g.num_nodes == n and g.num_edges == n * 12  # avg_degree counts stored CSR entries
-    assert g.indptr.dtype == g.indices.dtype == g.labels.dtype == np.int64
+    assert g.indptr.dtype == g.labels.dtype == np.int64 and g.indices.dtype == np.int32  # ids fit int32
     assert g.features.dtype == np.float32 and g.features.shape == (n, 16)
     assert np.isfinite(g.features).all()
     assert g.num_classes == SHAPES["default"]["num_classes"]

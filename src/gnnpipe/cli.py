@@ -136,7 +136,7 @@ def _partition(a):
     from .io import write_json
     from .partition import partition_graph, partition_stats, write_partition
 
-    graph = read_graph(a.graph)
+    graph = read_graph(a.graph, features=False)  # METIS needs the structure only
     assignment = partition_graph(graph, a.method, a.parts, seed=a.seed, balance_edges=a.balance_edges)
     write_partition(a.out, assignment)
     if a.stats:

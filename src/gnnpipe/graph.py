@@ -3,7 +3,8 @@
 Layout of ``results/data/<dataset>/graph.h5`` (format version ``FORMAT_VERSION``)::
 
     /indptr      int64 (N+1,)   CSR of in-edges: the sources of node v are
-    /indices     int64 (E,)     indices[indptr[v]:indptr[v+1]], sorted ascending
+    /indices     int32 (E,)     indices[indptr[v]:indptr[v+1]], sorted ascending
+                                (int64 when N > 2^31 - 1: ``index_dtype(N)``)
     /features    float32 (N, F)
     /labels      int64 (N,)
     /train_mask, /val_mask, /test_mask   bool (N,)
@@ -13,7 +14,13 @@ Layout of ``results/data/<dataset>/graph.h5`` (format version ``FORMAT_VERSION``
 ``content_hash`` is SHA-256 over every dataset; a reader recomputes it and refuses a
 file whose content does not match (a truncated or edited file), as it refuses a
 file of another format version. Both errors name the file and the rule that
-rebuilds it.
+rebuilds it. Version 2 stores ``indices`` as int32 whenever the node ids fit (half the
+bytes of the largest array, on disk and in every process that reads it). A version-1 file
+(int64 ids, otherwise the same) is still read: ``Graph`` holds its ``indices`` in
+``index_dtype(N)`` whatever it was built or read from, and the content hash takes the ids
+as int64 (``HASH_AS``), so one graph has one content hash in either version — the runs,
+partitions, chunk stores and checkpoints fingerprinted with a version-1 graph stay valid
+(nothing is rebuilt or retrained for the new format).
 """
 
 from __future__ import annotations
@@ -28,8 +35,16 @@ import numpy as np
 
 from .io import GnnPipeError, atomic_path, hash_arrays
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: int32 source ids when they fit (index_dtype)
+READABLE_VERSIONS = (1, 2)  # 1: int64 ids (read, converted on load; same content hash)
+HASH_AS = {"indices": np.dtype("<i8")}  # the content hash takes node ids as int64 in every version
+_INT32_MAX = 2**31 - 1
 _ARRAYS = ("indptr", "indices", "features", "labels", "train_mask", "val_mask", "test_mask")
+
+
+def index_dtype(num_nodes: int) -> np.dtype:
+    """The dtype of node ids in a graph of ``num_nodes`` nodes: int32 when they fit."""
+    return np.dtype(np.int32) if num_nodes <= _INT32_MAX else np.dtype(np.int64)
 
 
 @dataclass
@@ -40,7 +55,7 @@ class Graph:
     """
 
     indptr: np.ndarray  # int64 (N+1,)
-    indices: np.ndarray  # int64 (E,)
+    indices: np.ndarray  # (E,) index_dtype(N): int32 when the ids fit, else int64
     features: np.ndarray  # float32 (N, F)
     labels: np.ndarray  # int64 (N,)
     train_mask: np.ndarray  # bool (N,)
@@ -52,6 +67,10 @@ class Graph:
     symmetric: bool = True
     self_loops: bool = False
     params: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.indptr = np.asarray(self.indptr, dtype=np.int64)
+        self.indices = np.asarray(self.indices).astype(index_dtype(self.num_nodes), copy=False)
 
     @property
     def num_nodes(self) -> int:
@@ -75,7 +94,7 @@ class Graph:
         return {name: getattr(self, name) for name in _ARRAYS}
 
     def content_hash(self) -> str:
-        return hash_arrays(self.arrays())
+        return hash_arrays(self.arrays(), HASH_AS)
 
     def validate(self) -> None:
         """Check shapes, dtypes and id ranges; raise ``GnnPipeError`` naming the problem."""
@@ -97,34 +116,68 @@ class Graph:
                 raise GnnPipeError(f"{m} must have shape ({n},)")
 
 
+#: Edges placed per step when building a CSR: bounds the builder's temporaries (a few
+#: hundred MB) whatever the graph's size.
+CSR_CHUNK = 1 << 23
+
+
 def csr_from_edges(src: np.ndarray, dst: np.ndarray, num_nodes: int, *, symmetrize: bool = True,
-                   self_loops: str = "remove") -> tuple[np.ndarray, np.ndarray]:
-    """Build the in-edge CSR ``(indptr, indices)`` from an edge list ``src -> dst``.
+                   self_loops: str = "remove", chunk: int = CSR_CHUNK) -> tuple[np.ndarray, np.ndarray]:
+    """Build the in-edge CSR ``(indptr, indices)`` from an edge list ``src -> dst``
+    (``indptr`` int64, ``indices`` of ``index_dtype(num_nodes)``).
 
     ``symmetrize`` adds the reverse of every edge; duplicates are always merged.
     ``self_loops`` is ``"remove"`` (drop them), ``"add"`` (one per node) or ``"keep"``
-    (as given). Vectorised: sorting is the only super-linear step.
+    (as given). Streamed: a counting pass over the edges sizes the rows, a second pass
+    places them, ``chunk`` edges at a time, into one ``indices`` array; then every row is
+    sorted and its repeats merged in place (scipy's C++). Beyond the result, the edge
+    list given and O(N), the temporaries are O(chunk): at 10^8 stored edges the result
+    (0.4 GB of int32 ids) is the largest array the builder makes.
     """
-    src = np.asarray(src, dtype=np.int64)
-    dst = np.asarray(dst, dtype=np.int64)
-    if symmetrize:
-        src, dst = np.concatenate([src, dst]), np.concatenate([dst, src])
-    if self_loops == "remove":
-        keep = src != dst
-        src, dst = src[keep], dst[keep]
-    elif self_loops == "add":
-        keep = src != dst
-        loops = np.arange(num_nodes, dtype=np.int64)
-        src, dst = np.concatenate([src[keep], loops]), np.concatenate([dst[keep], loops])
-    elif self_loops != "keep":
+    if self_loops not in ("remove", "add", "keep"):
         raise GnnPipeError(f"self_loops must be 'remove', 'add' or 'keep', got {self_loops!r}")
-    key = np.sort(dst * num_nodes + src)  # sorted by (dst, src)
-    # merge duplicates (np.unique is hash-based in numpy >= 2.3 and ~10x slower at 10^7 keys)
-    key = key[np.concatenate(([True], key[1:] != key[:-1]))] if key.size else key
-    dst, src = np.divmod(key, num_nodes)
-    indptr = np.zeros(num_nodes + 1, dtype=np.int64)
-    np.cumsum(np.bincount(dst, minlength=num_nodes), out=indptr[1:])
-    return indptr, src.astype(np.int64)
+    import scipy.sparse as sp
+
+    n, src, dst = int(num_nodes), np.asarray(src), np.asarray(dst)
+    itype = index_dtype(n)
+    directions = [(dst, src), (src, dst)] if symmetrize else [(dst, src)]
+
+    def pieces():  # (destinations int64, sources) of every stored entry, chunk by chunk
+        for to, frm in directions:
+            for i in range(0, to.shape[0], chunk):
+                d, s = to[i:i + chunk].astype(np.int64), frm[i:i + chunk].astype(itype)
+                if self_loops != "keep":
+                    keep = d != s
+                    d, s = d[keep], s[keep]
+                yield d, s
+
+    counts = np.zeros(n, dtype=np.int64)
+    for d, _ in pieces():
+        counts += np.bincount(d, minlength=n)
+    if self_loops == "add":
+        counts += 1
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    del counts
+    indices = np.empty(int(indptr[-1]), dtype=itype)
+    fill = indptr[:-1].copy()  # next free slot of every row
+    for d, s in pieces():
+        if not d.shape[0]:
+            continue
+        order = np.argsort(d, kind="stable")
+        d, s = d[order], s[order]
+        first = np.flatnonzero(np.concatenate(([True], d[1:] != d[:-1])))  # each row's run
+        rank = np.arange(d.shape[0]) - np.repeat(first, np.diff(np.append(first, d.shape[0])))
+        indices[fill[d] + rank] = s
+        fill[d[first]] += np.diff(np.append(first, d.shape[0]))
+    if self_loops == "add":
+        indices[fill] = np.arange(n, dtype=itype)
+    del fill
+    # sort every row and merge its repeats, in place (data: one byte per entry)
+    a = sp.csr_array((np.ones(indices.shape[0], dtype=bool), indices, indptr), shape=(n, n))
+    del indices
+    a.sum_duplicates()
+    return a.indptr.astype(np.int64), a.indices.astype(itype, copy=False)
 
 
 def write_graph(path: str | os.PathLike, graph: Graph) -> str:
@@ -159,23 +212,33 @@ def read_graph_attrs(path: str | os.PathLike) -> dict:
     except OSError as e:
         raise _refuse(path, f"not a readable HDF5 file ({e})") from None
     version = attrs.get("format_version")
-    if version != FORMAT_VERSION:
-        raise _refuse(path, f"graph format version {version}, this gnnpipe reads version {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise _refuse(path, f"graph format version {version}, this gnnpipe reads versions "
+                            f"{', '.join(map(str, READABLE_VERSIONS))}")
     return attrs
 
 
-def read_graph(path: str | os.PathLike, *, verify: bool = True) -> Graph:
-    """Read a graph file, refusing another format version or a content-hash mismatch."""
+def read_graph(path: str | os.PathLike, *, verify: bool = True, features: bool = True) -> Graph:
+    """Read a graph file, refusing another format version or a content-hash mismatch.
+
+    ``features=False``: everything but the features, which become an ``(N, 0)`` array (the
+    partition rule: METIS needs the structure only; at Physics' 8,415 features they are most of
+    the file). The content hash is checked all the same, the features read through it in slabs.
+    """
     attrs = read_graph_attrs(path)
     try:
         with h5py.File(path, "r") as f:
-            arrays = {name: f[name][()] for name in _ARRAYS}
+            arrays = {name: f[name][()] for name in _ARRAYS if features or name != "features"}
+            digest = (hash_arrays({**arrays, "features": f["features"]}, HASH_AS) if verify and not features
+                      else None)
     except (OSError, KeyError) as e:
         raise _refuse(path, f"damaged or truncated ({e})") from None
+    if not features:
+        arrays["features"] = np.zeros((arrays["labels"].shape[0], 0), dtype=np.float32)
     graph = Graph(**arrays, num_classes=int(attrs["num_classes"]), name=str(attrs["name"]),
                   source=str(attrs["source"]), symmetric=bool(attrs["symmetric"]),
                   self_loops=bool(attrs["self_loops"]), params=json.loads(attrs["params"]))
-    if verify and graph.content_hash() != attrs["content_hash"]:
+    if verify and (digest or graph.content_hash()) != attrs["content_hash"]:
         raise _refuse(path, "content hash does not match the file's data (damaged or edited)")
     return graph
 

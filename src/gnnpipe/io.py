@@ -151,11 +151,29 @@ def _json_default(o):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def hash_arrays(arrays: dict[str, np.ndarray]) -> str:
-    """SHA-256 over the names, dtypes, shapes and bytes of ``arrays`` (in key order)."""
+HASH_SLAB = 1 << 26  # bytes of a dataset read at a time when hashing it from its file
+
+
+def hash_arrays(arrays: dict, as_dtype: dict | None = None) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of ``arrays`` (in key order). A value may
+    be an h5py dataset instead of an array: it is read in slabs of ``HASH_SLAB`` bytes, never
+    whole, and gives the digest its array would. ``as_dtype`` (name -> dtype) hashes an array as
+    if it had that dtype (converted slab by slab): a digest that does not depend on how an array
+    is stored (graph.h5's node ids, int32 or int64)."""
     h = hashlib.sha256()
     for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
-        h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
-        h.update(memoryview(a).cast("B"))
+        a = arrays[name]
+        if not isinstance(getattr(a, "dtype", None), np.dtype) or not getattr(a, "shape", ()):
+            a = np.ascontiguousarray(a)
+        dtype = np.dtype((as_dtype or {}).get(name, a.dtype))
+        h.update(f"{name}:{dtype.str}:{tuple(a.shape)}".encode())
+        if not a.shape:
+            h.update(memoryview(np.ascontiguousarray(a, dtype=dtype)).cast("B"))
+            continue
+        if isinstance(a, np.ndarray) and a.dtype == dtype:
+            h.update(memoryview(np.ascontiguousarray(a)).cast("B"))  # = the slabs' digest, no copy
+            continue
+        step = max(1, HASH_SLAB // max(1, int(np.prod(a.shape[1:])) * max(a.dtype.itemsize, dtype.itemsize)))
+        for i in range(0, a.shape[0], step):
+            h.update(memoryview(np.ascontiguousarray(a[i:i + step], dtype=dtype)).cast("B"))
     return h.hexdigest()

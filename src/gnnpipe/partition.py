@@ -4,7 +4,9 @@ Methods (``partition_graph``):
 
 * ``metis``: k-way METIS (pymetis) on the symmetrised adjacency without self loops.
   With ``balance_edges`` every vertex weighs ``in-degree + 1``, so the parts hold about
-  as many in-edges each (aggregation work), not just as many nodes.
+  as many in-edges each (aggregation work), not just as many nodes. Refused up front, with
+  the GiB it needs, when the machine has not the memory for METIS's structures
+  (``gnnpipe.costmodel.stages``: ~40 bytes per stored edge beside the graph).
 * ``random``: a seeded random assignment with part sizes differing by at most one.
   The worst case for communication; an ablation.
 * ``contiguous``: ranges of node ids, balanced by node count or, with
@@ -21,10 +23,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import scipy.sparse as sp
 
+from .costmodel.stages import available_memory, metis_extra_bytes
 from .graph import Graph
 from .io import GnnPipeError, atomic_path
 
@@ -33,11 +37,13 @@ METHODS = ("metis", "random", "contiguous")
 
 # --------------------------------------------------------------------------- partitioning
 def partition_graph(graph: Graph, method: str, parts: int, *, seed: int = 0,
-                    balance_edges: bool = True) -> np.ndarray:
+                    balance_edges: bool = True, memory_bytes: Optional[int] = None) -> np.ndarray:
     """Assign every node to one of ``parts`` parts: ``(N,) int64`` in ``[0, parts)``.
 
     Raises ``GnnPipeError`` for an unknown method, ``parts < 1``, more parts than
-    nodes, or a result that leaves a part empty.
+    nodes, a result that leaves a part empty, or (METIS) a graph whose adjacency and METIS
+    structures need more than ``memory_bytes`` (default: the machine's available memory;
+    ``gnnpipe.costmodel.stages.metis_extra_bytes``), before building them.
     """
     n = graph.num_nodes
     if method not in METHODS:
@@ -51,6 +57,7 @@ def partition_graph(graph: Graph, method: str, parts: int, *, seed: int = 0,
     if parts == 1:
         return np.zeros(n, dtype=np.int64)
     if method == "metis":
+        _check_metis_memory(graph, memory_bytes)
         assignment = _metis(graph, parts, seed, balance_edges)
     elif method == "random":
         assignment = _random(n, parts, seed)
@@ -79,6 +86,16 @@ def symmetric_adjacency(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
     s = (a + a.T).tocsr()  # boolean: duplicates and both directions merge to one entry
     s.sort_indices()
     return s.indptr.astype(np.int64, copy=False), s.indices.astype(np.int64, copy=False)
+
+
+def _check_metis_memory(graph: Graph, memory_bytes: Optional[int]) -> None:
+    need = metis_extra_bytes(graph.num_nodes, graph.num_edges)
+    have = available_memory() if memory_bytes is None else memory_bytes
+    if have is not None and need > have:
+        raise GnnPipeError(
+            f"METIS on {graph.name} ({graph.num_nodes:,} nodes, {graph.num_edges:,} stored edges) needs "
+            f"about {need / 2**30:.1f} GiB beside the graph, {have / 2**30:.1f} GiB are available; free "
+            f"memory, partition on a machine with more, or use method 'contiguous' or 'random'")
 
 
 def _metis(graph: Graph, parts: int, seed: int, balance_edges: bool) -> np.ndarray:

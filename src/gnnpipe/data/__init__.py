@@ -30,7 +30,8 @@ def load_dataset(cfg: DatasetConfig, name: str, *, progress: bool = False) -> Gr
     if cfg.kind == "synthetic":
         from .synthetic import generate
 
-        return generate(cfg.synthetic, symmetrize=cfg.symmetrize, self_loops=cfg.self_loops, name=name)
+        return generate(cfg.synthetic, symmetrize=cfg.symmetrize, self_loops=cfg.self_loops, name=name,
+                        progress=progress)
     if cfg.kind == "ogb":
         from .ogb import load_ogb
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import FilesConfig
-from ..graph import Graph
+from ..graph import Graph, index_dtype
 from ..io import GnnPipeError
 from . import build_graph, random_split
 
@@ -169,33 +169,71 @@ def _integral(a: np.ndarray, path, what: str) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- edges
-def read_edges(path: str | Path, n: int, *,
-               features_path: str | Path = "features") -> tuple[np.ndarray, np.ndarray]:
-    """(src, dst) int64 from an edge file, every id checked against ``[0, n)``."""
+#: Edge rows read, checked and converted per step: the import holds the ids it kept (in
+#: ``index_dtype(N)``, 8 bytes per edge at int32) and one chunk, never the file's whole table.
+READ_CHUNK = 1 << 22
+
+
+def read_edges(path: str | Path, n: int, *, features_path: str | Path = "features",
+               chunk: int = READ_CHUNK) -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) of ``index_dtype(n)`` from an edge file, every id checked against ``[0, n)``.
+
+    Streamed: text through pandas' C parser ``chunk`` lines at a time, ``.npy`` memory-mapped
+    and read ``chunk`` rows at a time (a ``.npz`` is decompressed whole: NumPy cannot map it).
+    """
     path = Path(path)
     if not path.is_file():
         raise GnnPipeError(f"{path}: no such file (dataset.files.edges)")
     stem_suffix = Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
     if path.suffix in (".npy", ".npz"):
-        edges, where = _edge_array(path)
+        chunks, where = _edge_array(path, chunk)
     elif stem_suffix in TEXT_SUFFIXES:
-        edges, where = _edge_text(path)
+        chunks, where = _edge_text(path, chunk)
     else:
         raise GnnPipeError(f"{path}: unknown edge file type; use text ({', '.join(TEXT_SUFFIXES)}, "
                            "optionally .gz) or NumPy (.npy, .npz)")
-    if edges.shape[0] == 0:
+    itype = index_dtype(n)
+    src, dst, seen = [], [], 0
+    for edges in chunks:  # (m, 2) int64
+        bad = ((edges < 0) | (edges >= n)).any(axis=1)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            col = 0 if not 0 <= edges[i, 0] < n else 1
+            raise GnnPipeError(f"{path}: {where(seen + i)}: node id {edges[i, col]} is outside [0, {n}) "
+                               f"({n} = rows of {features_path}; {int(bad.sum())} bad edge(s) in rows "
+                               f"{seen}-{seen + edges.shape[0] - 1})")
+        src.append(edges[:, 0].astype(itype))
+        dst.append(edges[:, 1].astype(itype))
+        seen += edges.shape[0]
+    if seen == 0:
         raise GnnPipeError(f"{path}: holds no edges")
-    bad = ((edges < 0) | (edges >= n)).any(axis=1)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        col = 0 if not 0 <= edges[i, 0] < n else 1
-        raise GnnPipeError(f"{path}: {where(i)}: node id {edges[i, col]} is outside [0, {n}) "
-                           f"({n} = rows of {features_path}; {int(bad.sum())} bad edge(s))")
-    return edges[:, 0].copy(), edges[:, 1].copy()
+    return _concat(src), _concat(dst)
 
 
-def _edge_array(path: Path):
-    a = load_array(path, "edges")
+def _concat(pieces: list[np.ndarray]) -> np.ndarray:
+    """One array from ``pieces``, freeing each as it is copied (peak: the result + one piece)."""
+    out = np.empty(sum(p.shape[0] for p in pieces), dtype=pieces[0].dtype)
+    at = 0
+    while pieces:
+        p = pieces.pop(0)
+        out[at:at + p.shape[0]] = p
+        at += p.shape[0]
+    return out
+
+
+def _edge_array(path: Path, chunk: int):
+    if path.suffix == ".npy":
+        if not path.is_file():
+            raise GnnPipeError(f"{path}: no such file (dataset.files.edges)")
+        try:
+            a = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as e:
+            raise GnnPipeError(f"{path}: not a plain numeric array ({e}); save it with np.save from a "
+                               "numeric array") from None
+        except (OSError, EOFError) as e:
+            raise GnnPipeError(f"{path}: not a readable NumPy file ({e})") from None
+    else:
+        a = load_array(path, "edges")
     if a.ndim != 2 or 2 not in a.shape:
         raise GnnPipeError(f"{path}: edges must have shape (E, 2) or (2, E), got {a.shape}")
     if a.shape[1] == 2:
@@ -203,14 +241,20 @@ def _edge_array(path: Path):
     else:
         a = a.T
         where = lambda i: f"column {i} (edge {i} of the (2, E) array)"  # noqa: E731
-    if a.dtype.kind == "f":
-        bad = ~(np.isfinite(a) & (a == np.round(a))).all(axis=1)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise GnnPipeError(f"{path}: {where(i)}: node ids must be integers, found {a[i].tolist()}")
-    elif a.dtype.kind not in "iu":
+    if a.dtype.kind not in "iuf":
         raise GnnPipeError(f"{path}: node ids must be integers, got dtype {a.dtype}")
-    return np.ascontiguousarray(a, dtype=np.int64), where
+
+    def chunks():
+        for at in range(0, a.shape[0], chunk):
+            part = np.asarray(a[at:at + chunk])
+            if a.dtype.kind == "f":
+                bad = ~(np.isfinite(part) & (part == np.round(part))).all(axis=1)
+                if bad.any():
+                    i = int(np.flatnonzero(bad)[0])
+                    raise GnnPipeError(f"{path}: {where(at + i)}: node ids must be integers, "
+                                       f"found {part[i].tolist()}")
+            yield part.astype(np.int64)
+    return chunks(), where
 
 
 def _open_text(path: Path):
@@ -221,7 +265,7 @@ def _fields(line: str, comma: bool) -> list[str]:
     return [f.strip() for f in line.split(",")] if comma else line.split()
 
 
-def _edge_text(path: Path):
+def _edge_text(path: Path, chunk: int):
     import pandas as pd
 
     header_line, comma = None, False  # header_line: 0-based physical line of the header
@@ -236,27 +280,31 @@ def _edge_text(path: Path):
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise GnnPipeError(f"{path}: not a readable text edge list ({e})") from None
 
-    edges = None
-    try:
-        df = pd.read_csv(path, sep="," if comma else r"\s+", header=None, dtype=np.int64,
-                         skiprows=[header_line] if header_line is not None else None,
-                         skipinitialspace=True, skip_blank_lines=True, engine="c")
-        if df.shape[1] == 2:
-            edges = df.to_numpy()
-    except pd.errors.EmptyDataError:
-        edges = np.zeros((0, 2), dtype=np.int64)
-    except (ValueError, OverflowError, pd.errors.ParserError) as e:
-        failure = f"{type(e).__name__}: {e}"
-    else:
-        failure = f"found {df.shape[1]} columns"
-    if edges is None:
-        _scan_text(path, header_line, comma)
-        raise GnnPipeError(f"{path}: not an edge list of two integer columns ({failure})")
-
     def where(i: int) -> str:
         return f"line {_line_of(path, header_line, i)}"
 
-    return edges, where
+    def chunks():
+        try:
+            reader = pd.read_csv(path, sep="," if comma else r"\s+", header=None, dtype=np.int64,
+                                 skiprows=[header_line] if header_line is not None else None,
+                                 skipinitialspace=True, skip_blank_lines=True, engine="c",
+                                 chunksize=chunk)
+            with reader:
+                for df in reader:
+                    if df.shape[1] != 2:
+                        failure = f"found {df.shape[1]} columns"
+                        break
+                    yield df.to_numpy()
+                else:
+                    return
+        except pd.errors.EmptyDataError:
+            return
+        except (ValueError, OverflowError, pd.errors.ParserError) as e:
+            failure = f"{type(e).__name__}: {e}"
+        _scan_text(path, header_line, comma)
+        raise GnnPipeError(f"{path}: not an edge list of two integer columns ({failure})")
+
+    return chunks(), where
 
 
 def _scan_text(path: Path, header_line, comma: bool) -> None:

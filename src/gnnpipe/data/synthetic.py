@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, SyntheticConfig
-from ..graph import Graph, csr_from_edges
+from ..graph import CSR_CHUNK, Graph, csr_from_edges
 from ..io import GnnPipeError
 
 #: Bump when the same parameters and seed would give a different graph (any change to
@@ -228,11 +228,16 @@ def generate(cfg: SyntheticConfig, *, symmetrize: bool = True, self_loops: str =
     _check_capacity(quotas, sizes, n, symmetrize, path)
     a, b = _distinct_edges(rng_struct, sampler, n, quotas, undirected=symmetrize, path=path, log=log)
     log(f"sampled {num_pairs:,} distinct {'undirected' if symmetrize else 'directed'} edges")
-    intra_share = float(np.mean(community[a] == community[b])) if num_pairs else 0.0
-
-    # ---- random ids: node id of hidden position h is perm[h]
+    # ---- random ids: node id of hidden position h is perm[h]; mapped in place, chunk by
+    # chunk, with the intra-community count: no edge-sized temporary beside a and b
     perm = rng_perm.permutation(n).astype(np.int64)
-    indptr, indices = csr_from_edges(perm[a], perm[b], n, symmetrize=symmetrize, self_loops=self_loops)
+    intra = 0
+    for i in range(0, num_pairs, CSR_CHUNK):
+        ca, cb = a[i:i + CSR_CHUNK], b[i:i + CSR_CHUNK]
+        intra += int(np.count_nonzero(community[ca] == community[cb]))
+        ca[:], cb[:] = perm[ca], perm[cb]
+    intra_share = intra / num_pairs if num_pairs else 0.0
+    indptr, indices = csr_from_edges(a, b, n, symmetrize=symmetrize, self_loops=self_loops, chunk=CSR_CHUNK)
     del a, b
     log(f"built CSR with {indices.shape[0]:,} stored edges")
 

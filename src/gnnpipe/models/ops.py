@@ -178,7 +178,10 @@ def self_loop_csr(block: Block) -> CSR:
         n_dst, nnz = block.n_dst, block.nnz
         indptr = block.indptr + torch.arange(n_dst + 1, device=device)
         indices = torch.empty(nnz + n_dst, dtype=torch.int64, device=device)
-        indices[torch.arange(nnz, device=device) + block.dst_of_edge()] = block.indices
+        row = torch.repeat_interleave(torch.arange(n_dst, device=device), block.indptr[1:] - block.indptr[:-1],
+                                      output_size=nnz)  # not block.dst_of_edge(): its cache would stay
+        indices[torch.arange(nnz, device=device) + row] = block.indices
+        del row
         indices[indptr[1:] - 1] = torch.arange(block.dst_offset, block.dst_offset + n_dst,
                                                device=device)
         return make_csr(indptr, indices, block.n_src)

@@ -240,18 +240,18 @@ class LayoutEngine:
             self.chunks.append(ch.split(store.n_inner(c) if (G > 1 and self.overlap) else 0))
         if Cw == 1:  # the chunk is the way: the exact passes run on the same blocks
             self.way_chunk = self.chunks[0]
-        else:
-            if G == 1:
-                block = store.full_block(self.dtype)
-            else:  # the way's rows against own rows then H_g
-                ptrs = [store.read_part(c, "indptr") for c in mine]
-                base = np.cumsum([0] + [int(q[-1]) for q in ptrs[:-1]])
-                indptr = np.concatenate([[0]] + [q[1:] + b for q, b in zip(ptrs, base)])
-                indices = np.concatenate([store.read_part(c, "indices") for c in mine]).astype(np.int64)
-                deg_out = store.deg_out()
-                block = Block.from_numpy(indptr, loc(indices).cpu().numpy(), self.n_own + len(self.way_halo), 0,
-                                         np.concatenate([store.read_part(c, "deg_in") for c in mine]),
-                                         np.concatenate([deg_out[A:B], deg_out[self.way_halo]]), self.dtype)
+        elif G == 1:  # one way: the exact passes run chunk by chunk (no second copy of the graph)
+            self.way_chunk = Chunk(0, self.n_own, None, loc(self.way_halo),
+                                   torch.zeros(0, dtype=torch.int64, device=dev), None, whole_way=True)
+        else:  # the way's rows against own rows then H_g
+            ptrs = [store.read_part(c, "indptr") for c in mine]
+            base = np.cumsum([0] + [int(q[-1]) for q in ptrs[:-1]])
+            indptr = np.concatenate([[0]] + [q[1:] + b for q, b in zip(ptrs, base)])
+            indices = np.concatenate([store.read_part(c, "indices") for c in mine]).astype(np.int64)
+            deg_out = store.deg_out()
+            block = Block.from_numpy(indptr, loc(indices).cpu().numpy(), self.n_own + len(self.way_halo), 0,
+                                     np.concatenate([store.read_part(c, "deg_in") for c in mine]),
+                                     np.concatenate([deg_out[A:B], deg_out[self.way_halo]]), self.dtype)
             self.way_chunk = Chunk(0, self.n_own, block.to(dev), loc(self.way_halo),
                                    torch.zeros(len(self.way_halo), dtype=torch.int64, device=dev), whole,
                                    whole_way=True)

@@ -253,7 +253,8 @@ class Stage:
             ([("encoder", self.encoder)] if self.encoder is not None else [])
             + [(f"convs.{l}", self.convs[l]) for l in layers]
             + ([("decoder", self.decoder)] if self.decoder is not None else []))
-        self.n_src = way.block.n_src
+        # one way of several chunks has no whole block (the exact passes go chunk by chunk)
+        self.n_src = way.block.n_src if way.block is not None else way.end - way.start
         self.buffered = len(chunks) > 1
         # the narrow side (docs/DESIGN.md §4): with nothing buffered, a conv whose kind declares a
         # narrower halo width exchanges its projected rows (the owner applies the map first)
@@ -586,7 +587,10 @@ class Stage:
                 x0 = h if self.needs_x0 else None
             for l in self.layers:
                 own = src0 if (l == 0 and self.cache_input) else h
-                out, halo = self._conv(l, self.way, own, x0, grad=False, op="control")
+                if self.way.block is None:
+                    out, halo = self._exact_by_chunks(l, own, x0), None
+                else:
+                    out, halo = self._conv(l, self.way, own, x0, grad=False, op="control")
                 if fill and l in self.hist:
                     self.hist[l].fill(torch.cat([h, halo]) if halo is not None else h)
                 h = out
@@ -596,6 +600,19 @@ class Stage:
         if self.last and self.decoder is not None:
             h = self.decoder(h)
         return h, x0
+
+    def _exact_by_chunks(self, l: int, h: Tensor, x0: Optional[Tensor]) -> Tensor:
+        """Conv ``l`` on one way's every row, chunk after chunk (one way: ``h`` holds every source
+        row, a chunk's halo rows are rows of ``h``, its own rows a slice): the whole block's output
+        without a second copy of the graph's structure."""
+        z = self.convs[l].project(h) if l in self.narrow else None  # the rows a narrow conv reads
+        outs = []
+        for ch in self.chunks:
+            halo = (h if z is None else z).index_select(0, ch.halo)
+            out, _ = self._conv(l, ch, h[ch.start:ch.end], None if x0 is None else x0[ch.start:ch.end],
+                                grad=False, op="control", rebuild=True, halo_in=halo)
+            outs.append(out)
+        return torch.cat(outs)
 
     # ------------------------------------------------------------------ state
     def local_state_dict(self) -> "OrderedDict[str, Tensor]":

@@ -27,6 +27,7 @@ from ..config import ModelConfig, PipelineConfig, from_dict, load_yaml, to_dict
 from ..costmodel.bytes import boundary_dims, halo_values
 from ..costmodel.estimate import Estimate
 from ..costmodel.hardware import Hardware, load_hardware, scale_links
+from ..costmodel.stages import graph_stage_memory
 from ..costmodel.work import ModelShape
 from ..graph import read_graph
 from ..io import GnnPipeError, write_json
@@ -50,6 +51,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     first_input: str = "local"
     sensitivity: dict = field(default_factory=dict)  # link-speed factor -> layout -> epoch s
+    graph_stages: dict = field(default_factory=dict)  # data/partition/materialize -> peak bytes
     break_even: Optional[dict] = None  # link speed at which graph and pipeline tie
 
     def table(self) -> str:
@@ -77,7 +79,8 @@ class Plan:
                 "rows": [r.as_dict() for r in self.rows],
                 "best": self.best.as_dict() if self.best is not None else None,
                 "reason": self.reason, "notes": self.notes, "first_input": self.first_input,
-                "sensitivity": self.sensitivity, "break_even": self.break_even}
+                "sensitivity": self.sensitivity, "break_even": self.break_even,
+                "graph_stages_peak_bytes": self.graph_stages}
 
 
 def describe(r: Estimate) -> str:
@@ -159,8 +162,17 @@ def plan(graph_stats: dict, model: ModelConfig, in_features: int, num_classes: i
         if key in graph_stats:
             gdesc[key] = graph_stats[key]
     mdesc = {**to_dict(model), "num_params": shape.num_params, "exchange_dims_sum": sum(shape.exchange_dims)}
+    # the whole-graph stages run before any job, one process holding the whole graph on one node
+    stages_mem = graph_stage_memory(N, int(graph_stats["num_edges"]), in_features)
+    node_bytes = hardware.memory_bytes * hardware.workers_per_node
+    over = {k: v for k, v in stages_mem.items() if v > node_bytes}
+    if over:
+        notes.append("does not fit before training: " + ", ".join(
+            f"{k} needs about {v / 2**30:.1f} GiB" for k, v in over.items())
+            + f" in one process, a node has {node_bytes / 2**30:g} GiB ({hardware.workers_per_node} x "
+              f"{hardware.memory_gib:g}); run those rules on a larger machine")
     p = Plan(workers=workers, hardware=hardware.name, graph=gdesc, model=mdesc, rows=rows, best=best,
-             reason="", dtype_bytes=dtype_bytes, notes=notes, first_input=first_input)
+             reason="", dtype_bytes=dtype_bytes, notes=notes, first_input=first_input, graph_stages=stages_mem)
 
     def at(row: Estimate, factor: float) -> float:
         return predict_layout(graph_stats, gnn, shape, scale_links(hardware, factor), row.mode, row.stages,
