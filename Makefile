@@ -41,7 +41,11 @@ lint-imports: $(STAMP)
 
 # The lock is the exact closure, installed --no-deps into a cleared venv (see its header);
 # the import at the end fails the build, not the tests, if the environment is broken.
-$(DGL_VENV)/.installed: requirements/dgl.lock.txt
+# The stamp is named by the lock's content, not dated by it: the environment is shared by every
+# clone and worktree of this machine, and a fresh checkout (a newer lock file, same content)
+# must not clear it under another clone's running benchmark.
+DGL_STAMP := $(DGL_VENV)/.installed-$(shell sha256sum requirements/dgl.lock.txt | cut -c1-16)
+$(DGL_STAMP):
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "dgl-env: the DGL lock is for Python 3.11; run make dgl-env PYTHON=python3.11")'
 	$(PYTHON) -m venv --clear $(DGL_VENV)
 	$(DGL_VENV)/bin/python -m pip install -q --upgrade "pip<25"
@@ -49,10 +53,10 @@ $(DGL_VENV)/.installed: requirements/dgl.lock.txt
 	$(DGL_VENV)/bin/python -c "import torch, dgl, dgl.nn; print('dgl-env:', 'dgl', dgl.__version__, 'torch', torch.__version__)"
 	touch $@
 
-dgl-env: $(DGL_VENV)/.installed
+dgl-env: $(DGL_STAMP)
 
 # GNNPIPE_REQUIRE_DGL: in this environment a missing dgl fails the tests instead of skipping them.
-test-dgl: $(DGL_VENV)/.installed
+test-dgl: $(DGL_STAMP)
 	PYTHONPATH=src GNNPIPE_REQUIRE_DGL=1 $(DGL_VENV)/bin/python -m pytest -m dgl tests/test_dgl_parity.py $(PYTEST_ARGS)
 
 # The Slurm profile against a real Slurm: SLURM_UP starts a cluster here, two nodes on this

@@ -188,6 +188,37 @@ def test_first_layer_aggregates_static_features_once(kind, monkeypatch):
     assert calls.count(7) == 4
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_sage_memoised_first_layer_gradients(bias):
+    """SAGE's first conv on raw features runs one product over the memoised ``[x | A x]``: its
+    weight and bias gradients equal the unmemoised conv's (float64), on a partition block too
+    (destination rows at an offset, a halo)."""
+    from gnnpipe.models.sage import SAGEConv
+    indptr, indices = random_csr(20, 0.2, 5)
+    full = Block.full(indptr, indices, F64)
+    lo, hi = 5, 13  # destinations 5..12 of 20 sources
+    part = Block(torch.as_tensor(indptr[lo:hi + 1] - indptr[lo]), torch.as_tensor(indices[indptr[lo]:indptr[hi]]),
+                 20, lo, full.deg_dst[lo:hi], full.deg_src)
+    for block in (full, part):
+        x = torch.randn(20, 7, dtype=F64)
+        g = torch.randn(block.n_dst, 5, dtype=F64)
+        grads = []
+        for static in (False, True):
+            torch.manual_seed(0)
+            conv = SAGEConv(7, 5, bias=bias, static_input=static).double()
+            with torch.no_grad():
+                for p in conv.parameters():
+                    p.add_(0.1)
+            for _ in range(3):  # the memo is used from the second call on
+                conv.zero_grad(set_to_none=True)
+                out = conv(x, block)
+                out.backward(g)
+            grads.append((out.detach(), [p.grad for p in conv.parameters()]))
+        torch.testing.assert_close(grads[1][0], grads[0][0], **TOL)
+        for got, want in zip(grads[1][1], grads[0][1]):
+            torch.testing.assert_close(got, want, **TOL)
+
+
 def _planted_graph(n=160, classes=4, seed=0):
     """Communities with dense intra edges and features carrying a weak label signal."""
     rng = np.random.default_rng(seed)

@@ -26,7 +26,8 @@ class SAGEConv(nn.Module):
     Shapes: ``h_src`` ``(n_src, in_dim)`` -> ``(n_dst, out_dim)``. The neighbour transform
     is applied before or after the aggregation, whichever is cheaper (both exact).
     ``static_input``: see :class:`~gnnpipe.models.gcn.GCNConv` (the neighbour mean of
-    raw features is computed once).
+    raw features is computed once, kept beside the destination rows as ``[x_dst | mean]``, and
+    both maps run as one product over it).
     """
 
     kind = "sage"
@@ -56,6 +57,13 @@ class SAGEConv(nn.Module):
 
     def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None,
                 z_src: Tensor | None = None) -> Tensor:
+        if z_src is None and self.static_input and not h_src.requires_grad:
+            # raw features: [x_dst | mean of x] memoised (n_dst, 2 in), then both maps and the bias in
+            # one addmm (one product forward and one weight gradient backward, not two of each)
+            xa = static_aggregate(h_src, block, "self|mean", _self_and_mean)
+            if xa is not None:
+                w = torch.cat([self.weight_self, self.weight_neigh], dim=1)  # (out, 2 in)
+                return xa @ w.t() if self.bias is None else torch.addmm(self.bias, xa, w.t())
         x_dst = block.dst_rows(h_src)
         if z_src is None and not (self.static_input and not h_src.requires_grad) and x_dst is h_src and \
                 not aggregate_first(block.n_src, block.n_dst, block.nnz, self.in_dim, self.out_dim):
@@ -71,10 +79,6 @@ class SAGEConv(nn.Module):
             out = x_dst @ self.weight_self.t()
         if z_src is not None:  # the sources projected by their owners (the narrow side crossed the wire)
             return out.add_(mean_aggregate(z_src, block))
-        if self.static_input and not h_src.requires_grad:
-            agg = static_aggregate(h_src, block, "mean", mean_aggregate)  # (n_dst, in) or None
-            if agg is not None:
-                return out.addmm_(agg, self.weight_neigh.t())
         if aggregate_first(block.n_src, block.n_dst, block.nnz, self.in_dim, self.out_dim):
             return out.addmm_(mean_aggregate(h_src, block), self.weight_neigh.t())
         return out.add_(mean_aggregate(h_src @ self.weight_neigh.t(), block))
@@ -107,6 +111,11 @@ class SAGEConv(nn.Module):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.in_dim}, {self.out_dim}, aggr=mean)"
+
+
+def _self_and_mean(x: Tensor, block: Block) -> Tensor:
+    """``[x_dst | mean over in-neighbours of x]``: ``(n_src, d) -> (n_dst, 2 d)``."""
+    return torch.cat([block.dst_rows(x), mean_aggregate(x, block)], dim=1)
 
 
 #: the kind's registry entry (gnnpipe.kinds.CONVS["sage"])
