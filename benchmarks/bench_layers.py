@@ -175,9 +175,10 @@ path, widths, threads, reps, hidden = sys.argv[1], json.loads(sys.argv[2]), json
 d = np.load(path)
 n = len(d["indptr"]) - 1
 dst = np.repeat(np.arange(n), np.diff(d["indptr"]))
-g = dgl.add_self_loop(dgl.graph((torch.from_numpy(d["indices"]), torch.from_numpy(dst)), num_nodes=n))
+src = d["indices"].astype(np.int64)  # graph.h5 v2 holds int32 ids; DGL wants src and dst of one dtype
+g = dgl.add_self_loop(dgl.graph((torch.from_numpy(src), torch.from_numpy(dst)), num_nodes=n))
 g.create_formats_()
-g_plain = dgl.graph((torch.from_numpy(d["indices"]), torch.from_numpy(dst)), num_nodes=n)
+g_plain = dgl.graph((torch.from_numpy(src), torch.from_numpy(dst)), num_nodes=n)
 g_plain.create_formats_()
 def fb(conv, graph, x):
     def run():

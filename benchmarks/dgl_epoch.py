@@ -38,7 +38,7 @@ def main():
     import dgl.nn as dglnn
 
     with h5py.File(a.graph, "r") as f:
-        indptr, indices = f["indptr"][()], f["indices"][()]
+        indptr, indices = f["indptr"][()], f["indices"][()].astype(np.int64)  # graph.h5 v2: int32 ids; DGL wants one dtype
         x = torch.from_numpy(f["features"][()])
         y = torch.from_numpy(f["labels"][()])
         train = torch.from_numpy(f["train_mask"][()])
