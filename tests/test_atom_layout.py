@@ -22,7 +22,7 @@ from gnnpipe.io import GnnPipeError
 from gnnpipe.parallel.testing import spawn_multi_process
 from test_atomic_parallel import _concat
 from gnnpipe.atomic import neighbors as nb
-from test_gemnet import CUTOFF, _model, _system, _with_swap
+from test_gemnet import CUTOFF, _model, _step, _system, _with_swap
 
 DIMENET = DimeNetPPConfig(hidden_channels=8, num_blocks=2, int_emb_size=4, basis_emb_size=3, out_emb_channels=6,
                           num_spherical=3, num_radial=3, cutoff=CUTOFF)
@@ -64,17 +64,22 @@ def _build(kind: str, head: str, union=None):
     return m
 
 
-def _step(model, g, b: dict, systems: int, atoms: int, reduce_grads):
-    model.train()
-    out = model(g)
-    own = slice(g.atom_lo, g.atom_hi)
-    loss = ((out["energy"] - torch.as_tensor(b["energy"])) ** 2).sum() / systems \
-        + ((out["forces"] - torch.as_tensor(b["forces"][own])) ** 2).sum() / (3 * atoms)
-    model.zero_grad(set_to_none=False)
-    loss.backward()
-    grads = [p.grad.detach().clone() for p in model.parameters()]
-    reduce_grads(grads)
-    return out["energy"].detach(), out["forces"].detach(), grads
+def _reference(batches: list) -> tuple[dict, dict]:
+    """Single-process steps on the union of ``batches`` for every kind and head (float64), and the
+    models' states the ranks load (as arrays: no shared file descriptors through spawn)."""
+    union = _with_swap(_concat(batches))
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref, states = {}, {}
+        for kind in KINDS:
+            for head in HEADS:
+                model = _build(kind, head, union)
+                states[kind, head] = {n: v.numpy() for n, v in model.state_dict().items()}
+                ref[kind, head] = _step(model, single_graph(union), union, union["num_systems"], len(union["z"]),
+                                        lambda gs: None)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return ref, states
 
 
 def _worker(rank: int, world: int, batches: list, ways: int, states: dict, parts) -> dict:
@@ -137,18 +142,7 @@ def test_atoms_layout_matches_unsharded(ways, replicas, forced):
         part = np.arange(n) * (ways - 1) // (n - 10)
         part[-10:] = ways - 1
         parts = [part]
-    union = _with_swap(_concat(batches))
-    torch.set_default_dtype(torch.float64)
-    try:
-        ref, states = {}, {}
-        for kind in KINDS:
-            for head in HEADS:
-                model = _build(kind, head, union)
-                states[kind, head] = {n: v.numpy() for n, v in model.state_dict().items()}  # no shared fds
-                ref[kind, head] = _step(model, single_graph(union), union, union["num_systems"], len(union["z"]),
-                                        lambda gs: None)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    ref, states = _reference(batches)
     res = spawn_multi_process(_worker, ways * replicas, batches, ways, states, parts, timeout=180)
     if forced:
         assert any(r["triplets"] == 0 for r in res), "the case must include a rank with no triplets"
@@ -320,18 +314,7 @@ def test_a_halo_gather_that_drops_the_halo_gradient_fails_the_exactness_test():
     """The exactness test can fail: with the mutant above, gradients (and gradient forces' double
     backward) differ from single-process by far more than 1e-10 (measured 0.14-15)."""
     batches = [_batch(20)]
-    union = _with_swap(_concat(batches))
-    torch.set_default_dtype(torch.float64)
-    try:
-        states, ref = {}, {}
-        for kind in KINDS:
-            for head in HEADS:
-                model = _build(kind, head, union)
-                states[kind, head] = {n: v.numpy() for n, v in model.state_dict().items()}
-                ref[kind, head] = _step(model, single_graph(union), union, union["num_systems"], len(union["z"]),
-                                        lambda gs: None)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    ref, states = _reference(batches)
     res = spawn_multi_process(_mutant, 2, batches, 2, states, timeout=180)
     for kind in KINDS:
         for head in HEADS:

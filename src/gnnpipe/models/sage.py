@@ -57,7 +57,8 @@ class SAGEConv(nn.Module):
 
     def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None,
                 z_src: Tensor | None = None) -> Tensor:
-        if z_src is None and self.static_input and not h_src.requires_grad:
+        static = z_src is None and self.static_input and not h_src.requires_grad
+        if static:
             # raw features: [x_dst | mean of x] memoised (n_dst, 2 in), then both maps and the bias in
             # one addmm (one product forward and one weight gradient backward, not two of each)
             xa = static_aggregate(h_src, block, "self|mean", _self_and_mean)
@@ -65,7 +66,7 @@ class SAGEConv(nn.Module):
                 w = torch.cat([self.weight_self, self.weight_neigh], dim=1)  # (out, 2 in)
                 return xa @ w.t() if self.bias is None else torch.addmm(self.bias, xa, w.t())
         x_dst = block.dst_rows(h_src)
-        if z_src is None and not (self.static_input and not h_src.requires_grad) and x_dst is h_src and \
+        if z_src is None and not static and x_dst is h_src and \
                 not aggregate_first(block.n_src, block.n_dst, block.nnz, self.in_dim, self.out_dim):
             # a whole-graph block, projecting first: both maps in one product over h (n, 2 out), and
             # in backward one product back (no second (n, in) gradient to add to the first)
