@@ -5,21 +5,26 @@
 
 A degree-corrected SBM graph (``--nodes``, ``--degree``; 64 features, 16 classes: by default the
 issue's 10^5-node, 4.9·10^6-edge shape), then for each model (GraphSAGE-mean, GCN; ``--layers``
-layers, hidden ``--hidden``, ReLU between, no dropout, no norm) ``--epochs`` pairs of epochs
+layers, hidden ``--hidden``, ReLU between, no dropout, no norm) ``--epochs`` rounds of epochs
 (forward + backward + Adam, ``--threads`` threads, after one warm-up each): ours in this process
-and DGL's in a server process (``benchmarks/dgl_epoch.py --serve`` in the DGL environment,
-``make dgl-env``), one epoch each, alternating which goes first. The machine may be shared:
-interleaving epoch by epoch lets the load hit both alike, and the 1-minute load average is
-recorded beside every pair. The JSON has, per model, every pair, each side's median epoch and
-``speedup_vs_dgl`` = DGL's median / ours (issue #27's target for SAGE 3x128: >= 2), and beside
-it the median of the pairs' own ratios and the ratio of each side's fastest epoch (on a loaded
-machine the least disturbed one: the closest to a quiet machine's time). The same is printed.
+and DGL's in two server processes (``benchmarks/dgl_epoch.py --serve`` in the DGL environment,
+``make dgl-env``), one on the graph file as generated and one on a copy with the nodes
+renumbered as our single engine numbers them; one epoch each a round, rotating which goes first.
+The machine may be shared: interleaving epoch by epoch lets the load hit all alike, and the
+1-minute load average is recorded beside every round. The JSON has, per model, every round, each
+side's median epoch and ``speedup_vs_dgl`` = DGL's median / ours on the generated file (issue
+#27's target for SAGE 3x128: >= 2: DGL as its users run it), beside it the median of the rounds'
+own ratios, the ratio of each side's fastest epoch (on a loaded machine the least disturbed one),
+and ``speedup_vs_dgl_ordered``: against DGL on our node order, i.e. how much of the lead is not
+the numbering. The same is printed.
 
-Both frameworks run the same maths on the same graph file. Two differences are ours: the first
-GCN/SAGE layer memoises the aggregation of the static input features (``static_input``, exact),
-which DGL recomputes every epoch; and our process is set up as ``gnnpipe.train.run`` sets up a
-training process, which keeps freed memory for reuse (``gnnpipe.engine.retain_freed_memory``),
-while DGL's runs with glibc's defaults.
+Both frameworks run the same maths on the same graph. Three differences are ours: the single
+engine renumbers the nodes by METIS parts before training (``training.node_order: locality``,
+``gnnpipe.partition.locality_order``; DGL leaves ids as given unless its user calls
+``dgl.reorder_graph``), hence the third side; the first GCN/SAGE layer memoises the aggregation
+of the static input features (``static_input``, exact), which DGL recomputes every epoch; and
+our process is set up as ``gnnpipe.train.run`` sets up a training process, which keeps freed
+memory for reuse (``gnnpipe.engine.retain_freed_memory``), while DGL's runs with glibc's defaults.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench_foundation import DEFAULT_DGL, dgl_command, our_step
@@ -42,48 +48,79 @@ from gnnpipe.config import SyntheticConfig
 from gnnpipe.data.synthetic import generate
 from gnnpipe.graph import write_graph
 from gnnpipe.io import write_json
+from gnnpipe.partition import node_order
 
 FEATURES, CLASSES = 64, 16
 
 
-def interleaved(a, graph_path: Path, kind: str) -> dict:
-    """``a.epochs`` pairs of epochs, ours and DGL's (a server process) alternately first."""
-    cmd, env = dgl_command(a.dgl_python, graph_path, kind, a.hidden, a.threads, a.layers, ("--serve",))
-    dgl = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+class DGLServer:
+    """``benchmarks/dgl_epoch.py --serve`` in the DGL environment: one epoch per call."""
 
-    def dgl_epoch() -> float:
-        dgl.stdin.write("epoch\n")
-        dgl.stdin.flush()
-        line = dgl.stdout.readline()
+    def __init__(self, a, graph_path: Path, kind: str):
+        self.cmd, env = dgl_command(a.dgl_python, graph_path, kind, a.hidden, a.threads, a.layers, ("--serve",))
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.info = json.loads(self._line())
+
+    def _line(self) -> str:
+        line = self.proc.stdout.readline()
         if not line:
-            raise SystemExit(f"bench_dgl: the DGL process ended (exit {dgl.wait()}); run {' '.join(cmd)}")
-        return json.loads(line)["epoch_time_s"]
+            raise SystemExit(f"bench_dgl: the DGL process ended (exit {self.proc.wait()}); run {' '.join(self.cmd)}")
+        return line
+
+    def __call__(self) -> float:
+        self.proc.stdin.write("epoch\n")
+        self.proc.stdin.flush()
+        return json.loads(self._line())["epoch_time_s"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def interleaved(a, graph_path: Path, ordered_path: Path, kind: str) -> dict:
+    """``a.epochs`` rounds of one epoch each: ours, DGL's on the given ids and DGL's on the ids in
+    our locality order (two server processes), the side that goes first rotating."""
+    sides = {"ours": our_step(graph_path, kind, a.hidden, a.threads, a.layers)}
+    servers = [DGLServer(a, graph_path, kind), DGLServer(a, ordered_path, kind)]
     try:
-        header = dgl.stdout.readline()
-        if not header:
-            raise SystemExit(f"bench_dgl: the DGL process ended (exit {dgl.wait()}); run {' '.join(cmd)}")
-        info = json.loads(header)
-        ours_epoch = our_step(graph_path, kind, a.hidden, a.threads, a.layers)
-        ours_epoch(), dgl_epoch()  # warm-up
-        pairs = []
+        sides["dgl"], sides["dgl_ordered"] = servers
+        names = list(sides)
+        for name in names:  # warm-up
+            sides[name]()
+        rounds = []
         for i in range(a.epochs):
             load = os.getloadavg()[0]
-            if i % 2:
-                d, o = dgl_epoch(), ours_epoch()
-            else:
-                o, d = ours_epoch(), dgl_epoch()
-            pairs.append({"ours_s": o, "dgl_s": d, "first": "dgl" if i % 2 else "ours", "loadavg_1min": load})
+            turn = names[i % 3:] + names[:i % 3]
+            times = {name: sides[name]() for name in turn}
+            rounds.append({f"{name}_s": times[name] for name in names} | {"first": turn[0], "loadavg_1min": load})
     finally:
-        dgl.stdin.close()
-        dgl.wait()
-    ours_s = statistics.median(p["ours_s"] for p in pairs)
-    dgl_s = statistics.median(p["dgl_s"] for p in pairs)
-    ours_min, dgl_min = min(p["ours_s"] for p in pairs), min(p["dgl_s"] for p in pairs)
-    return {"ours_s": ours_s, "dgl_s": dgl_s, "speedup_vs_dgl": dgl_s / ours_s,
-            "pair_ratio_median": statistics.median(p["dgl_s"] / p["ours_s"] for p in pairs),
-            "ours_min_s": ours_min, "dgl_min_s": dgl_min, "speedup_vs_dgl_min": dgl_min / ours_min,
-            "loadavg_1min_median": statistics.median(p["loadavg_1min"] for p in pairs),
-            "dgl_version": info["dgl_version"], "dgl_torch": info["torch_version"], "pairs": pairs}
+        for server in servers:
+            server.close()
+    med = {name: statistics.median(r[f"{name}_s"] for r in rounds) for name in names}
+    low = {name: min(r[f"{name}_s"] for r in rounds) for name in names}
+    info = servers[0].info
+    return {"ours_s": med["ours"], "dgl_s": med["dgl"], "speedup_vs_dgl": med["dgl"] / med["ours"],
+            "pair_ratio_median": statistics.median(r["dgl_s"] / r["ours_s"] for r in rounds),
+            "ours_min_s": low["ours"], "dgl_min_s": low["dgl"], "speedup_vs_dgl_min": low["dgl"] / low["ours"],
+            "dgl_ordered_s": med["dgl_ordered"], "dgl_ordered_min_s": low["dgl_ordered"],
+            "speedup_vs_dgl_ordered": med["dgl_ordered"] / med["ours"],
+            "loadavg_1min_median": statistics.median(r["loadavg_1min"] for r in rounds),
+            "dgl_version": info["dgl_version"], "dgl_torch": info["torch_version"], "pairs": rounds}
+
+
+def locality_copy(graph, path: Path) -> dict:
+    """Write ``graph`` renumbered as our single engine numbers it (``training.node_order:
+    locality``), rows sorted by the new ids as graph.h5 keeps them: what DGL gets when its user
+    renumbers the nodes the same way (``dgl.reorder_graph`` offers METIS orders too)."""
+    import scipy.sparse as sp
+
+    how = node_order(graph, "locality")
+    g = graph.renumbered(how.pop("order"))
+    a = sp.csr_array((np.ones(g.num_edges, np.float32), g.indices, g.indptr), shape=(g.num_nodes,) * 2)
+    a.sort_indices()
+    g.indices[:] = a.indices
+    write_graph(path, g)
+    return how
 
 
 def main(argv=None) -> int:
@@ -111,15 +148,17 @@ def main(argv=None) -> int:
     print(f"[bench_dgl] graph: {g.num_nodes} nodes, {g.num_edges} edges", flush=True)
     models: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        graph_path = Path(tmp) / "graph.h5"
+        graph_path, ordered_path = Path(tmp) / "graph.h5", Path(tmp) / "graph-locality.h5"
         write_graph(graph_path, g)
+        graph_info["locality_order"] = locality_copy(g, ordered_path)
         del g
         for kind in a.models:
-            models[kind] = m = interleaved(a, graph_path, kind)
+            models[kind] = m = interleaved(a, graph_path, ordered_path, kind)
             print(f"[bench_dgl] {kind} {a.layers}x{a.hidden}: ours {m['ours_s']:.3f} s, DGL {m['dgl_s']:.3f} s: "
                   f"DGL / ours = {m['speedup_vs_dgl']:.2f} (medians of {a.epochs} interleaved epochs; "
                   f"median pair ratio {m['pair_ratio_median']:.2f}; fastest epochs {m['ours_min_s']:.3f} s vs "
-                  f"{m['dgl_min_s']:.3f} s: {m['speedup_vs_dgl_min']:.2f}; load {m['loadavg_1min_median']:.2f})",
+                  f"{m['dgl_min_s']:.3f} s: {m['speedup_vs_dgl_min']:.2f}; load {m['loadavg_1min_median']:.2f}); "
+                  f"DGL on our node order {m['dgl_ordered_s']:.3f} s: {m['speedup_vs_dgl_ordered']:.2f}",
                   flush=True)
     loads = [p["loadavg_1min"] for m in models.values() for p in m["pairs"]]
     write_json(a.out, {

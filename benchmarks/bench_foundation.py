@@ -34,7 +34,7 @@ from gnnpipe.graph import read_graph, write_graph
 from gnnpipe.io import write_json
 from gnnpipe.models.block import Block
 from gnnpipe.models.model import GNN
-from gnnpipe.partition import partition_graph, partition_stats
+from gnnpipe.partition import node_order, partition_graph, partition_stats
 from gnnpipe.store import materialize
 
 DEFAULT_DGL = Path.home() / ".cache" / "gnnpipe" / "dgl-venv" / "bin" / "python"
@@ -46,13 +46,17 @@ def timed(fn, *args, **kw):
     return out, time.perf_counter() - t0
 
 
-def our_step(graph_path: Path, kind: str, hidden: int, threads: int, layers: int = 2):
+def our_step(graph_path: Path, kind: str, hidden: int, threads: int, layers: int = 2, order: str = "locality"):
     """A fresh model on the graph file and a function that trains it one epoch
     (forward + backward + Adam) and returns the epoch's wall time. The process is set up as
-    ``gnnpipe.train.run`` sets up a training process (threads, ``retain_freed_memory``)."""
+    ``gnnpipe.train.run`` sets up a training process (threads, ``retain_freed_memory``) and the
+    nodes numbered as the single engine numbers them (``order``: ``training.node_order``)."""
     torch.set_num_threads(threads)
     retain_freed_memory()
     graph = read_graph(graph_path, verify=False)
+    how = node_order(graph, order)
+    if how["parts"]:
+        graph = graph.renumbered(how.pop("order"))
     block = Block.full(graph.indptr, graph.indices)
     x, y, masks = graph_tensors(graph, torch.float32, "cpu")
     torch.manual_seed(0)

@@ -6,6 +6,7 @@ import pytest
 
 from gnnpipe.graph import FORMAT_VERSION, Graph, csr_from_edges, index_dtype, read_graph, write_graph
 from gnnpipe.io import GnnPipeError
+from helpers import random_graph
 
 
 def tiny_graph(n=6):
@@ -156,3 +157,27 @@ def test_structure_only_read_still_checks_the_features_streamed_through_the_hash
         f["features"][5, 2] += 1.0
     with pytest.raises(GnnPipeError, match="content hash does not match"):
         read_graph(tmp_path / "g.h5", features=False)
+
+
+def test_renumbered_moves_every_node_with_its_edges_and_data():
+    """``Graph.renumbered(order)``: node i is old node order[i]; the edge set is the old one renamed,
+    every row keeps its neighbours in their old order, features/labels/masks move with the nodes;
+    chunked (small ``chunk``) and whole give the same; a non-permutation is refused."""
+    g = random_graph(n=300, avg_degree=8, seed=3)
+    order = np.random.default_rng(0).permutation(g.num_nodes)
+    new_id = np.empty_like(order)
+    new_id[order] = np.arange(g.num_nodes)
+    h = g.renumbered(order)
+    assert h.indices.dtype == g.indices.dtype and h.num_edges == g.num_edges
+    for i in (0, 17, 299):
+        old = order[i]
+        assert np.array_equal(h.indices[h.indptr[i]:h.indptr[i + 1]], new_id[g.indices[g.indptr[old]:g.indptr[old + 1]]])
+    assert np.array_equal(h.features, g.features[order]) and np.array_equal(h.labels, g.labels[order])
+    assert np.array_equal(h.test_mask, g.test_mask[order])
+    src, dst = np.repeat(np.arange(300), np.diff(h.indptr)), h.indices
+    old_edges = set(zip(np.repeat(np.arange(300), np.diff(g.indptr)).tolist(), g.indices.tolist()))
+    assert set(zip(order[src].tolist(), order[dst].tolist())) == old_edges
+    small = g.renumbered(order, chunk=7)
+    assert np.array_equal(small.indptr, h.indptr) and np.array_equal(small.indices, h.indices)
+    with pytest.raises(GnnPipeError, match="permutation"):
+        g.renumbered(np.zeros(300, dtype=np.int64))

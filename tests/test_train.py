@@ -52,6 +52,52 @@ def test_single_run_writes_record_checkpoint_and_mlflow(tmp_path):
     assert runs["params.model.kind"].iloc[0] == "gcn"
 
 
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gat"])
+def test_locality_order_trains_the_model_the_given_ids_train(tmp_path, monkeypatch, kind):
+    """training.node_order 'locality' (the default) renumbers the nodes by METIS parts (of 50
+    nodes here: four parts) and trains the same model as the dataset's ids, in float64 to
+    rounding: losses, accuracies and the saved weights. A renumbering that lost a node's
+    neighbours or moved labels without features would change all three."""
+    from gnnpipe import partition
+    from gnnpipe.checkpoint import load_checkpoint
+    from gnnpipe.train import run
+
+    monkeypatch.setattr(partition, "LOCALITY_PART_NODES", 50)
+    model = {"kind": kind, "layers": 2, "hidden": 16, "dropout": 0.0}
+    recs, weights = {}, {}
+    for how in ("given", "locality"):
+        cfg = run_cfg(tmp_path / how, model, epochs=12, dtype="float64", node_order=how)
+        recs[how] = run(cfg, progress=False)
+        weights[how] = load_checkpoint(tmp_path / how / "results" / "runs" / cfg.run_id / "model.pt")["model"]
+    order = recs["locality"]["extra"]["node_order"]
+    assert (order["node_order"], order["parts"]) == ("locality", 4)
+    assert recs["given"]["extra"]["node_order"] == {"node_order": "given", "parts": 0, "seconds": 0.0}
+    for a, b in zip(recs["given"]["history"], recs["locality"]["history"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-10, abs=1e-12)
+    for key in ("train_acc", "val_acc", "test_acc"):
+        assert recs["locality"][key] == recs["given"][key]
+    assert weights["given"].keys() == weights["locality"].keys()
+    for name, w in weights["given"].items():
+        torch.testing.assert_close(weights["locality"][name], w, rtol=1e-9, atol=1e-11)
+
+
+def test_locality_order_keeps_the_ids_of_a_small_graph_or_without_the_memory(tmp_path, monkeypatch, capsys):
+    """Fewer than two parts' worth of nodes: the given ids, quietly. METIS refused for memory:
+    the given ids, and one line on stderr that says so (training is not refused for it)."""
+    from gnnpipe import partition
+    from gnnpipe.io import GnnPipeError
+
+    graph = two_community_graph()  # 200 nodes
+    assert partition.node_order(graph, "locality")["node_order"] == "given"  # < 2 * 1,024 nodes
+    locality_order = partition.locality_order
+    with pytest.raises(GnnPipeError, match="GiB"):
+        locality_order(graph, part_nodes=50, memory_bytes=1)
+    monkeypatch.setattr(partition, "LOCALITY_PART_NODES", 50)
+    monkeypatch.setattr(partition, "locality_order", lambda g, **kw: locality_order(g, memory_bytes=1, **kw))
+    assert partition.node_order(graph, "locality") == {"node_order": "given", "parts": 0, "seconds": 0.0}
+    assert "node_order 'locality' skipped" in capsys.readouterr().err
+
+
 def test_gcn_beats_mlp_when_the_graph_carries_the_signal(tmp_path):
     from gnnpipe.train import run
 

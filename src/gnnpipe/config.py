@@ -272,6 +272,10 @@ class TrainingConfig:
     checkpoint_every: int = 50  # 0: only the final model
     warmup_epochs: int = 1  # epochs excluded from the timing median
     threads_per_worker: int = 1
+    # single-process runs: "locality" renumbers the nodes by METIS parts before training (the
+    # aggregations' gathers then hit the caches; same results up to float rounding), "given"
+    # keeps the dataset's ids (gnnpipe.partition.locality_order)
+    node_order: Literal["locality", "given"] = "locality"
     # how long a worker waits for the others in a collective before the run fails, seconds
     # (torch.distributed's timeout; the environment variable GNNPIPE_DIST_TIMEOUT overrides it)
     dist_timeout_s: int = 600

@@ -47,6 +47,11 @@ def index_dtype(num_nodes: int) -> np.dtype:
     return np.dtype(np.int32) if num_nodes <= _INT32_MAX else np.dtype(np.int64)
 
 
+#: Edges placed per step when building a CSR: bounds the builder's temporaries (a few
+#: hundred MB) whatever the graph's size.
+CSR_CHUNK = 1 << 23
+
+
 @dataclass
 class Graph:
     """A node-classification graph held as a CSR of in-edges.
@@ -90,6 +95,37 @@ class Graph:
     def out_degrees(self) -> np.ndarray:
         return np.bincount(self.indices, minlength=self.num_nodes).astype(np.int64)
 
+    def renumbered(self, order: np.ndarray, *, chunk: int = CSR_CHUNK) -> "Graph":
+        """The same graph with node ``i`` being this graph's node ``order[i]`` (a permutation).
+
+        Features, labels and masks move with their nodes; every row keeps its in-neighbours in
+        the order it had (renamed), so each node's aggregation adds the same numbers in the same
+        order as before. The rows are then not sorted by the new ids: an in-memory graph for
+        training, not one to write as ``graph.h5``. Temporaries beyond the result: O(N) and
+        O(``chunk``) entries.
+        """
+        n = self.num_nodes
+        order = np.asarray(order, dtype=np.int64)
+        if order.shape != (n,) or not np.array_equal(np.bincount(order, minlength=n), np.ones(n, np.int64)):
+            raise GnnPipeError(f"a renumbering of {n} nodes must be a permutation of 0..{n - 1}")
+        new_id = np.empty(n, dtype=self.indices.dtype)
+        new_id[order] = np.arange(n, dtype=self.indices.dtype)
+        deg = np.diff(self.indptr)[order]
+        indptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(deg, out=indptr[1:])
+        indices = np.empty_like(self.indices)
+        lo = 0
+        while lo < n:  # new rows [lo, hi) hold about `chunk` entries
+            hi = max(int(np.searchsorted(indptr, indptr[lo] + chunk, side="right")) - 1, lo + 1)
+            start = self.indptr[order[lo:hi]]  # where each new row's entries lie in the old indices
+            pos = np.repeat(start - indptr[lo:hi], deg[lo:hi]) + np.arange(indptr[lo], indptr[hi])
+            indices[indptr[lo]:indptr[hi]] = new_id[self.indices[pos]]
+            lo = hi
+        return Graph(indptr, indices, self.features[order], self.labels[order], self.train_mask[order],
+                     self.val_mask[order], self.test_mask[order], self.num_classes, name=self.name,
+                     source=self.source, symmetric=self.symmetric, self_loops=self.self_loops,
+                     params=dict(self.params))
+
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in _ARRAYS}
 
@@ -114,11 +150,6 @@ class Graph:
         for m in ("train_mask", "val_mask", "test_mask"):
             if getattr(self, m).shape != (n,):
                 raise GnnPipeError(f"{m} must have shape ({n},)")
-
-
-#: Edges placed per step when building a CSR: bounds the builder's temporaries (a few
-#: hundred MB) whatever the graph's size.
-CSR_CHUNK = 1 << 23
 
 
 def csr_from_edges(src: np.ndarray, dst: np.ndarray, num_nodes: int, *, symmetrize: bool = True,

@@ -2,7 +2,9 @@
 
 Every parallel mode is checked against this engine (exactly in float64, docs/DESIGN.md §4):
 one full-graph forward over a single CSR block, the mean cross-entropy over the training
-nodes, one optimizer step an epoch. No communicator, no bytes.
+nodes, one optimizer step an epoch. No communicator, no bytes. The nodes are numbered for
+cache locality first (``training.node_order``, :func:`gnnpipe.partition.node_order`): the same
+model, up to float rounding, in less time.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..engine import (DTYPES, EpochStats, NonFiniteError, ce_sum, exact_metrics,
 from ..graph import read_graph
 from ..models.block import Block
 from ..models.model import GNN
+from ..partition import node_order
 
 
 class SingleEngine:
@@ -29,6 +32,9 @@ class SingleEngine:
         dtype = DTYPES[cfg.training.dtype]
         graph = read_graph(cfg.graph_path)
         self.num_nodes, self.num_edges, self.in_features = graph.num_nodes, graph.num_edges, graph.num_features
+        self.order = node_order(graph, cfg.training.node_order, seed=cfg.training.seed)
+        if self.order["parts"]:
+            graph = graph.renumbered(self.order.pop("order"))
         self.block = Block.full(graph.indptr, graph.indices, dtype).to(device)
         self.x, self.y, self.masks = graph_tensors(graph, dtype, device)
         self.n_train = max(int(self.masks["train"].sum()), 1)
@@ -68,4 +74,5 @@ class SingleEngine:
         return {"num_nodes": self.num_nodes, "num_edges": self.num_edges, "in_features": self.in_features}
 
     def extra_info(self) -> dict:
-        return {}
+        return {"node_order": self.order}
+

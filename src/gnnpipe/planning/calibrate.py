@@ -19,6 +19,7 @@ from ..costmodel.hardware import Hardware, load_hardware
 from ..costmodel.work import Work, layer_cost, rowwise_work
 from ..graph import read_graph, read_graph_attrs
 from ..io import GnnPipeError, write_text
+from ..partition import node_order
 from .predict import predict_layout
 from .shape import DTYPE_BYTES, build_model, model_shape
 
@@ -206,7 +207,12 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> Hardware:
     # a parallel run, between exchanges, do not (measured: single-process epochs match the
     # warm rates, parallel workers' compute the cold ones). The ratio of the two predicted
     # single-process epochs is the profile's single_worker_speedup.
-    warm = calibrate(graph, cfg.model, hw, threads=threads, dtype=cfg.training.dtype, clock=clock, evict=False)
+    # ... and numbers its nodes for locality (training.node_order): the warm rates are timed on
+    # the graph as the single engine holds it
+    how = node_order(graph, cfg.training.node_order, seed=cfg.training.seed)
+    held = graph.renumbered(how.pop("order")) if how["parts"] else graph
+    warm = calibrate(held, cfg.model, hw, threads=threads, dtype=cfg.training.dtype, clock=clock, evict=False)
+    del held
     gnn = build_model(cfg.model, graph.num_features, graph.num_classes)
     sizes = {"num_nodes": graph.num_nodes, "num_edges": graph.num_edges, "partitions": {}}
     epoch = {name: predict_layout(sizes, gnn, model_shape(gnn), h, "single", 1, 1, 1,
@@ -215,7 +221,7 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> Hardware:
     speedup = max(1.0, epoch["cold"] / epoch["warm"])
     fit = {**out.measured["calibration"], "dataset": cfg.dataset_name,
            "graph_hash": str(read_graph_attrs(cfg.graph_path)["content_hash"]),
-           "warm_rates": warm.measured["calibration"]["rates"], "single_epoch_s": epoch,
+           "warm_rates": warm.measured["calibration"]["rates"], "warm_node_order": how, "single_epoch_s": epoch,
            "single_worker_speedup": speedup}
     return replace(out, name=f"{hw.name}+{cfg.dataset_name}", single_worker_speedup=speedup,
                    description=f"{hw.description}; compute rates fitted to {cfg.model.kind} "
