@@ -406,3 +406,59 @@ def test_gat_attention_dropout_only_in_training():
     torch.testing.assert_close(dropped.eval()(x, block), plain(x, block), **TOL)
     torch.manual_seed(1)
     assert not torch.allclose(dropped.train()(x, block), plain(x, block))
+
+
+# --------------------------------------------------------------------------- the dense map
+needs_onednn = pytest.mark.skipif(not ops.ONEDNN, reason="this torch build has no oneDNN matmul")
+
+
+@needs_onednn
+@pytest.mark.parametrize("n,d_in,d_out,bias", [(1000, 128, 32, True), (777, 32, 128, False), (5, 7, 3, True)])
+def test_linear_on_onednn_is_f_linear_forward_and_backward(n, d_in, d_out, bias):
+    """float32 CPU ``ops.linear`` runs on oneDNN (its own autograd Function) and equals
+    ``F.linear``: output, input, weight and bias gradients (float32 rounding)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, d_in, generator=g, requires_grad=True)
+    w = torch.randn(d_out, d_in, generator=g, requires_grad=True)
+    b = torch.randn(d_out, generator=g, requires_grad=True) if bias else None
+    leaves = [x, w] + ([b] if bias else [])
+    y, ref = ops.linear(x, w, b), F.linear(x, w, b)
+    assert "OneDNNLinear" in type(y.grad_fn).__name__
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    gy = torch.randn(n, d_out, generator=g)
+    for got, want in zip(torch.autograd.grad(y, leaves, gy), torch.autograd.grad(ref, leaves, gy)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
+
+
+def test_linear_takes_f_linear_off_float32_cpu_and_skips_unwanted_gradients():
+    x, w = torch.randn(6, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    assert "OneDNN" not in type(ops.linear(x, w).grad_fn).__name__  # float64: F.linear
+    x32, w32 = x.float(), w.detach().float().requires_grad_()
+    (gw,) = torch.autograd.grad(ops.linear(x32, w32).sum(), [w32])  # x needs no gradient: none is made
+    torch.testing.assert_close(gw, x32.sum(0).expand(3, 4))
+
+
+@needs_onednn
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gat"])
+def test_models_on_onednn_equal_the_aten_products(kind, monkeypatch):
+    """A whole float32 model (first layer memoised, a hidden layer, the narrow last one), forward
+    and every parameter gradient, with oneDNN's products and with torch's own: equal to float32
+    rounding (the layers' in-place updates of a oneDNN output are safe for autograd)."""
+    from gnnpipe.config import ModelConfig
+    from gnnpipe.models.model import GNN
+
+    indptr, indices = random_csr(400, 0.03, seed=1, symmetric=True)
+    block = Block.full(indptr, indices)
+    x = torch.randn(400, 24, generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for onednn in (True, False):
+        monkeypatch.setattr(ops, "ONEDNN", onednn)
+        torch.manual_seed(0)
+        model = GNN(ModelConfig(kind=kind, layers=3, hidden=32, dropout=0.0, heads=2), 24, 5)
+        for _ in range(2):  # the second pass reads the memoised first-layer aggregation
+            out = model(x, block)
+        out.square().sum().backward()
+        grads[onednn] = (out.detach(), {k: p.grad for k, p in model.named_parameters()})
+    torch.testing.assert_close(grads[True][0], grads[False][0], rtol=1e-5, atol=1e-5)
+    for k, g in grads[False][1].items():
+        torch.testing.assert_close(grads[True][1][k], g, rtol=1e-4, atol=1e-4)

@@ -10,7 +10,7 @@ from ..costmodel.work import LayerCost, LayerSpec, Work, finish
 from .block import Block
 from .kinds import ConvKind, narrow_width
 from .layer import plain_stack
-from .ops import edge_softmax, edge_spmm, self_loop_csr
+from .ops import edge_softmax, edge_spmm, linear, self_loop_csr
 
 
 def _aggregate_first(n_src: int, n_dst: int, nnz: int, d_in: int, heads: int, d_head: int) -> bool:
@@ -76,7 +76,7 @@ class GATConv(nn.Module):
     def project(self, h: Tensor) -> Tensor:
         """``h W^T``: every head's projection of a source row, ``(n, in) -> (n, heads * out_dim_head)``
         (a source's score ``a_src^h . W^h x_j`` and its message ``W^h x_j`` are read from it)."""
-        return h @ self.weight.t()
+        return linear(h, self.weight)
 
     def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None,
                 z_src: Tensor | None = None) -> Tensor:
@@ -100,7 +100,7 @@ class GATConv(nn.Module):
             agg = edge_spmm(alpha, h_src[:, None, :], csr)  # (n_dst, H, in)
             out = torch.einsum("nhi,hdi->nhd", agg, w)  # (n_dst, H, D)
         else:
-            z = (h_src @ self.weight.t()).view(-1, H, D)  # (n_src, H, D)
+            z = linear(h_src, self.weight).view(-1, H, D)  # (n_src, H, D)
             out = edge_spmm(alpha, z, csr)  # (n_dst, H, D)
         out = out.reshape(-1, H * D) if self.concat else out.mean(dim=1)
         if self.bias is not None:

@@ -9,7 +9,7 @@ from ..costmodel.work import LayerCost, LayerSpec, aggregate_first, finish, line
 from .block import Block
 from .kinds import ConvKind, narrow_width
 from .layer import plain_stack
-from .ops import gcn_aggregate, static_aggregate
+from .ops import gcn_aggregate, linear, static_aggregate
 
 __all__ = ["GCNConv", "aggregate_first", "matmul_spmm_flops"]
 
@@ -62,7 +62,7 @@ class GCNConv(nn.Module):
 
     def project(self, h: Tensor) -> Tensor:
         """``h W^T``: what a source row contributes, ``(n, in) -> (n, out)`` (``Â(HW) = (ÂH)W``)."""
-        return h @ self.weight.t()
+        return linear(h, self.weight)
 
     def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None,
                 z_src: Tensor | None = None) -> Tensor:
@@ -76,10 +76,8 @@ class GCNConv(nn.Module):
         if agg is not None or aggregate_first(block.n_src, block.n_dst, nnz, self.in_dim, self.out_dim):
             if agg is None:
                 agg = gcn_aggregate(h_src, block)  # (n_dst, in)
-            if self.bias is None:
-                return agg @ self.weight.t()
-            return torch.addmm(self.bias, agg, self.weight.t())  # (n_dst, out)
-        out = gcn_aggregate(h_src @ self.weight.t(), block)  # (n_dst, out)
+            return linear(agg, self.weight, self.bias)  # (n_dst, out)
+        out = gcn_aggregate(linear(h_src, self.weight), block)  # (n_dst, out)
         return out if self.bias is None else out.add_(self.bias)
 
     def cost(self, num_nodes: int, num_edges: int) -> float:

@@ -10,7 +10,7 @@ from .block import Block
 from .gcn import matmul_spmm_flops
 from .kinds import ConvKind, narrow_width
 from .layer import plain_stack
-from .ops import mean_aggregate, static_aggregate
+from .ops import linear, mean_aggregate, static_aggregate
 
 
 class SAGEConv(nn.Module):
@@ -53,7 +53,7 @@ class SAGEConv(nn.Module):
 
     def project(self, h: Tensor) -> Tensor:
         """``h W_neigh^T``: what a source row contributes to a neighbour mean, ``(n, in) -> (n, out)``."""
-        return h @ self.weight_neigh.t()
+        return linear(h, self.weight_neigh)
 
     def forward(self, h_src: Tensor, block: Block, x0_dst: Tensor | None = None,
                 z_src: Tensor | None = None) -> Tensor:
@@ -63,21 +63,17 @@ class SAGEConv(nn.Module):
             # one addmm (one product forward and one weight gradient backward, not two of each)
             xa = static_aggregate(h_src, block, "self|mean", _self_and_mean)
             if xa is not None:
-                w = torch.cat([self.weight_self, self.weight_neigh], dim=1)  # (out, 2 in)
-                return xa @ w.t() if self.bias is None else torch.addmm(self.bias, xa, w.t())
+                return linear(xa, torch.cat([self.weight_self, self.weight_neigh], dim=1), self.bias)
         x_dst = block.dst_rows(h_src)
         if z_src is None and not static and x_dst is h_src and \
                 not aggregate_first(block.n_src, block.n_dst, block.nnz, self.in_dim, self.out_dim):
             # a whole-graph block, projecting first: both maps in one product over h (n, 2 out), and
             # in backward one product back (no second (n, in) gradient to add to the first)
             w = torch.cat([self.weight_self, self.weight_neigh])  # (2 out, in)
-            y_self, y_neigh = (h_src @ w.t()).split(self.out_dim, dim=1)  # (n, out) each
+            y_self, y_neigh = linear(h_src, w).split(self.out_dim, dim=1)  # (n, out) each
             agg = mean_aggregate(y_neigh, block)
             return agg.add_(y_self) if self.bias is None else agg.add_(y_self).add_(self.bias)
-        if self.bias is not None:
-            out = torch.addmm(self.bias, x_dst, self.weight_self.t())  # (n_dst, out)
-        else:
-            out = x_dst @ self.weight_self.t()
+        out = linear(x_dst, self.weight_self, self.bias)  # (n_dst, out)
         if z_src is not None:  # the sources projected by their owners (the narrow side crossed the wire)
             return out.add_(mean_aggregate(z_src, block))
         if aggregate_first(block.n_src, block.n_dst, block.nnz, self.in_dim, self.out_dim):
