@@ -252,7 +252,7 @@ def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def _has_onednn_linear() -> bool:
     try:
         y = _onednn_linear(torch.ones(3, 2), torch.ones(4, 2), torch.zeros(4))
-    except (RuntimeError, AttributeError, NotImplementedError):
+    except (RuntimeError, AttributeError, NotImplementedError, TypeError):
         return False
     return bool(torch.equal(y, torch.full((3, 4), 2.0)))
 
