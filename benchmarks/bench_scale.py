@@ -131,7 +131,8 @@ def train_main(a) -> None:
     out = {}
     for kind, layers in models:
         model = ModelConfig(kind=kind, layers=layers, hidden=a.hidden, dropout=0.0)
-        training = TrainingConfig(epochs=a.epochs + a.warmup, seed=0, dtype="float32", warmup_epochs=a.warmup)
+        training = TrainingConfig(epochs=a.epochs + a.warmup, seed=0, dtype="float32", warmup_epochs=a.warmup,
+                                  node_order=a.node_order)
         cfg = RunConfig(run_id=f"scale-{mode}-{kind}", mode=mode, dataset_name="scale", graph_path=a.graph,
                         store_path=a.store, out_dir=str(Path(a.result).parent / "runs"), model=model,
                         training=training, partitioning=PartitionConfig(), pipeline=PipelineConfig(),
@@ -174,6 +175,9 @@ def main(argv=None):
                     help="MALLOC_MMAP_THRESHOLD_ of the training ranks (bytes; 0: glibc's default). glibc's "
                          "sliding threshold keeps freed CSR-building temporaries resident (gnnpipe.launch)")
     ap.add_argument("--timeout", type=float, default=3600, help="per training run, seconds")
+    ap.add_argument("--node-order", choices=["locality", "given"], default="locality",
+                    help="training.node_order of the single-process runs (recorded per training stage; "
+                         "'given' with --redo train-single reproduces the figures from before the locality order)")
     # internal: one training stage in a process of its own
     ap.add_argument("--train", choices=["single", "graph", "pipeline"], help=argparse.SUPPRESS)
     ap.add_argument("--graph", help=argparse.SUPPRESS)
@@ -232,7 +236,7 @@ def main(argv=None):
                                        "--store", str(work / f"metis-{k}.h5"), "--result", str(result),
                                        "--hidden", str(a.hidden), "--epochs", str(a.epochs), "--warmup",
                                        str(a.warmup), "--chunks-per-stage", str(a.chunks_per_stage),
-                                       "--timeout", str(a.timeout)], [result]))
+                                       "--timeout", str(a.timeout), "--node-order", a.node_order], [result]))
     for name, cmd, outputs in plan:
         if name in stages and name not in a.redo and all(p.exists() for p in outputs):
             print(f"[scale] {name}: done before, skipped", file=sys.stderr, flush=True)
@@ -246,6 +250,7 @@ def main(argv=None):
         row["files_bytes"] = sizes(outputs)
         if name.startswith("train-"):
             row["models"] = json.loads(outputs[0].read_text())
+            row["node_order"] = a.node_order
         if name == "data":
             row["graph"] = {k: v for k, v in json.loads((work / "graph.json").read_text()).items()
                             if k in ("num_nodes", "num_edges", "num_features", "num_classes")}
