@@ -356,6 +356,36 @@ def test_narrow_side_crosses_the_wire(tmp_path, kind, last):
         np.testing.assert_allclose(res[0]["losses"][e], float(loss.detach()), **TOL["float64"])
 
 
+# --------------------------------------------------------------------------- locality pieces
+def test_a_store_in_locality_pieces_trains_as_single_process(graph, references, tmp_path, monkeypatch):
+    """Parts of ~105 rows cut into pieces of 25 (``partition.part_locality_key``): inside each
+    part the inner rows still come first, each group runs piece by piece, and graph parallelism
+    on that store equals single-process training (float64) as on any other numbering."""
+    from gnnpipe import partition
+
+    monkeypatch.setattr(partition, "LOCALITY_PART_NODES", 25)
+    a = partition_graph(graph, "metis", 2, seed=1)
+    key = partition.part_locality_key(graph, a, 2)
+    assert [len(np.unique(key[a == p])) for p in range(2)] == [int((a == p).sum()) // 25 for p in range(2)]
+    path = tmp_path / "pieces-2.h5"
+    materialize(graph, a, path, method="metis")
+    with ChunkStore(path) as s:
+        for p in range(2):
+            lo, hi, ni = int(s.offsets[p]), int(s.offsets[p + 1]), s.n_inner(p)
+            assert 0 < ni < hi - lo
+            for group in (s.perm[lo:lo + ni], s.perm[lo + ni:hi]):  # pieces in order, ids ascending in each
+                k = key[group]
+                assert np.all(np.diff(k) >= 0) and len(np.unique(k)) > 1
+                assert all(np.all(np.diff(group[k == v]) > 0) for v in np.unique(k))
+    cases = [(kind, "float64", False, True) for kind in ("gcn", "sage", "gat")]
+    res = spawn_multi_process(_train_cases, 2, str(path), cases, timeout=120)
+    for case in cases:
+        ref_losses, ref_state, _ = references[case[0], "float64"]
+        np.testing.assert_allclose(res[0][case]["losses"], ref_losses, **TOL["float64"], err_msg=case[0])
+        for name, v in ref_state.items():
+            torch.testing.assert_close(res[0][case]["state"][name], v, **TOL["float64"], msg=f"{case[0]}: {name}")
+
+
 # --------------------------------------------------------------------------- a part with no halo
 @pytest.mark.slow
 def test_part_without_halo_takes_part_in_every_exchange(tmp_path):

@@ -128,6 +128,40 @@ def node_order(graph: Graph, how: str, *, seed: int = 0) -> dict:
                 order=order)
 
 
+
+def part_locality_key(graph: Graph, assignment: np.ndarray, parts: int, *,
+                      part_nodes: Optional[int] = None, seed: int = 0) -> np.ndarray:
+    """Each node's piece inside its part, ``(N,) int64``: METIS on the subgraph a part induces, into
+    ``n_p // part_nodes`` pieces (0 everywhere in a part of fewer than two pieces' worth of nodes).
+
+    The chunk store sorts a part's rows by it (``gnnpipe.store``): the locality order of the single
+    engine (:func:`locality_order`), inside each part, for graph, pipeline and hybrid runs. One part
+    at a time: METIS's structures are those of the largest part, not of the whole graph.
+    """
+    part_nodes = LOCALITY_PART_NODES if part_nodes is None else int(part_nodes)
+    n = graph.num_nodes
+    key = np.zeros(n, dtype=np.int64)
+    sizes = np.bincount(assignment, minlength=parts)
+    for p in np.flatnonzero(sizes >= 2 * part_nodes):
+        nodes = np.flatnonzero(assignment == p)  # ascending ids
+        local = np.full(n, -1, dtype=np.int64)
+        local[nodes] = np.arange(len(nodes), dtype=np.int64)
+        deg = graph.indptr[nodes + 1] - graph.indptr[nodes]
+        ptr = np.zeros(len(nodes) + 1, dtype=np.int64)
+        np.cumsum(deg, out=ptr[1:])
+        src = local[graph.indices[np.repeat(graph.indptr[nodes] - ptr[:-1], deg) + np.arange(ptr[-1])]]
+        inside = src >= 0
+        sub_ptr = np.zeros(len(nodes) + 1, dtype=np.int64)
+        row = np.repeat(np.arange(len(nodes), dtype=np.int64), deg)
+        np.cumsum(np.bincount(row[inside], minlength=len(nodes)), out=sub_ptr[1:])
+        del row
+        del local, deg, ptr
+        sub = Graph(sub_ptr, src[inside], np.zeros((len(nodes), 0), np.float32), np.zeros(len(nodes), np.int64),
+                    *(np.zeros(len(nodes), bool),) * 3, num_classes=1, name=f"{graph.name} part {p}")
+        del src, inside
+        key[nodes] = _metis(sub, len(nodes) // part_nodes, seed, balance_edges=False)
+    return key
+
 def symmetric_adjacency(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
     """CSR ``(xadj, adjncy)`` of the undirected graph: both directions, no self loops, no duplicates.
 
