@@ -79,9 +79,12 @@ def _worker(rank: int, world: int, cfg_dict: dict, epochs: int, warmup: int) -> 
     from gnnpipe.layout import ParallelDims
     from gnnpipe.parallel.groups import build_groups
     from gnnpipe.parallel.engine import peak_memory
+    from gnnpipe.engine import retain_freed_memory
     from gnnpipe.train import build_engine
 
     cfg = from_dict(RunConfig, cfg_dict)
+    if not cfg.atomic:  # as gnnpipe.train.run sets up a node-model rank (off under MALLOC_*_ variables)
+        retain_freed_memory()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

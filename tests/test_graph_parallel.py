@@ -357,18 +357,17 @@ def test_narrow_side_crosses_the_wire(tmp_path, kind, last):
 
 
 # --------------------------------------------------------------------------- locality pieces
-def test_a_store_in_locality_pieces_trains_as_single_process(graph, references, tmp_path, monkeypatch):
+def test_a_store_in_locality_pieces_trains_as_single_process(graph, references, tmp_path):
     """Parts of ~105 rows cut into pieces of 25 (``partition.part_locality_key``): inside each
     part the inner rows still come first, each group runs piece by piece, and graph parallelism
     on that store equals single-process training (float64) as on any other numbering."""
-    from gnnpipe import partition
+    from gnnpipe.partition import part_locality_key
 
-    monkeypatch.setattr(partition, "LOCALITY_PART_NODES", 25)
     a = partition_graph(graph, "metis", 2, seed=1)
-    key = partition.part_locality_key(graph, a, 2)
+    key = part_locality_key(graph, a, 2, part_nodes=25)
     assert [len(np.unique(key[a == p])) for p in range(2)] == [int((a == p).sum()) // 25 for p in range(2)]
     path = tmp_path / "pieces-2.h5"
-    materialize(graph, a, path, method="metis")
+    materialize(graph, a, path, method="metis", piece_nodes=25)
     with ChunkStore(path) as s:
         for p in range(2):
             lo, hi, ni = int(s.offsets[p]), int(s.offsets[p + 1]), s.n_inner(p)

@@ -76,10 +76,10 @@ class Part:
 
 
 # --------------------------------------------------------------------------- writing
-def _renumber(graph: Graph, a: np.ndarray, k: int):
+def _renumber(graph: Graph, a: np.ndarray, k: int, piece_nodes: int | None = None):
     """perm (new -> original), offsets, n_inner per part, and the in-edge CSR in new ids."""
     n = graph.num_nodes
-    piece = part_locality_key(graph, a, k)  # before the arrays below: METIS peaks alone
+    piece = part_locality_key(graph, a, k, part_nodes=piece_nodes)  # first: METIS peaks alone
     deg_in = graph.in_degrees()
     row = np.repeat(np.arange(n, dtype=np.int64), deg_in)  # (E,) destination of each edge
     cut = a[row] != a[graph.indices]
@@ -124,11 +124,14 @@ def _send_lists(halo_ptr: np.ndarray, halo: np.ndarray, offsets: np.ndarray, k: 
 
 
 def materialize(graph: Graph, assignment: np.ndarray, path: str | os.PathLike, *,
-                graph_hash: str | None = None, method: str = "", progress: bool = False) -> None:
+                graph_hash: str | None = None, method: str = "", progress: bool = False,
+                piece_nodes: int | None = None) -> None:
     """Write the chunk store of ``graph`` cut by ``assignment`` to ``path``, atomically.
 
     ``graph_hash`` is the source graph's content hash (computed when not given); a
     reader with ``expect_graph_hash`` refuses a store made from another graph.
+    ``piece_nodes``: nodes per locality piece (default ``partition.LOCALITY_PART_NODES``; one
+    larger than every part keeps the order by id: ``benchmarks/bench_locality.py`` compares).
     """
     from tqdm import tqdm
 
@@ -140,7 +143,7 @@ def materialize(graph: Graph, assignment: np.ndarray, path: str | os.PathLike, *
         raise GnnPipeError(f"{path}: part {int(np.argmin(sizes))} of the {k} parts is empty; "
                            f"repartition with fewer parts")
     graph_hash = graph.content_hash() if graph_hash is None else graph_hash
-    perm, _, offsets, n_inner, indptr, indices = _renumber(graph, a, k)
+    perm, _, offsets, n_inner, indptr, indices = _renumber(graph, a, k, piece_nodes)
     deg_in = graph.in_degrees()[perm]
     deg_out = graph.out_degrees()[perm]
     halo_ptr, halo = halo_sets(indptr, indices, np.repeat(np.arange(k, dtype=np.int64), sizes), k)
