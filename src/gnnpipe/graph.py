@@ -52,6 +52,18 @@ def index_dtype(num_nodes: int) -> np.dtype:
 CSR_CHUNK = 1 << 23
 
 
+def row_entries(indptr: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``rows`` of a CSR, in that order: their row pointer ``(len(rows) + 1,)`` and the
+    positions of their entries in the CSR's ``indices`` (``(nnz,)``, row by row, each row's
+    entries in their order): ``indices[pos]`` are the rows' entries."""
+    deg = indptr[rows + 1] - indptr[rows]
+    ptr = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(deg, out=ptr[1:])
+    pos = np.repeat(indptr[rows] - ptr[:-1], deg)
+    pos += np.arange(int(ptr[-1]), dtype=np.int64)
+    return ptr, pos
+
+
 @dataclass
 class Graph:
     """A node-classification graph held as a CSR of in-edges.
@@ -117,9 +129,7 @@ class Graph:
         lo = 0
         while lo < n:  # new rows [lo, hi) hold about `chunk` entries
             hi = max(int(np.searchsorted(indptr, indptr[lo] + chunk, side="right")) - 1, lo + 1)
-            start = self.indptr[order[lo:hi]]  # where each new row's entries lie in the old indices
-            pos = np.repeat(start - indptr[lo:hi], deg[lo:hi]) + np.arange(indptr[lo], indptr[hi])
-            indices[indptr[lo]:indptr[hi]] = new_id[self.indices[pos]]
+            indices[indptr[lo]:indptr[hi]] = new_id[self.indices[row_entries(self.indptr, order[lo:hi])[1]]]
             lo = hi
         return Graph(indptr, indices, self.features[order], self.labels[order], self.train_mask[order],
                      self.val_mask[order], self.test_mask[order], self.num_classes, name=self.name,

@@ -31,7 +31,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from .costmodel.stages import available_memory, metis_extra_bytes
-from .graph import Graph
+from .graph import Graph, row_entries
 from .io import GnnPipeError, atomic_path
 
 METHODS = ("metis", "random", "contiguous")
@@ -144,35 +144,37 @@ def part_locality_key(graph: Graph, assignment: np.ndarray, parts: int, *,
     sizes = np.bincount(assignment, minlength=parts)
     for p in np.flatnonzero(sizes >= 2 * part_nodes):
         nodes = np.flatnonzero(assignment == p)  # ascending ids
+        m = len(nodes)
         local = np.full(n, -1, dtype=np.int64)
-        local[nodes] = np.arange(len(nodes), dtype=np.int64)
-        deg = graph.indptr[nodes + 1] - graph.indptr[nodes]
-        ptr = np.zeros(len(nodes) + 1, dtype=np.int64)
-        np.cumsum(deg, out=ptr[1:])
-        src = local[graph.indices[np.repeat(graph.indptr[nodes] - ptr[:-1], deg) + np.arange(ptr[-1])]]
+        local[nodes] = np.arange(m, dtype=np.int64)
+        ptr, pos = row_entries(graph.indptr, nodes)
+        src = local[graph.indices[pos]]  # the part's in-edges, sources renamed (-1: outside the part)
+        del local, pos
         inside = src >= 0
-        sub_ptr = np.zeros(len(nodes) + 1, dtype=np.int64)
-        row = np.repeat(np.arange(len(nodes), dtype=np.int64), deg)
-        np.cumsum(np.bincount(row[inside], minlength=len(nodes)), out=sub_ptr[1:])
-        del row
-        del local, deg, ptr
-        sub = Graph(sub_ptr, src[inside], np.zeros((len(nodes), 0), np.float32), np.zeros(len(nodes), np.int64),
-                    *(np.zeros(len(nodes), bool),) * 3, num_classes=1, name=f"{graph.name} part {p}")
+        sub_ptr = np.zeros(m + 1, dtype=np.int64)
+        np.cumsum(np.bincount(np.repeat(np.arange(m, dtype=np.int64), np.diff(ptr))[inside], minlength=m),
+                  out=sub_ptr[1:])
+        xadj, adjncy = _symmetric_csr(sub_ptr, src[inside], m)
         del src, inside
-        key[nodes] = _metis(sub, len(nodes) // part_nodes, seed, balance_edges=False)
+        key[nodes] = _part_graph(xadj, adjncy, m // part_nodes, seed)
     return key
+
 
 def symmetric_adjacency(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
     """CSR ``(xadj, adjncy)`` of the undirected graph: both directions, no self loops, no duplicates.
 
     Built with scipy's CSR addition ``A + A^T`` (linear time; a sort of 2E keys is ~20x slower).
     """
-    n = graph.num_nodes
-    row = np.repeat(np.arange(n, dtype=np.int64), graph.in_degrees())
-    keep = graph.indices != row
-    indptr = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(row[keep], minlength=n), out=indptr[1:])
-    a = sp.csr_array((np.ones(int(indptr[-1]), dtype=bool), graph.indices[keep], indptr), shape=(n, n))
+    return _symmetric_csr(graph.indptr, graph.indices, graph.num_nodes)
+
+
+def _symmetric_csr(indptr: np.ndarray, indices: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`symmetric_adjacency` of an in-edge CSR ``(indptr, indices)`` of ``n`` nodes."""
+    row = np.repeat(np.arange(n, dtype=np.int64), np.diff(indptr))
+    keep = indices != row
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(row[keep], minlength=n), out=ptr[1:])
+    a = sp.csr_array((np.ones(int(ptr[-1]), dtype=bool), indices[keep], ptr), shape=(n, n))
     s = (a + a.T).tocsr()  # boolean: duplicates and both directions merge to one entry
     s.sort_indices()
     return s.indptr.astype(np.int64, copy=False), s.indices.astype(np.int64, copy=False)
@@ -189,15 +191,20 @@ def _check_metis_memory(graph: Graph, memory_bytes: Optional[int]) -> None:
 
 
 def _metis(graph: Graph, parts: int, seed: int, balance_edges: bool) -> np.ndarray:
+    xadj, adjncy = symmetric_adjacency(graph)
+    return _part_graph(xadj, adjncy, parts, seed, graph.in_degrees() + 1 if balance_edges else None)
+
+
+def _part_graph(xadj: np.ndarray, adjncy: np.ndarray, parts: int, seed: int,
+                vweights: Optional[np.ndarray] = None) -> np.ndarray:
+    """k-way METIS (one pymetis call) on a symmetric adjacency: ``(n,) int64`` parts."""
     import pymetis
 
     idx = pymetis.zero_copy_dtype()  # METIS's idx_t: no copy when the arrays already match
-    xadj, adjncy = symmetric_adjacency(graph)
-    vweights = (graph.in_degrees() + 1).astype(idx) if balance_edges else None
-    options = pymetis.Options(seed=int(seed))
     _, membership = pymetis.part_graph(
         parts, pymetis.CSRAdjacency(xadj.astype(idx, copy=False), adjncy.astype(idx, copy=False)),
-        vweights=vweights, options=options, recursive=False)
+        vweights=None if vweights is None else vweights.astype(idx), options=pymetis.Options(seed=int(seed)),
+        recursive=False)
     return np.asarray(membership, dtype=np.int64)
 
 

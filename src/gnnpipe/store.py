@@ -44,7 +44,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from .graph import Graph, read_graph_attrs
+from .graph import Graph, read_graph_attrs, row_entries
 from .io import GnnPipeError, atomic_path, hash_arrays
 from .models.block import Block
 from .partition import check_assignment, halo_sets, part_locality_key
@@ -80,8 +80,7 @@ def _renumber(graph: Graph, a: np.ndarray, k: int, piece_nodes: int | None = Non
     """perm (new -> original), offsets, n_inner per part, and the in-edge CSR in new ids."""
     n = graph.num_nodes
     piece = part_locality_key(graph, a, k, part_nodes=piece_nodes)  # first: METIS peaks alone
-    deg_in = graph.in_degrees()
-    row = np.repeat(np.arange(n, dtype=np.int64), deg_in)  # (E,) destination of each edge
+    row = np.repeat(np.arange(n, dtype=np.int64), graph.in_degrees())  # (E,) destination of each edge
     cut = a[row] != a[graph.indices]
     boundary = np.zeros(n, dtype=bool)
     boundary[row[cut]] = True
@@ -96,12 +95,7 @@ def _renumber(graph: Graph, a: np.ndarray, k: int, piece_nodes: int | None = Non
     np.cumsum(sizes, out=offsets[1:])
     n_inner = np.bincount(a[~boundary], minlength=k)
 
-    new_deg = deg_in[perm]
-    indptr = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(new_deg, out=indptr[1:])
-    # edge j of new row i is original edge graph.indptr[perm[i]] + (j - indptr[i])
-    gather = np.repeat(graph.indptr[:-1][perm] - indptr[:-1], new_deg)
-    gather += np.arange(graph.num_edges, dtype=np.int64)
+    indptr, gather = row_entries(graph.indptr, perm)  # the rows in new order, their entries' positions
     indices = inv[graph.indices[gather]]
     del gather
     m = sp.csr_array((np.ones(len(indices), dtype=bool), indices, indptr), shape=(n, n))
