@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -46,6 +45,7 @@ import time
 import numpy as np
 
 from gnnpipe.io import write_json
+from machine import machine_record
 
 FAIRCHEM_ANCHOR = {"efficiency": 0.646, "all_gather_efficiency": 0.378, "gpus": 256, "device": "H200",
                    "atoms_per_gpu": 4000, "what": "fairchem (UMA) graph parallelism, all-to-all of boundary rows; "
@@ -275,8 +275,7 @@ def main(argv=None) -> int:
     out = {"weak_scaling": weak, "neighbour_list": neighbours, "halo_fit": fit, "extrapolation": extra, "anchor": FAIRCHEM_ANCHOR,
            "settings": {"atoms_per_worker": a.atoms_per_worker, "cutoff": a.cutoff, "steps": a.steps,
                         "model": "dimenetpp small, gradient forces, float32", "threads_per_worker": 1},
-           "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "cpus": os.cpu_count(),
-                       "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg())},
+           "machine": machine_record(load0),
            "wall_s": time.perf_counter() - t0}
     write_json(a.out, out)
     return 0 if all(r["ledger_equals_closed_form"] for r in weak) else 1

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,9 +40,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from bench_foundation import DEFAULT_DGL, dgl_command, our_step
+from machine import machine_record
 from gnnpipe.config import SyntheticConfig
 from gnnpipe.data.synthetic import generate
 from gnnpipe.graph import write_graph
@@ -167,8 +166,7 @@ def main(argv=None) -> int:
         "threads": a.threads, "epochs": a.epochs, "target_speedup_sage": 2.0,
         "models": models, "loadavg_1min_median": statistics.median(loads),
         "ours_process": "as gnnpipe.train.run sets one up: --threads threads, retain_freed_memory()",
-        "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "cpus": os.cpu_count(),
-                    "torch": torch.__version__, "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg())},
+        "machine": machine_record(load0),
         "wall_s": time.perf_counter() - t0})
     return 0
 

@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 from bench_modes import layout, run_layout
+from machine import machine_record
 from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, PipelineConfig, RunConfig,
                             SyntheticConfig, TrainingConfig)
 from gnnpipe.data.synthetic import generate
@@ -120,8 +118,7 @@ def main(argv=None) -> int:
     write_json(a.out, {
         "benchmark": "locality", "graph": graph_info, "model": {"kind": a.kind, "layers": 3, "hidden": a.hidden},
         "modes": modes, "setup_s": setup, "rounds": a.rounds, "epochs": a.epochs,
-        "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "cpus": os.cpu_count(),
-                    "torch": torch.__version__, "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg())},
+        "machine": machine_record(load0),
         "wall_s": time.perf_counter() - t0})
     return 0
 

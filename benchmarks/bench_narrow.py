@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ from gnnpipe.graph import write_graph
 from gnnpipe.io import write_json
 from gnnpipe.partition import partition_graph
 from gnnpipe.store import materialize
+from machine import machine_record
 
 FEATURES, HIDDEN, CLASSES, LAYERS = 64, 128, 16, 3
 
@@ -133,8 +133,7 @@ def main(argv=None) -> int:
         "measured_floats_per_mirror": measured, "ledger_equals_closed_form": all(m == sum(ours) for m in measured),
         "predicted_halo_bytes": res[0]["predicted"]["halo"],
         "halo_row_widths_one_epoch": res[0]["widths"],
-        "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "cpus": os.cpu_count(),
-                    "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg())},
+        "machine": machine_record(load0),
         "wall_s": time.perf_counter() - t0,
     }
     print(f"[bench_narrow] Σ mirrors {M} ({mirrors}); floats per mirror per epoch, layer by layer:")
