@@ -108,6 +108,8 @@ def test_bools_and_numbers_are_not_confused():
     (lambda c: c.update(training={"lr": float("nan")}), "config.training.lr: expected a finite number, got nan"),
     (lambda c: c.update(training={"weight_decay": float("inf")}), "expected a finite number, got inf"),
     (lambda c: c.update(training={"dist_timeout_s": 0}), "config.training.dist_timeout_s: 0 must be in [1, 604800]"),
+    (lambda c: c.update(training={"node_order": "metis"}),
+     "config.training.node_order: 'metis' is not one of 'locality', 'given'"),
     (lambda c: c["runs"][0].update(epochs=0), "config.runs[0].epochs: 0 must be >= 1"),
     (lambda c: c["runs"][0].update(name="../../escape"), "config.runs[0].name: '../../escape' is not a valid name"),
     (lambda c: c["models"].update({"a/b": {}}), "config.models.a/b: 'a/b' is not a valid name"),
