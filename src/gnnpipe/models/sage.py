@@ -60,7 +60,7 @@ class SAGEConv(nn.Module):
         static = z_src is None and self.static_input and not h_src.requires_grad
         if static:
             # raw features: [x_dst | mean of x] memoised (n_dst, 2 in), then both maps and the bias in
-            # one addmm (one product forward and one weight gradient backward, not two of each)
+            # one product, ops.linear (one forward and one weight gradient backward, not two of each)
             xa = static_aggregate(h_src, block, "self|mean", _self_and_mean)
             if xa is not None:
                 return linear(xa, torch.cat([self.weight_self, self.weight_neigh], dim=1), self.bias)
