@@ -151,6 +151,23 @@ def test_results_may_be_any_directory_of_the_users(tmp_path):
         assert load_workflow_config(_wf(results=results)).results == results
 
 
+def test_results_naming_a_file_is_refused_in_one_line(tmp_path, monkeypatch):
+    """results: naming an existing file passed the check; Snakemake then died with a 44-line
+    NotADirectoryError (issue 37, item 6). The same check guards a run's out_dir."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("")
+    for results, there in (("notes.txt", "is the file"), ("notes.txt/results", "is under the file")):
+        with pytest.raises(ConfigError) as err:
+            load_workflow_config(_wf(results=results))
+        assert str(err.value) == (f"config.results: {results!r} {there} {tmp_path / 'notes.txt'}, not a directory; "
+                                  "name a directory for the outputs (or move that file)")
+    run = yaml.safe_load(dump_run_config(next(iter(resolve_runs(load_workflow_config(_wf())).values()))))
+    with pytest.raises(ConfigError, match=r"^config.out_dir: 'notes.txt/runs/x' is under the file"):
+        from_dict(RunConfig, {**run, "out_dir": "notes.txt/runs/x"})
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d["training"].update(epochs=-5), "training.epochs: -5 must be >= 1"),
     (lambda d: d["model"].update(hidden=0), "model.hidden: 0 must be >= 1"),
