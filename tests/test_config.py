@@ -168,6 +168,19 @@ def test_results_naming_a_file_is_refused_in_one_line(tmp_path, monkeypatch):
         from_dict(RunConfig, {**run, "out_dir": "notes.txt/runs/x"})
 
 
+def test_an_empty_workflow_config_is_refused_not_a_config_of_no_runs(tmp_path, capsys):
+    """`gnnpipe runs --config <empty file>` exited 0 and printed nothing."""
+    from gnnpipe.cli import main
+
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    assert main(["runs", "--config", str(tmp_path / "empty.yaml")]) == 2
+    assert capsys.readouterr().err == (f"gnnpipe: error: {tmp_path / 'empty.yaml'}: empty; a workflow config names "
+                                       "its datasets, models and runs (config/config.yaml is an example)\n")
+    (tmp_path / "none.yaml").write_text("datasets: {}\nmodels: {}\nruns: []\n")  # valid, and says so
+    assert main(["runs", "--config", str(tmp_path / "none.yaml")]) == 0
+    assert capsys.readouterr() == ("", f"gnnpipe: {tmp_path / 'none.yaml'}: defines no runs (its runs: list is empty)\n")
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d["training"].update(epochs=-5), "training.epochs: -5 must be >= 1"),
     (lambda d: d["model"].update(hidden=0), "model.hidden: 0 must be >= 1"),

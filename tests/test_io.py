@@ -247,6 +247,26 @@ def test_a_read_only_file_system_is_refused_with_its_own_advice(read_only_dir):
     assert str(gio.write_error("x.pt", OSError(errno.EROFS, "Read-only file system"))) == f"x.pt: {advice}"
 
 
+def test_empty_files_are_refused_by_name_not_with_an_empty_reason(tmp_path):
+    from gnnpipe import io as gio
+    from gnnpipe.atomic.modelfile import load_model_file
+    from gnnpipe.checkpoint import load_checkpoint
+
+    (tmp_path / "model.pt").write_bytes(b"")
+    for load, fix in ((load_checkpoint, "delete it and re-run 'train'"), (load_model_file, "write it again")):
+        with pytest.raises(gio.GnnPipeError) as err:
+            load(tmp_path / "model.pt")
+        assert str(err.value).startswith(f"{tmp_path / 'model.pt'}: empty (0 bytes: a write cut short?), not a ")
+        assert fix in str(err.value) and "()" not in str(err.value)
+    from gnnpipe.checkpoint import load_shard, resume_dir
+
+    shard = resume_dir(tmp_path) / "epoch-000001" / "rank-0.pt"  # a resume round's shard likewise
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"")
+    with pytest.raises(gio.GnnPipeError, match=rf"^{shard}: empty \(0 bytes: a write cut short\?\), not a checkpoint;"):
+        load_shard(tmp_path, {"dir": "epoch-000001"}, 0)
+
+
 def _subcommands():
     import argparse
 

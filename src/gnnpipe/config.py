@@ -707,7 +707,10 @@ def workflow_schema(path: str | Path) -> dict:
 
 def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
     if not isinstance(data, dict):
-        data = load_yaml(data)
+        path, data = data, load_yaml(data)
+        if data is None:  # an empty file (or only comments): not a config of no runs
+            raise ConfigError(f"{path}: empty; a workflow config names its datasets, models and runs "
+                              "(config/config.yaml is an example)")
     wf = from_dict(WorkflowConfig, data)
     for i, run in enumerate(wf.runs):
         where = f"config.runs[{i}]"

@@ -207,6 +207,16 @@ def _stream(path, suffix: str) -> Iterator[Path]:
             os.unlink(tmp)
 
 
+def empty_file(path: str | os.PathLike) -> bool:
+    """``path`` is a regular file of 0 bytes (a copy or a write cut short): readers refuse it in their
+    own words first, as torch's says nothing for one (``EOFError`` with an empty message)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == 0
+
+
 def write_torch(path: str | os.PathLike, obj) -> None:
     """``torch.save(obj)`` to ``path``, atomically. Through a Python file object: torch's own
     writer reports a full disk as "unexpected pos 128 vs 0", the file object's OSError says ENOSPC."""
