@@ -151,6 +151,36 @@ def test_results_may_be_any_directory_of_the_users(tmp_path):
         assert load_workflow_config(_wf(results=results)).results == results
 
 
+def test_results_naming_a_file_is_refused_in_one_line(tmp_path, monkeypatch):
+    """results: naming an existing file passed the check; Snakemake then died with a 44-line
+    NotADirectoryError (issue 37, item 6). The same check guards a run's out_dir."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("")
+    for results, there in (("notes.txt", "is the file"), ("notes.txt/results", "is under the file")):
+        with pytest.raises(ConfigError) as err:
+            load_workflow_config(_wf(results=results))
+        assert str(err.value) == (f"config.results: {results!r} {there} {tmp_path / 'notes.txt'}, not a directory; "
+                                  "name a directory for the outputs (or move that file)")
+    run = yaml.safe_load(dump_run_config(next(iter(resolve_runs(load_workflow_config(_wf())).values()))))
+    with pytest.raises(ConfigError, match=r"^config.out_dir: 'notes.txt/runs/x' is under the file"):
+        from_dict(RunConfig, {**run, "out_dir": "notes.txt/runs/x"})
+
+
+def test_an_empty_workflow_config_is_refused_not_a_config_of_no_runs(tmp_path, capsys):
+    """`gnnpipe runs --config <empty file>` exited 0 and printed nothing."""
+    from gnnpipe.cli import main
+
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    assert main(["runs", "--config", str(tmp_path / "empty.yaml")]) == 2
+    assert capsys.readouterr().err == (f"gnnpipe: error: {tmp_path / 'empty.yaml'}: empty; a workflow config names "
+                                       "its datasets, models and runs (config/config.yaml is an example)\n")
+    (tmp_path / "none.yaml").write_text("datasets: {}\nmodels: {}\nruns: []\n")  # valid, and says so
+    assert main(["runs", "--config", str(tmp_path / "none.yaml")]) == 0
+    assert capsys.readouterr() == ("", f"gnnpipe: {tmp_path / 'none.yaml'}: defines no runs (its runs: list is empty)\n")
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d["training"].update(epochs=-5), "training.epochs: -5 must be >= 1"),
     (lambda d: d["model"].update(hidden=0), "model.hidden: 0 must be >= 1"),

@@ -135,6 +135,27 @@ def test_relax_systems_with_the_reference_as_the_model_scores_perfectly(slabs, t
     assert {p.name for p in (tmp_path / "traj").iterdir()} == {"0-ml.traj", "0-ref.traj", "1-ml.traj", "1-ref.traj"}
 
 
+def test_trajectories_are_checked_first_and_written_atomically(slabs, tmp_path):
+    """relax --trajectories onto a file was a traceback; a relaxation that failed half-way left a
+    half-written trajectory (issue 37, item 1)."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(GnnPipeError, match=rf"^{tmp_path / 'file'}: cannot write there: .* is not a directory"):
+        relax_systems(systems_to_atoms(slabs, [0]), EMT(), trajectories=tmp_path / "file")
+
+    class Failing(EMT):  # its fourth computation fails: the relaxation stops after three steps
+        calls = 0
+
+        def calculate(self, *args, **kwargs):
+            Failing.calls += 1
+            if Failing.calls > 3:
+                raise RuntimeError("calculator failed")
+            super().calculate(*args, **kwargs)
+
+    with pytest.raises(RuntimeError, match="calculator failed"):
+        relax_systems(systems_to_atoms(slabs, [0]), Failing(), trajectories=tmp_path / "traj", fmax=1e-6)
+    assert Failing.calls == 4 and list((tmp_path / "traj").iterdir()) == []
+
+
 def test_relax_systems_with_a_model_and_without_a_reference(slabs):
     from gnnpipe.ase import GNNPipeCalculator
     calc = GNNPipeCalculator(tiny_atomic_model(slabs, "dimenetpp"))

@@ -36,7 +36,7 @@ import torch
 
 from .config import RunConfig, flatten, to_dict
 from .graph import read_graph_attrs
-from .io import GnnPipeError, write_json, write_torch
+from .io import GnnPipeError, empty_file, write_json, write_torch
 
 FORMAT = 1
 RESUME_DIR = "resume"
@@ -207,6 +207,8 @@ def check_manifest(manifest: dict, out_dir, *, cfg, fingerprint: dict, world_siz
 def load_shard(out_dir, manifest: dict, rank: int) -> dict:
     """This rank's shard of the manifest's round, its digest checked against both records."""
     path = resume_dir(out_dir) / manifest["dir"] / f"rank-{rank}.pt"
+    if empty_file(path):
+        raise GnnPipeError(_refusal(path, "empty (0 bytes: a write cut short?), not a checkpoint"))
     try:
         shard = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -294,6 +296,9 @@ def finish(out_dir) -> None:
 # --------------------------------------------------------------------------- the run's fingerprint
 def load_checkpoint(path: str | Path) -> dict:
     """A checkpoint written by the trainer, loaded safely (``weights_only=True``)."""
+    if empty_file(path):
+        raise GnnPipeError(f"{path}: empty (0 bytes: a write cut short?), not a checkpoint; delete it and re-run "
+                           "'train'")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:

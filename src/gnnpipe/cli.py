@@ -220,6 +220,8 @@ def _runs(a):
             raise GnnPipeError(f"no run {a.resolve!r} in {a.config} (runs: {', '.join(runs)})")
         print(dump_run_config(runs[a.resolve]), end="")
         return
+    if not runs:
+        print(f"gnnpipe: {a.config}: defines no runs (its runs: list is empty)", file=sys.stderr)
     for rid, r in runs.items():
         print(f"{rid}\t{r.mode}\tworkers={r.workers} stages={r.stages} ways={r.ways} chunks={r.chunks}")
 
@@ -275,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--name", required=True, help="dataset name, as in the config's datasets")
     d.add_argument("--out", required=True, help="graph file to write (results/data/<name>/graph.h5)")
     d.add_argument("--stats", help="also write a JSON summary (sizes, degrees, splits)")
-    d.set_defaults(func=_data)
+    d.set_defaults(func=_data, outputs=("out", "stats"))
 
     g = sub.add_parser("atom-graphs", help="radius graphs and triplets of atomistic systems",
                        description="For every system of a systems.h5 (`gnnpipe data` on an atoms dataset): "
@@ -286,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-neighbors", type=int, required=True, help="nearest neighbours kept per atom")
     g.add_argument("--out", required=True, help="results/data/<name>/graphs.h5")
     g.add_argument("--stats", help="also write a JSON summary (edges, triplets per system)")
-    g.set_defaults(func=_atom_graphs)
+    g.set_defaults(func=_atom_graphs, outputs=("out", "stats"))
 
     from .kinds import ATOMIC_MODELS
 
@@ -325,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="METIS without degree vertex weights (balances nodes, not edges)")
     q.add_argument("--out", required=True, help="assignment file (.npy, one part id per node)")
     q.add_argument("--stats", help="statistics JSON")
-    q.set_defaults(func=_partition)
+    q.set_defaults(func=_partition, outputs=("out", "stats"))
 
     m = sub.add_parser("materialize", help="write the chunk store (HDF5) of a partition",
                        description="Renumber nodes so each part is a contiguous id range and write, per "
@@ -333,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--graph", required=True, help="graph.h5")
     m.add_argument("--assignment", required=True, help="assignment .npy from `gnnpipe partition`")
     m.add_argument("--out", required=True, help="chunk store to write (results/chunks/<d>/<method>-<k>.h5)")
-    m.set_defaults(func=_materialize)
+    m.set_defaults(func=_materialize, outputs=("out",))
 
     t = sub.add_parser("train", help="train one run (under torchrun for parallel modes)",
                        description="Train one run from its resolved config, resuming from its last "
@@ -373,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--allow-partial", action="store_true",
                    help="accept a checkpoint of an unfinished run (e.g. <out_dir>/checkpoint.pt); "
                         "its config and data are still checked")
-    e.set_defaults(func=_evaluate)
+    e.set_defaults(func=_evaluate, outputs=("out", "predictions"))
 
     from .config import RelaxConfig
     rd = RelaxConfig()
@@ -397,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "structures, ML relaxations and energies only (default %(default)s)")
     rx.add_argument("--out", help="default: <out_dir>/relax.json")
     rx.add_argument("--trajectories", help="directory of <i>-ml.traj / <i>-ref.traj (default: <out_dir>/relax)")
-    rx.set_defaults(func=_relax)
+    rx.set_defaults(func=_relax, outputs=("out",), output_dirs=("trajectories",))
 
     pr = sub.add_parser("predict", help="energies, forces (and stress) of structures with a trained atomic model",
                         description="Compute every structure of an extended XYZ or ASE database with a trained "
@@ -413,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--workers", type=int, default=1, help="local processes per structure (graph parallelism; default %(default)s)")
     pr.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     pr.add_argument("--dtype", choices=("float32", "float64"), help="default: the model's own")
-    pr.set_defaults(func=_predict)
+    pr.set_defaults(func=_predict, outputs=("out",))
 
     r = sub.add_parser("report", help="table and plots over runs",
                        description="Write a Markdown table over all run records and PNG plots.")
@@ -429,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "DIR/<dataset>/*.yaml profiles calibrated to a model (`gnnpipe calibrate`): "
                         "a run uses the one fitted to its model, else --hardware (default: "
                         "statistics cached next to each graph.h5, no calibration)")
-    r.set_defaults(func=_report)
+    r.set_defaults(func=_report, outputs=("out",), output_dirs=("plots",))
 
     s = sub.add_parser("runs", help="list the runs a workflow config defines",
                        description="Validate a workflow config and list its runs, or print one run's "
@@ -483,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
                     help="--calibrate timing: wall clock, or the thread's CPU time (a shared machine)")
     pl.add_argument("--out", help="write the plan as JSON here")
-    pl.set_defaults(func=_plan)
+    pl.set_defaults(func=_plan, outputs=("out",))
 
     c = sub.add_parser(
         "calibrate", help="fit a hardware profile's compute rates to a run's graph and model",
@@ -498,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu (default): the timing thread's CPU time, blind to other jobs on the "
                         "machine; wall: wall-clock time (used anyway for several threads per worker)")
     c.add_argument("--out", required=True, help="profile to write (YAML)")
-    c.set_defaults(func=_calibrate)
+    c.set_defaults(func=_calibrate, outputs=("out",))
 
     ps = sub.add_parser(
         "plan-stats", help="partition statistics the cost model needs, as JSON",
@@ -513,13 +515,27 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--seed", type=int, default=0)
     ps.add_argument("--no-balance-edges", dest="balance_edges", action="store_false")
     ps.add_argument("--out", required=True, help="statistics JSON to write")
-    ps.set_defaults(func=_plan_stats)
+    ps.set_defaults(func=_plan_stats, outputs=("out",))
     return p
+
+
+def check_outputs(args) -> None:
+    """Refuse, before any work, an output the command could not write (``outputs``: files,
+    ``output_dirs``: directories, as each sub-command declares them): a directory or a device
+    where a file goes, a read-only file system, an empty path (gnnpipe.io.check_destination)."""
+    from .io import check_destination, check_directory
+
+    for names, check in ((getattr(args, "outputs", ()), check_destination),
+                         (getattr(args, "output_dirs", ()), check_directory)):
+        for name in names:
+            if getattr(args, name) is not None:
+                check(getattr(args, name), "--" + name.replace("_", "-"))
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_outputs(args)
         return args.func(args) or 0  # launch returns its command's status; the others None
     except GnnPipeError as e:
         print(f"gnnpipe: error: {e}", file=sys.stderr)

@@ -14,7 +14,7 @@ of the offending key. Both shapes go through the same checks (``from_dict``): ty
 bounds in ``BOUNDS`` (the JSON schema carries the same ones; a test keeps them equal),
 finite numbers and integers that fit in 64 bits only, names that are safe in paths, file
 paths without control characters (``PATHS``; spaces are fine, the rules quote every path),
-and no output directory inside a system directory (``check_output_dir``). A run key its
+and no output directory inside a system directory or a file (``check_output_dir``). A run key its
 mode would ignore (``stages`` on a graph run, ``data_parallel`` on a node run) is refused.
 """
 
@@ -546,10 +546,15 @@ def check_path(value: str, where: str, *, snakemake: bool) -> None:
 
 
 def check_output_dir(value: str, where: str) -> None:
-    """Refuse an empty output directory or one that lies in (or is) a system directory."""
+    """Refuse an empty output directory, one that lies in (or is) a system directory, and one that
+    is (or lies under) a file."""
     if not value:
         raise ConfigError(f"{where}: must not be empty")
     resolved = Path(value).resolve()
+    there = next((p for p in (resolved, *resolved.parents) if p.exists()), None)
+    if there is not None and not there.is_dir():
+        raise ConfigError(f"{where}: {value!r} is {'' if there == resolved else 'under '}the file {there}, not a "
+                          f"directory; name a directory for the outputs (or move that file)")
     for d in SYSTEM_DIRS:
         system = Path(d).resolve()
         if resolved == Path("/") or resolved == system or system in resolved.parents:
@@ -702,7 +707,10 @@ def workflow_schema(path: str | Path) -> dict:
 
 def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
     if not isinstance(data, dict):
-        data = load_yaml(data)
+        path, data = data, load_yaml(data)
+        if data is None:  # an empty file (or only comments): not a config of no runs
+            raise ConfigError(f"{path}: empty; a workflow config names its datasets, models and runs "
+                              "(config/config.yaml is an example)")
     wf = from_dict(WorkflowConfig, data)
     for i, run in enumerate(wf.runs):
         where = f"config.runs[{i}]"

@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..io import GnnPipeError
+from ..io import GnnPipeError, atomic_path, check_destination, check_directory
 
 ADWT_THRESHOLDS = np.arange(0.01, 0.5, 0.001)  # Å, fairchem's average_distance_within_threshold
 AFBT_THRESHOLDS = np.arange(0.01, 0.4, 0.001)  # eV/Å
@@ -106,8 +106,8 @@ def relax(atoms, calc, optimizer: str = "lbfgs", fmax: float = 0.02, steps: int 
     work.calc = calc
     kwargs = {**(LBFGS_DEFAULTS if optimizer == "lbfgs" else {}), **optimizer_kwargs}
     cls = LBFGS if optimizer == "lbfgs" else FIRE
-    opt = cls(work, trajectory=None if trajectory is None else str(trajectory), logfile=logfile, **kwargs)
-    converged = bool(opt.run(fmax=fmax, steps=steps))
+    with cls(work, trajectory=None if trajectory is None else str(trajectory), logfile=logfile, **kwargs) as opt:
+        converged = bool(opt.run(fmax=fmax, steps=steps))  # the trajectory is complete once closed
     energy = float(work.get_potential_energy())
     forces = work.get_forces()  # constrained: fixed atoms read zero
     final = work.copy()
@@ -198,20 +198,23 @@ def relax_systems(structures: Sequence, model_calc, reference: Optional[Callable
     from tqdm import tqdm
 
     if trajectories is not None:
-        Path(trajectories).mkdir(parents=True, exist_ok=True)
+        check_directory(trajectories, "trajectories").mkdir(parents=True, exist_ok=True)
     per, ml_pos, ref_pos, cells, pbcs, frees, ref_f_at_ml = [], [], [], [], [], [], []
 
-    def traj(i, what):
-        return None if trajectories is None else Path(trajectories) / f"{i}-{what}.traj"
+    def relaxed(start, calc, i, what) -> Relaxation:  # each trajectory written atomically, as every output
+        if trajectories is None:
+            return relax(start, calc, optimizer, fmax, steps)
+        with atomic_path(Path(trajectories) / f"{i}-{what}.traj", ".traj") as tmp:
+            return relax(start, calc, optimizer, fmax, steps, tmp)
 
     for i, atoms in enumerate(tqdm(structures, desc="relax", unit="system", file=sys.stderr, disable=not progress)):
         start = rattle(atoms, [seed, i], rattle_stdev)
-        ml = relax(start, model_calc, optimizer, fmax, steps, traj(i, "ml"))
+        ml = relaxed(start, model_calc, i, "ml")
         row = {"index": i, "name": names[i] if names is not None else str(i),
                "formula": atoms.get_chemical_formula(), "atoms": len(atoms), "free_atoms": int(free_mask(atoms).sum()),
                "ml_energy": ml.energy, "ml_steps": ml.steps, "ml_converged": ml.converged, "ml_fmax": ml.fmax}
         if reference is not None:
-            ref = relax(start, reference(), optimizer, fmax, steps, traj(i, "ref"))
+            ref = relaxed(start, reference(), i, "ref")
             at_ml = ml.atoms.copy()
             at_ml.calc = reference()
             f = at_ml.get_forces(apply_constraint=False)
@@ -269,7 +272,8 @@ def relax_run(cfg, *, systems: int = 4, optimizer: str = "lbfgs", fmax: float = 
         raise GnnPipeError(f"unknown reference calculator {reference!r}; known: {', '.join(REFERENCES)} (or none)")
     run_dir = Path(cfg.out_dir)
     out = Path(out or run_dir / RELAX_FILE)
-    trajectories = Path(trajectories or run_dir / "relax")
+    check_destination(out, "out")  # before the work: a relaxation takes minutes
+    trajectories = check_directory(trajectories or run_dir / "relax", "trajectories")
     data = read_systems(cfg.systems_path)
     test = np.nonzero(data["split"] == SPLIT_NAMES.index("test"))[0]
     if not len(test):

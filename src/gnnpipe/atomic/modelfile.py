@@ -38,7 +38,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..io import GnnPipeError, atomic_path
+from ..io import GnnPipeError, atomic_path, empty_file
 
 FORMAT = "gnnpipe-atomic-model"
 FORMAT_VERSION = 1
@@ -209,6 +209,9 @@ def load_model_file(path) -> ModelFile:
 def _read(path: Path):
     """``torch.load(weights_only=True)``; its digest (if any) checked; one-line errors."""
     from ..checkpoint import digest
+    if empty_file(path):
+        raise GnnPipeError(f"{path}: empty (0 bytes: a write cut short?), not a gnnpipe model file; write it again "
+                           "or retrain")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - unpickling errors, truncated zips, not a torch file at all

@@ -22,7 +22,7 @@ from typing import Union
 
 import numpy as np
 
-from ..io import GnnPipeError, atomic_path
+from ..io import GnnPipeError, atomic_path, check_destination
 from .inference import Predictor, check_elements
 from .modelfile import ModelFile, load_model_file
 
@@ -72,6 +72,7 @@ def predict(model: Union[str, os.PathLike, ModelFile, Predictor], structures, ou
     from ase.calculators.singlepoint import SinglePointCalculator
     from tqdm import tqdm
 
+    check_destination(out, "out")  # before the work, which may take long
     rows = read_rows(structures)
     own = not isinstance(model, Predictor)
     if own:
