@@ -155,8 +155,9 @@ class ScheduleConfig:
 class GuardConfig:
     """The divergence guard of an atomic run (gnnpipe.atomic.habits.Guard): a non-finite loss, the
     loss above ``loss_factor`` x its best for ``patience`` epochs in a row, or a force cosine (val,
-    else train) below ``min_force_cos`` at an evaluation after the warmup stops the run: one line,
-    MLflow FAILED, exit non-zero, no model written. ``null`` switches a test off."""
+    else train) below ``min_force_cos`` at an evaluation after the warmup where the loss no longer
+    falls (no new best) stops the run: one line, MLflow FAILED, exit non-zero, no model written.
+    ``null`` switches a test off."""
 
     loss_factor: Optional[float] = 3.0
     patience: int = 3
