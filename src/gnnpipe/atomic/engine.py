@@ -176,7 +176,6 @@ class AtomicEngine:
         self.guard = Guard(spec.guard.loss_factor, spec.guard.patience, spec.guard.min_force_cos,
                            after_epoch=math.ceil(spec.schedule.warmup_epochs),
                            hint=f"lower models.<name>.{cfg.model.kind}.lr (now {self.lr:g}) or see its guard keys")
-        self._epoch_steps: list[list[np.ndarray]] = []
         self._fitted = self.kind.fit is None  # loading a state (resume, evaluate) counts as fitted
 
     def fit_constants(self) -> dict:
@@ -242,7 +241,6 @@ class AtomicEngine:
             self.fit_constants()
         self.model.train()
         steps = self._steps(self.ids["train"], epoch)
-        self._epoch_steps.append(steps)
         reports = []  # this rank's share of each step's loss
         spec = self.cfg.model.spec
         for i, step in enumerate(steps):
@@ -273,14 +271,17 @@ class AtomicEngine:
         return EpochStats(loss=sum(losses) / max(len(steps), 1), compute_s=wall - comm_s, comm_s=comm_s,
                           step_losses=losses)
 
-    def predicted_bytes(self) -> int:
-        """Closed form of one epoch's training bytes (the last epoch's batches; every epoch has the
-        same step sizes up to the order of systems, and bytes depend on the sizes only)."""
-        if self.comm is None or not self._epoch_steps:
+    def predicted_bytes(self, epoch: Optional[int] = None) -> int:
+        """Closed form of epoch ``epoch``'s training bytes, from that epoch's own step batches (None: the
+        run's last epoch). Epochs differ: each draws its own order, so its steps hold other systems, and
+        the bytes depend on their sizes (edges, atoms) and, in the atoms layout, on their halos (7.05 to
+        10.64 MB an epoch on one run, #37 item 9). The trainer records each epoch's beside its ledger."""
+        if self.comm is None:
             return 0
         total = 0
         b = torch.finfo(self.dtype).bits // 8
-        for step in self._epoch_steps[-1]:
+        epoch = self.cfg.training.epochs - 1 if epoch is None else epoch
+        for step in self._steps(self.ids["train"], epoch):
             parts = [self._replica_batch(step, r) for r in range(self.replicas)]
             if self.layout == "atoms" and self.ways > 1:  # the halos of the same partitions as training's
                 halos = [halo_counts(atom_layout(self._batch(p), self.ways)) for p in parts]
