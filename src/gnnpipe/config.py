@@ -183,6 +183,9 @@ class AtomicSpec:
     # the weights evaluated and written as the model: their exponential moving average (None: the last)
     ema_decay: Optional[float] = 0.99
     guard: GuardConfig = field(default_factory=GuardConfig)
+    # every evaluation (training's, gnnpipe evaluate's) scores val and test whole and, of the training
+    # split, a seeded sample of at most this many systems, the same each time (None: all of them)
+    eval_train_systems: Optional[int] = 500
 
 
 @dataclass
@@ -482,7 +485,7 @@ _SEED = Bound(0, 2**31 - 1)
 _TIMEOUT = Bound(1, 7 * 24 * 3600)
 _PIPELINE = dict(chunks_per_stage=_GE1, grad_scale=_GT0, snapshot_every=_GE0, momentum=_BELOW1)
 _ATOMIC = dict(force_weight=_GE0, batch_size=_GE1, lr=_GT0, cutoff=_GT0, clip_grad_norm=_GT0,
-               ema_decay=_BELOW1)  # every AtomicSpec
+               ema_decay=_BELOW1, eval_train_systems=_GE1)  # every AtomicSpec
 
 BOUNDS: dict[type, dict[str, Bound]] = {
     SyntheticConfig: dict(num_nodes=_GE2, avg_degree=_GT0, num_features=_GE1, num_classes=_GE2,

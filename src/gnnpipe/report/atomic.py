@@ -104,6 +104,20 @@ def float32_layouts(runs: list) -> bool:
                 for r in runs if r.record.get("dtype_bytes") == 4}) > 1
 
 
+def sample_note(runs: list) -> list[str]:
+    """Lines saying which runs' ``eval.json`` scored the training split on a sample (#37 item 20)."""
+    def counts(run):
+        ev = run.evaluation or {}
+        return ev.get("train_systems_scored"), ev.get("train_systems")
+    sampled = [(r, *counts(r)) for r in runs if None not in counts(r) and counts(r)[0] < counts(r)[1]]
+    if not sampled:
+        return []
+    which = ", ".join(f"`{r.run_id}` {n:,} of {m:,}" for r, n, m in sampled)
+    return [f"*The train_\\* metrics in eval.json score a seeded sample of the training systems ({which}: the "
+            "model's `eval_train_systems`; `gnnpipe evaluate --train-systems all` scores every one); val and "
+            "test are scored whole.*", ""]
+
+
 def section(runs: list, plots_dir: Path, rel) -> str:
     """Markdown of the atomic runs (empty string when there are none)."""
     if not runs:
@@ -127,6 +141,7 @@ def section(runs: list, plots_dir: Path, rel) -> str:
         plot_curves(ds, model, members, png)
         out += [f"### {ds}: {model}", "", md_table(HEADER, [run_row(r) for r in members]), ""]
         out += [FLOAT32_NOTE, ""] if float32_layouts(members) else []
+        out += sample_note(members)
         out += [f"![loss and validation MAE per epoch, {ds}, {model}]({rel(png)})", ""]
     out += is2rs_section(runs, plots_dir, rel)
     return "\n".join(out)
