@@ -382,12 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", help="default: <out_dir>/model.pt")
     e.add_argument("--out", help="default: <out_dir>/eval.json")
     e.add_argument("--predictions", help="atomic runs: default <out_dir>/predictions.h5")
-    e.add_argument("--allow-partial", action="store_true",
-                   help="accept a checkpoint of an unfinished run (e.g. <out_dir>/checkpoint.pt); "
-                        "its config and data are still checked")
     e.add_argument("--train-systems", type=_train_systems, metavar="N|all",
                    help="atomic runs: score this many training systems (a seeded sample), or all; default the "
                         "model's eval_train_systems (500)")
+    e.add_argument("--allow-partial", action="store_true",
+                   help="accept a checkpoint of an unfinished run (e.g. <out_dir>/checkpoint.pt); "
+                        "its config and data are still checked")
     e.set_defaults(func=_evaluate)
 
     from .config import RelaxConfig
