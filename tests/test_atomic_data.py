@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 
 import h5py
 import numpy as np
@@ -319,3 +321,133 @@ def test_a_files_trajectory_key_splits_by_trajectory_and_a_missing_one_is_one_li
     with pytest.raises(GnnPipeError, match=r"mine.db: row id 1 has no column 'traj' naming its trajectory"):
         data.read_structures(db, group_key="traj")
     assert list(data.read_structures(db, split="random", group_key="traj")["group"]) == list(range(24))
+
+
+@functools.lru_cache
+def _slabs(n: int) -> dict:
+    return data.generate(n, size=(2, 2, 2), seed=5, progress=False)
+
+
+def _labelled_files(tmp_path, n: int = 12, **info) -> tuple:
+    """``n`` generated slabs as extxyz and ASE db with their energies and forces, each structure's ``info``
+    entries (key -> list of values, ``None``: left out) as extxyz info keys and db columns."""
+    import ase
+    import ase.db
+    import ase.io
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    frames = _slabs(n)
+    rows = []
+    for s in range(n):
+        a, b = frames["atom_ptr"][s], frames["atom_ptr"][s + 1]
+        at = ase.Atoms(numbers=frames["z"][a:b], positions=frames["pos"][a:b], cell=frames["cell"][s],
+                       pbc=frames["pbc"][s])
+        at.calc = SinglePointCalculator(at, energy=float(frames["energy"][s]), forces=frames["forces"][a:b])
+        at.info.update({k: v[s] for k, v in info.items() if v[s] is not None})
+        rows.append(at)
+    xyz, db = tmp_path / "mine.extxyz", tmp_path / "mine.db"
+    ase.io.write(xyz, rows, format="extxyz")
+    with ase.db.connect(str(db)) as c:
+        for at in rows:
+            c.write(at, **at.info)
+    return xyz, db
+
+
+NAMES = ["train"] * 7 + ["val"] * 2 + ["test"] * 3
+
+
+def test_a_split_fixed_by_a_key_or_an_index_file_is_the_users(tmp_path):
+    """#37 item 18: a published split, from the data (``split: key``: an extxyz info key / db column naming
+    train, val or test) or from an index file (``split: file``: JSON lists, or NPZ arrays as schnetpack's
+    split.npz names them), is taken as it is; the trajectories are the group_key's where every structure has
+    one, else one per structure."""
+    order = np.random.default_rng(0).permutation(NAMES).tolist()
+    want = [data.SPLITS.index(s) for s in order]
+    xyz, db = _labelled_files(tmp_path, part=order, trajectory=[f"t{s // 3}" for s in range(12)])
+    for path in (xyz, db):
+        got = data.read_structures(path, split="key", split_key="part")
+        assert list(got["split"]) == want and list(got["group"]) == [s // 3 for s in range(12)], path
+        assert got["source"] == f"file:{path.name} split=key split_key=part"
+    ids = {name: [i for i, s in enumerate(order) if s == name] for name in data.SPLITS}
+    (tmp_path / "split.json").write_text(json.dumps(ids))
+    np.savez(tmp_path / "split.npz", **{f"{k}_idx": np.array(v) for k, v in ids.items()})
+    for index in ("split.json", "split.npz"):
+        got = data.read_structures(xyz, split="file", split_file=str(tmp_path / index), group_key="none")
+        assert list(got["split"]) == want and list(got["group"]) == list(range(12)), index
+    (tmp_path / "no-test.json").write_text('{"train": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "val": [10, 11]}')
+    got = data.read_structures(db, split="file", split_file=str(tmp_path / "no-test.json"))
+    assert list(got["split"]) == [0] * 10 + [1, 1]  # a split left out is empty
+
+
+@pytest.mark.parametrize("index,message", [
+    ('{"train": [0, 1, 2, 3, 4, 5, 6, 7], "dev": [8, 9, 10, 11]}', "unknown split 'dev'; name the index lists "
+                                                                   "train, val and test (or train_idx, "),
+    ('{"train": [0, 1, 2, 3, 4, 5, 6, 7], "val": [7, 8], "test": [9, 10, 11]}',
+     "structure 7 is listed twice (train and val); each structure belongs to exactly one split"),
+    ('{"train": [0, 1, 2, 3, 4, 5], "test": [9, 10, 11]}',
+     "3 of the 12 structures of {xyz} are in no split (the first: 6, 7, 8); list each in train, val or test"),
+    ('{"train": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12]}', "train must list structure indices 0 .. 11 ({xyz} "
+                                                          "holds 12 structures, numbered from 0 in file order)"),
+    ('{"train": [0.0, 1.5]}', "train must list structure indices 0 .. 11"),
+    ('{"val": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]}', "no structure is in the train split"),
+    ('[0, 1]', "holds a list, not an object of train/val/test index lists"),
+    ('{"train": [0, 1,', "not a JSON or NPZ index file (JSONDecodeError"),
+], ids=["unknown", "overlap", "missing", "range", "float", "no-train", "list", "broken"])
+def test_a_bad_index_file_is_one_line_naming_it(tmp_path, index, message):
+    xyz, _ = _labelled_files(tmp_path)
+    split = tmp_path / "split.json"
+    split.write_text(index)
+    with pytest.raises(GnnPipeError) as e:
+        data.read_structures(xyz, split="file", split_file=str(split))
+    assert str(e.value).startswith(f"{split} (atoms.split_file): ") and message.format(xyz=xyz) in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_split_key_missing_or_naming_no_split_is_one_line(tmp_path):
+    xyz, db = _labelled_files(tmp_path, split=NAMES[:5] + [None] + NAMES[6:])
+    with pytest.raises(GnnPipeError) as e:
+        data.read_structures(xyz, split="key")
+    assert str(e.value) == (f"{xyz}: frame 5 has no info key 'split' naming its split (atoms.split_key, with "
+                            "atoms.split: key): give every structure one of train, val, test, or set atoms.split_key "
+                            "to the info key that does")
+    (tmp_path / "dev").mkdir()
+    xyz, db = _labelled_files(tmp_path / "dev", split=NAMES[:8] + ["dev"] + NAMES[9:])
+    with pytest.raises(GnnPipeError) as e:
+        data.read_structures(db, split="key")
+    assert str(e.value) == (f"{db}: row id 9: column 'split' is 'dev', not a split name: use train, val or test "
+                            "(atoms.split: key)")
+
+
+def test_a_fixed_split_through_gnnpipe_data_and_the_config_check(tmp_path, capsys):
+    """``gnnpipe data`` writes the given split into systems.h5 (what the runs train on) and refuses a bad index
+    file in one line; the config refuses a fixed split of generated data and an index file split: file does
+    not read (and split: file without one), before any job."""
+    import yaml
+
+    from gnnpipe import cli
+    from gnnpipe.config import ConfigError, load_workflow_config
+
+    xyz, _ = _labelled_files(tmp_path, split=NAMES)
+    spec = tmp_path / "dataset.yaml"
+    spec.write_text(yaml.safe_dump({"kind": "atoms", "atoms": {"file": str(xyz), "split": "key"}}))
+    argv = ["data", "--spec", str(spec), "--name", "mine", "--out", str(tmp_path / "systems.h5")]
+    assert cli.main(argv) == 0
+    assert list(data.read_systems(tmp_path / "systems.h5")["split"]) == [data.SPLITS.index(s) for s in NAMES]
+    (tmp_path / "split.json").write_text('{"train": [0, 1], "val": [1]}')
+    spec.write_text(yaml.safe_dump({"kind": "atoms", "atoms": {"file": str(xyz), "split": "file",
+                                                               "split_file": str(tmp_path / "split.json")}}))
+    capsys.readouterr()
+    assert cli.main(argv) != 0
+    err = capsys.readouterr().err
+    assert err.strip() == (f"gnnpipe: error: {tmp_path / 'split.json'} (atoms.split_file): structure 1 is listed twice "
+                           "(train and val); each structure belongs to exactly one split"), err
+    for atoms, message in [({"split": "key"}, "config.datasets.a.atoms.split: key fixes a split of a user's "
+                                              "structures (atoms.file); generated data is split by trajectory or random"),
+                           ({"file": "x.db", "split_file": "s.json"}, "config.datasets.a.atoms.split_file: an index "
+                                                                       "file is read with split: file only (split is trajectory)"),
+                           ({"file": "x.db", "split": "file"}, "config.datasets.a.atoms.split_file: split: file needs "
+                                                               "the index file here")]:
+        with pytest.raises(ConfigError) as e:
+            load_workflow_config({"datasets": {"a": {"kind": "atoms", "atoms": atoms}}, "models": {"d": {"kind": "dimenetpp"}},
+                                  "runs": [{"dataset": "a", "model": "d"}]})
+        assert str(e.value) == message

@@ -98,7 +98,8 @@ def test_guard_stops_on_a_loss_that_stays_high_a_non_finite_one_or_a_low_force_c
     g = Guard(3.0, 2, 0.0, after_epoch=2, hint="h")
     g.check(1, {"loss": 1.0, "val_force_cos": -0.5}, where)  # in the warmup: not judged
     g.check(2, {"loss": 1.0, "val_force_cos": None, "train_force_cos": 0.2}, where)  # no val split: train's
-    with pytest.raises(Diverged, match="val force cosine -0.100 below the floor 0 after the warmup; h"):
+    with pytest.raises(Diverged, match=r"val force cosine -0.100 below the floor 0 after the warmup, and the loss "
+                                       r"1 no longer falls \(best 1 at epoch 1\); h$"):
         g.check(3, {"loss": 1.0, "val_force_cos": -0.1}, where)
     off = Guard(None, 1, None, after_epoch=0, hint="h")
     for epoch, loss in enumerate([1.0, 100.0, 1000.0]):
@@ -112,17 +113,32 @@ def test_guard_stops_on_a_loss_that_stays_high_a_non_finite_one_or_a_low_force_c
         resumed.check(2, {"loss": 4.0}, where)
 
 
+def test_the_force_cosine_floor_does_not_stop_a_run_whose_loss_still_falls():
+    """#37 item 10: GemNet-T at lr 1e-3, loss 756 -> 448 -> 51 -> 15 -> 9.5 (a new best every epoch) with
+    val force cosine -0.356 under the floor -0.2 after the warmup: a healthy run, not stopped. Once the loss
+    stops falling (no new best) the same cosine stops it."""
+    g = Guard(3.0, 3, -0.2, after_epoch=2, hint="h")
+    for epoch, loss in enumerate([756.0, 448.0, 51.0, 15.0, 9.5]):
+        g.check(epoch, {"loss": loss, "val_force_cos": -0.356}, "w")
+    g.check(5, {"loss": 9.6, "val_force_cos": -0.1}, "w")  # not falling, but the cosine is above the floor
+    with pytest.raises(Diverged, match=r"^w: training diverged: val force cosine -0.356 below the floor -0.2 after "
+                                       r"the warmup, and the loss 9.7 no longer falls \(best 9.5 at epoch 4\); h$"):
+        g.check(6, {"loss": 9.7, "val_force_cos": -0.356}, "w")
+
+
 def test_a_run_the_guard_stops_ends_with_one_line_failed_in_mlflow_and_no_model(tmp_path, capsys):
     """The trainer's failure path: exit 2, one line, the MLflow run FAILED with it, neither model.pt nor
-    metrics.json (a force-cosine floor no model reaches after its warmup: the guard's plumbing)."""
+    metrics.json (a force-cosine floor no model reaches after its warmup, at an lr so small that the loss
+    stops falling: 42.10, 42.16, 42.29: the guard's plumbing)."""
     from gnnpipe import cli
 
     cfg = setup_atomic_run(tmp_path, "single", 1, epochs=4, eval_every=1,
-                           spec={"guard": {"min_force_cos": 0.999}})
+                           spec={"lr": 1e-6, "guard": {"min_force_cos": 0.999}})
     assert cli.main(["train", "--run-config", str(Path(cfg.out_dir) / "run.yaml")]) == 2
     line = one_error_line(capsys)
     assert line.startswith("gnnpipe: error: epoch 2, rank 0: training diverged: val force cosine ") and \
-        "below the floor 0.999 after the warmup; lower models.<name>.dimenetpp.lr (now 0.001)" in line, line
+        "below the floor 0.999 after the warmup, and the loss 42.29 no longer falls (best 42.1 at epoch 0); " \
+        "lower models.<name>.dimenetpp.lr (now 1e-06)" in line, line
     assert not (Path(cfg.out_dir) / "metrics.json").exists() and not (Path(cfg.out_dir) / "model.pt").exists()
     run, = mlflow_runs(cfg)
     assert run.info.status == "FAILED" and "training diverged" in run.data.tags["gnnpipe.error"]

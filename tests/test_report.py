@@ -591,3 +591,39 @@ def test_plots_against_p_keep_technique_variants_of_one_layout_apart(tmp_path):
     labels = {l.get_label() for l in fig.axes[0].get_lines() if not l.get_label().startswith("_")}
     assert {"pipeline (shuffle+grad×2+snapshot/23) (cost model)", "pipeline (grad×2+snapshot/23) (cost model)",
             "single (cost model)"} <= labels
+
+
+def atomic_record(run_id, mode, ways=1, dtype_bytes=4, dataset="slabs"):
+    """An atomic run record (``extra.atomic``) on ``dataset``: S2EF metrics, histories with val MAEs."""
+    rec = record(run_id, mode, model="gemnet_t", layers=3, hidden=64, workers=ways, ways=ways, dataset=dataset)
+    for row in rec["history"]:
+        row.update(val_energy_mae=0.5, val_force_mae=0.1)
+    rec.update(dtype_bytes=dtype_bytes, data_parallel=1, energy_mae=0.8, force_mae=0.1, force_cos=0.9, efwt=0.0,
+               extra={"atomic": True, "label": "GemNet-T", "parameters": 10})
+    return rec
+
+
+def test_the_first_line_counts_every_run_and_float32_layouts_are_explained(tmp_path):
+    """#37: the first line counts node and atomic runs and their datasets (it said "1 runs over 1 dataset(s)"
+    for 3 over 2); #37 item 15: beside an atomic table whose float32 runs differ in layout, a note says
+    that their metrics differ by training-amplified rounding and that float64 runs are the exactness check
+    (no note for float64 runs); #37 item 20: it names the runs whose eval.json scored a training sample."""
+    from gnnpipe.report.atomic import FLOAT32_NOTE
+
+    root = tmp_path / "results" / "runs"
+    layouts = (("single", 1), ("graph", 2))
+    sample = {"train_systems_scored": 500, "train_systems": 4000}  # #37 item 20: eval.json says, the report too
+    atomic = [write_run(root, atomic_record(f"slabs-{m}-p{p}", m, p), sample) for m, p in layouts]
+    out = tmp_path / "results" / "report.md"
+    node = write_run(root, record("deep-single", "single"))
+    build_report([node, *atomic], out, tmp_path / "plots", predict=False)
+    text = out.read_text()
+    assert text.splitlines()[2].startswith("3 runs (1 node, 2 atomic) over 2 dataset(s). Epoch times are medians")
+    table = section(text, "### slabs: GemNet-T")
+    assert FLOAT32_NOTE in table and "float64 runs are the exactness check" in text
+    assert "seeded sample of the training systems (`slabs-single-p1` 500 of 4,000, `slabs-graph-p2` 500" in table
+    exact = [write_run(root, atomic_record(f"f64-{m}-p{p}", m, p, dtype_bytes=8)) for m, p in layouts]
+    build_report(exact, out, tmp_path / "plots", predict=False)
+    text = out.read_text()
+    assert text.splitlines()[2] == "2 runs (all atomic) over 1 dataset(s)." and FLOAT32_NOTE not in text
+    assert "seeded sample" not in text  # no eval.json says it scored a sample

@@ -223,3 +223,22 @@ def test_retain_freed_memory_applies_on_glibc(monkeypatch):
     assert retain_freed_memory() is (platform.libc_ver()[0] == "glibc")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     assert retain_freed_memory() is False
+
+
+def test_the_record_compares_the_ledger_with_the_same_epochs_predictions(tmp_path):
+    """#37 item 9: where each epoch carries its own closed form (atomic runs: every epoch its own batches),
+    the record's comm_bytes_predicted is their median over the timed epochs, as comm_bytes_per_epoch is of the
+    ledger: exact per epoch gives equal figures (the engine's single figure, the last epoch's, was 7-9 % off)."""
+    from types import SimpleNamespace
+
+    from gnnpipe.train import _record
+
+    cfg = run_cfg(tmp_path, {"kind": "gcn", "layers": 2, "hidden": 16})
+    per_epoch = [7_050_000, 10_640_000, 8_000_000, 7_500_000]
+    rows = [{"epoch": e, "loss": 1.0, "epoch_time_s": 1.0, "compute_s": 1.0, "comm_s": 0.0, "bubble_s": 0.0,
+             "comm_bytes": b, "comm_bytes_predicted": b} for e, b in enumerate(per_epoch)]
+    engine = SimpleNamespace(graph_info=dict, extra_info=dict, predicted_bytes=lambda: per_epoch[-1])
+    rec = _record(cfg, engine, rows, [1.0] * 3, rows[1:], {}, 0)
+    assert rec["comm_bytes_per_epoch"] == rec["comm_bytes_predicted"] == 8_000_000  # the median of the timed 3
+    rows[0].pop("comm_bytes_predicted")  # rows without their own (node engines): the engine's figure
+    assert _record(cfg, engine, rows, [1.0] * 4, rows, {}, 0)["comm_bytes_predicted"] == per_epoch[-1]

@@ -192,3 +192,34 @@ def test_relax_cli_bad_input_is_one_line(run, tmp_path, capsys):
     run_yaml.write_text(dump_run_config(unfinished))
     err = _one_error_line(capsys, ["relax", "--run-config", str(run_yaml)])
     assert "unfinished: no model.pt in this run directory" in err
+
+
+def test_evaluate_scores_the_training_split_on_a_bounded_seeded_sample_and_says_so(run, tmp_path, capsys):
+    """#37 item 20: evaluation scores a seeded sample of at most ``eval_train_systems`` training systems
+    (here ``--train-systems 2`` of 7), the same every time, val and test whole; eval.json records how many and
+    the command says so; ``--train-systems all`` (or a split no larger than the bound: the default 500 here)
+    scores every one."""
+    from gnnpipe.atomic.engine import AtomicEngine
+
+    cfg, _ = run
+    with open(f"{cfg.out_dir}/eval.json") as f:
+        whole = json.load(f)  # the fixture's evaluation: the default bound, above the 7 training systems
+    from gnnpipe.config import dump_run_config
+    (tmp_path / "run.yaml").write_text(dump_run_config(cfg))
+    base = ["evaluate", "--run-config", str(tmp_path / "run.yaml"), "--predictions", str(tmp_path / "p.h5")]
+    assert cli.main([*base, "--out", str(tmp_path / "two.json"), "--train-systems", "2"]) == 0
+    assert "train_* scored on a seeded sample of 2 of the 7 training systems" in capsys.readouterr().err
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert (two["train_systems_scored"], two["train_systems"]) == (2, 7) == (2, whole["train_systems"])
+    assert whole["train_systems_scored"] == 7 and two["train_energy_mae"] != whole["train_energy_mae"]
+    assert all(two[f"{s}_{k}"] == whole[f"{s}_{k}"] for s in ("val", "test") for k in ("energy_mae", "force_mae"))
+    assert cli.main([*base, "--out", str(tmp_path / "all.json"), "--train-systems", "all"]) == 0
+    assert json.loads((tmp_path / "all.json").read_text())["train_energy_mae"] == whole["train_energy_mae"]
+    # the sample is what is scored: the same metrics as an engine whose training split is that sample
+    eng = AtomicEngine(cfg, None, torch.device("cpu"))
+    eng.model.load_state_dict(torch.load(f"{cfg.out_dir}/model.pt", weights_only=True)["model"])
+    eng.eval_train_systems = 2
+    sample = eng.eval_ids("train")
+    assert len(sample) == 2 and set(sample) <= set(eng.ids["train"]) and list(eng.eval_ids("train")) == list(sample)
+    eng.ids["train"], eng.eval_train_systems = sample, None
+    assert eng.evaluate()["train_energy_mae"] == pytest.approx(two["train_energy_mae"], rel=1e-12)

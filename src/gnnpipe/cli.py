@@ -173,12 +173,24 @@ def _launch(a):
     return launch(a.run_config, command, a.mem_mb_per_worker, a.force)  # the exit status
 
 
+def _train_systems(text: str):
+    """``--train-systems``: a positive count or ``all``."""
+    if text == "all":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a positive number of systems or 'all', not {text!r}")
+    return int(text)
+
+
 def _evaluate(a):
     from .config import load_run_config
     from .evaluate import evaluate_run
 
     res = evaluate_run(load_run_config(a.run_config), checkpoint=a.checkpoint, out=a.out,
-                       allow_partial=a.allow_partial, predictions=a.predictions)
+                       allow_partial=a.allow_partial, predictions=a.predictions, train_systems=a.train_systems)
+    if res.get("train_systems_scored", 0) < res.get("train_systems", 0):
+        print(f"train_* scored on a seeded sample of {res['train_systems_scored']} of the {res['train_systems']} "
+              "training systems (--train-systems all: every one)", file=sys.stderr)
     print(" ".join(f"{k}={v:.4f}" for k, v in res.items() if isinstance(v, float)), file=sys.stderr)
 
 
@@ -372,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", help="default: <out_dir>/model.pt")
     e.add_argument("--out", help="default: <out_dir>/eval.json")
     e.add_argument("--predictions", help="atomic runs: default <out_dir>/predictions.h5")
+    e.add_argument("--train-systems", type=_train_systems, metavar="N|all",
+                   help="atomic runs: score this many training systems (a seeded sample), or all; default the "
+                        "model's eval_train_systems (500)")
     e.add_argument("--allow-partial", action="store_true",
                    help="accept a checkpoint of an unfinished run (e.g. <out_dir>/checkpoint.pt); "
                         "its config and data are still checked")

@@ -95,14 +95,19 @@ class AtomsConfig:
     ``file`` empty: generate slab + adsorbate relaxations under ASE's EMT calculator, frames along
     each as systems (no internet); else read the user's ASE database (``.db``) or extended XYZ file.
     ``split``: ``trajectory`` keeps each trajectory (generated: a relaxation; a file: the structures
-    with one value of ``group_key``) in one of train/val/test; ``random``: structure by structure.
+    with one value of ``group_key``) in one of train/val/test; ``random``: structure by structure;
+    a file's fixed split (the fractions unused): ``key``, each structure's ``split_key`` (info key /
+    db column) names its split, train, val or test; ``file``, the index file ``split_file`` (JSON or
+    NPZ: train/val/test lists of 0-based structure positions) lists them.
     """
 
     file: str = ""
     num_trajectories: int = 21  # generated relaxations
     frames_per_trajectory: int = 3  # systems taken along each (initial, ..., relaxed); 1: the start only
-    split: Literal["trajectory", "random"] = "trajectory"
+    split: Literal["trajectory", "random", "key", "file"] = "trajectory"
     group_key: str = "trajectory"  # a file's info key (extxyz) / column (ASE db) naming each structure's trajectory
+    split_key: str = "split"  # split: key: the info key / column whose value is train, val or test
+    split_file: str = ""  # split: file: JSON or NPZ of train/val/test structure indices (0-based, file order)
     metals: list[str] = field(default_factory=lambda: ["Cu", "Ag", "Au", "Ni", "Pd", "Pt", "Al"])
     adsorbates: list[str] = field(default_factory=lambda: ["O", "H", "C", "N", "CO", "N2", "NO"])
     slab_size: list[int] = field(default_factory=lambda: [2, 2, 3])  # fcc(111)/(100) repeats, layers last
@@ -119,6 +124,12 @@ class AtomsConfig:
     def check(self, path: str) -> None:  # numbers: BOUNDS
         if len(self.slab_size) != 3 or min(self.slab_size) < 1:
             raise ConfigError(f"{path}.slab_size: three positive repeats, got {self.slab_size}")
+        if self.split in ("key", "file") and not self.file:
+            raise ConfigError(f"{path}.split: {self.split} fixes a split of a user's structures (atoms.file); "
+                              f"generated data is split by trajectory or random")
+        if (self.split == "file") != bool(self.split_file):
+            raise ConfigError(f"{path}.split_file: " + ("split: file needs the index file here" if self.split == "file"
+                              else f"an index file is read with split: file only (split is {self.split})"))
 
 
 @dataclass
@@ -155,8 +166,9 @@ class ScheduleConfig:
 class GuardConfig:
     """The divergence guard of an atomic run (gnnpipe.atomic.habits.Guard): a non-finite loss, the
     loss above ``loss_factor`` x its best for ``patience`` epochs in a row, or a force cosine (val,
-    else train) below ``min_force_cos`` at an evaluation after the warmup stops the run: one line,
-    MLflow FAILED, exit non-zero, no model written. ``null`` switches a test off."""
+    else train) below ``min_force_cos`` at an evaluation after the warmup where the loss no longer
+    falls (no new best) stops the run: one line, MLflow FAILED, exit non-zero, no model written.
+    ``null`` switches a test off."""
 
     loss_factor: Optional[float] = 3.0
     patience: int = 3
@@ -182,6 +194,9 @@ class AtomicSpec:
     # the weights evaluated and written as the model: their exponential moving average (None: the last)
     ema_decay: Optional[float] = 0.99
     guard: GuardConfig = field(default_factory=GuardConfig)
+    # every evaluation (training's, gnnpipe evaluate's) scores val and test whole and, of the training
+    # split, a seeded sample of at most this many systems, the same each time (None: all of them)
+    eval_train_systems: Optional[int] = 500
 
 
 @dataclass
@@ -481,7 +496,7 @@ _SEED = Bound(0, 2**31 - 1)
 _TIMEOUT = Bound(1, 7 * 24 * 3600)
 _PIPELINE = dict(chunks_per_stage=_GE1, grad_scale=_GT0, snapshot_every=_GE0, momentum=_BELOW1)
 _ATOMIC = dict(force_weight=_GE0, batch_size=_GE1, lr=_GT0, cutoff=_GT0, clip_grad_norm=_GT0,
-               ema_decay=_BELOW1)  # every AtomicSpec
+               ema_decay=_BELOW1, eval_train_systems=_GE1)  # every AtomicSpec
 
 BOUNDS: dict[type, dict[str, Bound]] = {
     SyntheticConfig: dict(num_nodes=_GE2, avg_degree=_GT0, num_features=_GE1, num_classes=_GE2,
@@ -518,7 +533,7 @@ PATHS: dict[type, tuple[str, ...]] = {
     WorkflowConfig: ("results",),
     OgbConfig: ("root",),
     FilesConfig: ("edges", "features", "labels", "train_mask", "val_mask", "test_mask"),
-    AtomsConfig: ("file",),
+    AtomsConfig: ("file", "split_file"),
     CostModelConfig: ("hardware",),
     RunConfig: ("graph_path", "store_path", "out_dir", "systems_path"),
 }

@@ -22,13 +22,16 @@ from .models.model import GNN
 
 
 def evaluate_run(cfg: RunConfig, checkpoint: str | Path | None = None, out: str | Path | None = None,
-                 *, allow_partial: bool = False, predictions: str | Path | None = None) -> dict:
+                 *, allow_partial: bool = False, predictions: str | Path | None = None,
+                 train_systems: int | str | None = None) -> dict:
     """Exact inference of a trained run on its graph; writes ``eval.json`` and logs to MLflow.
 
     The checkpoint must be the run's finished model (``allow_partial``: any epoch) and
     have been trained from the run's config, graph and chunk store (``check_checkpoint``).
     Atomic runs also write the test split's per-system predictions (``predictions``, default
-    ``<out_dir>/predictions.h5``; ``atomic.predict.write_predictions``).
+    ``<out_dir>/predictions.h5``; ``atomic.predict.write_predictions``), and score of the training
+    split a seeded sample of the model's ``eval_train_systems`` systems, or ``train_systems`` (a
+    number, or ``"all"``); ``eval.json`` says how many (``train_systems_scored`` of ``train_systems``).
     """
     checkpoint = Path(checkpoint or Path(cfg.out_dir) / "model.pt")
     out = Path(out or Path(cfg.out_dir) / "eval.json")
@@ -38,7 +41,7 @@ def evaluate_run(cfg: RunConfig, checkpoint: str | Path | None = None, out: str 
     if cfg.atomic:
         from .atomic.predict import PREDICTIONS_FILE
         predictions = Path(predictions or Path(cfg.out_dir) / PREDICTIONS_FILE)
-        result = _atomic_metrics(cfg, state, checkpoint, predictions)
+        result = _atomic_metrics(cfg, state, checkpoint, predictions, train_systems)
         return _finish(cfg, {"run_id": cfg.run_id, "checkpoint_epoch": int(state.get("epoch", -1)), **result}, out)
     graph = read_graph(cfg.graph_path)
     model = GNN(cfg.model, graph.num_features, graph.num_classes).to(dtype)
@@ -53,7 +56,8 @@ def evaluate_run(cfg: RunConfig, checkpoint: str | Path | None = None, out: str 
     return _finish(cfg, result, out)
 
 
-def _atomic_metrics(cfg: RunConfig, state: dict, checkpoint: Path, predictions: Path) -> dict:
+def _atomic_metrics(cfg: RunConfig, state: dict, checkpoint: Path, predictions: Path,
+                    train_systems: int | str | None = None) -> dict:
     """S2EF metrics of an atomic run's checkpoint, in one process whatever mode trained it, and
     the test split's per-system predictions (``predictions.h5``) by the model file it carries
     (a checkpoint without one, e.g. a partial one: the engine's model, as ``upgrade_run`` builds it)."""
@@ -65,6 +69,8 @@ def _atomic_metrics(cfg: RunConfig, state: dict, checkpoint: Path, predictions: 
     from .atomic.predict import split_predictions, write_predictions
     one = dataclasses.replace(cfg, mode="single", workers=1, ways=1, data_parallel=1)
     engine = AtomicEngine(one, None, torch.device("cpu"))
+    if train_systems is not None:
+        engine.eval_train_systems = None if train_systems == "all" else int(train_systems)
     try:
         engine.model.load_state_dict(state["model"])
     except (RuntimeError, KeyError) as e:

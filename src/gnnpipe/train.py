@@ -412,6 +412,8 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
                "comm_bytes": int(sent_total), "train_acc": None, "val_acc": None, "test_acc": None}
         if stats.step_losses is not None:  # several optimizer steps an epoch (atomic): each one's loss
             row["step_losses"] = list(stats.step_losses)
+        if cfg.atomic and rank == 0:  # its own batches' closed form beside its ledger (atomic epochs differ)
+            row["comm_bytes_predicted"] = int(engine.predicted_bytes(epoch))
         if (epoch + 1) % max(tc.eval_every, 1) == 0 or epoch == tc.epochs - 1:
             if comm is not None:
                 comm.set_epoch(-1)  # evaluation traffic is not an epoch's training traffic
@@ -458,6 +460,8 @@ def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
     """The run record (docs/DESIGN.md §6); parallel-only fields are 0/1 for ``single``."""
     graph_info = engine.graph_info()
     bytes_timed = [r["comm_bytes"] for r in splits]
+    # like with like: the same epochs' closed forms where each epoch has its own (atomic), else the engine's one
+    predicted = [r["comm_bytes_predicted"] for r in splits if "comm_bytes_predicted" in r]
     record = {
         "run_id": cfg.run_id, "mode": cfg.mode, "dataset": cfg.dataset_name, **graph_info,
         "model": cfg.model.kind, "layers": cfg.model.layers, "hidden": cfg.model.hidden,
@@ -468,7 +472,8 @@ def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
         "epoch_time_s": _median(times),
         "epoch_time_breakdown_s": {k: _median([r[f"{k}_s"] for r in splits]) for k in ("compute", "comm", "bubble")},
         "comm_bytes_per_epoch": int(statistics.median(bytes_timed)) if bytes_timed else 0,
-        "comm_bytes_predicted": int(engine.predicted_bytes()),
+        "comm_bytes_predicted": (int(statistics.median(predicted)) if predicted and len(predicted) == len(splits)
+                                 else int(engine.predicted_bytes())),
         "peak_mem_bytes": peak,
         "train_acc": last_eval.get("train_acc"), "val_acc": last_eval.get("val_acc"),
         "test_acc": last_eval.get("test_acc"), "final_loss": history[-1]["loss"] if history else None,

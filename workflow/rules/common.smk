@@ -209,11 +209,14 @@ def dataset_spec_text(wildcards) -> str:
 
 
 def dataset_inputs(wildcards) -> dict:
-    """dataset.yaml, and for ``files`` datasets the user's files, so edits rebuild the graph."""
+    """dataset.yaml, and the user's files (``files`` datasets; an atoms dataset's structures and split
+    index file), so edits rebuild the graph or the systems."""
     ds = WF.datasets[wildcards.dataset]
     inputs = {"spec": f"{RESULTS}/data/{wildcards.dataset}/dataset.yaml"}
     if ds.kind == "atoms" and ds.atoms.file:
         inputs["structures"] = ds.atoms.file
+    if ds.kind == "atoms" and ds.atoms.split_file:
+        inputs["split_file"] = ds.atoms.split_file
     if ds.kind == "files":
         f = ds.files
         named = {"edges": f.edges, "features": f.features, "labels": f.labels,

@@ -22,7 +22,9 @@ missing array, a truncated, bit-flipped or edited file, naming the rule that reb
 Sources: ``generate`` (the embedded default: ASE fcc(111)/(100) slabs of Cu/Ag/Au/Ni/Pd/Pt/Al
 with a small adsorbate, rattled, bottom layer fixed, relaxed by BFGS under ASE's EMT calculator,
 frames along each relaxation as systems, like OC20's S2EF; no internet) and ``read_structures``
-(a user's ASE database ``.db`` or extended XYZ, its trajectories named by an info key or column). Both, and
+(a user's ASE database ``.db`` or extended XYZ, its trajectories named by an info key or column, its split
+drawn, or fixed by an info key / column naming train, val or test (``named_split``) or by an index file
+(``index_split``)). Both, and
 ``build_graphs``, pass every structure through ``checks.check_structure`` first (elements,
 finite positions, a sane periodic cell, no two atoms closer than ``atoms.min_distance``, kept
 in ``systems.h5`` as the attribute ``min_distance``).
@@ -91,6 +93,84 @@ def group_split(groups: np.ndarray, train_fraction: float, val_fraction: float, 
     group's split, so that no group lands in two splits."""
     names, inverse = np.unique(groups, return_inverse=True)
     return random_split(len(names), train_fraction, val_fraction, seed)[inverse]
+
+
+SPLITS = ("train", "val", "test")  # split ids 0, 1, 2
+#: an index file's arrays: train/val/test, or schnetpack's split.npz names
+INDEX_NAMES = {**{s: s for s in SPLITS}, **{f"{s}_idx": s for s in SPLITS}}
+
+
+def named_split(names: list, wheres: list[str], path, key: str, what: str) -> np.ndarray:
+    """(n,) 0/1/2 from each structure's split name, the value of its ``what`` (info key / column) ``key``:
+    a structure without one, or a name other than train, val or test, is one line naming it."""
+    out = np.empty(len(names), dtype=np.int8)
+    for i, (name, where) in enumerate(zip(names, wheres)):
+        if name is None:
+            raise GnnPipeError(f"{path}: {where} has no {what} {key!r} naming its split (atoms.split_key, with "
+                               f"atoms.split: key): give every structure one of train, val, test, or set "
+                               f"atoms.split_key to the {what} that does")
+        if not isinstance(name, str) or name not in SPLITS:
+            raise GnnPipeError(f"{path}: {where}: {what} {key!r} is {name!r}, not a split name: use train, val "
+                               f"or test (atoms.split: key)")
+        out[i] = SPLITS.index(name)
+    return _has_train(out, f"{path}: {what} {key!r}")
+
+
+def index_split(split_file, n: int, path) -> np.ndarray:
+    """(n,) 0/1/2 from an index file: JSON ``{"train": [...], "val": [...], "test": [...]}`` or NPZ arrays
+    ``train``/``val``/``test`` (or ``train_idx``/...: schnetpack's split.npz) of 0-based structure positions in
+    the structure file (extxyz frame, db row in id order); a split left out is empty. Every structure is in
+    exactly one split: an unknown split name, an index out of range or not an integer, a structure in two
+    splits or in none is one line naming the file."""
+    split_file = Path(split_file)
+    where = f"{split_file} (atoms.split_file)"
+    if not split_file.is_file():
+        raise GnnPipeError(f"{where}: no such index file (JSON or NPZ of train/val/test structure indices)")
+    try:
+        if split_file.suffix == ".npz":
+            with np.load(split_file, allow_pickle=False) as z:
+                lists = {k: z[k] for k in z.files}
+        else:
+            lists = json.loads(split_file.read_text())
+    except Exception as e:  # noqa: BLE001 - numpy and json raise many kinds; the user needs the file named
+        raise GnnPipeError(f"{where}: not a JSON or NPZ index file ({type(e).__name__}: {e})") from None
+    if not isinstance(lists, dict):
+        raise GnnPipeError(f"{where}: holds a {type(lists).__name__}, not an object of train/val/test index lists")
+    unknown = sorted(set(lists) - set(INDEX_NAMES))
+    named = [INDEX_NAMES[k] for k in lists if k in INDEX_NAMES]
+    twice = sorted({s for s in named if named.count(s) > 1})
+    if unknown or twice:
+        what = f"unknown split {', '.join(map(repr, unknown))}" if unknown else f"split {twice[0]} given twice"
+        raise GnnPipeError(f"{where}: {what}; name the index lists train, val and test (or train_idx, val_idx, "
+                           f"test_idx)")
+    out = np.full(n, -1, dtype=np.int8)
+    for key, ids in lists.items():
+        s = SPLITS.index(INDEX_NAMES[key])
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or (ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= n)):
+            raise GnnPipeError(f"{where}: {key} must list structure indices 0 .. {n - 1} ({path} holds {n} "
+                               f"structures, numbered from 0 in file order)")
+        ids = ids.astype(np.int64)
+        uniq, counts = np.unique(ids, return_counts=True)
+        clash = np.concatenate([uniq[counts > 1], ids[out[ids] != -1]])
+        if clash.size:
+            i = int(clash[0])
+            other = SPLITS[out[i]] if out[i] != -1 else key
+            raise GnnPipeError(f"{where}: structure {i} is listed twice ({other} and {key}); each structure "
+                               f"belongs to exactly one split")
+        out[ids] = s
+    missing = np.flatnonzero(out == -1)
+    if missing.size:
+        raise GnnPipeError(f"{where}: {missing.size} of the {n} structures of {path} are in no split (the first: "
+                           f"{', '.join(map(str, missing[:5]))}); list each in train, val or test, or keep only the "
+                           f"structures you use in the structure file")
+    return _has_train(out, where)
+
+
+def _has_train(split: np.ndarray, where: str) -> np.ndarray:
+    if not (split == 0).any():
+        raise GnnPipeError(f"{where}: no structure is in the train split; a model needs training structures")
+    return split
 
 
 #: the embedded relaxations: BFGS until every free atom's force is below RELAX_FMAX eV/Å, at most
@@ -179,12 +259,15 @@ def generate(num_trajectories: int = 64, metals=SLAB_METALS, adsorbates=ADSORBAT
 
 def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fraction: float = 0.1,
                     seed: int = 0, min_distance: float = MIN_DISTANCE, split: str = "trajectory",
-                    group_key: str = "trajectory") -> dict:
+                    group_key: str = "trajectory", split_key: str = "split", split_file: str = "") -> dict:
     """A user's ASE database (``.db``) or extended XYZ with energies and forces, checked row by row
     (``checks.check_structure``, then finite energy and forces). ``split`` ``trajectory``: each
     structure's trajectory is the value of its ``group_key`` (an ``info`` key of extxyz, a column of
     the db: ``key_value_pairs``), and whole trajectories go to train, val or test; ``random``:
-    structure by structure."""
+    structure by structure; a fixed split: ``key``, each structure's ``split_key`` names its split
+    (``named_split``), or ``file``, the index file ``split_file`` lists them (``index_split``); the
+    fractions are not used, and the trajectories are the ``group_key``'s where every structure has one
+    (else one per structure)."""
     import ase.db
     import ase.io
 
@@ -194,16 +277,17 @@ def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fr
     try:
         if path.suffix == ".db":
             with ase.db.connect(str(path)) as db:
-                rows = [(f"row id {r.id}", r.toatoms(add_additional_information=False), r.get(group_key))
-                        for r in db.select()]
+                rows = [(f"row id {r.id}", r.toatoms(add_additional_information=False), r.get(group_key),
+                         r.get(split_key)) for r in db.select(sort="id")]
         else:
-            rows = [(f"frame {i}", a, a.info.get(group_key)) for i, a in enumerate(ase.io.read(str(path), index=":"))]
+            rows = [(f"frame {i}", a, a.info.get(group_key), a.info.get(split_key))
+                    for i, a in enumerate(ase.io.read(str(path), index=":"))]
     except Exception as e:  # noqa: BLE001 - ASE raises many kinds; the user needs the file named
         raise GnnPipeError(f"{path}: cannot be read as an ASE database or extxyz ({type(e).__name__}: {e})") from None
     if not rows:
         raise GnnPipeError(f"{path}: holds no structures")
     out = []
-    for where, atoms, _ in rows:
+    for where, atoms, *_ in rows:
         z = atoms.numbers
         check_structure(z, atoms.positions, atoms.cell.array, atoms.pbc, min_distance=min_distance,
                         where=f"{path}: {where}")
@@ -220,21 +304,27 @@ def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fr
             if hasattr(c, "get_indices"):
                 fixed[c.get_indices()] = True
         out.append((z, atoms.positions, fixed, forces, atoms.cell.array, atoms.pbc, energy))
-    if split == "trajectory":  # trajectories numbered in the order they first appear
-        where, _, _ = next((r for r in rows if r[2] is None or not np.isscalar(r[2])), (None, None, None))
-        if where is not None:
-            what = "column" if path.suffix == ".db" else "info key"
-            raise GnnPipeError(f"{path}: {where} has no {what} {group_key!r} naming its trajectory (atoms.group_key; "
-                               f"splits keep each trajectory in one of train/val/test): set atoms.group_key to the "
-                               f"{what} that does, or atoms.split: random to split structure by structure")
+    what = "column" if path.suffix == ".db" else "info key"
+    unnamed = next((r[0] for r in rows if r[2] is None or not np.isscalar(r[2])), None)  # a row without a trajectory
+    if split == "trajectory" and unnamed is not None:
+        raise GnnPipeError(f"{path}: {unnamed} has no {what} {group_key!r} naming its trajectory (atoms.group_key; "
+                           f"splits keep each trajectory in one of train/val/test): set atoms.group_key to the "
+                           f"{what} that does, or atoms.split: random to split structure by structure")
+    groups = np.arange(len(out))  # random, or a trajectory a structure
+    if split != "random" and unnamed is None:  # trajectories numbered in the order they first appear
         _, first, inverse = np.unique([str(r[2]) for r in rows], return_index=True, return_inverse=True)
         groups = np.argsort(np.argsort(first))[inverse]
+    how = {"trajectory": f" group_key={group_key}", "random": "", "key": f" split_key={split_key}",
+           "file": f" split_file={Path(split_file).name}"}[split]
+    if split == "key":
+        cut = named_split([r[3] for r in rows], [r[0] for r in rows], path, split_key, what)
+    elif split == "file":
+        cut = index_split(split_file, len(rows), path)
+    elif split == "trajectory":
         cut = group_split(groups, train_fraction, val_fraction, seed)
     else:
-        groups = np.arange(len(out))
         cut = random_split(len(out), train_fraction, val_fraction, seed)
-    return _pack(out, cut, f"file:{path.name} split={split}" + (f" group_key={group_key}" if split == "trajectory"
-                                                               else ""), min_distance, groups)
+    return _pack(out, cut, f"file:{path.name} split={split}{how}", min_distance, groups)
 
 
 # --------------------------------------------------------------------------- graphs
@@ -387,7 +477,7 @@ def systems_from_config(cfg, progress: bool = True) -> dict:
     """The systems of a ``datasets.<name>.atoms`` config (``AtomsConfig``): generated or read."""
     if cfg.file:
         return read_structures(cfg.file, cfg.train_fraction, cfg.val_fraction, cfg.seed, cfg.min_distance,
-                               cfg.split, cfg.group_key)
+                               cfg.split, cfg.group_key, cfg.split_key, cfg.split_file)
     return generate(cfg.num_trajectories, tuple(cfg.metals), tuple(cfg.adsorbates), tuple(cfg.slab_size),
                     rattle=cfg.rattle, seed=cfg.seed, train_fraction=cfg.train_fraction,
                     val_fraction=cfg.val_fraction, progress=progress, min_distance=cfg.min_distance,

@@ -150,6 +150,7 @@ class AtomicEngine:
         self.layout = cfg.atom_layout  # how the ways split a batch (gnnpipe.atomic.halo)
         self.replica, self.way = divmod(groups.rank if groups is not None else 0, self.ways)
         self.batch_size, self.force_weight = spec.batch_size, spec.force_weight
+        self.eval_train_systems = spec.eval_train_systems  # gnnpipe evaluate --train-systems overrides it
         self.model_cfg = model_config(cfg.model, float(self.graphs["cutoff"]))
         edges = np.diff(self.graphs["edge_ptr"])
         if self.ways > int(edges.min()):
@@ -176,7 +177,6 @@ class AtomicEngine:
         self.guard = Guard(spec.guard.loss_factor, spec.guard.patience, spec.guard.min_force_cos,
                            after_epoch=math.ceil(spec.schedule.warmup_epochs),
                            hint=f"lower models.<name>.{cfg.model.kind}.lr (now {self.lr:g}) or see its guard keys")
-        self._epoch_steps: list[list[np.ndarray]] = []
         self._fitted = self.kind.fit is None  # loading a state (resume, evaluate) counts as fitted
 
     def fit_constants(self) -> dict:
@@ -242,7 +242,6 @@ class AtomicEngine:
             self.fit_constants()
         self.model.train()
         steps = self._steps(self.ids["train"], epoch)
-        self._epoch_steps.append(steps)
         reports = []  # this rank's share of each step's loss
         spec = self.cfg.model.spec
         for i, step in enumerate(steps):
@@ -273,14 +272,17 @@ class AtomicEngine:
         return EpochStats(loss=sum(losses) / max(len(steps), 1), compute_s=wall - comm_s, comm_s=comm_s,
                           step_losses=losses)
 
-    def predicted_bytes(self) -> int:
-        """Closed form of one epoch's training bytes (the last epoch's batches; every epoch has the
-        same step sizes up to the order of systems, and bytes depend on the sizes only)."""
-        if self.comm is None or not self._epoch_steps:
+    def predicted_bytes(self, epoch: Optional[int] = None) -> int:
+        """Closed form of epoch ``epoch``'s training bytes, from that epoch's own step batches (None: the
+        run's last epoch). Epochs differ: each draws its own order, so its steps hold other systems, and
+        the bytes depend on their sizes (edges, atoms) and, in the atoms layout, on their halos (7.05 to
+        10.64 MB an epoch on one run, #37 item 9). The trainer records each epoch's beside its ledger."""
+        if self.comm is None:
             return 0
         total = 0
         b = torch.finfo(self.dtype).bits // 8
-        for step in self._epoch_steps[-1]:
+        epoch = self.cfg.training.epochs - 1 if epoch is None else epoch
+        for step in self._steps(self.ids["train"], epoch):
             parts = [self._replica_batch(step, r) for r in range(self.replicas)]
             if self.layout == "atoms" and self.ways > 1:  # the halos of the same partitions as training's
                 halos = [halo_counts(atom_layout(self._batch(p), self.ways)) for p in parts]
@@ -307,7 +309,7 @@ class AtomicEngine:
         for split in SPLIT_NAMES:
             sums = np.zeros(6)  # |dE| sum, systems, |dF| sum, components, cos sum, free atoms
             hits = 0.0
-            for step in self._steps(self.ids[split], None):
+            for step in self._steps(self.eval_ids(split), None):
                 mine = self._replica_batch(step, self.replica)
                 if len(mine) == 0:
                     mine = step[:1]  # every replica takes part in every collective; not counted
@@ -339,9 +341,19 @@ class AtomicEngine:
             out[f"{split}_efwt"] = h / n_sys if n_sys else None
         for k in ("energy_mae", "force_mae", "force_cos", "efwt"):
             out[k] = out[f"test_{k}"]
+        out["train_systems_scored"], out["train_systems"] = len(self.eval_ids("train")), len(self.ids["train"])
         out["loss"] = None
         self.model.train()
         return out
+
+    def eval_ids(self, split: str) -> np.ndarray:
+        """The systems an evaluation scores: the split's, but of the training split a seeded sample of
+        ``eval_train_systems`` (the same at every evaluation; all where it has no more, or the bound is
+        None): scoring 4,000 training molecules with forces took 15-30 s an evaluation (#37 item 20)."""
+        ids, cap = self.ids[split], self.eval_train_systems
+        if split != "train" or cap is None or len(ids) <= cap:
+            return ids
+        return np.sort(np.random.default_rng([self.cfg.training.seed, 2**31 + 1]).choice(ids, cap, replace=False))
 
     def check_epoch(self, epoch: int, row: dict, where: str) -> None:
         """The divergence guard on the epoch's record row (its loss; its force cosine where evaluated)."""

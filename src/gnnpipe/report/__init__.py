@@ -54,6 +54,13 @@ from .tables import (PREDICTION_HEADER, RUN_HEADER, TECHNIQUES_INTRO, TTA_INTRO,
                      prediction_row, run_row, techniques_section, tta_section)
 
 
+def count_line(runs: list[Run], atomic: int) -> str:
+    """The report's first line: every run it holds and their datasets, node and atomic alike."""
+    n = len(runs)
+    split = "" if not atomic else (" (all atomic)" if atomic == n else f" ({n - atomic} node, {atomic} atomic)")
+    return f"{n} runs{split} over {len({r['dataset'] for r in runs})} dataset(s)."
+
+
 def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
                  hardware=DEFAULT_HARDWARE, predict: bool = True, cost_model_dir=None) -> None:
     """Read the runs in ``run_dirs`` and write ``out_md`` and the PNGs in ``plots_dir``.
@@ -70,10 +77,12 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
     plots_dir.mkdir(parents=True, exist_ok=True)
     rel = lambda p: Path(os.path.relpath(p, out_md.parent)).as_posix()  # noqa: E731
     overlap = timing.overlaps(runs)  # every run trained, atomic ones included
-    atomic = atomic_report.section([r for r in runs if atomic_report.is_atomic(r)], plots_dir, rel)
+    atomic_runs = [r for r in runs if atomic_report.is_atomic(r)]
+    atomic = atomic_report.section(atomic_runs, plots_dir, rel)
+    count = count_line(runs, len(atomic_runs))
     runs = [r for r in runs if not atomic_report.is_atomic(r)]
     if not runs:
-        write_text(out_md, "\n".join(["# GNNPipe report", "", atomic]))
+        write_text(out_md, "\n".join(["# GNNPipe report", "", count, "", atomic]))
         return
 
     if predict:
@@ -123,7 +132,7 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
     text = "\n".join([
         "# GNNPipe report",
         "",
-        f"{len(runs)} runs over {len({r['dataset'] for r in runs})} dataset(s). Epoch times are "
+        f"{count} Epoch times are "
         "medians over the timed epochs (wall time of the slowest rank; the split is the mean over "
         "ranks); bytes are sent per epoch, summed over ranks, training traffic only; "
         "*predicted* is the closed form of docs/DESIGN.md §4; peak memory is the maximum over ranks. "

@@ -3,7 +3,9 @@
 One table per atomic dataset and model kind (DimeNet++, GemNet-T, ...: runs side by side: mode,
 ways P × replicas D, parameters, epoch time, bytes measured and predicted, peak memory, energy
 MAE beside the per-element baseline's, force MAE beside the zero-force baseline's, force cosine, EFwT
-from ``eval.json``, and which baselines the model beats), and a
+from ``eval.json``, and which baselines the model beats; beside a table whose float32 runs differ in
+layout, a note that their metrics differ by rounding amplified by training, float64 being the
+exactness check), and a
 plot of the loss and the validation energy / force MAE against the epoch. A run is atomic when
 its record says so (``extra.atomic``: its dataset is of kind ``atoms``).
 
@@ -88,6 +90,34 @@ def plot_curves(dataset: str, model: str, runs: list, path: Path) -> None:
     save(fig, path)
 
 
+#: beside a table whose float32 runs differ in their layout (#37 item 15: energy MAE 0.81 / 0.87 / 0.60
+#: single / edges P=2 / atoms P=2 after 20 epochs, equal to 1e-12 in float64)
+FLOAT32_NOTE = ("*float32: a parallel layout sums the same terms in another order than one process, and "
+                "training amplifies that rounding epoch after epoch, so float32 runs of different layouts end "
+                "at different metrics: that is not a defect. float64 runs are the exactness check (every "
+                "layout equals the single run to 1e-10: tests/test_atom_layout.py, tests/test_faults.py).*")
+
+
+def float32_layouts(runs: list) -> bool:
+    """Whether float32 runs of more than one layout (mode, P, D, atom layout) are compared."""
+    return len({(r["mode"], r["ways"], r.record.get("data_parallel", 1), getattr(r.run_config, "atom_layout", None))
+                for r in runs if r.record.get("dtype_bytes") == 4}) > 1
+
+
+def sample_note(runs: list) -> list[str]:
+    """Lines saying which runs' ``eval.json`` scored the training split on a sample (#37 item 20)."""
+    def counts(run):
+        ev = run.evaluation or {}
+        return ev.get("train_systems_scored"), ev.get("train_systems")
+    sampled = [(r, *counts(r)) for r in runs if None not in counts(r) and counts(r)[0] < counts(r)[1]]
+    if not sampled:
+        return []
+    which = ", ".join(f"`{r.run_id}` {n:,} of {m:,}" for r, n, m in sampled)
+    return [f"*The train_\\* metrics in eval.json score a seeded sample of the training systems ({which}: the "
+            "model's `eval_train_systems`; `gnnpipe evaluate --train-systems all` scores every one); val and "
+            "test are scored whole.*", ""]
+
+
 def section(runs: list, plots_dir: Path, rel) -> str:
     """Markdown of the atomic runs (empty string when there are none)."""
     if not runs:
@@ -109,8 +139,10 @@ def section(runs: list, plots_dir: Path, rel) -> str:
         png = plots_dir / f"atomic_curves_{ds}_{kind}.png"
         model = " / ".join(sorted({label(r) for r in members}))
         plot_curves(ds, model, members, png)
-        out += [f"### {ds}: {model}", "", md_table(HEADER, [run_row(r) for r in members]), "",
-                f"![loss and validation MAE per epoch, {ds}, {model}]({rel(png)})", ""]
+        out += [f"### {ds}: {model}", "", md_table(HEADER, [run_row(r) for r in members]), ""]
+        out += [FLOAT32_NOTE, ""] if float32_layouts(members) else []
+        out += sample_note(members)
+        out += [f"![loss and validation MAE per epoch, {ds}, {model}]({rel(png)})", ""]
     out += is2rs_section(runs, plots_dir, rel)
     return "\n".join(out)
 
