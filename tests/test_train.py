@@ -150,19 +150,33 @@ def _kill_at(monkeypatch, at):
     monkeypatch.setattr(train, "build_engine", lambda *a: _KilledAt(build(*a), at))
 
 
-def test_a_killed_run_leaves_no_model_pt_and_evaluate_refuses_its_checkpoint(tmp_path, monkeypatch):
+def test_a_killed_run_leaves_no_model_pt_and_evaluate_refuses_its_checkpoint(tmp_path, monkeypatch, capsys):
+    """... and (#37 items 19 and 11) without a terminal its log has one line an epoch (loss,
+    validation, seconds), and MLflow the loss curve of the run that failed before its end."""
+    from mlflow.tracking import MlflowClient
+
     from gnnpipe.checkpoint import load_checkpoint
     from gnnpipe.evaluate import evaluate_run
     from gnnpipe.io import GnnPipeError
+    from gnnpipe.tracking import tracking_uri
     from gnnpipe.train import run
 
+    monkeypatch.delenv("GNNPIPE_PROGRESS", raising=False)
+    monkeypatch.setenv("GNNPIPE_MLFLOW_EVERY_S", "0")
     cfg = run_cfg(tmp_path, {"kind": "gcn", "layers": 2, "hidden": 8, "dropout": 0.0}, epochs=15,
                   checkpoint_every=4)
     out = tmp_path / "results" / "runs" / cfg.run_id
     _kill_at(monkeypatch, 9)
     with pytest.raises(KeyboardInterrupt):
-        run(cfg, progress=False)
+        run(cfg)
     assert not (out / "model.pt").exists() and not (out / "metrics.json").exists()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(f"train {cfg.run_id}: ")]
+    assert [line.split(":")[1] for line in lines] == [f" epoch {e} of 15" for e in range(9)], lines
+    assert "val_acc" in lines[4] and "val_acc" not in lines[3] and lines[4].endswith(" s"), lines
+    client = MlflowClient(tracking_uri=tracking_uri(cfg))
+    (found,) = client.search_runs(client.get_experiment_by_name("gnnpipe").experiment_id)
+    assert found.info.status == "FAILED"
+    assert sorted(m.step for m in client.get_metric_history(found.info.run_id, "loss")) == list(range(9))
     assert load_checkpoint(out / "checkpoint.pt")["epochs_done"] == 8  # the intermediate one, elsewhere
     with pytest.raises(GnnPipeError, match="no checkpoint"):
         evaluate_run(cfg)
@@ -223,3 +237,4 @@ def test_retain_freed_memory_applies_on_glibc(monkeypatch):
     assert retain_freed_memory() is (platform.libc_ver()[0] == "glibc")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     assert retain_freed_memory() is False
+
