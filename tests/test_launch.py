@@ -246,6 +246,14 @@ def test_torchruns_failure_summary_after_a_workers_one_line_is_dropped():
     assert out == worker + TORCHRUN_TAIL.splitlines(keepends=True)[0], out
 
 
+def test_torchruns_traceback_when_it_is_stopped_is_one_line_or_none():
+    stopped = ("Traceback (most recent call last):\n  File \"torchrun\", line 6, in <module>\n    sys.exit(main())\n"
+               "torch.distributed.elastic.multiprocessing.api.SignalException: Process 4461 got signal: 15\n")
+    assert _relayed(stopped) == "gnnpipe launch: torchrun: Process 4461 got signal: 15\n"
+    worker = "gnnpipe: error: epoch 215, rank 0: the worker group broke: ... (stopped by SIGTERM)\n"
+    assert _relayed(worker + stopped) == worker
+
+
 def test_torchruns_failure_summary_without_a_workers_line_is_one_line_naming_the_root_cause():
     bug = "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\nValueError: a bug\n"
     out = _relayed("progress\r" + bug + TORCHRUN_TAIL + "after\n")

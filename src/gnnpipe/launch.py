@@ -19,9 +19,10 @@ The train rule starts every run this way (its launcher after ``--``: ``gnnpipe``
    again from epoch 0 into a second MLflow run). The command gets SIGTERM (torchrun passes it on;
    the workers end their MLflow run FAILED and a rerun resumes from the last checkpoint), then
    SIGKILL after ``STOP_GRACE_S``, and the log gets one line naming who died;
-3. relays the command's stderr, but for torchrun's failure summary (a traceback and a box, ~40
-   lines after a worker's one-line error): nothing when a worker already said ``gnnpipe: error:``,
-   else one line naming the rank that failed first (``Relay``);
+3. relays the command's stderr, but for the torchrun agent's own tracebacks (its failure summary,
+   ~40 lines after a worker's one-line error; its SignalException when stopped): nothing when a
+   worker already said ``gnnpipe: error:``, else one line naming the rank that failed first or
+   the signal (``Relay``);
 4. when the command fails and the kernel's out-of-memory killer killed a worker meanwhile,
    says so in one line naming the cap (exit 137, the status of a SIGKILLed process): the
    per-worker cgroup's limit when the workers ran in one (below), else the job's; when the
@@ -283,15 +284,17 @@ def watch_owners(owners: list[tuple[int, str, str]], child: subprocess.Popen, sa
 
 
 # --------------------------------------------------------------------------- the command's stderr
-TORCHRUN_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+TORCHRUN_ERRORS = "torch.distributed.elastic."  # the agent's own exceptions (its workers' are not)
+TORCHRUN_FAILED = "ChildFailedError:"  # a box follows its traceback
 ERROR_PREFIX = "gnnpipe: error: "
 
 
 class Relay:
     """Copies the command's stderr to ``out`` (bytes, line by line, ``\\r`` ends a line too), but
-    for torchrun's failure summary: its ChildFailedError traceback and the box after it. That is
-    dropped when a worker has said ``gnnpipe: error: ...`` (its one line is the reason), else
-    replaced by one line naming the rank that failed first. Other tracebacks pass unchanged."""
+    for the torchrun agent's own tracebacks: ChildFailedError (a worker failed; the box after it
+    names the first) and SignalException (the agent was stopped). Those are dropped when a worker
+    has said ``gnnpipe: error: ...`` (its one line is the reason), else replaced by one line: the
+    rank that failed first, or the signal. Other tracebacks pass unchanged."""
 
     def __init__(self, out):
         self.out, self.held, self.box, self.error_seen = out, [], None, False
@@ -307,8 +310,12 @@ class Relay:
             if text[:1].isspace():
                 self.held.append(line)
                 return
-            if text.startswith(TORCHRUN_FAILED):
-                self.held, self.box = [], []
+            if text.startswith(TORCHRUN_ERRORS):
+                self.held = []
+                if TORCHRUN_FAILED in text.split()[0]:
+                    self.box = []
+                elif not self.error_seen:  # SignalException: Process 4461 got signal: 15
+                    self._write(f"gnnpipe launch: torchrun: {text.split(':', 1)[-1].strip()}\n".encode())
                 return
             self._write(*self.held)
             self.held = []
