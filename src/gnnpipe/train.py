@@ -33,6 +33,7 @@ import ctypes
 import datetime
 import fcntl
 import math
+import numbers
 import os
 import resource
 import signal
@@ -462,7 +463,8 @@ ATOMIC_METRICS = ("energy_mae", "force_mae", "force_cos", "efwt")
 def epoch_line(cfg: RunConfig, row: dict) -> str:
     """The log's line for one epoch (numbered from 0, as the error lines do):
     ``train <run_id>: epoch 3 of 10: loss 0.6931, train_acc 0.9000, val_acc 0.8120, 1.23 s``."""
-    vals = [f"{k} {v:.4f}" for k, v in row.items() if k.startswith(("train_", "val_")) and isinstance(v, float)]
+    vals = [f"{k} {float(v):.4f}" for k, v in row.items() if k.startswith(("train_", "val_"))
+            and isinstance(v, numbers.Real)]
     loss = f"loss {row['loss']:.4f}"
     return f"train {cfg.run_id}: epoch {row['epoch']} of {cfg.training.epochs}: {', '.join([loss, *vals])}, " \
            f"{row['epoch_time_s']:.2f} s"
