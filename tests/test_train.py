@@ -248,4 +248,5 @@ def test_the_epoch_line_names_the_loss_the_metrics_it_has_and_the_seconds():
     cfg = SimpleNamespace(run_id="r", training=SimpleNamespace(epochs=5))
     row = {"epoch": 2, "loss": 1.5, "epoch_time_s": 0.5, "comm_bytes": 10, "train_acc": None,
            "val_energy_mae": np.float32(0.25), "val_force_cos": -0.1, "step_losses": [1.0, 2.0]}
-    assert epoch_line(cfg, row) == "train r: epoch 2 of 5: loss 1.5000, val_energy_mae 0.2500, val_force_cos -0.1000, 0.50 s"
+    assert epoch_line(cfg, row) == ("train r: epoch 2 of 5: loss 1.5000, val_energy_mae 0.2500, "
+                                    "val_force_cos -0.1000, 0.50 s")
