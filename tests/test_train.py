@@ -225,6 +225,18 @@ def test_evaluate_refuses_a_checkpoint_of_another_config_or_graph(tmp_path):
         evaluate_run(cfg)
 
 
+def test_the_epoch_line_names_the_loss_the_metrics_it_has_and_the_seconds():
+    from types import SimpleNamespace
+
+    from gnnpipe.train import epoch_line
+
+    cfg = SimpleNamespace(run_id="r", training=SimpleNamespace(epochs=5))
+    row = {"epoch": 2, "loss": 1.5, "epoch_time_s": 0.5, "comm_bytes": 10, "train_acc": None,
+           "val_energy_mae": np.float32(0.25), "val_force_cos": -0.1, "step_losses": [1.0, 2.0]}
+    assert epoch_line(cfg, row) == ("train r: epoch 2 of 5: loss 1.5000, val_energy_mae 0.2500, "
+                                    "val_force_cos -0.1000, 0.50 s")
+
+
 def test_retain_freed_memory_applies_on_glibc(monkeypatch):
     """A node training process keeps freed large blocks for reuse (gnnpipe.train.run calls this): on
     glibc both mallopt settings take, unless the environment tunes glibc's malloc itself;
@@ -239,14 +251,3 @@ def test_retain_freed_memory_applies_on_glibc(monkeypatch):
     assert retain_freed_memory() is False
 
 
-
-def test_the_epoch_line_names_the_loss_the_metrics_it_has_and_the_seconds():
-    from types import SimpleNamespace
-
-    from gnnpipe.train import epoch_line
-
-    cfg = SimpleNamespace(run_id="r", training=SimpleNamespace(epochs=5))
-    row = {"epoch": 2, "loss": 1.5, "epoch_time_s": 0.5, "comm_bytes": 10, "train_acc": None,
-           "val_energy_mae": np.float32(0.25), "val_force_cos": -0.1, "step_losses": [1.0, 2.0]}
-    assert epoch_line(cfg, row) == ("train r: epoch 2 of 5: loss 1.5000, val_energy_mae 0.2500, "
-                                    "val_force_cos -0.1000, 0.50 s")
