@@ -249,5 +249,3 @@ def test_retain_freed_memory_applies_on_glibc(monkeypatch):
     assert retain_freed_memory() is (platform.libc_ver()[0] == "glibc")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     assert retain_freed_memory() is False
-
-
