@@ -3,9 +3,13 @@ per-worker memory cgroups; and ``gnnpipe plan-atomic`` on a run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,3 +101,164 @@ def test_plan_atomic_sizes_gemnet_xl(tmp_path, capsys):
     assert out.startswith("gemnet_t xl: 292,941,056 parameters") and "smallest P that fits: 1" in out
     assert main([*args, "--preset", "huge"]) == 2
     assert "plan-atomic: gemnet_t has no preset 'huge' (its presets: small, default, xl)" in one_error_line(capsys)
+
+
+# --------------------------------------------------------------------------- #37 item 3: the job's owners
+def _run_yaml(tmp_path) -> str:
+    from gnnpipe.config import dump_run_config
+    from helpers import run_cfg
+
+    cfg = run_cfg(tmp_path, {"kind": "gcn"}, epochs=1)
+    path = Path(cfg.out_dir) / "run.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_run_config(cfg))
+    return str(path)
+
+
+def _wait_gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        st = gl._stat(pid)
+        if st is None or st[0] in ("Z", "X"):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
+def test_the_launcher_stops_its_run_when_snakemake_is_killed(tmp_path):
+    """kill -9 of Snakemake (GNNPIPE_JOB_OWNER, the parent of the rule's shell; the shell lives on):
+    the launcher stops its command (a sleeper standing in for torchrun) and says who died."""
+    run_yaml, pidfile, log = _run_yaml(tmp_path), tmp_path / "child.pid", tmp_path / "train.log"
+    sleeper = f"echo $$ > {shlex.quote(str(pidfile))}; exec sleep 60"
+    launch_cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "gnnpipe.cli", "launch", "--run-config",
+                                                   run_yaml, "--", "sh", "-c", sleeper])
+    inner = f"{launch_cmd} > {shlex.quote(str(log))} 2>&1; echo done"  # two commands: bash forks, as Snakemake's
+    outer = f"export {gl.OWNER_ENV}=$$; bash -c {shlex.quote(inner)}; echo done"
+    env = {**os.environ, "PYTHONPATH": str(Path(gl.__file__).parents[1])}
+    owner = subprocess.Popen(["bash", "-c", outer], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not pidfile.exists() or not pidfile.read_text():
+            assert time.monotonic() < deadline and owner.poll() is None, log.read_text() if log.exists() else ""
+            time.sleep(0.1)
+        child = int(pidfile.read_text())
+        launcher = gl._stat(child)[1]
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        assert _wait_gone(child, 10) and _wait_gone(launcher, 10), log.read_text()
+        lines = [line for line in log.read_text().splitlines() if line.startswith("gnnpipe:")]
+        assert len(lines) == 1 and f"the job's bash (pid {owner.pid}) died: stopping the run" in lines[0], lines
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(owner.pid, signal.SIGKILL)
+
+
+def test_the_launcher_stops_its_command_when_an_owner_dies():
+    """The rule's shell (or Snakemake) killed: the command gets SIGTERM within a poll, one line says who."""
+    shell = subprocess.Popen(["sleep", "60"])
+    command = subprocess.Popen(["sleep", "60"])
+    said = []
+    try:
+        owner = (shell.pid, "bash", gl._stat(shell.pid)[2])
+        watch = gl.watch_owners([owner], command, said.append, every=0.05, grace=5)
+        time.sleep(0.2)
+        assert command.poll() is None and not said  # an owner alive: nothing happens
+        shell.kill()  # a zombie until reaped: dead all the same
+        watch.join(5)
+        assert command.wait(5) == -signal.SIGTERM
+        assert len(said) == 1 and said[0].startswith(f"the job's bash (pid {shell.pid}) died: stopping the run")
+    finally:
+        for p in (shell, command):
+            p.kill()
+            p.wait()
+
+
+def test_the_job_owner_is_watched_when_it_is_an_ancestor(monkeypatch):
+    shell = subprocess.Popen(["sh", "-c", "sleep 60; :"], start_new_session=True)  # sh forks the sleep
+    try:
+        deadline = time.monotonic() + 10
+        while not (kids := Path(f"/proc/{shell.pid}/task/{shell.pid}/children").read_text().split()):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        monkeypatch.setenv(gl.OWNER_ENV, str(os.getpid()))
+        assert [pid for pid, _, _ in gl.job_owners(int(kids[0]))] == [shell.pid, os.getpid()]
+        monkeypatch.setenv(gl.OWNER_ENV, "1")  # not an ancestor (or init): never watched
+        assert [pid for pid, _, _ in gl.job_owners(int(kids[0]))] == [shell.pid]
+    finally:
+        os.killpg(shell.pid, signal.SIGKILL)  # its own session: the sh and its sleep
+        shell.wait()
+
+
+def test_a_command_killed_by_a_signal_is_named_in_one_line(tmp_path, capsys):
+    run_yaml = _run_yaml(tmp_path)
+    rc = gl.launch(run_yaml, [sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"])
+    assert rc == 128 + 9
+    line = one_error_line(capsys)
+    assert "was killed by SIGKILL" in line and "rerun to resume" in line, line
+
+
+# --------------------------------------------------------------------------- #10: torchrun's summary
+TORCHRUN_TAIL = """\
+E1205 13:56:39.124000 9535 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) local_rank: 0
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+gnnpipe.cli FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-05_13:56:39
+  host      : n1
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 9866)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-05_13:56:39
+  host      : n1
+  rank      : 0 (local_rank: 0)
+  exitcode  : 2 (pid: 9865) 
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def _relayed(text: str) -> str:
+    import io
+
+    out = io.BytesIO()
+    r, w = os.pipe()
+    os.write(w, text.encode())
+    os.close(w)
+    with os.fdopen(r, "rb") as stream:
+        gl.relay(stream, out)
+    return out.getvalue().decode()
+
+
+def test_torchruns_failure_summary_after_a_workers_one_line_is_dropped():
+    worker = "gnnpipe: error: epoch 3, rank 0: val force cosine -0.356 below the floor -0.2\n"
+    out = _relayed(worker + TORCHRUN_TAIL)
+    assert out == worker + TORCHRUN_TAIL.splitlines(keepends=True)[0], out
+
+
+def test_torchruns_traceback_when_it_is_stopped_is_one_line_or_none():
+    stopped = ("Traceback (most recent call last):\n  File \"torchrun\", line 6, in <module>\n    sys.exit(main())\n"
+               "torch.distributed.elastic.multiprocessing.api.SignalException: Process 4461 got signal: 15\n")
+    assert _relayed(stopped) == "gnnpipe launch: torchrun: Process 4461 got signal: 15\n"
+    worker = "gnnpipe: error: epoch 215, rank 0: the worker group broke: ... (stopped by SIGTERM)\n"
+    assert _relayed(worker + stopped) == worker
+
+
+def test_torchruns_failure_summary_without_a_workers_line_is_one_line_naming_the_root_cause():
+    bug = "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\nValueError: a bug\n"
+    out = _relayed("progress\r" + bug + TORCHRUN_TAIL + "after\n")
+    lines = out.splitlines()
+    assert out.startswith("progress\r" + bug) and lines[-1] == "after", out
+    assert lines[-2] == ("gnnpipe launch: torchrun: worker rank 0 (local_rank: 0) on n1 failed first with exit code "
+                         "2 (pid: 9865) (its lines above say why)"), out
+    assert "ChildFailedError" not in out and "=====" not in out

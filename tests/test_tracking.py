@@ -2,6 +2,8 @@
 
 import json
 import multiprocessing as mp
+import time
+from pathlib import Path
 
 import pytest
 
@@ -130,3 +132,60 @@ def test_an_error_while_logging_ends_the_mlflow_run_failed(tmp_path, monkeypatch
     runs = mlflow.search_runs(experiment_names=["gnnpipe"])
     assert list(runs["status"]) == ["FAILED"]
     assert "artifact store full" in runs["tags.gnnpipe.error"].iloc[0]
+
+
+def test_epochs_are_logged_while_the_run_trains_and_once_each(tmp_path, monkeypatch, capsys):
+    """#37 item 11: the loss curve is in MLflow while the run trains (and of a failed run); a busy
+    store is not waited for; the end of the job (or a resumed attempt) logs no epoch twice."""
+    import fcntl
+
+    from mlflow.tracking import MlflowClient
+
+    from gnnpipe import tracking
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = _cfg(tmp_path, 0)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True)
+    (out / "run.resolved.yaml").write_text("x: 1\n")
+    rid = tracking.start_training(cfg, None, resumed_at=0)
+    client = MlflowClient(tracking_uri=tracking.tracking_uri(cfg))
+    steps = lambda: sorted(m.step for m in client.get_metric_history(rid, "loss"))  # noqa: E731
+    rows = _record(cfg)["history"]
+
+    log = tracking.EpochLog(cfg, rid, every_s=0.0)
+    log.add(rows[0])
+    assert steps() == [0] and not log.pending and client.get_run(rid).info.status == "RUNNING"
+    with open(tmp_path / "results" / "mlflow.lock", "a") as held:  # another job's burst
+        fcntl.flock(held, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        log.add(rows[1])
+        assert time.monotonic() - t0 < 1.0 and log.pending == [rows[1]]
+    log.add(rows[2])
+    assert steps() == [0, 1, 2] and not log.pending
+
+    log.every_s = 3600.0  # nothing due: epoch 3 waits, and goes with the failure
+    log.add(rows[3])
+    assert tracking.mark_failed(cfg, rid, "rank 0: epoch 4: boom", log.pending)
+    assert steps() == [0, 1, 2, 3] and client.get_run(rid).info.status == "FAILED"
+
+    assert tracking.start_training(cfg, rid, resumed_at=2) == rid  # resumed after epoch 1: 2, 3 trained again
+    record = _record(cfg)
+    assert tracking.log_training(cfg, record, out, rid) == rid
+    assert steps() == [0, 1, 2, 3, 4] and client.get_run(rid).info.status == "FINISHED"
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_a_failing_store_stops_the_epoch_bursts_with_one_warning(tmp_path, monkeypatch, capsys):
+    from gnnpipe import tracking
+
+    _no_mlflow_http_env(monkeypatch)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
+    cfg = _cfg(tmp_path, 0)
+    log = tracking.EpochLog(cfg, "0" * 32, every_s=0.0)
+    for row in _record(cfg)["history"]:
+        log.add(row)
+    err = capsys.readouterr().err
+    assert err.count("gnnpipe: warning: MLflow per-epoch logging stopped") == 1, err
+    assert len(log.pending) == 5 and not log.on

@@ -150,19 +150,33 @@ def _kill_at(monkeypatch, at):
     monkeypatch.setattr(train, "build_engine", lambda *a: _KilledAt(build(*a), at))
 
 
-def test_a_killed_run_leaves_no_model_pt_and_evaluate_refuses_its_checkpoint(tmp_path, monkeypatch):
+def test_a_killed_run_leaves_no_model_pt_and_evaluate_refuses_its_checkpoint(tmp_path, monkeypatch, capsys):
+    """... and (#37 items 19 and 11) without a terminal its log has one line an epoch (loss,
+    validation, seconds), and MLflow the loss curve of the run that failed before its end."""
+    from mlflow.tracking import MlflowClient
+
     from gnnpipe.checkpoint import load_checkpoint
     from gnnpipe.evaluate import evaluate_run
     from gnnpipe.io import GnnPipeError
+    from gnnpipe.tracking import tracking_uri
     from gnnpipe.train import run
 
+    monkeypatch.delenv("GNNPIPE_PROGRESS", raising=False)
+    monkeypatch.setenv("GNNPIPE_MLFLOW_EVERY_S", "0")
     cfg = run_cfg(tmp_path, {"kind": "gcn", "layers": 2, "hidden": 8, "dropout": 0.0}, epochs=15,
                   checkpoint_every=4)
     out = tmp_path / "results" / "runs" / cfg.run_id
     _kill_at(monkeypatch, 9)
     with pytest.raises(KeyboardInterrupt):
-        run(cfg, progress=False)
+        run(cfg)
     assert not (out / "model.pt").exists() and not (out / "metrics.json").exists()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(f"train {cfg.run_id}: ")]
+    assert [line.split(":")[1] for line in lines] == [f" epoch {e} of 15" for e in range(9)], lines
+    assert "val_acc" in lines[4] and "val_acc" not in lines[3] and lines[4].endswith(" s"), lines
+    client = MlflowClient(tracking_uri=tracking_uri(cfg))
+    (found,) = client.search_runs(client.get_experiment_by_name("gnnpipe").experiment_id)
+    assert found.info.status == "FAILED"
+    assert sorted(m.step for m in client.get_metric_history(found.info.run_id, "loss")) == list(range(9))
     assert load_checkpoint(out / "checkpoint.pt")["epochs_done"] == 8  # the intermediate one, elsewhere
     with pytest.raises(GnnPipeError, match="no checkpoint"):
         evaluate_run(cfg)
@@ -209,6 +223,18 @@ def test_evaluate_refuses_a_checkpoint_of_another_config_or_graph(tmp_path):
     torch.save({"model": ckpt["model"], "epoch": 2}, model)  # as an older gnnpipe wrote it
     with pytest.raises(GnnPipeError, match="does not say which config and data it was trained from"):
         evaluate_run(cfg)
+
+
+def test_the_epoch_line_names_the_loss_the_metrics_it_has_and_the_seconds():
+    from types import SimpleNamespace
+
+    from gnnpipe.train import epoch_line
+
+    cfg = SimpleNamespace(run_id="r", training=SimpleNamespace(epochs=5))
+    row = {"epoch": 2, "loss": 1.5, "epoch_time_s": 0.5, "comm_bytes": 10, "train_acc": None,
+           "val_energy_mae": np.float32(0.25), "val_force_cos": -0.1, "step_losses": [1.0, 2.0]}
+    assert epoch_line(cfg, row) == ("train r: epoch 2 of 5: loss 1.5000, val_energy_mae 0.2500, "
+                                    "val_force_cos -0.1000, 0.50 s")
 
 
 def test_retain_freed_memory_applies_on_glibc(monkeypatch):

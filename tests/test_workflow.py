@@ -379,9 +379,12 @@ def test_tiny_config_end_to_end(tmp_path):
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
 
 
-def test_make_run_reruns_incomplete_jobs():
-    """After a Ctrl-C, `make run` must redo the cut-short jobs, not stop on IncompleteFilesException."""
+def test_make_run_reruns_incomplete_jobs_and_shows_failed_logs():
+    """After a Ctrl-C, `make run` must redo the cut-short jobs, not stop on IncompleteFilesException;
+    a failed job's one-line reason is on the terminal, not only in logs/ (#37 item 11)."""
     res = subprocess.run(["make", "-n", "-s", "run"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     line = next(l for l in res.stdout.splitlines() if "snakemake" in l and "--configfile" in l)
-    assert "--rerun-incomplete" in line.split()
+    assert {"--rerun-incomplete", "--show-failed-logs"} <= set(line.split())
+    for profile in ("local", "slurm"):
+        assert yaml.safe_load((ROOT / "profiles" / profile / "config.yaml").read_text())["show-failed-logs"] is True

@@ -11,10 +11,22 @@ The train rule starts every run this way (its launcher after ``--``: ``gnnpipe``
    one stays small) whether the run's model fits ``--mem-mb-per-worker`` at the run's P, and
    refuses with the plan's one line (exit 2) if not, before any worker starts; ``--force`` (or
    ``GNNPIPE_FORCE_LAUNCH=1``) starts it anyway;
-2. runs the command (it dies with the launcher: ``PR_SET_PDEATHSIG``; SIGTERM is passed on);
-3. when the command fails and the kernel's out-of-memory killer killed a worker meanwhile,
+2. runs the command (it dies with the launcher: ``PR_SET_PDEATHSIG``; SIGTERM is passed on), and
+   stops it when the job's owner dies (``watch_owners``): its parent (the rule's shell), and the
+   process named by ``GNNPIPE_JOB_OWNER`` (Snakemake sets its own pid) when that is an ancestor.
+   A ``kill -9`` of either used to leave the launcher, torchrun and the workers training, writing
+   ``model.pt`` after Snakemake had called the job failed (a rerun then adopted it, or trained it
+   again from epoch 0 into a second MLflow run). The command gets SIGTERM (torchrun passes it on;
+   the workers end their MLflow run FAILED and a rerun resumes from the last checkpoint), then
+   SIGKILL after ``STOP_GRACE_S``, and the log gets one line naming who died;
+3. relays the command's stderr, but for the torchrun agent's own tracebacks (its failure summary,
+   ~40 lines after a worker's one-line error; its SignalException when stopped): nothing when a
+   worker already said ``gnnpipe: error:``, else one line naming the rank that failed first or
+   the signal (``Relay``);
+4. when the command fails and the kernel's out-of-memory killer killed a worker meanwhile,
    says so in one line naming the cap (exit 137, the status of a SIGKILLed process): the
-   per-worker cgroup's limit when the workers ran in one (below), else the job's.
+   per-worker cgroup's limit when the workers ran in one (below), else the job's; when the
+   command was killed by a signal (``kill -9`` of the torchrun agent), one line naming it.
 
 The plan estimates what a training step holds. glibc's allocator may keep more resident: with
 its sliding mmap threshold (up to 32 MiB) the heap keeps what tensors free, and a GemNet-T step
@@ -40,9 +52,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -54,6 +69,9 @@ CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 OOM_EXIT = 137  # 128 + SIGKILL: what a shell reports for a process the OOM killer ended
 UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a page-rounded 2^63 - 1
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc: blocks from this size are mmapped, returned when freed
+OWNER_ENV = "GNNPIPE_JOB_OWNER"  # the pid of the process whose job this is (the workflow sets Snakemake's)
+WATCH_S = 0.5  # how often the launcher looks at its owners
+STOP_GRACE_S = 45.0  # SIGTERM to SIGKILL when an owner died: torchrun gives its workers 30 s
 
 
 # --------------------------------------------------------------------------- memory cgroups (v1)
@@ -203,8 +221,159 @@ def oom_line(cfg, mem_mb: Optional[int], before: int, rc: int) -> Optional[str]:
     return None
 
 
+# --------------------------------------------------------------------------- the job's owners
+def _stat(pid: int) -> Optional[tuple[str, int, str]]:
+    """(state, parent pid, start time) of a process from ``/proc/<pid>/stat``; None: it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1]), fields[19]
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def job_owners(pid: Optional[int] = None) -> list[tuple[int, str, str]]:
+    """``(pid, name, start time)`` of the processes this job lives by: the parent of ``pid`` (this
+    process), and ``$GNNPIPE_JOB_OWNER`` when it is an ancestor (a stale value is ignored)."""
+    me = _stat(pid or os.getpid())
+    if me is None or me[1] <= 1:
+        return []
+    chain, at = [], me[1]
+    while at > 1 and len(chain) < 64:
+        st = _stat(at)
+        if st is None:
+            break
+        chain.append((at, _name(at), st[2]))
+        at = st[1]
+    owner = os.environ.get(OWNER_ENV, "")
+    return chain[:1] + [c for c in chain[1:] if str(c[0]) == owner]
+
+
+def _gone(pid: int, start: str) -> bool:
+    st = _stat(pid)
+    return st is None or st[0] in ("Z", "X") or st[2] != start  # a zombie, or the pid reused
+
+
+def watch_owners(owners: list[tuple[int, str, str]], child: subprocess.Popen, say, every: float = WATCH_S,
+                 grace: float = STOP_GRACE_S) -> threading.Thread:
+    """A daemon thread: when an owner dies while ``child`` runs, ``say`` one line, SIGTERM the
+    child, and SIGKILL it ``grace`` seconds later if it has not ended (module docstring, 2)."""
+    def watch():
+        while child.poll() is None:
+            dead = next(((pid, name) for pid, name, start in owners if _gone(pid, start)), None)
+            if dead is None:
+                time.sleep(every)
+                continue
+            say(f"the job's {dead[1]} (pid {dead[0]}) died: stopping the run (pid {child.pid}; SIGTERM, SIGKILL "
+                f"after {grace:g} s); rerun to resume from the last complete checkpoint")
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(grace)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            return
+    thread = threading.Thread(target=watch, name="gnnpipe-owners", daemon=True)
+    thread.start()
+    return thread
+
+
+# --------------------------------------------------------------------------- the command's stderr
+TORCHRUN_ERRORS = "torch.distributed.elastic."  # the agent's own exceptions (its workers' are not)
+TORCHRUN_FAILED = "ChildFailedError:"  # a box follows its traceback
+ERROR_PREFIX = "gnnpipe: error: "
+
+
+class Relay:
+    """Copies the command's stderr to ``out`` (bytes, line by line, ``\\r`` ends a line too), but
+    for the torchrun agent's own tracebacks: ChildFailedError (a worker failed; the box after it
+    names the first) and SignalException (the agent was stopped). Those are dropped when a worker
+    has said ``gnnpipe: error: ...`` (its one line is the reason), else replaced by one line: the
+    rank that failed first, or the signal. Other tracebacks pass unchanged."""
+
+    def __init__(self, out):
+        self.out, self.held, self.box, self.error_seen = out, [], None, False
+
+    def feed(self, line: bytes) -> None:
+        text = line.decode(errors="replace")
+        if self.box is not None:  # inside the summary: up to its second rule of '='
+            self.box.append(text)
+            if sum(t.startswith("=====") for t in self.box) == 2:
+                self._summary()
+            return
+        if self.held:  # inside a traceback: held until its exception line says whose it is
+            if text[:1].isspace():
+                self.held.append(line)
+                return
+            if text.startswith(TORCHRUN_ERRORS):
+                self.held = []
+                if TORCHRUN_FAILED in text.split()[0]:
+                    self.box = []
+                elif not self.error_seen:  # SignalException: Process 4461 got signal: 15
+                    self._write(f"gnnpipe launch: torchrun: {text.split(':', 1)[-1].strip()}\n".encode())
+                return
+            self._write(*self.held)
+            self.held = []
+        if text.startswith("Traceback (most recent call last):"):
+            self.held = [line]
+            return
+        self.error_seen = self.error_seen or text.startswith(ERROR_PREFIX)
+        self._write(line)
+
+    def close(self) -> None:
+        """The end of the stream: what is held is written as it came."""
+        self._write(*self.held, *(t.encode() for t in self.box or []))
+        self.held, self.box = [], None
+
+    def _summary(self) -> None:
+        root = "".join(self.box).split("Root Cause", 1)[-1]
+        self.box = None
+        if self.error_seen:
+            return
+        got = {k: re.search(rf"^\s*{k}\s*:\s*(.*?)\s*$", root, re.M) for k in ("host", "rank", "exitcode")}
+        rank, code, host = ((got[k].group(1) if got[k] else "?") for k in ("rank", "exitcode", "host"))
+        self._write(f"gnnpipe launch: torchrun: worker rank {rank} on {host} failed first with exit code {code} "
+                    f"(its lines above say why)\n".encode())
+
+    def _write(self, *lines: bytes) -> None:
+        for line in lines:
+            self.out.write(line)
+        self.out.flush()
+
+
+def relay(stream, out) -> None:
+    """Read ``stream`` (a pipe) to its end through a ``Relay`` into ``out``."""
+    r, rest = Relay(out), b""
+    while chunk := stream.read1(65536):
+        *lines, rest = re.split(rb"(?<=[\r\n])", rest + chunk)
+        for line in lines:
+            r.feed(line)
+    if rest:
+        r.feed(rest)
+    r.close()
+
+
+def killed_line(cfg, command: list[str], pid: int, rc: int) -> Optional[str]:
+    """The one line for a command ended by a signal (``kill -9`` of the torchrun agent), else None."""
+    if rc >= 0:
+        return None
+    name = next((a for a in command if "torch.distributed.run" in a or a.endswith(("torchrun", "srun"))),
+                Path(command[0]).name)
+    try:
+        sig = signal.Signals(-rc).name
+    except ValueError:
+        sig = f"signal {-rc}"
+    return (f"run {cfg.run_id}: the launched {name} (pid {pid}) was killed by {sig}; the workers it started die "
+            f"with it; rerun to resume from the last complete checkpoint")
+
+
 def launch(run_config: str, command: list[str], mem_mb: Optional[int] = None, force: bool = False) -> int:
-    """Check, start, wait, report (module docstring); returns the exit status for the shell."""
+    """Check, start, watch, wait, report (module docstring); returns the exit status for the shell."""
     from .config import load_run_config
 
     cfg = load_run_config(run_config)
@@ -212,8 +381,16 @@ def launch(run_config: str, command: list[str], mem_mb: Optional[int] = None, fo
     if cfg.atomic and mem_mb and not force:
         preflight(run_config, mem_mb)
     command = command or default_command(cfg, run_config)
+    owners = job_owners()
+    env = None
+    if sys.stderr.isatty() and not os.environ.get("GNNPIPE_PROGRESS"):  # the bar, through the relay's pipe
+        env = {**os.environ, "GNNPIPE_PROGRESS": "1"}
     before = kernel_oom_kills()
-    child = subprocess.Popen(command, preexec_fn=_die_with_me)
+    child = subprocess.Popen(command, preexec_fn=_die_with_me, stderr=subprocess.PIPE, env=env)
+    reader = threading.Thread(target=relay, args=(child.stderr, sys.stderr.buffer), daemon=True)
+    reader.start()
+    stopped = []
+    watch_owners(owners, child, lambda line: (stopped.append(line), _say(f"run {cfg.run_id}: {line}")))
     old = signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
     try:
         while True:
@@ -224,10 +401,18 @@ def launch(run_config: str, command: list[str], mem_mb: Optional[int] = None, fo
                 continue
     finally:
         signal.signal(signal.SIGTERM, old)
+        reader.join(5.0)  # the workers' last lines (they may outlive the agent by a moment)
     if rc == 0:
         return 0
     line = oom_line(cfg, mem_mb, before, rc)
     if line:
-        print(f"gnnpipe: error: {line}", file=sys.stderr, flush=True)
+        _say(line)
         return OOM_EXIT
+    line = None if stopped else killed_line(cfg, command, child.pid, rc)
+    if line:
+        _say(line)
     return 128 - rc if rc < 0 else rc
+
+
+def _say(line: str) -> None:
+    print(f"gnnpipe: error: {line}", file=sys.stderr, flush=True)

@@ -4,10 +4,11 @@ The default tracking store is a SQLite file, ``<results>/mlflow.db`` (absolute p
 with artifacts under ``<results>/mlartifacts``; ``MLFLOW_TRACKING_URI`` overrides it.
 SQLite allows one writer at a time and MLflow's first use of a new database runs its
 schema migrations, so parallel Snakemake jobs that log at once fail with "database is
-locked". We therefore (1) log each run in one short burst at the end of the job
-(metrics are batched, not written epoch by epoch while training) and (2) hold an
-exclusive ``fcntl`` lock next to the database for that burst, so writers queue
-instead of colliding. Other stores (a tracking server) need no lock and get none.
+locked". We therefore (1) log in short bursts: the run's start, its per-epoch metrics at
+most every ``GNNPIPE_MLFLOW_EVERY_S`` seconds while it trains (``EpochLog``, rank 0; a burst
+that finds the store busy does not wait, its rows go with the next), the rest at the end of
+the job, and (2) hold an exclusive ``fcntl`` lock next to the database for each burst, so
+writers queue instead of colliding. Other stores (a tracking server) need no lock and get none.
 
 A tracking outage never throws a run away: waits are bounded (a server gets
 ``HTTP_DEFAULTS`` unless the environment sets MLflow's own variables; the SQLite lock is
@@ -17,8 +18,10 @@ an error exit that would make Snakemake delete the finished outputs. A run whose
 fails half-way is ended ``FAILED`` with the error as its ``gnnpipe.error`` tag.
 
 A training job's run is opened at its start (``start_training``, one burst): a job that
-fails is ended ``FAILED`` by whichever rank survives (``mark_failed``), and a resumed job
-continues the same run id (kept in its checkpoint) instead of creating another.
+fails is ended ``FAILED`` by whichever rank survives (``mark_failed``, with the epochs' metrics
+not yet logged), and a resumed job continues the same run id (kept in its checkpoint) instead
+of creating another. An epoch is logged once per run: a burst skips the steps the run has
+(a resumed attempt retrains the epochs after its checkpoint, to the same numbers).
 
 Open the UI with ``mlflow ui --backend-store-uri sqlite:///$PWD/results/mlflow.db``.
 """
@@ -42,6 +45,7 @@ EXPERIMENT = os.environ.get("GNNPIPE_EXPERIMENT", "gnnpipe")
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 LOCK_TIMEOUT_S = 600.0  # GNNPIPE_MLFLOW_LOCK_TIMEOUT: the longest wait for the SQLite store's lock
+EVERY_S = 10.0  # GNNPIPE_MLFLOW_EVERY_S: the shortest time between two bursts of per-epoch metrics
 
 
 def results_root(cfg: RunConfig) -> Path:
@@ -110,6 +114,54 @@ def _client(cfg: RunConfig, lock_wait: float | None = None):
 #: per-epoch metrics of atomic runs (OC20 S2EF, per split)
 ATOMIC_ROW_METRICS = tuple(f"{s}_{m}" for s in ("train", "val", "test")
                            for m in ("energy_mae", "force_mae", "force_cos", "efwt"))
+#: what each epoch's row of the run record gives MLflow (step: the epoch)
+ROW_METRICS = ("loss", "epoch_time_s", "compute_s", "comm_s", "bubble_s", "comm_bytes", "train_acc", "val_acc",
+               "test_acc", *ATOMIC_ROW_METRICS)
+
+
+def _row_metrics(client, rid: str, rows: list[dict]) -> list:
+    """The metrics of the ``rows`` whose epoch the run does not have yet (``loss`` says which it has)."""
+    from mlflow.entities import Metric
+
+    have = {m.step for m in client.get_metric_history(rid, "loss")} if rows else set()
+    now = int(time.time() * 1000)
+    return [Metric(key, float(row[key]), now, row["epoch"]) for row in rows if row["epoch"] not in have
+            for key in ROW_METRICS if row.get(key) is not None]
+
+
+def _log_metrics_batched(client, rid: str, metrics: list) -> None:
+    for i in range(0, len(metrics), 1000):
+        client.log_batch(rid, metrics=metrics[i:i + 1000])
+
+
+class EpochLog:
+    """Rank 0: the epochs' metrics into the open MLflow run while it trains, in bursts at most
+    every ``GNNPIPE_MLFLOW_EVERY_S`` seconds (and with ``mark_failed``: a failed run shows its
+    loss curve). A busy store is not waited for (the rows go with the next burst); a failure is
+    one warning and the end of the bursts (the end of the job logs every epoch), never an error."""
+
+    def __init__(self, cfg: RunConfig, run_id: str, every_s: float | None = None):
+        self.cfg, self.run_id, self.pending, self.on = cfg, run_id, [], True
+        self.every_s = float(os.environ.get("GNNPIPE_MLFLOW_EVERY_S", EVERY_S)) if every_s is None else every_s
+        self.last = time.monotonic()
+
+    def add(self, row: dict) -> None:
+        self.pending.append(row)
+        if self.on and time.monotonic() - self.last >= self.every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self.last = time.monotonic()
+        try:
+            with _client(self.cfg, lock_wait=0.0) as (client, _):
+                _log_metrics_batched(client, self.run_id, _row_metrics(client, self.run_id, self.pending))
+            self.pending = []
+        except TimeoutError:  # another job's burst holds the store: next time
+            pass
+        except Exception as e:
+            self.on = False
+            print(f"gnnpipe: warning: MLflow per-epoch logging stopped (the end of the run logs every epoch): "
+                  f"{_one_line(e)[:300]}", file=sys.stderr)
 
 
 def _one_line(e: BaseException) -> str:
@@ -177,12 +229,15 @@ def start_training(cfg: RunConfig, prior: str | None, *, resumed_at: int, supers
 FAIL_LOCK_WAIT_S = 10.0
 
 
-def mark_failed(cfg: RunConfig, run_id: str, error: str) -> bool:
+def mark_failed(cfg: RunConfig, run_id: str, error: str, rows: list[dict] = ()) -> bool:
     """End ``run_id`` FAILED with ``error`` as its ``gnnpipe.error`` tag (any rank, on the way
-    out of a failed attempt); never raises, waits at most ``FAIL_LOCK_WAIT_S`` for the lock.
+    out of a failed attempt), after the epochs' ``rows`` not yet logged (``EpochLog.pending``);
+    never raises, waits at most ``FAIL_LOCK_WAIT_S`` for the lock.
     False: it could not (a warning is printed; the next attempt records the outcome)."""
     try:
         with _client(cfg, lock_wait=FAIL_LOCK_WAIT_S) as (client, _):
+            with contextlib.suppress(Exception):  # the curve is a bonus; the outcome is not
+                _log_metrics_batched(client, run_id, _row_metrics(client, run_id, list(rows)))
             client.set_tag(run_id, "gnnpipe.error", error[:5000])
             client.set_terminated(run_id, status="FAILED")
         return True
@@ -238,12 +293,7 @@ def _log_run(client, rid: str, cfg: RunConfig, record: dict, out_dir: Path) -> N
 
     params = [Param(k, str(v)[:6000]) for k, v in flatten(to_dict(cfg)).items()]
     now = int(_time.time() * 1000)
-    metrics = []
-    for row in record["history"]:
-        for key in ("loss", "epoch_time_s", "compute_s", "comm_s", "bubble_s", "comm_bytes",
-                    "train_acc", "val_acc", "test_acc", *ATOMIC_ROW_METRICS):
-            if row.get(key) is not None:
-                metrics.append(Metric(key, float(row[key]), now, row["epoch"]))
+    metrics = _row_metrics(client, rid, record["history"])  # the epochs no burst has logged
     for key in ("epoch_time_s", "comm_bytes_per_epoch", "comm_bytes_predicted", "peak_mem_bytes",
                 "train_acc", "val_acc", "test_acc", "final_loss", "energy_mae", "force_mae", "force_cos", "efwt"):
         if record.get(key) is not None:
@@ -255,8 +305,7 @@ def _log_run(client, rid: str, cfg: RunConfig, record: dict, out_dir: Path) -> N
         metrics.append(Metric(f"final/epoch_{k}_s", float(v), now, 0))
     for i in range(0, len(params), 100):
         client.log_batch(rid, params=params[i:i + 100])
-    for i in range(0, len(metrics), 1000):
-        client.log_batch(rid, metrics=metrics[i:i + 1000])
+    _log_metrics_batched(client, rid, metrics)
     client.log_batch(rid, tags=[RunTag("world_size", str(cfg.workers))])
     record["mlflow_run_id"] = rid
     write_json(out_dir / "metrics.json", record)  # the artifact carries its own run id

@@ -33,6 +33,7 @@ import ctypes
 import datetime
 import fcntl
 import math
+import numbers
 import os
 import resource
 import signal
@@ -172,6 +173,7 @@ class _Attempt:
     epoch: Optional[int] = None  # the epoch being trained (None: set-up or the end)
     peers: list = field(default_factory=list)  # (host, pid) of every rank
     mlflow_run_id: Optional[str] = None
+    epoch_log: Optional[object] = None  # rank 0: tracking.EpochLog, whose unlogged rows go with mark_failed
     started_at: str = field(default_factory=_utc_now)  # the run record's: the report's overlap check
 
     def where(self) -> str:
@@ -228,7 +230,8 @@ def _failure(att: _Attempt, e: BaseException) -> BaseException:
     if att.mlflow_run_id:
         from .tracking import mark_failed
         line = line if line.startswith("rank") else f"rank {att.rank}: {line}"
-        if not mark_failed(att.cfg, att.mlflow_run_id, line):
+        rows = att.epoch_log.pending if att.epoch_log is not None else ()
+        if not mark_failed(att.cfg, att.mlflow_run_id, line, rows):
             ckpt.note_unrecorded_failure(att.cfg.out_dir, line)
     return out
 
@@ -365,6 +368,9 @@ def _open_mlflow(cfg: RunConfig, att: _Attempt, manifest: Optional[dict], fp: di
         if rid:
             ckpt.write_mlflow_id(cfg.out_dir, fp, rid)
     att.mlflow_run_id = ckpt.World(att.rank, att.world).gather(rid)[0]
+    if rid:
+        from .tracking import EpochLog
+        att.epoch_log = EpochLog(cfg, rid)
 
 
 def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, restart: bool) -> Optional[dict]:
@@ -426,7 +432,11 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
             _checkpoint(engine, out_dir / "checkpoint.pt", epoch, cfg, ranks)  # never model.pt: see _checkpoint
             ckpt.save(out_dir, ranks, engine, device, epochs_done=epoch + 1, fingerprint=fp, run_id=cfg.run_id,
                       history=history, mlflow_run_id=att.mlflow_run_id)
-        if bar is not None:
+        if att.epoch_log is not None:
+            att.epoch_log.add(row)
+        if bar is not None:  # one line an epoch whatever the terminal (a log has no bar), above the bar
+            bar.write(epoch_line(cfg, row), file=sys.stderr)
+            sys.stderr.flush()
             val = last_eval.get("val_acc") if not cfg.atomic else last_eval.get("val_energy_mae")
             bar.set_postfix(loss=f"{stats.loss:.4f}", val=f"{val if val is not None else float('nan'):.3f}")
             bar.update()
@@ -450,6 +460,16 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
 
 #: OC20 S2EF metrics of atomic runs, at the top of the run record (docs/DESIGN.md §4)
 ATOMIC_METRICS = ("energy_mae", "force_mae", "force_cos", "efwt")
+
+
+def epoch_line(cfg: RunConfig, row: dict) -> str:
+    """The log's line for one epoch (numbered from 0, as the error lines do):
+    ``train <run_id>: epoch 3 of 10: loss 0.6931, train_acc 0.9000, val_acc 0.8120, 1.23 s``."""
+    vals = [f"{k} {float(v):.4f}" for k, v in row.items() if k.startswith(("train_", "val_"))
+            and isinstance(v, numbers.Real)]
+    loss = f"loss {row['loss']:.4f}"
+    return f"train {cfg.run_id}: epoch {row['epoch']} of {cfg.training.epochs}: {', '.join([loss, *vals])}, " \
+           f"{row['epoch_time_s']:.2f} s"
 
 
 def _median(values):

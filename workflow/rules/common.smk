@@ -75,6 +75,9 @@ os.environ.setdefault("GNNPIPE_ROOT", workflow.basedir)
 # Snakemake (the project's .venv), also when that environment is not activated. A conda
 # job environment (--sdm conda) is put in front of this by Snakemake and still wins.
 os.environ.update(PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.setdefault("PATH", os.defpath)]))
+# A job's launcher stops its run when this process (Snakemake, which runs the jobs' shells) dies:
+# `kill -9` of Snakemake must not leave a train job writing outputs nobody waits for (gnnpipe.launch).
+os.environ.update(GNNPIPE_JOB_OWNER=str(os.getpid()))
 
 
 def _train_layout(run) -> dict:
