@@ -145,8 +145,11 @@ def test_threads_per_worker_are_chosen_recorded_and_used(model_path, monkeypatch
     from gnnpipe.atomic import inference
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert inference.threads_per_worker(1) == inference.cpu_cores()
-    assert inference.threads_per_worker(2) == max(1, inference.cpu_cores() // 2)
+    monkeypatch.setattr(inference, "cpu_cores", lambda: 8)
+    torch.set_num_threads(8)  # the one_thread fixture restores the process's own
+    assert inference.threads_per_worker(1) == 8 and inference.threads_per_worker(3) == 2
+    torch.set_num_threads(1)  # a caller's choice holds
+    assert inference.threads_per_worker(1) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert inference.threads_per_worker(1) == 3 and inference.threads_per_worker(1, 2) == 2
     calc = GNNPipeCalculator(model_path, threads=2)

@@ -30,8 +30,8 @@ checks a dataset's (``atomic.checks.check_structure``: finite positions and cell
 periodic cell, no two atoms closer than ``min_distance``) and against the model's elements; a
 refusal is a :class:`StructureError`, one line naming the structure. Each worker (``workers=1``:
 this process, for the call only) computes on ``threads`` torch threads: given, else
-``OMP_NUM_THREADS`` as training takes it, else the cores shared out (``cpu_cores() // workers``);
-``Predictor.threads`` records it.
+``OMP_NUM_THREADS`` as training takes it, else the cores shared out (``cpu_cores() // workers``, at
+most this process's own torch threads); ``Predictor.threads`` records it.
 
 **Stress** is the strain derivative ``σ = (1/V) ∂E/∂ε`` at ``ε = 0`` (positions and cell
 deformed by ``I + ε``; ``AtomGraph.strain``), symmetrised, in ASE's Voigt order
@@ -82,10 +82,13 @@ def cpu_cores() -> int:
 
 def threads_per_worker(workers: int, threads: Optional[int] = None) -> int:
     """Torch threads of each of ``workers`` inference workers: ``threads`` if given, else
-    ``OMP_NUM_THREADS`` (as training's workers take it), else the cores shared out."""
+    ``OMP_NUM_THREADS`` (as training's workers take it), else the cores shared out
+    (``cpu_cores() // workers``), never more than this process's own torch threads (a caller's
+    ``torch.set_num_threads(1)`` holds)."""
     if threads is None:
         env = os.environ.get("OMP_NUM_THREADS", "")
-        threads = int(env) if env.isdigit() and int(env) > 0 else max(1, cpu_cores() // workers)
+        threads = int(env) if env.isdigit() and int(env) > 0 else \
+            max(1, min(cpu_cores() // workers, torch.get_num_threads()))
     if not isinstance(threads, int) or threads < 1:
         raise GnnPipeError(f"threads must be an integer >= 1 (torch threads per worker), got {threads!r}")
     return threads
