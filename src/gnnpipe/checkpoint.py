@@ -464,7 +464,7 @@ def check_model_identity(state: dict, cfg: RunConfig, path, *, without_data: boo
     if kind and kind != cfg.model.kind:
         raise GnnPipeError(f"{path}: a {kind} model, but run {cfg.run_id} is a {cfg.model.kind} run; put run "
                            f"{cfg.run_id}'s own model there, or re-run 'train' for {cfg.run_id}")
-    if "config_hash" not in state and not isinstance(state.get("config"), dict):
+    if state.get("config_hash") is None and not isinstance(state.get("config"), dict):
         return  # a model file that does not say what it was trained from: its run id and kind are all
     why = fingerprint_mismatch(state, cfg, _data_fingerprint(cfg) if without_data else None)
     if why:

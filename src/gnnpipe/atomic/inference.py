@@ -57,6 +57,7 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_ready
+from numbers import Integral
 from typing import Optional
 
 import numpy as np
@@ -89,9 +90,9 @@ def threads_per_worker(workers: int, threads: Optional[int] = None) -> int:
         env = os.environ.get("OMP_NUM_THREADS", "")
         threads = int(env) if env.isdigit() and int(env) > 0 else \
             max(1, min(cpu_cores() // workers, torch.get_num_threads()))
-    if not isinstance(threads, int) or threads < 1:
+    if not isinstance(threads, Integral) or threads < 1:
         raise GnnPipeError(f"threads must be an integer >= 1 (torch threads per worker), got {threads!r}")
-    return threads
+    return int(threads)
 
 
 @contextlib.contextmanager
@@ -200,7 +201,7 @@ class Predictor:
         from ..engine import DTYPES
         from .engine import Normalizer
 
-        if not isinstance(workers, int) or workers < 1:
+        if not isinstance(workers, Integral) or workers < 1:
             raise GnnPipeError(f"workers must be an integer >= 1, got {workers!r}")
         if workers > cpu_cores():
             raise GnnPipeError(f"workers {workers}: more than the {cpu_cores()} CPU cores this process may use; "
