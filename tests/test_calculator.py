@@ -242,7 +242,7 @@ def _moved(atoms, seed):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,dtype", [("dimenetpp", "float64"), ("gemnet_t", "float64"), ("gemnet_t", "float32")])
-def test_workers_equal_one_process(slabs, models, kind, dtype):
+def test_workers_equal_one_process(slabs, models, kind, dtype, monkeypatch):
     """Energies, forces and stress at N = 1, 2, 4 workers equal to 1e-10 (float64), on a bulk cell
     (stress) and a slab, over several calls of one persistent pool. float32 (summation order):
     energies to 1e-6 relative, forces and stress to 1e-5 of their largest component (measured
@@ -261,6 +261,7 @@ def test_workers_equal_one_process(slabs, models, kind, dtype):
         return out
 
     want = results(GNNPipeCalculator(mf))
+    monkeypatch.setattr("gnnpipe.atomic.inference.cpu_cores", lambda: 4)  # 4 workers oversubscribe on purpose
     for workers in (2, 4):
         with GNNPipeCalculator(mf, workers=workers) as calc:
             pids = list(calc.predictor.pool.pids)

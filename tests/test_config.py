@@ -53,6 +53,8 @@ def test_run_config_round_trips_through_yaml(tmp_path):
     (lambda c: c.update(relax={"fmax": 0.05, "stepz": 10}), "config.relax: unknown key 'stepz'"),
     (lambda c: c.update(relax={"optimizer": "bfgs"}), "config.relax.optimizer: 'bfgs' is not one of 'lbfgs', 'fire'"),
     (lambda c: c.update(relax={"fmax": 0}), "config.relax.fmax: 0.0 must be > 0"),
+    (lambda c: c.update(relax={"reference": "dft"}), "config.relax.reference: 'dft' is not emt, none or an ASE "
+                                                    "calculator class as module:Class"),
     (lambda c: c["runs"].append({"mode": "single", "dataset": "nope", "model": "gcn2"}),
      "config.runs[4].dataset: 'nope' is not in datasets"),
     (lambda c: c["runs"].append({"mode": "pipeline", "dataset": "synth", "model": "gcn2", "workers": 3}),

@@ -168,3 +168,41 @@ def test_relax_systems_with_a_model_and_without_a_reference(slabs):
     assert row["energy_error"] == pytest.approx(row["ml_energy"] - row["ref_energy"])
     ml_only = relax_systems(structures, calc, None, fmax=0.05, steps=2)
     assert "adwt" not in ml_only and ml_only["reference"] is False and len(ml_only["per_system"]) == 2
+
+
+def test_relaxed_systems_are_a_seeded_sample_across_compositions_and_trajectories():
+    """Not "the first N test systems" (issue #37 item 12: all Pd31 on the data it was found on): one system
+    of each composition in turn, a trajectory not drawn yet first, seeded."""
+    from gnnpipe.atomic.is2rs import sample_systems
+
+    # 10 systems: ids 0-5 Pd3 (trajectories 0, 0, 0, 1, 1, 1), 6-7 Pd2O (trajectory 2), 8-9 Cu3 (trajectory 3)
+    z = [[46] * 3] * 6 + [[46, 46, 8]] * 2 + [[29] * 3] * 2
+    systems = {"z": np.concatenate(z), "atom_ptr": np.arange(0, 31, 3), "group": np.array([0, 0, 0, 1, 1, 1, 2, 2, 3, 3])}
+    ids = np.arange(10)
+    for seed in range(5):
+        three = sample_systems(ids, systems, 3, seed)
+        assert [sum(s in block for s in three) for block in (range(6), range(6, 8), range(8, 10))] == [1, 1, 1]
+        six = sample_systems(ids, systems, 6, seed)  # two of each composition
+        pd3 = [s for s in six if s < 6]
+        assert len(pd3) == 2 and {systems["group"][s] for s in pd3} == {0, 1}  # two trajectories, not one twice
+        assert np.array_equal(six, np.sort(six)) and np.array_equal(six, sample_systems(ids, systems, 6, seed))
+    assert len({tuple(sample_systems(ids, systems, 3, seed)) for seed in range(8)}) > 1  # the seed draws
+    assert np.array_equal(sample_systems(ids, systems, 99, 0), ids) and len(sample_systems(ids[:0], systems, 4, 0)) == 0
+
+
+def test_the_reference_is_explicit_and_none_by_default_for_a_users_file():
+    """`gnnpipe relax` took EMT for any file (issue #37 item 12): by default EMT only for gnnpipe's own
+    EMT-generated systems; emt, none or an ASE calculator class module:Class when given."""
+    from gnnpipe.atomic.is2rs import reference_calculator
+
+    assert reference_calculator(None, "generated:ase-emt seed=0 frames=3 split=trajectory") == ("EMT", EMT)
+    assert reference_calculator(None, "file:dft.extxyz split=random") == (None, None)
+    assert reference_calculator("none", "generated:ase-emt seed=0") == (None, None)
+    assert reference_calculator("emt", "file:mine.extxyz") == ("EMT", EMT)
+    assert reference_calculator("ase.calculators.emt:EMT", "file:x") == ("ase.calculators.emt:EMT", EMT)
+    for bad, match in (("dft", "'dft': emt, none or an ASE calculator class as module:Class"),
+                       ("no_such_module:Calc", r"'no_such_module:Calc': cannot be imported \(ModuleNotFoundError"),
+                       ("ase.calculators.emt:Nope", r"cannot be imported \(AttributeError")):
+        with pytest.raises(GnnPipeError, match=match) as e:
+            reference_calculator(bad, "file:x")
+        assert "\n" not in str(e.value)

@@ -4,6 +4,7 @@ refusals of everything that is not a finished model of a known kind."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +140,37 @@ def test_refusals_are_one_line(tmp_path, mf, case, match):
                                                                         k in ("normalizer", "state_dict"))}
         torch.save(body, path)
     _refused(path, match)
+
+
+@pytest.mark.parametrize("case,why", [("pickle", r"holds more than tensors and plain types, or is damaged "
+                                                  r"\(UnpicklingError\)"),
+                                       ("empty", r"empty \(0 bytes: a write cut short\?\)"), ("text", "not a torch file")])
+def test_every_reader_refuses_an_unsafe_or_empty_file_in_one_line_without_torchs_advice(tmp_path, case, why, capsys):
+    """A model.pt whose payload needs pickle (issue #37, messages): evaluate's reader quoted torch's 6 lines
+    advising weights_only=False; every reader says what the file is in one line and never advises that."""
+    from argparse import Namespace
+
+    from gnnpipe import cli
+    from gnnpipe.checkpoint import load_checkpoint, load_shard
+
+    path = tmp_path / "resume" / "epoch-1" / "rank-0.pt"
+    path.parent.mkdir(parents=True)
+    if case == "pickle":
+        torch.save({"model": {}, "extra": Namespace(a=1)}, path)  # an arbitrary object: only pickle loads it
+    else:
+        path.write_text("" if case == "empty" else "not a torch file\n")
+    for read in (load_checkpoint, load_model_file, lambda p: load_shard(tmp_path, {"dir": "epoch-1"}, 0)):
+        with pytest.raises(GnnPipeError, match=why) as e:
+            read(path)
+        assert "\n" not in str(e.value) and "weights_only" not in str(e.value), str(e.value)
+    run_yaml = tmp_path / "run.yaml"
+    from helpers import run_cfg
+
+    from gnnpipe.config import dump_run_config
+    run_yaml.write_text(dump_run_config(run_cfg(tmp_path, {"kind": "gcn"})))
+    assert cli.main(["evaluate", "--run-config", str(run_yaml), "--checkpoint", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(why, err) and "weights_only" not in err, err
 
 
 def test_payload_from_the_engine_and_upgrade_of_an_older_run(tmp_path, monkeypatch):

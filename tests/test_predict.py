@@ -3,8 +3,14 @@ name the row, and the per-system predictions file of evaluate."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
+import torch
 from ase.build import bulk
 from ase.io import read, write
 from helpers import tiny_atomic_model
@@ -84,6 +90,115 @@ def test_bad_input_is_one_line(model_path, tmp_path, case, match):
     with pytest.raises(GnnPipeError, match=match) as e:
         predict(model_path, src, tmp_path / "out.extxyz", progress=False)
     assert "\n" not in str(e.value)
+
+
+def _impossible(case):
+    """A structure ``gnnpipe data`` refuses (issue #37 item 5), as a user's file holds it."""
+    cu = bulk("Cu", "fcc", a=3.61, cubic=True)
+    if case == "nan_position":
+        cu.positions[2, 1] = np.nan
+    elif case == "zero_cell":
+        cu.cell[:] = 0.0  # pbc stays True
+    elif case == "tiny_cell":
+        cu = bulk("Cu", "sc", a=0.1)
+    elif case in ("close", "coincident"):
+        cu.positions[1] = cu.positions[0] + [1e-6 if case == "close" else 0.0, 0.0, 0.0]
+    return cu
+
+
+IMPOSSIBLE = {"nan_position": r"atom 2 \(Cu\) has a non-finite position",
+              "zero_cell": r"periodic along axis 0 but the cell's height along it is 0 Å",
+              "tiny_cell": r"periodic along axis 0 but the cell's height along it is 0.1 Å",
+              "close": r"atom 0 \(Cu\) and atom 1 \(Cu\) are 1e-06 Å apart",
+              "coincident": r"atom 0 \(Cu\) and atom 1 \(Cu\) are 0 Å apart"}
+
+
+@pytest.mark.parametrize("case", IMPOSSIBLE)
+def test_impossible_structures_are_refused_in_one_line_by_predict_and_the_calculator(model_path, tmp_path, case,
+                                                                                       capsys):
+    """What `gnnpipe data` refuses is refused at inference too: predict names the file and frame before any
+    is computed (before: a traceback from the neighbour list, or an energy without a word); the calculator
+    raises ASE's InputError with the same line."""
+    from ase.calculators.calculator import InputError
+
+    from gnnpipe import cli
+    from gnnpipe.ase import StructureRefused
+
+    write(tmp_path / "in.extxyz", [bulk("Cu", "fcc", a=3.61), _impossible(case)])
+    assert cli.main(["predict", "--run", str(model_path), "--structures", str(tmp_path / "in.extxyz"),
+                     "--out", str(tmp_path / "out.extxyz")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("gnnpipe: error: "), err
+    assert "in.extxyz: frame 1: " in err and re.search(IMPOSSIBLE[case], err), err
+    assert not (tmp_path / "out.extxyz").exists()
+    atoms = _impossible(case)
+    atoms.calc = GNNPipeCalculator(model_path)
+    with pytest.raises(StructureRefused, match=IMPOSSIBLE[case]) as e:
+        atoms.get_potential_energy()
+    assert isinstance(e.value, InputError) and isinstance(e.value, GnnPipeError)
+    assert "\n" not in str(e.value) and str(e.value).startswith("Cu")
+
+
+def test_threads_per_worker_are_chosen_recorded_and_used(model_path, monkeypatch):
+    """workers=1 computes on the threads chosen as training's workers take them (OMP_NUM_THREADS, else the
+    cores shared out), for the call only, and says how many (issue #37 item 7: torch's default before)."""
+    from gnnpipe.atomic import inference
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(inference, "cpu_cores", lambda: 8)
+    torch.set_num_threads(8)  # the one_thread fixture restores the process's own
+    assert inference.threads_per_worker(1) == 8 and inference.threads_per_worker(3) == 2
+    torch.set_num_threads(1)  # a caller's choice holds
+    assert inference.threads_per_worker(1) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert inference.threads_per_worker(1) == 3 and inference.threads_per_worker(1, 2) == 2
+    calc = GNNPipeCalculator(model_path, threads=2)
+    seen, forward = [], calc.predictor.model.forward
+    monkeypatch.setattr(calc.predictor.model, "forward", lambda g: seen.append(torch.get_num_threads()) or forward(g))
+    before = torch.get_num_threads()
+    atoms = bulk("Cu", "fcc", a=3.61)
+    atoms.calc = calc
+    atoms.get_potential_energy()
+    assert seen == [2] and torch.get_num_threads() == before and calc.threads == 2
+    assert "threads=2" in repr(calc)
+    with pytest.raises(GnnPipeError, match="threads must be an integer >= 1"):
+        GNNPipeCalculator(model_path, threads=0)
+
+
+def test_more_workers_than_cores_are_refused_before_any_starts(model_path, tmp_path, capsys):
+    """`--workers 100000` spawned workers until the memory cap killed them (issue #37 item 4)."""
+    from gnnpipe import cli
+    from gnnpipe.atomic.inference import cpu_cores
+
+    write(tmp_path / "in.extxyz", bulk("Cu", "fcc", a=3.61))
+    assert cli.main(["predict", "--run", str(model_path), "--structures", str(tmp_path / "in.extxyz"),
+                     "--out", str(tmp_path / "out.extxyz"), "--workers", "100000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"gnnpipe: error: workers 100000: more than the {cpu_cores()} CPU cores this process may use; "
+                   f"use at most {cpu_cores()} (each worker is a process)")
+    with pytest.raises(GnnPipeError, match="more than the"):
+        GNNPipeCalculator(model_path, workers=cpu_cores() + 1)
+
+
+@pytest.mark.slow
+def test_a_script_without_the_main_guard_is_told_so_in_one_line(model_path, tmp_path):
+    """Workers re-import the main script; one without `if __name__ == "__main__":` starts workers again
+    there (issue #37 item 8: multiprocessing's RuntimeError and BrokenPipeError tracebacks before)."""
+    script = tmp_path / "noguard.py"
+    script.write_text("from ase.build import bulk\nfrom gnnpipe.ase import GNNPipeCalculator\n"
+                      "atoms = bulk('Cu', 'fcc', a=3.61, cubic=True)\n"
+                      f"atoms.calc = GNNPipeCalculator({str(model_path)!r}, workers=2)\n"
+                      "print(atoms.get_potential_energy())\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == (f"gnnpipe.io.GnnPipeError: inference workers cannot start: {script} starts them when it is "
+                    "imported, and each worker imports it again; put the script's code under "
+                    "'if __name__ == \"__main__\":' (Python's multiprocessing needs it); the other workers were "
+                    "stopped"), out.stderr
+    assert "RuntimeError" not in out.stderr and "BrokenPipeError" not in out.stderr
+    assert out.stderr.count("Traceback") == 1, out.stderr  # the script's own, ending in that line
 
 
 def test_the_predictions_file_round_trips(slabs, tmp_path):

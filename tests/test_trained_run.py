@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from ase.io import read, write
 from gnnpipe import cli
 from gnnpipe.ase import GNNPipeCalculator
 from gnnpipe.atomic import data
-from gnnpipe.atomic.is2rs import NO_REFERENCE, relax_run, systems_to_atoms
+from gnnpipe.atomic.is2rs import NO_REFERENCE, relax_run, sample_systems, systems_to_atoms
 from gnnpipe.atomic.modelfile import PAYLOAD_KEY, load_model_file
 from gnnpipe.atomic.predict import read_predictions
 from gnnpipe.config import load_workflow_config, resolve_runs
@@ -144,7 +145,7 @@ def test_relax_run_scores_is2rs_into_relax_json_and_mlflow(run, tmp_path):
 
 def test_relax_run_without_a_reference_says_so(run, tmp_path):
     cfg, _ = run
-    out = relax_run(cfg, systems=1, fmax=0.05, steps=2, reference=None, out=tmp_path / "relax.json",
+    out = relax_run(cfg, systems=1, fmax=0.05, steps=2, reference="none", out=tmp_path / "relax.json",
                     trajectories=tmp_path / "traj", progress=False)
     assert out["reference"] is None and out["note"] == NO_REFERENCE and "adwt" not in out
     assert out["per_system"][0]["ml_steps"] <= 2 and "ref_energy" not in out["per_system"][0]
@@ -162,8 +163,8 @@ def test_relax_run_skips_test_systems_with_unseen_elements_and_says_when_none_is
     cfg, systems = run
     real = modelfile.load_model_file
 
-    def fewer_elements(path):
-        mf = real(path)
+    def fewer_elements(path, run=None):
+        mf = real(path, run)
         return dataclasses.replace(mf, elements=tuple(z for z in mf.elements if z not in unseen))
     monkeypatch.setattr("gnnpipe.atomic.calculator.load_model_file", fewer_elements)
     out = relax_run(cfg, systems=4, fmax=0.05, steps=2, reference="emt", out=tmp_path / "relax.json",
@@ -171,7 +172,8 @@ def test_relax_run_skips_test_systems_with_unseen_elements_and_says_when_none_is
     test, ptr = np.nonzero(systems["split"] == 2)[0], systems["atom_ptr"]
     skipped = [int(s) for s in test if set(systems["z"][ptr[s]:ptr[s + 1]].tolist()) & set(unseen)]
     assert out["skipped_unseen_elements"] == skipped and skipped
-    assert [r["name"] for r in out["per_system"]] == [str(s) for s in test if s not in skipped][:4]
+    left = [s for s in test if s not in skipped]
+    assert [r["name"] for r in out["per_system"]] == [str(s) for s in sample_systems(left, systems, 4, 0)]
     if len(skipped) == len(test):  # none left: said, not raised; the report's row and plot cope
         from gnnpipe.report.atomic import is2rs_section
         assert out["systems"] == 0 and "none relaxed" in out["note"] and out["ml_steps_mean"] is None
@@ -223,3 +225,42 @@ def test_evaluate_scores_the_training_split_on_a_bounded_seeded_sample_and_says_
     assert len(sample) == 2 and set(sample) <= set(eng.ids["train"]) and list(eng.eval_ids("train")) == list(sample)
     eng.ids["train"], eng.eval_train_systems = sample, None
     assert eng.evaluate()["train_energy_mae"] == pytest.approx(two["train_energy_mae"], rel=1e-12)
+
+
+def test_a_model_pt_of_another_run_is_refused_by_every_consumer_naming_both(run, tmp_path, capsys):
+    """Run A's model.pt copied into run B's folder (issue #37 item 2): relax, predict --run, the calculator's
+    from_run and evaluate refuse it in one line naming both runs; before, relax and predict used A's model
+    under B's name and evaluate blamed the epochs ("checkpoint after 1 of 30 epochs")."""
+    import shutil
+
+    from gnnpipe.config import dump_run_config
+    from gnnpipe.evaluate import evaluate_run
+    from gnnpipe.io import GnnPipeError
+
+    cfg, systems = run
+    other = tmp_path / "other-run"
+    other.mkdir()
+    b = dataclasses.replace(cfg, run_id="other-run", out_dir=str(other),
+                            training=dataclasses.replace(cfg.training, epochs=30))
+    (other / "run.yaml").write_text(dump_run_config(b))
+    shutil.copy(f"{cfg.out_dir}/model.pt", other / "model.pt")
+    write(tmp_path / "in.extxyz", systems_to_atoms(systems, [0]))
+    both = rf"the model of run {cfg.run_id} \(gemnet_t\), not of run other-run \(gemnet_t\) that it was asked for"
+    for argv in (["relax", "--run-config", str(other / "run.yaml"), "--systems", "1", "--steps", "1"],
+                 ["predict", "--run", str(other), "--structures", str(tmp_path / "in.extxyz"),
+                  "--out", str(tmp_path / "out.extxyz")]):
+        assert re.search(both, _one_error_line(capsys, argv))
+    with pytest.raises(GnnPipeError, match=both):
+        GNNPipeCalculator.from_run(other)
+    with pytest.raises(GnnPipeError, match=both) as e:
+        evaluate_run(b)
+    assert "\n" not in str(e.value) and "epochs" not in str(e.value)
+    assert not (other / "relax.json").exists() and not (tmp_path / "out.extxyz").exists()
+    # the same run id trained from another config: the keys that differ are named
+    (other / "run.yaml").write_text(dump_run_config(dataclasses.replace(
+        cfg, out_dir=str(other), training=dataclasses.replace(cfg.training, lr=0.5))))
+    with pytest.raises(GnnPipeError, match=r"trained from another config: training.lr 0.01 -> 0.5 \(run "):
+        GNNPipeCalculator.from_run(other)
+    # the run's own model.pt beside its run.yaml loads
+    (other / "run.yaml").write_text(dump_run_config(dataclasses.replace(cfg, out_dir=str(other))))
+    assert GNNPipeCalculator.from_run(other).model_file.run_id == cfg.run_id

@@ -4,6 +4,6 @@ The calculator lives in :mod:`gnnpipe.atomic.calculator`; this module only re-ex
 ``nequip.ase`` and ``mace.calculators`` do for theirs.
 """
 
-from .atomic.calculator import GNNPipeCalculator
+from .atomic.calculator import CalculationRefused, GNNPipeCalculator, StructureRefused
 
-__all__ = ["GNNPipeCalculator"]
+__all__ = ["CalculationRefused", "GNNPipeCalculator", "StructureRefused"]

@@ -28,6 +28,7 @@ import json
 import random
 import shutil
 import typing
+import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -167,6 +168,15 @@ def _written(write) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- load
+def unreadable(path, e: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` refused ``path``, in a few words: never torch's own
+    message, which is many lines and advises loading the file unsafely (``weights_only=False``). An empty
+    file is refused before it is loaded (``io.empty_file``)."""
+    if not zipfile.is_zipfile(path):
+        return "not a torch file"
+    return f"holds more than tensors and plain types, or is damaged ({type(e).__name__})"
+
+
 def _refusal(path: Path, why: str) -> str:
     return (f"{path}: {why}; to discard it and train from epoch 0, rerun with `gnnpipe train --restart` "
             f"(or GNNPIPE_RESTART=1, e.g. under Snakemake)")
@@ -215,7 +225,7 @@ def load_shard(out_dir, manifest: dict, rank: int) -> dict:
         raise GnnPipeError(_refusal(path, "missing (is the out_dir on a file system every node "
                                           "shares?)")) from None
     except Exception as e:  # unpickling errors, a truncated or flipped zip
-        raise GnnPipeError(_refusal(path, f"not a readable checkpoint ({' '.join(str(e).split())[:300]})")) from None
+        raise GnnPipeError(_refusal(path, f"not a readable checkpoint ({unreadable(path, e)})")) from None
     want = shard.pop("digest", None) if isinstance(shard, dict) else None
     if want is None or want != digest(shard) or want != manifest["shards"][rank]:
         raise GnnPipeError(_refusal(path, "its digest does not match its contents or the manifest "
@@ -304,7 +314,8 @@ def load_checkpoint(path: str | Path) -> dict:
     except FileNotFoundError:
         raise GnnPipeError(f"{path}: no checkpoint; run the 'train' rule for this run first") from None
     except Exception as e:  # unpickling errors, truncated zip
-        raise GnnPipeError(f"{path}: not a readable checkpoint ({e}); delete it and re-run 'train'") from None
+        raise GnnPipeError(f"{path}: not a readable checkpoint ({unreadable(path, e)}); delete it and re-run "
+                           "'train'") from None
     want = state.pop("digest", None) if isinstance(state, dict) else None
     if want is not None and want != digest(state):
         raise GnnPipeError(f"{path}: its digest does not match its contents (damaged or edited); delete it "
@@ -402,14 +413,15 @@ def fingerprint_mismatch(stored: dict, cfg: RunConfig, now: dict | None = None) 
     """Why a checkpoint (its fingerprint fields, ``stored``) is not of run ``cfg`` as it is now:
     ``"another config: training.lr 0.02 -> 0.05"``, another graph or chunk store; None: it is.
     A checkpoint of gnnpipe before fingerprint v2 carries its config whole (``model.pt``:
-    compared key by key) or only its v1 hash (a resume manifest: equal, or a refusal that says so)."""
+    compared key by key) or only its v1 hash (a resume manifest: equal, or a refusal that says so);
+    an atomic model file carries only its hash, of either version."""
     now = now or run_fingerprint(cfg)
     conf = stored.get("fingerprint_config", stored.get("config"))
     if isinstance(conf, dict):
         diff = config_differences(conf, cfg)
         if diff:
             return f"another config: {'; '.join(diff[:4])}{f' and {len(diff) - 4} more' if len(diff) > 4 else ''}"
-    elif stored.get("config_hash") != _hash(_fingerprinted(to_dict(cfg), 1)):
+    elif stored.get("config_hash") not in {_hash(_fingerprinted(to_dict(cfg), v)) for v in _OPERATIONAL}:
         return (f"another config, or one of gnnpipe before fingerprint v2, which cannot name the keys that "
                 f"differ (config_hash {str(stored.get('config_hash'))[:12]})")
     for key, what in (("graph_hash", "graph"), ("store_hash", "chunk store")):
@@ -419,16 +431,46 @@ def fingerprint_mismatch(stored: dict, cfg: RunConfig, now: dict | None = None) 
 
 
 def check_checkpoint(state: dict, cfg: RunConfig, path: Path, *, final: bool = True) -> None:
-    """Refuse a checkpoint that is not this run's finished model (``final``) or was trained
-    from another config, graph or chunk store than ``cfg`` names now."""
+    """Refuse a checkpoint that is not this run's (``check_model_identity``) or not its finished
+    model (``final``)."""
     redo = f"re-run 'train' for {cfg.run_id} (delete {path}, or snakemake --forcerun train)"
     if "config_hash" not in state:
         raise GnnPipeError(f"{path}: the checkpoint does not say which config and data it was trained "
                            f"from (an older gnnpipe wrote it); {redo}")
+    check_model_identity(state, cfg, path, without_data=False)
     done = int(state.get("epochs_done", -1))
     if final and done != cfg.training.epochs:
         raise GnnPipeError(f"{path}: checkpoint after {done} of {cfg.training.epochs} epochs, not the "
                            f"finished run (training was cut short?); {redo}")
-    why = fingerprint_mismatch(state, cfg)
+
+
+def _data_fingerprint(cfg: RunConfig) -> dict:
+    """``run_fingerprint`` with the hash of a data file that is gone left out (None): a finished
+    model is used without its data (inference), and is checked against what is still there."""
+    present = {k: getattr(cfg, k) if getattr(cfg, k) and Path(getattr(cfg, k)).is_file() else None
+               for k in ("graph_path", "store_path")}
+    return run_fingerprint(dataclasses.replace(cfg, **present))
+
+
+def check_model_identity(state: dict, cfg: RunConfig, path, *, without_data: bool = True) -> None:
+    """Refuse a model (a checkpoint's fields, or an atomic model file's ``run_id`` and
+    ``fingerprint``) that is not run ``cfg``'s: another run's (run id and model kind named), or
+    this run's trained from another config, graph or chunk store than ``cfg`` names now. One line
+    naming both. ``without_data``: the data are compared where the run's files still exist (a
+    finished model is used without them); else a missing data file is refused."""
+    theirs = state.get("run_id")
+    kind = ((state.get("config") or state.get("fingerprint_config") or {}).get("model") or {}).get("kind") \
+        or state.get("kind")
+    if theirs is not None and theirs != cfg.run_id:
+        raise GnnPipeError(f"{path}: the model of run {theirs}{f' ({kind})' if kind else ''}, not of run "
+                           f"{cfg.run_id} ({cfg.model.kind}) that it was asked for; put run {cfg.run_id}'s own "
+                           f"model there, or re-run 'train' for {cfg.run_id}")
+    if kind and kind != cfg.model.kind:
+        raise GnnPipeError(f"{path}: a {kind} model, but run {cfg.run_id} is a {cfg.model.kind} run; put run "
+                           f"{cfg.run_id}'s own model there, or re-run 'train' for {cfg.run_id}")
+    if state.get("config_hash") is None and not isinstance(state.get("config"), dict):
+        return  # a model file that does not say what it was trained from: its run id and kind are all
+    why = fingerprint_mismatch(state, cfg, _data_fingerprint(cfg) if without_data else None)
     if why:
-        raise GnnPipeError(f"{path}: trained from {why} (run {cfg.run_id} as it is now); {redo}")
+        raise GnnPipeError(f"{path}: trained from {why} (run {cfg.run_id} as it is now); re-run 'train' for "
+                           f"{cfg.run_id} (delete {path}, or snakemake --forcerun train)")

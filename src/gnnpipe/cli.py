@@ -9,7 +9,7 @@
     gnnpipe launch      --run-config run.yaml --mem-mb-per-worker 4096 [-- torchrun ...]
                                                       (the train rule: check the plan, start, report OOM)
     gnnpipe evaluate    --run-config results/runs/<run_id>/run.yaml
-    gnnpipe relax       --run-config results/runs/<run_id>/run.yaml --reference emt   (IS2RS)
+    gnnpipe relax       --run-config results/runs/<run_id>/run.yaml [--reference emt|none|module:Class]  (IS2RS)
     gnnpipe predict     --run results/runs/<run_id> --structures in.extxyz --out out.extxyz [--workers N]
     gnnpipe report      --runs-dir results/runs --out results/report.md
     gnnpipe runs        --config config/config.yaml   (list / resolve the configured runs)
@@ -200,16 +200,23 @@ def _relax(a):
 
     res = relax_run(load_run_config(a.run_config), systems=a.systems, optimizer=a.optimizer, fmax=a.fmax,
                     steps=a.steps, rattle_stdev=a.rattle, seed=a.seed,
-                    reference=None if a.reference == "none" else a.reference, out=a.out,
+                    reference=a.reference, out=a.out,
                     trajectories=a.trajectories, progress=True)
     print(" ".join(f"{k}={v:.4f}" for k, v in res.items() if isinstance(v, float)), file=sys.stderr)
 
 
 def _predict(a):
+    import time
+
+    from .atomic.inference import threads_per_worker
     from .atomic.predict import predict
 
-    n = predict(a.run, a.structures, a.out, workers=a.workers, device=a.device, dtype=a.dtype, progress=True)
-    print(f"gnnpipe: {n} structures predicted into {a.out}", file=sys.stderr)
+    start = time.perf_counter()
+    n = predict(a.run, a.structures, a.out, workers=a.workers, device=a.device, dtype=a.dtype, threads=a.threads,
+                progress=True)
+    print(f"gnnpipe: {n} structures predicted into {a.out} ({a.workers} worker(s) x "
+          f"{threads_per_worker(a.workers, a.threads)} torch thread(s), {n / (time.perf_counter() - start):.2f} "
+          "structures/s)", file=sys.stderr)
 
 
 def _report(a):
@@ -395,23 +402,26 @@ def build_parser() -> argparse.ArgumentParser:
     from .config import RelaxConfig
     rd = RelaxConfig()
     rx = sub.add_parser("relax", help="IS2RS of a trained atomic run: relax test systems, ADwT / FbT / AFbT",
-                        description="Rattle the first --systems systems of an atomic run's test split and relax "
+                        description="Rattle --systems systems of an atomic run's test split (a seeded sample across "
+                                    "compositions and trajectories) and relax "
                                     "them with the run's finished model (one process, whatever mode trained it) "
                                     "and with the reference calculator; write relax.json (ADwT, FbT, AFbT, "
                                     "relaxed-energy MAE, steps; docs/DESIGN.md), one ASE trajectory per system "
                                     "and calculator, and log the metrics to the run's MLflow run. Defaults: "
                                     "OC20's IS2RS baseline (ASE L-BFGS, maxstep 0.04 Å, memory 50).")
     rx.add_argument("--run-config", required=True, help="results/runs/<run_id>/run.yaml (its model.pt finished)")
-    rx.add_argument("--systems", type=int, default=rd.systems, help="test systems to relax, the first by id (default %(default)s)")
+    rx.add_argument("--systems", type=int, default=rd.systems,
+                    help="test systems to relax, drawn across compositions and trajectories (default %(default)s)")
     rx.add_argument("--optimizer", choices=("lbfgs", "fire"), default=rd.optimizer, help="ASE optimiser (default %(default)s)")
     rx.add_argument("--fmax", type=float, default=rd.fmax, help="eV/Å: converged at this largest free-atom force (default %(default)s)")
     rx.add_argument("--steps", type=int, default=rd.steps, help="optimiser steps at most per relaxation (default %(default)s)")
     rx.add_argument("--rattle", type=float, default=rd.rattle,
                     help="Å: Gaussian displacement of free atoms giving the initial structures (default %(default)s)")
-    rx.add_argument("--seed", type=int, default=rd.seed, help="seed of the rattle (default %(default)s)")
-    rx.add_argument("--reference", choices=("emt", "none"), default="emt",
-                    help="the calculator the data was labelled with (emt: generated data); none: a user's "
-                         "structures, ML relaxations and energies only (default %(default)s)")
+    rx.add_argument("--seed", type=int, default=rd.seed, help="seed of the rattle and the sample (default %(default)s)")
+    rx.add_argument("--reference",
+                    help="the calculator the data was labelled with: emt, none (ML relaxations and energies only) "
+                         "or an ASE calculator class module:Class (default: emt for gnnpipe's EMT-generated "
+                         "systems, none for a user's file)")
     rx.add_argument("--out", help="default: <out_dir>/relax.json")
     rx.add_argument("--trajectories", help="directory of <i>-ml.traj / <i>-ref.traj (default: <out_dir>/relax)")
     rx.set_defaults(func=_relax, outputs=("out",), output_dirs=("trajectories",))
@@ -427,7 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a finished run directory (results/runs/<run_id>) or a model file")
     pr.add_argument("--structures", required=True, help="structures to compute: .extxyz / .xyz, or an ASE .db")
     pr.add_argument("--out", required=True, help="extended XYZ to write (atomically)")
-    pr.add_argument("--workers", type=int, default=1, help="local processes per structure (graph parallelism; default %(default)s)")
+    pr.add_argument("--workers", type=int, default=1,
+                    help="local processes per structure (graph parallelism; at most the CPU cores; default %(default)s)")
+    pr.add_argument("--threads", type=int,
+                    help="torch threads per worker (default: OMP_NUM_THREADS, else the CPU cores / --workers)")
     pr.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     pr.add_argument("--dtype", choices=("float32", "float64"), help="default: the model's own")
     pr.set_defaults(func=_predict, outputs=("out",))

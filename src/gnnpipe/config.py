@@ -366,17 +366,29 @@ class CostModelConfig:
 
 @dataclass
 class RelaxConfig:
-    """IS2RS after ``evaluate`` for every atomic run (rule ``relax``, ``gnnpipe.atomic.is2rs``): the
-    first ``systems`` systems of the test split, rattled, relaxed with the model and (generated
-    data) with EMT. Defaults as OC20's IS2RS baseline: ASE L-BFGS (maxstep 0.04 Å, memory 50),
-    fairchem's 300 steps and fmax 0.02 eV/Å."""
+    """IS2RS after ``evaluate`` for every atomic run (rule ``relax``, ``gnnpipe.atomic.is2rs``):
+    ``systems`` systems of the test split (a seeded sample across compositions and trajectories),
+    rattled, relaxed with the model and with the ``reference`` calculator. Defaults as OC20's IS2RS
+    baseline: ASE L-BFGS (maxstep 0.04 Å, memory 50), fairchem's 300 steps and fmax 0.02 eV/Å."""
 
     systems: int = 4  # test systems relaxed per run; 0: no relax rule
     optimizer: Literal["lbfgs", "fire"] = "lbfgs"
     fmax: float = 0.02  # eV/Å: converged when the largest free-atom force is at most this
     steps: int = 300  # optimiser steps at most, per relaxation
     rattle: float = 0.05  # Å: Gaussian displacement of every free atom before relaxing (the initial structure)
-    seed: int = 0  # of the rattle
+    seed: int = 0  # of the rattle and of the sample of test systems
+    # the calculator that labelled the data: "emt", "none" (ML relaxations only), or an ASE
+    # calculator class "module:Class" (built without arguments); null: by the data, "emt" for
+    # gnnpipe's EMT-generated systems, "none" for a user's file (atoms.file)
+    reference: Optional[str] = None
+
+    def check(self, path: str) -> None:
+        if self.reference is not None and not re.fullmatch(REFERENCE_PATTERN, self.reference):
+            raise ConfigError(f"{path}.reference: {self.reference!r} is not emt, none or an ASE calculator class "
+                              "as module:Class (e.g. ase.calculators.emt:EMT)")
+
+
+REFERENCE_PATTERN = r"emt|none|[A-Za-z_][\w.]*:[A-Za-z_]\w*"  # relax.reference, gnnpipe relax --reference
 
 
 # --------------------------------------------------------------------------- runs

@@ -129,8 +129,11 @@ RELAX_RUNS = ATOMIC_RUNS if WF.relax.systems > 0 else []  # IS2RS after evaluate
 
 
 def relax_reference(wildcards) -> str:
-    """The calculator the run's systems were labelled with: EMT for generated data; a user's
-    file (atoms.file) names none, so its relaxations are the model's only."""
+    """The reference calculator of the run's relaxations: config relax.reference, else the data's
+    own as gnnpipe relax takes it (gnnpipe.atomic.is2rs.reference_calculator): EMT for generated
+    systems, none for a user's file (atoms.file), whose labels may be another method's."""
+    if WF.relax.reference is not None:
+        return WF.relax.reference
     return "none" if WF.datasets[RUNS[wildcards.run_id].dataset_name].atoms.file else "emt"
 
 

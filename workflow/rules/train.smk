@@ -94,8 +94,9 @@ rule evaluate_atomic:
 
 
 rule relax:
-    """IS2RS (config relax:): the first test systems rattled and relaxed with the run's model, one
-    process whatever mode trained it, and with EMT (generated data); relax.json, trajectories."""
+    """IS2RS (config relax:): a seeded sample of test systems rattled and relaxed with the run's model,
+    one process whatever mode trained it, and with the reference (relax.reference; by default EMT
+    for generated data, none for a user's file); relax.json, trajectories."""
     wildcard_constraints:
         run_id=run_id_pattern(RELAX_RUNS),
     input:

@@ -24,7 +24,19 @@ block, or interpreter exit end them); they split each structure's edges (Sriram 
 large system when it sends fewer bytes, its atoms (METIS parts, each worker receiving only its halo:
 ``atomic.halo``; ``layout="auto"``, the default, chooses per structure); the energies, forces and stress equal ``workers=1`` to
 rounding (1e-10 in float64; float32: see docs/ARCHITECTURE.md). A dead worker is one
-``GnnPipeError`` naming it, raised within a fraction of a second.
+``GnnPipeError`` naming it, raised within a fraction of a second. ``workers`` is at most the CPU
+cores this process may use; each worker (``workers=1``: this process, during a call) computes on
+``threads`` torch threads (default ``OMP_NUM_THREADS``, else the cores shared out; the property
+``threads`` says how many). A script that starts workers needs ``if __name__ == "__main__":``
+(each worker imports it again); without it the calculator says so in one line.
+
+Errors follow ASE's: a structure the model cannot compute — what ``gnnpipe data`` refuses in a
+dataset (a non-finite position or cell, a degenerate periodic cell, two atoms closer than
+``min_distance``, 0.5 Å), or an element it never saw — raises :class:`StructureRefused` (an
+``ase.calculators.calculator.InputError``), anything else that fails :class:`CalculationRefused`
+(a ``CalculationFailed``); both are ``GnnPipeError``s of one line naming the structure.
+``from_run`` of a run directory refuses a ``model.pt`` that is not that run's (its ``run.yaml``;
+``run=`` another ``RunConfig``), naming both.
 """
 
 from __future__ import annotations
@@ -33,11 +45,20 @@ from pathlib import Path
 from typing import Optional, Union
 
 import numpy as np
-from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
+from ase.calculators.calculator import (CalculationFailed, Calculator, InputError, PropertyNotImplementedError,
+                                        all_changes)
 
 from ..io import GnnPipeError
-from .inference import Predictor
+from .inference import Predictor, StructureError
 from .modelfile import ModelFile, load_model_file
+
+
+class StructureRefused(StructureError, InputError):
+    """A structure the model cannot compute (ASE's ``InputError``; one line naming it)."""
+
+
+class CalculationRefused(GnnPipeError, CalculationFailed):
+    """A calculation that failed (a dead worker, ...): ASE's ``CalculationFailed``, one line."""
 
 
 class GNNPipeCalculator(Calculator):
@@ -47,16 +68,24 @@ class GNNPipeCalculator(Calculator):
     nolabel = True
 
     def __init__(self, model: Union[str, Path, ModelFile], *, device: str = "cpu", workers: int = 1,
-                 dtype: Optional[str] = None, threads: Optional[int] = None, layout: str = "auto", **kwargs):
+                 dtype: Optional[str] = None, threads: Optional[int] = None, layout: str = "auto",
+                 min_distance: Optional[float] = None, run=None, **kwargs):
         """``model``: a run directory, a model file (or checkpoint holding one), or a ``ModelFile``.
         ``dtype``: ``"float32"``/``"float64"`` (default: the model's own); ``threads``: torch
-        threads per worker (``workers > 1``; default: the cores shared out); ``layout``: how the
-        workers split a structure, ``"edges"``, ``"atoms"`` or ``"auto"`` (per structure, the one whose
-        closed-form bytes are fewer: ``atomic.inference.Predictor``)."""
+        threads per worker (default: ``OMP_NUM_THREADS``, else the cores shared out); ``layout``: how
+        the workers split a structure, ``"edges"``, ``"atoms"`` or ``"auto"`` (per structure, the one
+        whose closed-form bytes are fewer: ``atomic.inference.Predictor``); ``min_distance``: Å, two
+        atoms closer are refused (default 0.5, ``atoms.min_distance``'s); ``run``: the ``RunConfig``
+        the model must belong to (default: a run directory's ``run.yaml``)."""
         super().__init__(**kwargs)
-        self.model_file = model if isinstance(model, ModelFile) else load_model_file(model)
+        self.model_file = model if isinstance(model, ModelFile) else load_model_file(model, run)
         self.predictor = Predictor(self.model_file, device=device, workers=workers, dtype=dtype, threads=threads,
-                                   layout=layout)
+                                   layout=layout, min_distance=min_distance)
+
+    @property
+    def threads(self) -> int:
+        """Torch threads each worker computes on (``workers=1``: this process, during a call)."""
+        return self.predictor.threads
 
     @classmethod
     def from_run(cls, path: Union[str, Path], device: str = "cpu", workers: int = 1, **kwargs) -> "GNNPipeCalculator":
@@ -71,10 +100,13 @@ class GNNPipeCalculator(Calculator):
             raise PropertyNotImplementedError(f"stress needs a 3-D periodic cell (pbc {a.pbc.tolist()}, "
                                               f"cell rank {a.cell.rank})")
         stress = "stress" in properties or (periodic and self.predictor.gradient_forces)
+        where = f"{a.get_chemical_formula()}: "
         try:
-            p = self.predictor.predict(a.numbers, a.positions, a.cell.array, a.pbc, stress=stress)
+            p = self.predictor.predict(a.numbers, a.positions, a.cell.array, a.pbc, stress=stress, where=where)
+        except StructureError as e:
+            raise StructureRefused(str(e)) from None
         except GnnPipeError as e:
-            raise GnnPipeError(f"{a.get_chemical_formula()}: {e}") from None
+            raise CalculationRefused(str(e) if str(e).startswith(where) else f"{where}{e}") from None
         self.results = {"energy": p.energy, "free_energy": p.energy, "forces": p.forces}
         if p.stress is not None:
             self.results["stress"] = p.stress
@@ -92,4 +124,4 @@ class GNNPipeCalculator(Calculator):
     def __repr__(self) -> str:
         mf = self.model_file
         return (f"GNNPipeCalculator({mf.kind}, cutoff={mf.cutoff} Å, max_neighbors={mf.max_neighbors}, "
-                f"workers={self.predictor.workers}, dtype={str(self.predictor.dtype).removeprefix('torch.')})")
+                f"workers={self.predictor.workers}, threads={self.threads}, dtype={str(self.predictor.dtype).removeprefix('torch.')})")

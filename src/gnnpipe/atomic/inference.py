@@ -21,7 +21,17 @@ or graph-parallel across N persistent local worker processes.
   found from its process sentinel within ~0.2 s (one error naming it, the others are stopped,
   nothing hangs); ``close()``, a ``with`` block, garbage collection or interpreter exit shut the
   workers down. Scripts that start workers need the ``if __name__ == "__main__":`` guard, as any
-  spawn-based multiprocessing.
+  spawn-based multiprocessing: a worker re-imports the script, and a script without it would start
+  workers again there (the worker exits with ``NO_MAIN_GUARD``; the client says so in one line).
+  ``workers`` is at most the CPU cores this process may use (:func:`cpu_cores`).
+
+**Checks and threads.** Every structure is checked before it is computed, as ``gnnpipe data``
+checks a dataset's (``atomic.checks.check_structure``: finite positions and cell, no degenerate
+periodic cell, no two atoms closer than ``min_distance``) and against the model's elements; a
+refusal is a :class:`StructureError`, one line naming the structure. Each worker (``workers=1``:
+this process, for the call only) computes on ``threads`` torch threads: given, else
+``OMP_NUM_THREADS`` as training takes it, else the cores shared out (``cpu_cores() // workers``, at
+most this process's own torch threads); ``Predictor.threads`` records it.
 
 **Stress** is the strain derivative ``σ = (1/V) ∂E/∂ε`` at ``ε = 0`` (positions and cell
 deformed by ``I + ε``; ``AtomGraph.strain``), symmetrised, in ASE's Voigt order
@@ -34,6 +44,7 @@ Energies in eV are ``scale · y + Σ e_ref[z]`` (the model file's normaliser), f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import multiprocessing as mp
@@ -46,6 +57,7 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_ready
+from numbers import Integral
 from typing import Optional
 
 import numpy as np
@@ -57,6 +69,43 @@ from .modelfile import ModelFile
 
 VOIGT = ((0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1))  # ASE's order: xx yy zz yz xz xy
 POLL_S = 0.2  # how often a waiting client looks at its workers' liveness
+NO_MAIN_GUARD = 87  # a worker's exit code: it re-imported a script that starts workers at import
+
+
+class StructureError(GnnPipeError):
+    """A structure the model cannot compute (impossible, or with an element it never saw): one line naming it."""
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity; else the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def threads_per_worker(workers: int, threads: Optional[int] = None) -> int:
+    """Torch threads of each of ``workers`` inference workers: ``threads`` if given, else
+    ``OMP_NUM_THREADS`` (as training's workers take it), else the cores shared out
+    (``cpu_cores() // workers``), never more than this process's own torch threads (a caller's
+    ``torch.set_num_threads(1)`` holds)."""
+    if threads is None:
+        env = os.environ.get("OMP_NUM_THREADS", "")
+        threads = int(env) if env.isdigit() and int(env) > 0 else \
+            max(1, min(cpu_cores() // workers, torch.get_num_threads()))
+    if not isinstance(threads, Integral) or threads < 1:
+        raise GnnPipeError(f"threads must be an integer >= 1 (torch threads per worker), got {threads!r}")
+    return int(threads)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """``torch.set_num_threads(n)`` for the block only (a calculator must not change its caller's)."""
+    old = torch.get_num_threads()
+    if old != n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if old != n:
+            torch.set_num_threads(old)
 
 
 @dataclass
@@ -111,6 +160,23 @@ def _numpy(t: Optional[Tensor]) -> Optional[np.ndarray]:
     return None if t is None else t.detach().to("cpu", torch.float64).numpy()
 
 
+def check_input(mf: ModelFile, numbers, positions, cell, pbc, where: str = "",
+                min_distance: Optional[float] = None) -> None:
+    """Refuse a structure the model cannot compute (:class:`StructureError`, one line starting with
+    ``where``): what ``gnnpipe data`` refuses in a dataset (``checks.check_structure``), then
+    elements the model never saw."""
+    from .checks import MIN_DISTANCE, check_structure
+    try:
+        check_structure(numbers, positions, cell, np.broadcast_to(np.asarray(pbc, dtype=bool), (3,)),
+                        min_distance=MIN_DISTANCE if min_distance is None else min_distance,
+                        where=where.removesuffix(": ") or "structure")
+    except StructureError:
+        raise
+    except GnnPipeError as e:
+        raise StructureError(str(e)) from None
+    check_elements(mf, numbers, where)
+
+
 def check_elements(mf: ModelFile, numbers, where: str = "") -> None:
     """One line naming the elements of ``numbers`` that the model never saw in training."""
     from ase.data import chemical_symbols
@@ -120,7 +186,7 @@ def check_elements(mf: ModelFile, numbers, where: str = "") -> None:
 
     unseen = sorted(set(int(z) for z in np.unique(numbers)) - set(mf.elements))
     if unseen:
-        raise GnnPipeError(f"{where}element(s) {', '.join(f'{name(z)} (Z={z})' for z in unseen)} never seen in "
+        raise StructureError(f"{where}element(s) {', '.join(f'{name(z)} (Z={z})' for z in unseen)} never seen in "
                            f"training; the model knows {', '.join(name(z) for z in mf.elements)}")
 
 
@@ -130,12 +196,18 @@ class Predictor:
     ``workers`` persistent local processes (graph parallelism); see the module docstring."""
 
     def __init__(self, model_file: ModelFile, device="cpu", workers: int = 1, dtype: Optional[str] = None,
-                 threads: Optional[int] = None, timeout_s: float = 600.0, layout: str = "auto"):
+                 threads: Optional[int] = None, timeout_s: float = 600.0, layout: str = "auto",
+                 min_distance: Optional[float] = None):
         from ..engine import DTYPES
         from .engine import Normalizer
 
-        if workers < 1:
-            raise GnnPipeError(f"workers must be >= 1, got {workers}")
+        if not isinstance(workers, Integral) or workers < 1:
+            raise GnnPipeError(f"workers must be an integer >= 1, got {workers!r}")
+        if workers > cpu_cores():
+            raise GnnPipeError(f"workers {workers}: more than the {cpu_cores()} CPU cores this process may use; "
+                               f"use at most {cpu_cores()} (each worker is a process)")
+        self.threads = threads_per_worker(workers, threads)
+        self.min_distance = min_distance
         if layout not in ("auto", "edges", "atoms"):
             raise GnnPipeError(f"layout {layout!r}: one of auto, edges, atoms")
         self.layout, self.last_layout = layout, None
@@ -146,7 +218,7 @@ class Predictor:
         self.device = torch.device(device)
         self.norm = Normalizer(model_file.e_ref, model_file.scale)
         self.model = model_file.build(self.device, self.dtype) if workers == 1 else None
-        self.pool = WorkerPool(model_file, workers, device=self.device, dtype=self.dtype, threads=threads,
+        self.pool = WorkerPool(model_file, workers, device=self.device, dtype=self.dtype, threads=self.threads,
                                timeout_s=timeout_s) if workers > 1 else None
         self.calls = 0
 
@@ -157,9 +229,7 @@ class Predictor:
     def predict(self, numbers, positions, cell, pbc, stress: bool = False, where: str = "") -> Prediction:
         """Energy, forces and (``stress=True``; a 3-D periodic cell) stress of one structure."""
         numbers = np.asarray(numbers, dtype=np.int64)
-        if len(numbers) == 0:
-            raise GnnPipeError(f"{where}a structure without atoms")
-        check_elements(self.model_file, numbers, where)
+        check_input(self.model_file, numbers, positions, cell, pbc, where, self.min_distance)
         cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
         volume = abs(float(np.linalg.det(cell)))
         if stress and not (np.all(pbc) and volume > 1e-12):
@@ -172,7 +242,8 @@ class Predictor:
         else:
             from .parallel import single_graph
             g = single_graph(b, self.dtype, self.device)
-            y, f, dy = map(_numpy, view_outputs(self.model, g, stress))
+            with torch_threads(self.threads):
+                y, f, dy = map(_numpy, view_outputs(self.model, g, stress))
         self.calls += 1
         s = self.norm.scale
         energy = float(s * y[0] + self.norm.baseline(numbers, b["system"], 1)[0])
@@ -236,10 +307,12 @@ class WorkerPool:
                  threads: Optional[int] = None, timeout_s: float = 600.0, start_timeout_s: float = 180.0):
         import torch.distributed as dist
 
+        if getattr(mp.current_process(), "_inheriting", False):
+            # this is a worker re-importing a script that starts workers at import (no __main__
+            # guard): starting more here would fail with a traceback; exit and let the client say why
+            os._exit(NO_MAIN_GUARD)
         self.workers, self.timeout_s = workers, timeout_s
-        if threads is None:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            threads = max(1, cores // workers)
+        threads = threads_per_worker(workers, threads)
         ctx = _context()
         # the rendezvous store lives here, on a port the OS picks: no race for a port
         self._store = dist.TCPStore("127.0.0.1", 0, workers, is_master=True, wait_for_workers=False,
@@ -250,12 +323,27 @@ class WorkerPool:
         for r in range(workers):
             mine, theirs = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_worker_main, name=f"gnnpipe-inference-{r}", daemon=True,
-                            args=(r, workers, self._store.port, blob, str(device), dtype, threads, timeout_s,
+                            args=(r, workers, self._store.port, str(device), dtype, threads, timeout_s,
                                   theirs, kill))
-            p.start()
+            try:
+                p.start()
+            except (OSError, EOFError) as e:  # a worker that re-imported the script broke the fork server's pipe
+                mine.close(), theirs.close()
+                _shutdown(self._procs, self._conns, None, grace_s=2.0)
+                if any(q.exitcode == NO_MAIN_GUARD for q in self._procs):
+                    raise GnnPipeError(_no_main_guard()) from None
+                raise GnnPipeError(f"inference worker {r} of {workers} could not start ({type(e).__name__}: {e})") \
+                    from None
             theirs.close()
             self._procs.append(p)
             self._conns.append(mine)
+        # the model goes over the pipe once every worker started, not with the process: a worker that
+        # dies while importing the main script then leaves its exit code to read, not a broken pipe here
+        for c in self._conns:
+            try:
+                c.send_bytes(blob)
+            except (BrokenPipeError, ConnectionError, OSError):
+                pass  # that worker is dead: _gather names it
         self.pids = [p.pid for p in self._procs]
         self._broken: Optional[str] = None
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._store)
@@ -333,13 +421,15 @@ class WorkerPool:
 
     def _dead_message(self, r: int, when: str) -> str:
         p = self._procs[r]
+        if p.exitcode == NO_MAIN_GUARD:
+            return _no_main_guard()
         return (f"inference worker {r} of {self.workers} (pid {p.pid}) died {when} "
                 f"({_describe_exit(p.exitcode)})")
 
     def _fail(self, message: str):
         self._broken = message.splitlines()[0]
         _shutdown(self._procs, self._conns, None, grace_s=0.0)
-        raise GnnPipeError(message + "; the other workers were stopped")
+        raise GnnPipeError(message + "; the other workers were stopped") from None
 
     def close(self) -> None:
         """Stop the workers (idempotent); later calls raise."""
@@ -350,6 +440,13 @@ class WorkerPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _no_main_guard() -> str:
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
+    return (f"inference workers cannot start: {script} starts them when it is imported, and each worker imports "
+            "it again; put the script's code under 'if __name__ == \"__main__\":' (Python's multiprocessing "
+            "needs it)")
 
 
 def _shutdown(procs, conns, store, grace_s: float = 2.0) -> None:
@@ -375,12 +472,13 @@ def _shutdown(procs, conns, store, grace_s: float = 2.0) -> None:
     del store  # the rendezvous store goes with the finalizer's reference
 
 
-def _worker_main(rank: int, world: int, port: int, blob: bytes, device: str, dtype, threads: int,
+def _worker_main(rank: int, world: int, port: int, device: str, dtype, threads: int,
                  timeout_s: float, conn, kill: str) -> None:
-    """One inference worker: join the group, build the model, then serve calls until told to stop
-    (``None``) or until the client goes away (EOF)."""
+    """One inference worker: receive the model, join the group, build the model, then serve calls
+    until told to stop (``None``) or until the client goes away (EOF)."""
     joined = False
     try:
+        blob = conn.recv_bytes()
         import torch.distributed as dist
 
         from .modelfile import decode

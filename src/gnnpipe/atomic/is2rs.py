@@ -25,6 +25,10 @@ Metrics (fixed atoms excluded everywhere, as fairchem's ``run_relaxations`` mask
 
 :func:`relax_systems` runs the whole evaluation for a list of structures and returns the dict of
 ``relax.json``; without a reference calculator (a user's data set), the ML relaxations only.
+:func:`relax_run` (rule ``relax``) relaxes a seeded sample of a run's test systems spread across
+compositions and trajectories (:func:`sample_systems`) against the reference it is given
+(:func:`reference_calculator`: ``emt``, ``none`` or an ASE calculator class ``module:Class``), by
+default the data's own: EMT for gnnpipe's EMT-generated systems, none for a user's file.
 """
 
 from __future__ import annotations
@@ -244,18 +248,71 @@ def relax_systems(structures: Sequence, model_calc, reference: Optional[Callable
 
 # --------------------------------------------------------------------------- a trained run (rule relax)
 RELAX_FILE = "relax.json"
-REFERENCES = {"emt": "EMT"}  # --reference: the calculators a relaxation can be checked against
-NO_REFERENCE = ("no reference calculator for this dataset (a user's structures): ML relaxations and their "
-                "energies only; ADwT, FbT, AFbT and the relaxed-energy MAE need one")
+GENERATED_EMT = "generated:ase-emt"  # systems.h5's source of gnnpipe's EMT-labelled systems (atomic.data)
+NO_REFERENCE = ("no reference calculator (relax.reference none: a user's structures unless set): ML relaxations "
+                "and their energies only; ADwT, FbT, AFbT and the relaxed-energy MAE need one")
+
+
+def reference_calculator(reference: Optional[str], source: str = "") -> tuple[Optional[str], Optional[Callable]]:
+    """``(name, factory)`` of a relaxation's reference calculator: ``"emt"`` (ASE's EMT), ``"none"``
+    (``(None, None)``), an ASE calculator class ``"module:Class"`` (built without arguments), or
+    None: the data's own (``source``, systems.h5's: EMT for gnnpipe's generated systems, else none)."""
+    import importlib
+    import re
+
+    from ..config import REFERENCE_PATTERN
+
+    if reference is None:
+        reference = "emt" if source.startswith(GENERATED_EMT) else "none"
+    if not re.fullmatch(REFERENCE_PATTERN, reference):
+        raise GnnPipeError(f"reference calculator {reference!r}: emt, none or an ASE calculator class as "
+                           "module:Class (e.g. ase.calculators.emt:EMT)")
+    if reference == "none":
+        return None, None
+    if reference == "emt":
+        from ase.calculators.emt import EMT
+        return "EMT", EMT
+    module, name = reference.split(":")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise GnnPipeError(f"reference calculator {reference!r}: cannot be imported ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}); install its package or fix relax.reference")
+    if not callable(factory):
+        raise GnnPipeError(f"reference calculator {reference!r}: not a class (a {type(factory).__name__})")
+    return reference, factory
+
+
+def sample_systems(ids, systems: dict, k: int, seed: int) -> np.ndarray:
+    """Up to ``k`` of ``ids`` (``systems.h5`` ids), a seeded sample spread across compositions and
+    trajectories (``group``): in a seeded order, one system of each composition in turn, within a
+    composition a trajectory not drawn yet first; returned in id order."""
+    ids = np.random.default_rng(seed).permutation(np.asarray(ids, dtype=np.int64))
+    ptr, z, group = systems["atom_ptr"], systems["z"], systems["group"]
+    by_composition: dict = {}
+    for s in ids:
+        key = tuple(zip(*np.unique(z[ptr[s]:ptr[s + 1]], return_counts=True)))
+        by_composition.setdefault(key, []).append(s)
+    queues = []
+    for members in by_composition.values():
+        drawn: dict = {}
+        rank = []
+        for s in members:  # 0 for a trajectory's first system in this composition, 1 for its second, ...
+            rank.append(drawn.get(group[s], 0))
+            drawn[group[s]] = rank[-1] + 1
+        queues.append([members[i] for i in np.argsort(rank, kind="stable")])
+    picked = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+    return np.sort(np.asarray(picked[:k], dtype=np.int64))
 
 
 def relax_run(cfg, *, systems: int = 4, optimizer: str = "lbfgs", fmax: float = 0.02, steps: int = 300,
-              rattle_stdev: float = 0.05, seed: int = 0, reference: Optional[str] = "emt", out=None,
+              rattle_stdev: float = 0.05, seed: int = 0, reference: Optional[str] = None, out=None,
               trajectories=None, progress: bool = True) -> dict:
-    """IS2RS of a trained atomic run (``RunConfig``): the first ``systems`` systems of its test
-    split, relaxed with its finished model (``GNNPipeCalculator.from_run``, one process whatever
-    mode trained it: the model is the same function) and with ``reference`` (``"emt"``, or None:
-    ML relaxations only). Writes ``relax.json`` (default ``<out_dir>/relax.json``) atomically,
+    """IS2RS of a trained atomic run (``RunConfig``): ``systems`` systems of its test split
+    (:func:`sample_systems`, seed ``seed``), relaxed with its finished model
+    (``GNNPipeCalculator.from_run``, one process whatever mode trained it: the model is the same
+    function; refused if it is not this run's) and with ``reference`` (:func:`reference_calculator`;
+    None: the data's own). Writes ``relax.json`` (default ``<out_dir>/relax.json``) atomically,
     a trajectory per system and calculator under ``trajectories`` (default ``<out_dir>/relax``),
     and logs the metrics to the run's MLflow run; returns the dict."""
     import json
@@ -268,32 +325,28 @@ def relax_run(cfg, *, systems: int = 4, optimizer: str = "lbfgs", fmax: float = 
     for name, value, low in (("systems", systems, 1), ("steps", steps, 1), ("fmax", fmax, 0), ("rattle", rattle_stdev, 0)):
         if not value >= low or (name == "fmax" and value == 0):
             raise GnnPipeError(f"relax: {name} must be {'>' if name == 'fmax' else '>='} {low}, got {value}")
-    if reference is not None and reference not in REFERENCES:
-        raise GnnPipeError(f"unknown reference calculator {reference!r}; known: {', '.join(REFERENCES)} (or none)")
     run_dir = Path(cfg.out_dir)
     out = Path(out or run_dir / RELAX_FILE)
     check_destination(out, "out")  # before the work: a relaxation takes minutes
     trajectories = check_directory(trajectories or run_dir / "relax", "trajectories")
     data = read_systems(cfg.systems_path)
+    reference, factory = reference_calculator(reference, data["source"])
     test = np.nonzero(data["split"] == SPLIT_NAMES.index("test"))[0]
     if not len(test):
         raise GnnPipeError(f"{cfg.systems_path}: no test systems to relax (datasets.{cfg.dataset_name}.atoms: "
                            "train_fraction + val_fraction leave none)")
-    calc = GNNPipeCalculator.from_run(run_dir)
+    calc = GNNPipeCalculator.from_run(run_dir, run=cfg)  # refused if its model.pt is not this run's
     known, ptr = set(calc.model_file.elements), data["atom_ptr"]
     # a test system with an element no training system had: the model cannot compute it (skipped, named)
     seen = np.array([set(data["z"][ptr[s]:ptr[s + 1]].tolist()) <= known for s in test])
-    skipped, test = test[~seen], test[seen][:systems]
-    factory = None
-    if reference is not None:
-        from ase.calculators.emt import EMT
-        factory = EMT
+    skipped, test = test[~seen], sample_systems(test[seen], data, systems, seed)
     with calc:
         result = relax_systems(systems_to_atoms(data, test), calc, factory, optimizer=optimizer, fmax=fmax,
                                steps=steps, rattle_stdev=rattle_stdev, seed=seed, trajectories=trajectories,
                                names=[str(int(s)) for s in test], progress=progress)
     result = {"run_id": cfg.run_id, "mode": cfg.mode, "dataset": cfg.dataset_name, "model": cfg.model.kind,
-              "split": "test", **result, "reference": REFERENCES.get(reference),  # its name, or None
+              "split": "test", "sample": f"{len(test)} test systems drawn across compositions and trajectories "
+                                        f"(seed {seed})", **result, "reference": reference,  # its name, or None
               **({} if reference is not None else {"note": NO_REFERENCE}), "trajectories": trajectories.name,
               "skipped_unseen_elements": [int(s) for s in skipped]}
     if not len(test):  # not an error: the run trained and evaluated; its report says why no IS2RS

@@ -30,7 +30,6 @@ files), an unknown kind, a format version this gnnpipe does not read.
 from __future__ import annotations
 
 import dataclasses
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -44,6 +43,7 @@ FORMAT = "gnnpipe-atomic-model"
 FORMAT_VERSION = 1
 PAYLOAD_KEY = "inference"  # where a checkpoint (model.pt) holds the payload
 MODEL_FILE = "model.pt"  # the finished model in a run directory
+RUN_FILE = "run.yaml"  # the run's config in a run directory (the workflow writes it)
 UPGRADED_FILE = "model-v1.pt"  # upgrade_run's model file beside an older run's model.pt
 NUM_ELEMENTS = 95  # rows of e_ref: Z = 0..94 (atomic.data.MAX_Z)
 _REQUIRED = ("kind", "model_config", "cutoff", "max_neighbors", "symmetric_edges", "normalizer", "elements",
@@ -185,11 +185,19 @@ def save_model_file(path, payload: dict) -> Path:
 
 
 # --------------------------------------------------------------------------- reading
-def load_model_file(path) -> ModelFile:
+def load_model_file(path, run=None) -> ModelFile:
     """A run directory (its ``model.pt``, or the ``model-v1.pt`` that :func:`upgrade_run` wrote
-    beside an older one), a checkpoint holding the payload, or a bare model file."""
+    beside an older one), a checkpoint holding the payload, or a bare model file.
+
+    ``run``: the run (``RunConfig``) the model is asked for; default, for a run directory, its
+    ``run.yaml`` if it has one. A model that is not that run's (another run id or model kind, or
+    trained from another config or data: ``checkpoint.check_model_identity``) is refused in one
+    line naming both."""
     path = Path(path)
     if path.is_dir():
+        if run is None and (path / RUN_FILE).is_file():
+            from ..config import load_run_config
+            run = load_run_config(path / RUN_FILE)
         file = path / MODEL_FILE
         if not file.is_file():
             partial = " (it has an intermediate checkpoint.pt: training has not finished)" \
@@ -199,25 +207,23 @@ def load_model_file(path) -> ModelFile:
         state = _read(file)
         if isinstance(state, dict) and "format" not in state and PAYLOAD_KEY not in state \
                 and (path / UPGRADED_FILE).is_file():
-            return load_model_file(path / UPGRADED_FILE)
-        return _decode_file(state, file)
+            return load_model_file(path / UPGRADED_FILE, run)
+        return _decode_file(state, file, run)
     if not path.exists():
         raise GnnPipeError(f"{path}: no such run directory or model file")
-    return _decode_file(_read(path), path)
+    return _decode_file(_read(path), path, run)
 
 
 def _read(path: Path):
     """``torch.load(weights_only=True)``; its digest (if any) checked; one-line errors."""
-    from ..checkpoint import digest
+    from ..checkpoint import digest, unreadable
     if empty_file(path):
         raise GnnPipeError(f"{path}: empty (0 bytes: a write cut short?), not a gnnpipe model file; write it again "
                            "or retrain")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - unpickling errors, truncated zips, not a torch file at all
-        why = ("not a torch file" if not zipfile.is_zipfile(path) else
-               f"unreadable as tensors and plain types (weights_only=True): {type(e).__name__}")
-        raise GnnPipeError(f"{path}: not a gnnpipe model file or checkpoint ({why})") from None
+        raise GnnPipeError(f"{path}: not a gnnpipe model file or checkpoint ({unreadable(path, e)})") from None
     want = state.pop("digest", None) if isinstance(state, dict) else None
     if want is not None and want != digest(state):
         raise GnnPipeError(f"{path}: its digest does not match its contents (damaged or edited); write it again "
@@ -225,9 +231,14 @@ def _read(path: Path):
     return state
 
 
-def _decode_file(state, path: Path) -> ModelFile:
+def _decode_file(state, path: Path, run=None) -> ModelFile:
     if not isinstance(state, dict):
         raise GnnPipeError(f"{path}: not a gnnpipe model file (holds a {type(state).__name__}, not a dict)")
+    if run is not None:  # whose model it is comes before whether it is finished
+        from ..checkpoint import check_model_identity
+        bare = "format" in state and PAYLOAD_KEY not in state
+        check_model_identity({"run_id": state.get("run_id"), "kind": state.get("kind"),
+                              **(state.get("fingerprint") or {})} if bare else state, run, path)
     if "format" in state and PAYLOAD_KEY not in state:
         return decode(state, str(path))
     _refuse_unfinished(state, path)
@@ -303,9 +314,9 @@ def upgrade_run(run_dir, out=None) -> Path:
     from .engine import AtomicEngine
 
     run_dir = Path(run_dir)
-    if not (run_dir / "run.yaml").is_file() or not (run_dir / MODEL_FILE).is_file():
-        raise GnnPipeError(f"{run_dir}: not a finished run directory (needs run.yaml and {MODEL_FILE})")
-    cfg = load_run_config(run_dir / "run.yaml")
+    if not (run_dir / RUN_FILE).is_file() or not (run_dir / MODEL_FILE).is_file():
+        raise GnnPipeError(f"{run_dir}: not a finished run directory (needs {RUN_FILE} and {MODEL_FILE})")
+    cfg = load_run_config(run_dir / RUN_FILE)
     state = _read(run_dir / MODEL_FILE)
     if PAYLOAD_KEY in state:
         raise GnnPipeError(f"{run_dir / MODEL_FILE}: already describes itself; nothing to upgrade")

@@ -5,7 +5,9 @@ system of a split of the training data (what ``evaluate`` writes, to check any c
   forces, and stress for 3-D periodic cells) in one process or across ``workers``, and writes
   an extended XYZ whose frames carry the results as ASE writes a calculator's
   (``SinglePointCalculator``: ``ase.io.read(out, ":")[i].get_forces()`` gives them back),
-  atomically. Errors name the file and the row (``frame 3``, ``row id 7``).
+  atomically. Every row is checked before any is computed (``inference.check_input``: what
+  ``gnnpipe data`` refuses, and elements the model never saw); errors name the file and the row
+  (``frame 3``, ``row id 7``).
 * :func:`split_predictions` computes systems of ``systems.h5`` in batches over their
   ``graphs.h5`` rows (the engine's path, not the calculator's: an independent check), and
   :func:`write_predictions` / :func:`read_predictions` keep them in ``predictions.h5``
@@ -23,7 +25,7 @@ from typing import Union
 import numpy as np
 
 from ..io import GnnPipeError, atomic_path, check_destination
-from .inference import Predictor, check_elements
+from .inference import Predictor, check_input
 from .modelfile import ModelFile, load_model_file
 
 PREDICTIONS_FILE = "predictions.h5"
@@ -62,11 +64,13 @@ def _frames(path: Path):
 
 
 def predict(model: Union[str, os.PathLike, ModelFile, Predictor], structures, out, *, workers: int = 1,
-            device: str = "cpu", dtype=None, progress: bool = True) -> int:
+            device: str = "cpu", dtype=None, threads=None, progress: bool = True) -> int:
     """Predict every structure of ``structures`` into the extended XYZ ``out``; returns how many.
 
-    ``model``: a run directory, a model file, a ``ModelFile`` or a ``Predictor`` (then
-    ``workers``/``device``/``dtype`` are its own). Stress is computed for 3-D periodic cells.
+    ``model``: a run directory (its model checked against its ``run.yaml``), a model file, a
+    ``ModelFile`` or a ``Predictor`` (then ``workers``/``device``/``dtype``/``threads`` are its
+    own). ``threads``: torch threads per worker (``inference.threads_per_worker``). Stress is
+    computed for 3-D periodic cells.
     """
     import ase.io
     from ase.calculators.singlepoint import SinglePointCalculator
@@ -78,8 +82,8 @@ def predict(model: Union[str, os.PathLike, ModelFile, Predictor], structures, ou
     if own:
         mf = model if isinstance(model, ModelFile) else load_model_file(model)
         for where, atoms in rows:  # every row checked before any worker starts
-            check_elements(mf, atoms.numbers, f"{structures}: {where}: ")
-        predictor = Predictor(mf, device=device, workers=workers, dtype=dtype)
+            check_input(mf, atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc, f"{structures}: {where}: ")
+        predictor = Predictor(mf, device=device, workers=workers, dtype=dtype, threads=threads)
     else:
         predictor = model
     frames = []
