@@ -126,7 +126,8 @@ def test_a_node_run_is_sized_by_the_cost_model_before_launch(tmp_path, capsys):
     cfg, run_yaml = _node_run(tmp_path, {"kind": "gcnii", "layers": 8, "hidden": 65536})
     assert main(["plan", "--run-config", run_yaml, "--mem-mb-per-worker", "1536", "--check"]) == 2
     line = one_error_line(capsys)
-    assert line.startswith(f"gnnpipe: error: run {cfg.run_id} (graph 1 x 2, 2 chunks (2 workers)) needs at least "), line
+    assert line.startswith(f"gnnpipe: error: run {cfg.run_id} (graph 1 x 2, 2 chunks (2 workers)) needs at "
+                           "least "), line
     assert "above the cap of 1.50 GiB per worker (resources.mem_mb_per_worker = 1536)" in line
     assert "no layout of up to 64 workers was found to fit: use a smaller model" in line
 

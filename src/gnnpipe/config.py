@@ -3,9 +3,9 @@
 Two shapes of config exist:
 
 * the **workflow config** (``config/config.yaml``): named datasets and models, shared
-  training settings and a list of runs. Snakemake validates it against
-  ``workflow/schemas/config.schema.yaml``; ``load_workflow_config`` checks it again
-  here, so that the CLI gives the same errors without Snakemake.
+  training settings and a list of runs. ``load_workflow_config`` is its one judge, for
+  Snakemake (``common.smk`` calls it) and the CLI alike: the dataclasses, the cross-checks,
+  then the JSON schema ``workflow/schemas/config.schema.yaml`` (``check_schema``).
 * the **run config** (``results/runs/<run_id>/run.yaml``): one run, fully resolved
   (``resolve_run``), which is what ``gnnpipe train`` and ``gnnpipe evaluate`` read.
 
@@ -15,7 +15,9 @@ bounds in ``BOUNDS`` (the JSON schema carries the same ones; a test keeps them e
 finite numbers and integers that fit in 64 bits only, names that are safe in paths, file
 paths without control characters (``PATHS``; spaces are fine, the rules quote every path),
 and no output directory inside a system directory (``check_output_dir``). A run key its
-mode would ignore (``stages`` on a graph run, ``data_parallel`` on a node run) is refused.
+mode would ignore (``stages`` on a graph run, ``data_parallel`` on a node run) is refused, and so
+is a model key only another kind reads (``refuse_other_kinds``); a section may be left out, not
+null. Sizes whose allocation would be absurd are over a bound (``MAX_WIDTH``, ``MAX_DEPTH``, ...).
 """
 
 from __future__ import annotations
@@ -514,7 +516,8 @@ _ATOMIC = dict(force_weight=_GE0, batch_size=_GE1, lr=_GT0, cutoff=_GT0, clip_gr
 
 BOUNDS: dict[type, dict[str, Bound]] = {
     SyntheticConfig: dict(num_nodes=Bound(2, MAX_NODES), avg_degree=_GT0, num_features=_WIDTH,
-                          num_classes=Bound(2, MAX_WIDTH), num_communities=Bound(2, MAX_NODES), intra_fraction=_FRACTION, locality=_FRACTION,
+                          num_classes=Bound(2, MAX_WIDTH), num_communities=Bound(2, MAX_NODES),
+                          intra_fraction=_FRACTION, locality=_FRACTION,
                           degree_exponent=_GT0, feature_signal=_GE0, label_noise=_FRACTION,
                           train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
     FilesConfig: dict(train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),

@@ -1,4 +1,5 @@
-# The config (checked by gnnpipe.config.load_workflow_config), the resolved runs, input functions and wildcard constraints.
+# The config (judged by gnnpipe.config.load_workflow_config), the resolved runs, input functions
+# and wildcard constraints.
 # What the rules need to know about a run comes from gnnpipe.config (RunConfig);
 # nothing about layouts, store paths or run ids is re-derived here.
 import os
