@@ -35,7 +35,7 @@ def _wf(models=None, **run):
                                        "fit: atoms datasets train atomic models (dimenetpp, gemnet_t)"),
     ({"mode": "pipeline"}, "mode single or graph"),
     ({"workers": 3, "data_parallel": 2}, "multiple of data_parallel"),
-    ({"data_parallel": 0}, "config.runs[0].data_parallel: 0 must be >= 1"),
+    ({"data_parallel": 0}, "config.runs[0].data_parallel: 0 must be in [1, 4096]"),
     ({"mode": "single", "workers": 1, "atom_layout": "atoms"},
      "config.runs[0].atom_layout: an atomic single run has no atomic graph layout"),
     ({"atom_layout": "halo"}, "config.runs[0].atom_layout: 'halo' is not one of"),
@@ -45,7 +45,8 @@ def _wf(models=None, **run):
     ({"model": "gem", "models": {"gem": {"kind": "gemnet_t", "gemnet_t": {"hidden_channels": 8}}}},
      "config.models.gem.gemnet_t: unknown key 'hidden_channels' (known: batch_size, clip_grad_norm, cutoff, ema_decay,"),
     ({"model": "gem", "models": {"gem": {"kind": "gemnet_t", "dimenetpp": {"num_blocks": 2}}}},
-     "config.models.gem.dimenetpp: a dimenetpp section on a model of kind gemnet_t would be ignored; remove it"),
+     "config.models.gem.dimenetpp: only models of kind dimenetpp read this key, a gemnet_t model would ignore it; "
+     "remove it (or set kind: dimenetpp)"),
     ({"models": {"d": {"kind": "dimenet"}}}, "config.models.d.kind: 'dimenet' is not one of 'gcn', 'sage', 'gat', "
                                              "'gcnii', 'resgcn', 'mlp', 'dimenetpp', 'gemnet_t'"),
     # a cutoff larger than the graphs'

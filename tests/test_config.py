@@ -104,7 +104,7 @@ def test_bools_and_numbers_are_not_confused():
 
 @pytest.mark.parametrize("mutate, message", [
     (lambda c: c.update(training={"epochs": -5}), "config.training.epochs: -5 must be >= 1"),
-    (lambda c: c["models"]["gcn2"].update(hidden=0), "config.models.gcn2.hidden: 0 must be >= 1"),
+    (lambda c: c["models"]["gcn2"].update(hidden=0), "config.models.gcn2.hidden: 0 must be in [1, 65536]"),
     (lambda c: c["models"]["gcn2"].update(dropout=1.0), "config.models.gcn2.dropout: 1.0 must be in [0, 1)"),
     (lambda c: c["models"]["gcn2"].update({"lambda": 0}), "config.models.gcn2.lambda: 0.0 must be > 0"),
     (lambda c: c.update(training={"lr": float("nan")}), "config.training.lr: expected a finite number, got nan"),
@@ -185,12 +185,12 @@ def test_an_empty_workflow_config_is_refused_not_a_config_of_no_runs(tmp_path, c
 
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d["training"].update(epochs=-5), "training.epochs: -5 must be >= 1"),
-    (lambda d: d["model"].update(hidden=0), "model.hidden: 0 must be >= 1"),
+    (lambda d: d["model"].update(hidden=0), "model.hidden: 0 must be in [1, 65536]"),
     (lambda d: d["model"].update(dropout=1.0), "model.dropout: 1.0 must be in [0, 1)"),
     (lambda d: d["training"].update(lr=float("nan")), "training.lr: expected a finite number"),
     (lambda d: d.update(run_id="../../escape"), "run_id: '../../escape' is not a valid name"),
     (lambda d: d.update(out_dir="/etc/runs/x"), "out_dir: '/etc/runs/x' lies in the system directory /etc"),
-    (lambda d: d.update(workers=0), "workers: 0 must be >= 1"),
+    (lambda d: d.update(workers=0), "workers: 0 must be in [1, 4096]"),
     (lambda d: d["training"].update(seed=2**70), "training.seed: 1180591620717411303424 does not fit in 64 bits"),
     (lambda d: d["training"].update(dist_timeout_s=10**20), "training.dist_timeout_s: 100000000000000000000 does"),
     (lambda d: d["training"].update(seed=2**40), "training.seed: 1099511627776 must be in [0, 2147483647]"),
@@ -222,7 +222,7 @@ def test_runs_command_validates(tmp_path, capsys):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert main(["runs", "--config", str(path)]) == 2
-    assert "config.models.gcn2.hidden: 0 must be >= 1" in capsys.readouterr().err
+    assert "config.models.gcn2.hidden: 0 must be in [1, 65536]" in capsys.readouterr().err
     path.write_text(yaml.safe_dump(_wf()).replace("gcn2:\n", "gcn2:\n    dropout: .nan\n", 1))
     assert main(["runs", "--config", str(path)]) == 2
     assert "config.models.gcn2.dropout: expected a finite number, got nan" in capsys.readouterr().err
@@ -264,3 +264,102 @@ def test_a_bad_dist_timeout_in_the_environment_is_one_line(monkeypatch, value):
     monkeypatch.setenv("GNNPIPE_DIST_TIMEOUT", value)
     with pytest.raises(GnnPipeError, match=r"GNNPIPE_DIST_TIMEOUT: '.*' must be whole seconds in \[1, 604800\]"):
         train.dist_timeout_s(cfg)
+
+
+# --------------------------------------------------------------------------- issue #37
+@pytest.mark.parametrize("model, message", [
+    ({"kind": "gcn", "heads": 4}, "config.models.m.heads: only models of kind gat read this key, a gcn model would "
+                                  "ignore it; remove it (or set kind: gat)"),
+    ({"kind": "mlp", "alpha": 0.2}, "config.models.m.alpha: only models of kind gcnii read this key"),
+    ({"kind": "gcn", "lambda": 0.5}, "config.models.m.lambda: only models of kind gcnii read this key"),
+    ({"kind": "gcnii", "norm": "layer"}, "config.models.m.norm: only models of kind gcn / sage / gat read this key"),
+    ({"kind": "gcn", "gemnet_t": {"preset": "small"}},  # the default value: ignored all the same
+     "config.models.m.gemnet_t: only models of kind gemnet_t read this key, a gcn model would ignore it"),
+    ({"kind": "gcn", "gemnet_t": {"lr": 0.5}}, "config.models.m.gemnet_t: only models of kind gemnet_t read this key"),
+    ({"kind": "dimenetpp", "hidden": 64}, "config.models.m.hidden: only models of kind gcn / sage / gat / gcnii / "
+                                          "resgcn / mlp read this key, a dimenetpp model would ignore it"),
+])
+def test_keys_of_another_model_kind_are_refused(model, message):
+    """Messages item of #37: every key only another kind reads is refused, as a section of another kind was."""
+    cfg = _wf()
+    cfg["models"]["m"] = model
+    with pytest.raises(ConfigError) as err:
+        load_workflow_config(cfg)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert load_workflow_config(_wf(models={"g": {"kind": "gat", "heads": 2, "norm": "layer"},
+                                           "c": {"kind": "gcnii", "alpha": 0.2, "lambda": 1.0}},
+                                    runs=[{"mode": "single", "dataset": "synth", "model": "g"}]))
+
+
+def test_a_run_config_refuses_another_kinds_key_that_differs_from_its_default(tmp_path):
+    """A run.yaml holds every key: one of another kind is refused when it differs from its default."""
+    import yaml
+
+    cfg = next(iter(resolve_runs(load_workflow_config(_wf())).values()))  # a gcn model
+    data = yaml.safe_load(dump_run_config(cfg))
+    data["model"]["heads"] = 8
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="model.heads: only models of kind gat read this key"):
+        load_run_config(path)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    # item 17: a null section, which gnnpipe runs took for its defaults while Snakemake refused it
+    (lambda c: c["models"].update(gem={"kind": "gemnet_t", "gemnet_t": {"guard": None}}),
+     "config.models.gem.gemnet_t.guard: expected a mapping, got null; remove the key to keep its defaults"),
+    (lambda c: c.update(training=None), "config.training: expected a mapping, got null"),
+    # what only the schema says (the dataclasses do not): the schema is the other half of the one judge
+    (lambda c: c["datasets"].update(a={"kind": "atoms", "atoms": {"metals": []}}),
+     "config.datasets.a.atoms.metals: [] should be non-empty"),
+    (lambda c: c.update(runs=[]), "config.runs: [] should be non-empty"),
+])
+def test_one_judge_for_the_workflow_config(tmp_path, capsys, mutate, message):
+    """`gnnpipe runs --config` refuses what Snakemake refuses (common.smk calls the same
+    load_workflow_config and nothing else), in one line."""
+    import yaml
+
+    from gnnpipe.cli import main
+
+    cfg = _wf()
+    mutate(cfg)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["runs", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda c: c["models"]["gcn2"].update(hidden=1_000_000_000), "config.models.gcn2.hidden: 1000000000 must be in "
+                                                                  "[1, 65536]"),
+    (lambda c: c["models"]["gcn2"].update(layers=1_000_000), "config.models.gcn2.layers: 1000000 must be in [1, 4096]"),
+    (lambda c: c["datasets"]["synth"]["synthetic"].update(num_nodes=10**12),
+     "config.datasets.synth.synthetic.num_nodes: 1000000000000 must be in [2, 2147483647]"),
+    (lambda c: c["models"].update(d={"kind": "dimenetpp", "dimenetpp": {"hidden_channels": 10**9}}),
+     "config.models.d.dimenetpp.hidden_channels: 1000000000 must be in [1, 65536]"),
+    (lambda c: c["runs"].append({"mode": "graph", "dataset": "synth", "model": "gcn2", "workers": 501}),
+     "config.runs[4]: 501 parts (workers or chunks) of the 500-node graph 'synth' "
+     "(datasets.synth.synthetic.num_nodes) leave some empty; use at most 500"),
+    (lambda c: c["runs"].append({"mode": "pipeline", "dataset": "synth", "model": "gcnii8", "workers": 2,
+                                 "chunks": 600}), "config.runs[4]: 600 parts (workers or chunks) of the 500-node"),
+    (lambda c: c["runs"].append({"mode": "graph", "dataset": "synth", "model": "gcn2", "workers": 10**5}),
+     "config.runs[4].workers: 100000 must be in [1, 4096]"),
+    (lambda c: c["runs"].append({"mode": "graph", "dataset": "synth", "model": "gcn2", "workers": 64}),
+     "config.runs[4].workers: 64 workers on one node, more than the 16 (8 per CPU, 2 CPUs here) gnnpipe starts on "
+     "one machine; use fewer, or spread them over nodes with resources.workers_per_node"),
+])
+def test_absurd_sizes_are_refused_by_the_config_check(monkeypatch, mutate, message):
+    """Item 4 of #37: sizes whose allocation would be absurd, more workers than nodes or than the machine
+    starts: refused by the config check, before any job."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    cfg = _wf()
+    mutate(cfg)
+    with pytest.raises(ConfigError) as err:
+        load_workflow_config(cfg)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    cfg["resources"] = {"workers_per_node": 8}  # spread over nodes: 64 workers are fine
+    if "64 workers" in message:
+        assert load_workflow_config(cfg)

@@ -83,7 +83,7 @@ def test_a_worker_killed_by_its_memory_cap_is_named_by_the_launcher(tmp_path, ca
         line = one_error_line(capsys)
         assert line == (f"gnnpipe: error: run {cfg.run_id}: rank 1 was killed by the out-of-memory killer (SIGKILL, "
                         f"exit 137) at its memory cap of 0.10 GiB per worker ({top}/rank-1/memory.limit_in_bytes); "
-                        "gnnpipe plan-atomic --run-config says which P fits (the plan counts what a step holds; "
+                        "gnnpipe plan-atomic --run-config says which layout fits (the plan counts what a step holds; "
                         "glibc may keep more resident: MALLOC_MMAP_THRESHOLD_=131072 bounds it, see gnnpipe.launch)"), line
         assert gl.oom_kills(top / "rank-0") == 0 and gl.oom_kills(top / "rank-1") >= 1
     finally:
@@ -206,7 +206,8 @@ Traceback (most recent call last):
   File "torch/distributed/launcher/api.py", line 383, in launch_agent
     raise ChildFailedError(
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
-============================================================
+=====================================================
+
 gnnpipe.cli FAILED
 ------------------------------------------------------------
 Failures:
@@ -262,3 +263,83 @@ def test_torchruns_failure_summary_without_a_workers_line_is_one_line_naming_the
     assert lines[-2] == ("gnnpipe launch: torchrun: worker rank 0 (local_rank: 0) on n1 failed first with exit code "
                          "2 (pid: 9865) (its lines above say why)"), out
     assert "ChildFailedError" not in out and "=====" not in out
+=======
+# --------------------------------------------------------------------------- node runs (issue #37, item 4)
+def _node_run(tmp_path, model: dict, mode: str = "graph", workers: int = 2, **run):
+    """A node run's RunConfig on a 300-node graph written to tmp_path, and its run.yaml."""
+    from gnnpipe.config import dump_run_config, load_workflow_config, resolve_runs
+    from gnnpipe.graph import write_graph
+    from helpers import random_graph
+
+    write_graph(tmp_path / "graph.h5", random_graph(300))
+    wf = load_workflow_config({"results": str(tmp_path / "res"), "datasets": {"g": {"kind": "synthetic"}},
+                               "models": {"m": model},
+                               "runs": [{"mode": mode, "dataset": "g", "model": "m", "workers": workers, **run}]})
+    (_, cfg), = resolve_runs(wf).items()
+    cfg.graph_path = str(tmp_path / "graph.h5")
+    path = tmp_path / "run.yaml"
+    path.write_text(dump_run_config(cfg))
+    return cfg, str(path)
+
+
+def test_a_node_run_is_sized_by_the_cost_model_before_launch(tmp_path, capsys):
+    """`gnnpipe plan --run-config --check` (what the launcher asks for a node run): a hidden size whose
+    weights would take 128 GiB is priced on the meta device, not allocated, and refused in one line with
+    the smallest layout that fits; a small model fits."""
+    from gnnpipe.planning.fit import fit_run
+
+    cfg, run_yaml = _node_run(tmp_path, {"kind": "gcnii", "layers": 8, "hidden": 65536})
+    assert main(["plan", "--run-config", run_yaml, "--mem-mb-per-worker", "1536", "--check"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"gnnpipe: error: run {cfg.run_id} (graph 1 x 2, 2 chunks (2 workers)) needs at "
+                           "least "), line
+    assert "above the cap of 1.50 GiB per worker (resources.mem_mb_per_worker = 1536)" in line
+    assert "no layout of up to 64 workers was found to fit: use a smaller model" in line
+
+    fit = fit_run(cfg, 4 * 2**20, None, 0.0)  # 4 TiB per worker: the 8 layers' 128 GiB of Adam state...
+    assert fit.fits
+    split = fit_run(cfg, int(fit.need / 2**20 * 0.6), None, 0.0)  # ... over a pipeline, a share each
+    assert not split.fits and split.smallest == "pipeline 2 x 1 (2 workers)", split.line()
+
+    small, _ = _node_run(tmp_path, {"kind": "gcn", "hidden": 16})
+    ok = fit_run(small, 1536, None, 0.3 * 2**30)
+    assert ok.fits and "within the cap of 1.50 GiB per worker" in ok.line() and 0.3 * 2**30 < ok.need < 0.31 * 2**30
+
+
+def test_the_machines_memory_is_shared_by_the_workers_on_it(tmp_path):
+    """More workers than the machine holds (each a process of ~0.3 GiB): refused, with fewer as the advice;
+    workers spread over nodes (--workers-per-node) fit."""
+    from gnnpipe.planning.fit import fit_run
+
+    cfg, _ = _node_run(tmp_path, {"kind": "gcn", "hidden": 16}, workers=16)
+    fit = fit_run(cfg, 4096, 3 * 2**30, 0.3 * 2**30)  # a 3 GiB cap over 16 workers: 0.19 GiB each
+    assert not fit.fits and "3.00 GiB of this machine over 16 workers" in fit.line()
+    assert fit.smallest == "single (1 worker)", fit.line()
+    assert fit_run(cfg, 4096, 3 * 2**30, 0.3 * 2**30, workers_per_node=4).fits
+
+
+def test_the_launcher_asks_the_node_plan_and_refuses_in_one_line(tmp_path, monkeypatch, capsys):
+    """A node run is checked also without --mem-mb-per-worker (the machine's memory); the plan's line is the
+    launcher's, and no worker starts."""
+    cfg, run_yaml = _node_run(tmp_path, {"kind": "gcn"})
+    asked, started = [], []
+
+    def plan(cmd, **kw):
+        asked.append(cmd[3:])
+        return subprocess.CompletedProcess(cmd, 2, "", "gnnpipe: error: run x needs at least 9 GiB per worker\n")
+
+    monkeypatch.setattr(gl.subprocess, "run", plan)
+    monkeypatch.setattr(gl.subprocess, "Popen", lambda *a, **kw: started.append(a))
+    assert main(["launch", "--run-config", run_yaml]) == 2
+    assert asked == [["plan", "--run-config", run_yaml, "--check", "--workers-per-node", "2"]] and not started
+    assert one_error_line(capsys) == "gnnpipe: error: refused before launch: run x needs at least 9 GiB per worker"
+
+
+def test_the_oom_line_of_a_node_run_names_gnnpipe_plan(tmp_path, monkeypatch):
+    cfg, _ = _node_run(tmp_path, {"kind": "gcn"})
+    counts = iter([0, 1])
+    monkeypatch.setattr(gl, "kernel_oom_kills", lambda: next(counts))
+    monkeypatch.setattr(gl, "own_cgroup", lambda: None)
+    monkeypatch.delenv(gl.MEMCAP_ENV, raising=False)
+    line = gl.oom_line(cfg, 1536, gl.kernel_oom_kills(), gl.OOM_EXIT)
+    assert "gnnpipe plan --run-config says which layout fits" in line and "plan-atomic" not in line

@@ -96,6 +96,22 @@ def test_bad_self_loop_mode_and_an_impossibly_dense_graph_raise():
         _check_capacity({"local": 20, "intra": 5, "inter": 0}, sizes, 10, True, "x")  # 3 + 21 pairs
 
 
+def test_a_graph_larger_than_the_memory_is_refused_before_it_is_allocated(monkeypatch, capsys):
+    """Issue #37, item 4: the data stage's priced peak against the available memory, one line, before
+    any array (2^31 - 1 nodes would take terabytes)."""
+    from gnnpipe.data import synthetic
+
+    cfg = SyntheticConfig(num_nodes=2**31 - 1, avg_degree=16.0, num_features=128)
+    with pytest.raises(GnnPipeError) as e:
+        generate(cfg, name="big")
+    msg = str(e.value)
+    assert msg.startswith("config.datasets.big.synthetic: 2,147,483,647 nodes, 34,359,738,352 stored edges and 128 "
+                          "features need about ") and "GiB are available; lower num_nodes" in msg and "\n" not in msg
+    monkeypatch.setattr(synthetic, "available_memory", lambda: 2**30)  # 1 GiB: not even 10^6 nodes
+    with pytest.raises(GnnPipeError, match=r"need about 1.4 GiB to generate, 1.0 GiB are available"):
+        generate(small(num_nodes=10**6, num_features=128), name="synth")
+
+
 def test_a_sampler_that_stops_finding_new_edges_is_an_error_not_a_hang():
     def three_nodes(rng, kind, m):  # only 3 distinct undirected edges exist
         return rng.integers(0, 3, m), rng.integers(0, 3, m)

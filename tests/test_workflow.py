@@ -76,10 +76,10 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c["training"].update(epochz=3),
-     "config.training.epochz: unknown key (known: checkpoint_every, dist_timeout_s, dtype, epochs,"),
+     "config.training: unknown key 'epochz' (known: checkpoint_every, dist_timeout_s, dtype, epochs,"),
     (lambda c: c["runs"][0].update(mode="sharded"),
-     "config.runs[0].mode: 'sharded' is not one of ['single', 'graph', 'pipeline', 'hybrid']"),
-    (lambda c: c["models"]["gcn2"].update(layers=0), "config.models.gcn2.layers: 0 is less than the minimum of 1"),
+     "config.runs[0].mode: 'sharded' is not one of 'single', 'graph', 'pipeline', 'hybrid'"),
+    (lambda c: c["models"]["gcn2"].update(layers=0), "config.models.gcn2.layers: 0 must be in [1, 4096]"),
     (lambda c: c["runs"][1].update(dataset="nope"), "config.runs[1].dataset: 'nope' is not in datasets (tiny)"),
     (lambda c: (c.update(resources={"workers_per_node": 3}),
                 c.update(runs=[{"mode": "graph", "dataset": "tiny", "model": "gcn2", "workers": 4}])),
@@ -88,10 +88,13 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
                 c.update(runs=[{"mode": "graph", "dataset": "tiny", "model": "gem", "workers": 2}])),
      "config.runs[0]: dataset 'tiny' (synthetic) and model 'gem' (gemnet_t) do not fit: atoms datasets train atomic"),
     (lambda c: c["models"].update(gem={"kind": "gemnet"}),
-     "config.models.gem.kind: 'gemnet' is not one of ['gcn', 'sage', 'gat', 'gcnii', 'resgcn', 'mlp', 'dimenetpp', "
-     "'gemnet_t']"),
+     "config.models.gem.kind: 'gemnet' is not one of 'gcn', 'sage', 'gat', 'gcnii', 'resgcn', 'mlp', 'dimenetpp', "
+     "'gemnet_t'"),
+    # issue #37, item 17: a null section, which `gnnpipe runs` accepted and the schema refused
+    (lambda c: c.update(graph_parallel=None),
+     "config.graph_parallel: expected a mapping, got null; remove the key to keep its defaults"),
 ], ids=["unknown-key", "bad-enum", "bad-number", "unknown-dataset", "workers-per-node", "gemnet-on-node-data",
-        "model-kind"])
+        "model-kind", "null"])
 def test_config_errors_are_one_line_before_any_job(tmp_path, edit, message):
     work = tmp_path / "work"
     res = snakemake(work, write_config(tmp_path, edit), "--cores", "1", timeout=120)

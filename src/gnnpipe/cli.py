@@ -249,6 +249,10 @@ def _plan(a):
     from .config import load_yaml
     from .planning.plan import run_plan
 
+    if a.run_config:  # one node run against its workers' memory (the launcher's check)
+        return _fit_run(a)
+    if not (a.hardware and a.workers):
+        raise GnnPipeError("plan: give --hardware and --workers (or --run-config)")
     data = {}
     if a.model:
         data = load_yaml(a.model) or {}
@@ -261,6 +265,21 @@ def _plan(a):
              at_edges=a.at_edges, chunks_per_stage=a.chunks_per_stage, dtype=a.dtype, method=a.method,
              seed=a.seed, overlap=a.overlap, balance=a.balance, calibrate_rates=a.calibrate,
              threads=a.threads, mirror_ratio=a.mirror_ratio, first_input=a.first_input, clock=a.clock)
+
+
+def _fit_run(a):
+    import resource
+
+    from .config import load_run_config
+    from .launch import machine_memory
+    from .planning.fit import fit_run
+
+    cfg = load_run_config(a.run_config)
+    overhead = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # a worker's process, after its imports
+    fit = fit_run(cfg, a.mem_mb_per_worker, machine_memory(), overhead, a.workers_per_node)
+    if a.check and not fit.fits:
+        raise GnnPipeError(fit.line())
+    print(fit.line(), file=sys.stderr if a.check else sys.stdout)
 
 
 def _calibrate(a):
@@ -370,13 +389,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     la = sub.add_parser("launch", help="start a run's training: refuse what will not fit, name a memory cap",
                         description="Start one run's training (the command after --, default: one process "
-                                    "for single, torchrun on this node otherwise). An atomic run whose model "
-                                    "gnnpipe plan-atomic says will not fit --mem-mb-per-worker at the run's P is "
+                                    "for single, torchrun on this node otherwise). A run that will not fit "
+                                    "--mem-mb-per-worker and this machine's share per worker at its layout "
+                                    "(gnnpipe plan-atomic for atomic runs, gnnpipe plan --run-config for node runs) is "
                                     "refused first with the plan's one line (exit 2); a worker the kernel's "
                                     "out-of-memory killer ends is reported in one line naming the cap (exit 137).")
     la.add_argument("--run-config", required=True, help="results/runs/<run_id>/run.yaml")
     la.add_argument("--mem-mb-per-worker", type=int,
-                    help="memory of one worker, MiB (resources.mem_mb_per_worker); none: no check")
+                    help="memory of one worker, MiB (resources.mem_mb_per_worker); none: node runs are checked against "
+                         "this machine's memory only, atomic runs not at all")
     la.add_argument("--force", action="store_true",
                     help="start a run the plan refuses (environment: GNNPIPE_FORCE_LAUNCH=1)")
     la.add_argument("command", nargs="*", help="-- then the launch command (default: built from the run)")
@@ -493,9 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="override model.kind (a kind with graph layers)")
     pl.add_argument("--layers", type=int, help="override model.layers")
     pl.add_argument("--hidden", type=int, help="override model.hidden")
-    pl.add_argument("--hardware", required=True,
-                    help="a profile name under config/hardware (e.g. 8xgpu-pcie) or a YAML file")
-    pl.add_argument("--workers", type=int, required=True, help="number of workers P")
+    pl.add_argument("--hardware", help="a profile name under config/hardware (e.g. 8xgpu-pcie) or a YAML file")
+    pl.add_argument("--workers", type=int, help="number of workers P")
     pl.add_argument("--chunks-per-stage", type=int, default=4, help="pipeline chunks C = this x S")
     pl.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
     pl.add_argument("--method", default="metis", choices=["metis", "random", "contiguous"])
@@ -513,6 +533,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
                     help="--calibrate timing: wall clock, or the thread's CPU time (a shared machine)")
     pl.add_argument("--out", help="write the plan as JSON here")
+    pl.add_argument("--run-config", help="instead: a node run's run.yaml, its memory per worker against "
+                                         "--mem-mb-per-worker and this machine's share (gnnpipe.planning.fit)")
+    pl.add_argument("--mem-mb-per-worker", type=int, help="with --run-config: resources.mem_mb_per_worker")
+    pl.add_argument("--workers-per-node", type=int, help="with --run-config: workers sharing this machine "
+                                                         "(default: all of the run's)")
+    pl.add_argument("--check", action="store_true",
+                    help="with --run-config: one line; exit 2 if the run does not fit (what gnnpipe launch asks)")
     pl.set_defaults(func=_plan, outputs=("out",))
 
     c = sub.add_parser(

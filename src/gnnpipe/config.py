@@ -3,9 +3,9 @@
 Two shapes of config exist:
 
 * the **workflow config** (``config/config.yaml``): named datasets and models, shared
-  training settings and a list of runs. Snakemake validates it against
-  ``workflow/schemas/config.schema.yaml``; ``load_workflow_config`` checks it again
-  here, so that the CLI gives the same errors without Snakemake.
+  training settings and a list of runs. ``load_workflow_config`` is its one judge, for
+  Snakemake (``common.smk`` calls it) and the CLI alike: the dataclasses, the cross-checks,
+  then the JSON schema ``workflow/schemas/config.schema.yaml`` (``check_schema``).
 * the **run config** (``results/runs/<run_id>/run.yaml``): one run, fully resolved
   (``resolve_run``), which is what ``gnnpipe train`` and ``gnnpipe evaluate`` read.
 
@@ -15,13 +15,16 @@ bounds in ``BOUNDS`` (the JSON schema carries the same ones; a test keeps them e
 finite numbers and integers that fit in 64 bits only, names that are safe in paths, file
 paths without control characters (``PATHS``; spaces are fine, the rules quote every path),
 and no output directory inside a system directory or a file (``check_output_dir``). A run key its
-mode would ignore (``stages`` on a graph run, ``data_parallel`` on a node run) is refused.
+mode would ignore (``stages`` on a graph run, ``data_parallel`` on a node run) is refused, and so
+is a model key only another kind reads (``refuse_other_kinds``); a section may be left out, not
+null. Sizes whose allocation would be absurd are over a bound (``MAX_WIDTH``, ``MAX_DEPTH``, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
@@ -151,6 +154,11 @@ NODE_KINDS = CONVS.names()
 MODEL_KINDS = NODE_KINDS + ATOMIC_MODELS.names()
 
 
+def _kinds(*kinds: str) -> dict:
+    """A ModelConfig field's metadata: the model kinds that read it (others refuse it: ModelConfig.check)."""
+    return {"kinds": kinds}
+
+
 @dataclass
 class ScheduleConfig:
     """The learning rate of an atomic model per optimizer step (gnnpipe.atomic.habits.lr_at): a linear
@@ -249,15 +257,17 @@ class ModelConfig:
     (a kind of ``gnnpipe.atomic.protocol.ATOMIC_MODELS``) sized by its own section."""
 
     kind: Literal[MODEL_KINDS] = "gcn"  # type: ignore[valid-type]  # the registry's names
-    layers: int = 2
-    hidden: int = 64
-    dropout: float = 0.5
-    heads: int = 4  # gat: attention heads (hidden is split across them)
-    alpha: float = 0.1  # gcnii: initial-residual weight
-    lambda_: float = 0.5  # gcnii: identity-mapping strength (YAML key: lambda)
-    norm: Literal["none", "layer"] = "none"  # normalisation after each hidden layer (resgcn: always layer)
-    dimenetpp: DimeNetPPSpec = field(default_factory=DimeNetPPSpec)  # kind dimenetpp only
-    gemnet_t: GemNetTSpec = field(default_factory=GemNetTSpec)  # kind gemnet_t only
+    layers: int = field(default=2, metadata=_kinds(*NODE_KINDS))
+    hidden: int = field(default=64, metadata=_kinds(*NODE_KINDS))
+    dropout: float = field(default=0.5, metadata=_kinds(*NODE_KINDS))
+    # gat: attention heads (hidden is split across them)
+    heads: int = field(default=4, metadata=_kinds("gat"))
+    alpha: float = field(default=0.1, metadata=_kinds("gcnii"))  # initial-residual weight
+    lambda_: float = field(default=0.5, metadata=_kinds("gcnii"))  # identity-mapping strength (YAML key: lambda)
+    # normalisation after each hidden layer of the plain stacks (resgcn: always layer)
+    norm: Literal["none", "layer"] = field(default="none", metadata=_kinds("gcn", "sage", "gat"))
+    dimenetpp: DimeNetPPSpec = field(default_factory=DimeNetPPSpec, metadata=_kinds("dimenetpp"))
+    gemnet_t: GemNetTSpec = field(default_factory=GemNetTSpec, metadata=_kinds("gemnet_t"))
 
     @property
     def atomic(self) -> bool:
@@ -269,11 +279,24 @@ class ModelConfig:
         return getattr(self, self.kind) if self.atomic else None
 
     def check(self, path: str) -> None:
-        """A section of another kind would be ignored: refuse it rather than drop it silently."""
-        for kind, cls in ATOMIC_SPECS.items():
-            if kind != self.kind and getattr(self, kind) != cls():
-                raise ConfigError(f"{path}.{kind}: a {kind} section on a model of kind {self.kind} would be "
-                                  f"ignored; remove it (or set kind: {kind})")
+        """A key of another kind that differs from its default would be ignored: refuse it rather than
+        drop it silently (a run.yaml holds every key; the workflow config's are refused when given at
+        all: ``refuse_other_kinds``)."""
+        default = ModelConfig()
+        refuse_other_kinds(self.kind, [f.name for f in dataclasses.fields(self)
+                                       if getattr(self, f.name) != getattr(default, f.name)], path)
+
+
+def refuse_other_kinds(kind: str, keys, path: str) -> None:
+    """Refuse the first of ``keys`` (ModelConfig fields) that only models of other kinds read
+    (``metadata["kinds"]``): it would be ignored silently."""
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    for key in keys:
+        kinds = fields[_RENAMES.get(key, key)].metadata.get("kinds")
+        if kinds and kind not in kinds:
+            name = "lambda" if key == "lambda_" else key
+            raise ConfigError(f"{path}.{name}: only models of kind {' / '.join(kinds)} read this key, a {kind} "
+                              f"model would ignore it; remove it (or set kind: {kinds[0]})")
 
 
 @dataclass
@@ -500,6 +523,14 @@ class Bound:
 
 
 _GE0, _GE1, _GE2, _GT0 = Bound(0), Bound(1), Bound(2), Bound(0, lo_open=True)
+# Sizes whose allocation would be absurd are refused here, before any job runs (issue #37, item 4);
+# what fits a worker's memory is the launcher's question (gnnpipe.launch, the cost model's estimate).
+MAX_NODES = 2**31 - 1  # graph.h5 holds int32 node ids
+MAX_WIDTH = 2**16  # hidden widths, features, classes, heads: a 2^16 x 2^16 weight is already 16 GiB
+MAX_DEPTH = 4096  # layers, blocks, basis sizes (the deepest published GNNs have ~1,000 layers)
+MAX_WORKERS = 4096  # workers (world size) of one run
+WORKERS_PER_CPU = 8  # a node's workers at most per CPU of the machine that checks the config
+_WIDTH, _DEPTH, _WORKERS = Bound(1, MAX_WIDTH), Bound(1, MAX_DEPTH), Bound(1, MAX_WORKERS)
 _FRACTION, _BELOW1 = Bound(0, 1), Bound(0, 1, hi_open=True)
 # Seeds reach C ints (METIS) as well as torch and NumPy: 2^31 - 1 fits every consumer.
 _SEED = Bound(0, 2**31 - 1)
@@ -511,8 +542,9 @@ _ATOMIC = dict(force_weight=_GE0, batch_size=_GE1, lr=_GT0, cutoff=_GT0, clip_gr
                ema_decay=_BELOW1, eval_train_systems=_GE1)  # every AtomicSpec
 
 BOUNDS: dict[type, dict[str, Bound]] = {
-    SyntheticConfig: dict(num_nodes=_GE2, avg_degree=_GT0, num_features=_GE1, num_classes=_GE2,
-                          num_communities=_GE2, intra_fraction=_FRACTION, locality=_FRACTION,
+    SyntheticConfig: dict(num_nodes=Bound(2, MAX_NODES), avg_degree=_GT0, num_features=_WIDTH,
+                          num_classes=Bound(2, MAX_WIDTH), num_communities=Bound(2, MAX_NODES),
+                          intra_fraction=_FRACTION, locality=_FRACTION,
                           degree_exponent=_GT0, feature_signal=_GE0, label_noise=_FRACTION,
                           train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
     FilesConfig: dict(train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
@@ -520,11 +552,12 @@ BOUNDS: dict[type, dict[str, Bound]] = {
                       train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
     ScheduleConfig: dict(warmup_epochs=_GE0, min_lr_factor=_FRACTION),
     GuardConfig: dict(loss_factor=Bound(1, lo_open=True), patience=_GE1, min_force_cos=Bound(-1, 1)),
-    DimeNetPPSpec: dict(_ATOMIC, hidden_channels=_GE1, num_blocks=_GE1, int_emb_size=_GE1, basis_emb_size=_GE1,
-                        out_emb_channels=_GE1, num_spherical=_GE1, num_radial=_GE1),
-    GemNetTSpec: dict(_ATOMIC, **{f.name: _GE1 for f in dataclasses.fields(GemNetTSpec)  # sizes: all >= 1
+    DimeNetPPSpec: dict(_ATOMIC, hidden_channels=_WIDTH, num_blocks=_DEPTH, int_emb_size=_WIDTH,
+                        basis_emb_size=_WIDTH, out_emb_channels=_WIDTH, num_spherical=_DEPTH, num_radial=_DEPTH),
+    GemNetTSpec: dict(_ATOMIC, **{f.name: _DEPTH if f.name.startswith("num_") else _WIDTH  # counts, widths
+                                  for f in dataclasses.fields(GemNetTSpec)
                                   if f.name not in {g.name for g in dataclasses.fields(AtomicSpec)}}),
-    ModelConfig: dict(layers=_GE1, hidden=_GE1, dropout=_BELOW1, heads=_GE1, alpha=_FRACTION, lambda_=_GT0),
+    ModelConfig: dict(layers=_DEPTH, hidden=_WIDTH, dropout=_BELOW1, heads=_WIDTH, alpha=_FRACTION, lambda_=_GT0),
     TrainingConfig: dict(epochs=_GE1, lr=_GT0, weight_decay=_GE0, seed=_SEED, eval_every=_GE1,
                          checkpoint_every=_GE0, warmup_epochs=_GE0, threads_per_worker=_GE1,
                          dist_timeout_s=_TIMEOUT, max_restarts=_GE0),
@@ -534,8 +567,10 @@ BOUNDS: dict[type, dict[str, Bound]] = {
     ResourcesConfig: dict(mem_mb_per_worker=_GE1, runtime_min=_GE1, gpus_per_worker=_GE0,
                           workers_per_node=_GE1),
     RelaxConfig: dict(systems=_GE0, fmax=_GT0, steps=_GE1, rattle=_GE0, seed=_SEED),
-    RunSpec: dict(workers=_GE1, stages=_GE1, chunks=_GE1, seed=_SEED, epochs=_GE1, data_parallel=_GE1),
-    RunConfig: dict(workers=_GE1, stages=_GE1, ways=_GE1, chunks=_GE1, data_parallel=_GE1),
+    RunSpec: dict(workers=_WORKERS, stages=_DEPTH, chunks=Bound(1, MAX_NODES), seed=_SEED, epochs=_GE1,
+                  data_parallel=_WORKERS),
+    RunConfig: dict(workers=_WORKERS, stages=_DEPTH, ways=_WORKERS, chunks=Bound(1, MAX_NODES),
+                    data_parallel=_WORKERS),
 }
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # dataset, model and run names: safe in paths
 # File and directory paths of each section. Any character but a control character (a newline
@@ -639,6 +674,9 @@ def _convert(tp, value, path):
             if attr not in names:
                 known = ", ".join(sorted(k if k != "lambda_" else "lambda" for k in names))
                 raise ConfigError(f"{path}: unknown key {key!r} (known: {known})")
+            if v is None and dataclasses.is_dataclass(hints[attr]):  # a section that may not be null
+                raise ConfigError(f"{path}.{key}: expected a mapping, got null; remove the key to keep its "
+                                  "defaults")
             kwargs[attr] = _convert(hints[attr], v, f"{path}.{key}")
         missing = [f.name for f in dataclasses.fields(tp)
                    if f.name not in kwargs and f.default is dataclasses.MISSING
@@ -724,7 +762,10 @@ def load_yaml(path: str | Path) -> Any:
         raise ConfigError(f"{path}: not valid YAML ({e})") from None
 
 
-def workflow_schema(path: str | Path) -> dict:
+SCHEMA_FILE = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+
+
+def workflow_schema(path: str | Path = SCHEMA_FILE) -> dict:
     """The workflow config's JSON schema (``workflow/schemas/config.schema.yaml``) with the enum of
     model kinds filled in from ``MODEL_KINDS`` (the node kinds and the atomic registry's names)."""
     schema = load_yaml(path)
@@ -732,13 +773,44 @@ def workflow_schema(path: str | Path) -> dict:
     return schema
 
 
+def schema_error_line(err) -> str:
+    """One line naming the offending key, from a ``jsonschema.ValidationError``."""
+    where = "config" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path)
+    if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+        known = sorted(err.schema.get("properties", {}))
+        extra = sorted(set(err.instance) - set(known))
+        return (f"{where}.{extra[0]}: unknown key (known: {', '.join(known)})"
+                if extra else f"{where}: {err.message}")
+    if err.validator == "required":
+        return f"{where}: missing required key ({err.message})"
+    if err.validator == "type" and err.instance is None:
+        return f"{where}: expected {err.validator_value}, got null; remove the key to keep its default"
+    return f"{where}: {err.message}"
+
+
+def check_schema(data: Any) -> None:
+    """The workflow config against its JSON schema: the second half of the one judge
+    (``load_workflow_config``), so that ``gnnpipe runs`` and Snakemake refuse the same configs."""
+    import jsonschema
+
+    schema = workflow_schema()
+    err = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(schema)(schema).iter_errors(data))
+    if err is not None:
+        raise ConfigError(schema_error_line(err))
+
+
 def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
+    """The workflow config, checked by the dataclasses (``from_dict``), the cross-checks below and
+    the JSON schema (``check_schema``): the one judge of a workflow config; Snakemake's
+    ``common.smk`` calls it and validates nothing of its own."""
     if not isinstance(data, dict):
         path, data = data, load_yaml(data)
         if data is None:  # an empty file (or only comments): not a config of no runs
             raise ConfigError(f"{path}: empty; a workflow config names its datasets, models and runs "
                               "(config/config.yaml is an example)")
     wf = from_dict(WorkflowConfig, data)
+    for name, model in wf.models.items():  # a key of another kind, given at all (the default too)
+        refuse_other_kinds(model.kind, data["models"][name] or {}, f"config.models.{name}")
     for i, run in enumerate(wf.runs):
         where = f"config.runs[{i}]"
         if run.dataset not in wf.datasets:
@@ -758,12 +830,33 @@ def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
             raise ConfigError(f"{where}.mode: atomic models train in mode single or graph (edge/triplet "
                               f"graph parallelism), not {run.mode}")
         _refuse_ignored_keys(run, atoms_data, where)
+        _check_workers(wf, run, where)
     ids = [run_id(wf, r) for r in wf.runs]
     dup = {i for i in ids if ids.count(i) > 1}
     if dup:
         raise ConfigError(f"config.runs: run ids are not unique: {', '.join(sorted(dup))} "
                           "(give the runs distinct seeds or names)")
+    check_schema(data)
     return wf
+
+
+def _check_workers(wf: WorkflowConfig, run: RunSpec, where: str) -> None:
+    """More parts (workers, chunks) than a synthetic graph has nodes, or more workers on one node than
+    ``WORKERS_PER_CPU`` per CPU of this machine: refused before any job starts."""
+    ds = wf.datasets[run.dataset]
+    nodes = ds.synthetic.num_nodes if ds.kind == "synthetic" else None
+    if nodes is not None:
+        _, _, ways, chunks = run_layout(wf, run)
+        if max(ways, chunks) > nodes:
+            raise ConfigError(f"{where}: {max(ways, chunks)} parts (workers or chunks) of the {nodes}-node graph "
+                              f"{run.dataset!r} (datasets.{run.dataset}.synthetic.num_nodes) leave some empty; use "
+                              f"at most {nodes}")
+    per_node = min(run.workers, wf.resources.workers_per_node or run.workers)
+    cpus = os.cpu_count() or 1
+    if per_node > WORKERS_PER_CPU * cpus:
+        raise ConfigError(f"{where}.workers: {per_node} workers on one node, more than the {WORKERS_PER_CPU * cpus} "
+                          f"({WORKERS_PER_CPU} per CPU, {cpus} CPUs here) gnnpipe starts on one machine; use fewer, "
+                          "or spread them over nodes with resources.workers_per_node")
 
 
 def _check_cutoff(wf: WorkflowConfig, run: RunSpec, where: str) -> None:

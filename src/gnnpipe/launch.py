@@ -7,10 +7,13 @@ worker's memory, and naming the memory cap when the kernel kills a worker for ex
 The train rule starts every run this way (its launcher after ``--``: ``gnnpipe``, torchrun, srun
 + torchrun, the emulated network's). The launcher
 
-1. for an atomic run, asks ``gnnpipe plan-atomic --check`` (in a process of its own, so that this
-   one stays small) whether the run's model fits ``--mem-mb-per-worker`` at the run's P, and
-   refuses with the plan's one line (exit 2) if not, before any worker starts; ``--force`` (or
-   ``GNNPIPE_FORCE_LAUNCH=1``) starts it anyway;
+1. asks, in a process of its own (so that this one stays small), whether the run fits a worker's
+   memory at its layout: ``gnnpipe plan-atomic --check`` for an atomic run (against
+   ``--mem-mb-per-worker``), ``gnnpipe plan --run-config --check`` for a node run (the cost
+   model's estimate, ``gnnpipe.planning.fit``, against ``--mem-mb-per-worker`` and this machine's
+   memory over the workers on it, also without ``--mem-mb-per-worker``); refuses with the plan's
+   one line (exit 2) if not, before any worker starts; ``--force`` (or ``GNNPIPE_FORCE_LAUNCH=1``)
+   starts it anyway;
 2. runs the command (it dies with the launcher: ``PR_SET_PDEATHSIG``; SIGTERM is passed on), and
    stops it when the job's owner dies (``watch_owners``): its parent (the rule's shell), and the
    process named by ``GNNPIPE_JOB_OWNER`` (Snakemake sets its own pid) when that is an ancestor.
@@ -176,10 +179,32 @@ def default_command(cfg, run_config: str) -> list[str]:
             "--nproc-per-node", str(cfg.workers), *train]
 
 
-def preflight(run_config: str, mem_mb: int) -> None:
-    """``gnnpipe plan-atomic --check``: the run fits a worker's memory at its P, or its one line."""
-    done = subprocess.run([sys.executable, "-m", "gnnpipe.cli", "plan-atomic", "--run-config", run_config,
-                           "--mem-mb-per-worker", str(mem_mb), "--check"], capture_output=True, text=True)
+def machine_memory() -> Optional[int]:
+    """Bytes the workers on this machine share: the job's memory cgroup's limit, else ``MemTotal``."""
+    job = own_cgroup()
+    limit = cgroup_limit(job) if job else None
+    if limit:
+        return limit
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def preflight(cfg, run_config: str, mem_mb: Optional[int], workers_per_node: Optional[int] = None) -> None:
+    """The run fits a worker's memory at its layout, or its one line: ``gnnpipe plan-atomic --check``
+    (atomic runs) or ``gnnpipe plan --run-config --check`` (node runs; also without ``mem_mb``:
+    this machine's memory over its workers)."""
+    if cfg.atomic:
+        ask = ["plan-atomic", "--run-config", run_config, "--mem-mb-per-worker", str(mem_mb), "--check"]
+    else:
+        ask = (["plan", "--run-config", run_config, "--check"]
+               + (["--mem-mb-per-worker", str(mem_mb)] if mem_mb else [])
+               + (["--workers-per-node", str(workers_per_node)] if workers_per_node else []))
+    done = subprocess.run([sys.executable, "-m", "gnnpipe.cli", *ask], capture_output=True, text=True)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     if done.returncode:
         why = next((line for line in lines if line.startswith("gnnpipe: error: ")), lines[-1] if lines else "")
@@ -196,6 +221,10 @@ def _allocator_hint() -> str:
                                                 f"{MMAP_ENV}=131072 bounds it, see gnnpipe.launch)")
 
 
+def _planner(cfg) -> str:
+    return "gnnpipe plan-atomic" if cfg.atomic else "gnnpipe plan"
+
+
 def oom_line(cfg, mem_mb: Optional[int], before: int, rc: int) -> Optional[str]:
     """The one line for a command that failed because the OOM killer ended a worker, else None."""
     top = os.environ.get(MEMCAP_ENV)
@@ -207,7 +236,7 @@ def oom_line(cfg, mem_mb: Optional[int], before: int, rc: int) -> Optional[str]:
             limit = cgroup_limit(d)
             return (f"run {cfg.run_id}: {d.name.replace('-', ' ')} was killed by the out-of-memory killer (SIGKILL, "
                     f"exit {OOM_EXIT}) at its memory cap of {limit / 2**30:.2f} GiB per worker "
-                    f"({d}/memory.limit_in_bytes); gnnpipe plan-atomic --run-config says which P fits"
+                    f"({d}/memory.limit_in_bytes); {_planner(cfg)} --run-config says which layout fits"
                     f"{_allocator_hint()}")
         return None
     if kernel_oom_kills() > before and rc in (OOM_EXIT, -signal.SIGKILL, 1):  # 1: torchrun, a worker failed
@@ -216,8 +245,8 @@ def oom_line(cfg, mem_mb: Optional[int], before: int, rc: int) -> Optional[str]:
         caps = [f"resources.mem_mb_per_worker = {mem_mb} MiB"] if mem_mb else []
         caps += [f"the job's memory cgroup {job}: {limit / 2**30:.2f} GiB"] if limit else []
         return (f"run {cfg.run_id}: a worker was killed by the out-of-memory killer (SIGKILL, exit {OOM_EXIT}) "
-                f"under the memory cap ({'; '.join(caps) or 'the machine'}); gnnpipe plan-atomic --run-config "
-                f"says which P fits{_allocator_hint()}")
+                f"under the memory cap ({'; '.join(caps) or 'the machine'}); {_planner(cfg)} --run-config "
+                f"says which layout fits{_allocator_hint()}")
     return None
 
 
@@ -372,14 +401,23 @@ def killed_line(cfg, command: list[str], pid: int, rc: int) -> Optional[str]:
             f"with it; rerun to resume from the last complete checkpoint")
 
 
+def workers_here(cfg) -> int:
+    """The run's workers on this machine: all of them, or a node's share of a Slurm job's."""
+    try:
+        nodes = max(1, int(os.environ.get("SLURM_JOB_NUM_NODES", "1")))
+    except ValueError:
+        nodes = 1
+    return -(-cfg.workers // nodes)
+
+
 def launch(run_config: str, command: list[str], mem_mb: Optional[int] = None, force: bool = False) -> int:
     """Check, start, watch, wait, report (module docstring); returns the exit status for the shell."""
     from .config import load_run_config
 
     cfg = load_run_config(run_config)
     force = force or os.environ.get(FORCE_ENV, "0") not in ("", "0")
-    if cfg.atomic and mem_mb and not force:
-        preflight(run_config, mem_mb)
+    if (mem_mb or not cfg.atomic) and not force:
+        preflight(cfg, run_config, mem_mb, workers_here(cfg))
     command = command or default_command(cfg, run_config)
     owners = job_owners()
     env = None

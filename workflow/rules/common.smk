@@ -1,15 +1,13 @@
-# Validation of the config, the resolved runs, input functions and wildcard constraints.
+# The config (judged by gnnpipe.config.load_workflow_config), the resolved runs, input functions
+# and wildcard constraints.
 # What the rules need to know about a run comes from gnnpipe.config (RunConfig);
 # nothing about layouts, store paths or run ids is re-derived here.
-import json
 import os
 import sys
 import re
-import tempfile
 
 import yaml
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
 
 from gnnpipe.atomic.data import FORMAT_VERSIONS
 from gnnpipe.costmodel.hardware import hardware_path
@@ -22,45 +20,13 @@ from gnnpipe.config import (
     run_id,
     store_path,
     to_dict,
-    workflow_schema,
 )
 
 
-def _where(path) -> str:
-    """``deque(['runs', 0, 'mode'])`` -> ``config.runs[0].mode``."""
-    out = "config"
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return out
-
-
-def schema_error_line(err: WorkflowError) -> str:
-    """One line naming the offending key, from the jsonschema error inside ``err``."""
-    cause = err.__cause__ or err.__context__  # validate() raises from the ValidationError
-    if not hasattr(cause, "absolute_path"):
-        return str(err)
-    where = _where(cause.absolute_path)
-    if cause.validator == "additionalProperties" and isinstance(cause.instance, dict):
-        known = sorted(cause.schema.get("properties", {}))
-        extra = sorted(set(cause.instance) - set(known))
-        return (f"{where}.{extra[0]}: unknown key (known: {', '.join(known)})"
-                if extra else f"{where}: {cause.message}")
-    if cause.validator == "required":
-        return f"{where}: missing required key ({cause.message})"
-    return f"{where}: {cause.message}"
-
-
 # ----------------------------------------------------------------------------- config
-# The schema file with the registry's model kinds as the enum of models.<name>.kind (validate reads a file).
-with tempfile.NamedTemporaryFile("w", suffix=".schema.json", delete=False) as _schema:
-    json.dump(workflow_schema(os.path.join(workflow.basedir, "workflow", "schemas", "config.schema.yaml")), _schema)
-try:
-    validate(config, schema=_schema.name)
-except WorkflowError as e:
-    raise WorkflowError(f"invalid config: {schema_error_line(e)}") from None
-finally:
-    os.unlink(_schema.name)
-
+# One judge: load_workflow_config checks the dataclasses, the cross-checks and the JSON schema
+# (workflow/schemas/config.schema.yaml), as `gnnpipe runs --config` does; no snakemake.utils.validate
+# here, which would also write the schema's defaults into `config`.
 try:
     WF = load_workflow_config(config)
     RUNS = resolve_runs(WF)  # {run_id: RunConfig}

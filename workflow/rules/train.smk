@@ -14,7 +14,7 @@ rule run_config:
 
 rule train:
     """Train one run: one process (single) or torchrun over the run's workers, started by
-    `gnnpipe launch` (an atomic model that does not fit a worker's memory is refused first)."""
+    `gnnpipe launch` (a run whose layout does not fit a worker's memory is refused first)."""
     input:
         unpack(run_inputs),
     output:

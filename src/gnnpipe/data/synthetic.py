@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, SyntheticConfig
+from ..costmodel.stages import available_memory, graph_stage_memory
 from ..graph import CSR_CHUNK, Graph, csr_from_edges
 from ..io import GnnPipeError
 
@@ -208,6 +209,7 @@ def generate(cfg: SyntheticConfig, *, symmetrize: bool = True, self_loops: str =
                           f"got {self_loops!r}")
     log = _Progress(progress, name)
     n, k, c = p["num_nodes"], p["num_communities"], p["num_classes"]
+    _check_memory(n, int(round(n * p["avg_degree"])), p["num_features"], path)
     rng_struct, rng_feat, rng_label, rng_split, rng_perm = (
         np.random.default_rng(s) for s in np.random.SeedSequence(p["seed"]).spawn(5))
 
@@ -271,6 +273,17 @@ def generate(cfg: SyntheticConfig, *, symmetrize: bool = True, self_loops: str =
 
 
 # --------------------------------------------------------------------------- pieces
+def _check_memory(n: int, entries: int, features: int, path: str) -> None:
+    """Refuse, before allocating, a graph whose generation needs more than the machine has available
+    (``gnnpipe.costmodel.stages.graph_stage_memory``, the data stage's priced peak)."""
+    need = graph_stage_memory(n, entries, features)["data"]
+    have = available_memory()
+    if have is not None and need > have:
+        raise GnnPipeError(f"{path}: {n:,} nodes, {entries:,} stored edges and {features} features need about "
+                           f"{need / 2**30:,.1f} GiB to generate, {have / 2**30:.1f} GiB are available; lower "
+                           "num_nodes, avg_degree or num_features, or generate it on a machine with more memory")
+
+
 def _check_capacity(quotas: dict[str, int], sizes: np.ndarray, n: int, undirected: bool, path: str):
     """Refuse edge quotas that the communities cannot hold as distinct pairs."""
     per_pair = 1 if undirected else 2  # ordered pairs in a directed graph
