@@ -206,8 +206,7 @@ Traceback (most recent call last):
   File "torch/distributed/launcher/api.py", line 383, in launch_agent
     raise ChildFailedError(
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
-=====================================================
-
+============================================================
 gnnpipe.cli FAILED
 ------------------------------------------------------------
 Failures:
@@ -263,7 +262,8 @@ def test_torchruns_failure_summary_without_a_workers_line_is_one_line_naming_the
     assert lines[-2] == ("gnnpipe launch: torchrun: worker rank 0 (local_rank: 0) on n1 failed first with exit code "
                          "2 (pid: 9865) (its lines above say why)"), out
     assert "ChildFailedError" not in out and "=====" not in out
-=======
+
+
 # --------------------------------------------------------------------------- node runs (issue #37, item 4)
 def _node_run(tmp_path, model: dict, mode: str = "graph", workers: int = 2, **run):
     """A node run's RunConfig on a 300-node graph written to tmp_path, and its run.yaml."""
