@@ -239,8 +239,6 @@ def _runs(a):
             raise GnnPipeError(f"no run {a.resolve!r} in {a.config} (runs: {', '.join(runs)})")
         print(dump_run_config(runs[a.resolve]), end="")
         return
-    if not runs:
-        print(f"gnnpipe: {a.config}: defines no runs (its runs: list is empty)", file=sys.stderr)
     for rid, r in runs.items():
         print(f"{rid}\t{r.mode}\tworkers={r.workers} stages={r.stages} ways={r.ways} chunks={r.chunks}")
 
