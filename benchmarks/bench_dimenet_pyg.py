@@ -23,6 +23,16 @@ computes, not how long a shared machine kept it waiting); wall-clock medians are
 The ratio is what to read; absolute times depend on the machine's load.
 Memory kept for backward = the bytes of the distinct storages autograd saves during the forward
 and the force pass (``saved_tensors_hooks``), parameters excluded, measured the same way for both.
+
+``--energy-only`` (issue #37, item 16): energy-only training steps — forward and backward of
+``sum(E²)``, no forces (ours: ``DimeNetPPModel(g, forces=False)``, what the engine runs when a
+dataset has no forces or ``force_weight`` is 0; PyG's: ``DimeNetPlusPlus`` and ``backward``) — on
+small molecules: ASE's g2 set (``ase.collections.g2``, its 120 molecules of 3 atoms or more; no
+periodic images, so PyG's geometry is ours as it is) labelled with Lennard-Jones energies alone and
+read as a user's file of energies would be (``data.read_structures``: no forces), in batches of 32
+molecules (3 batches, cutoff 5 Å), each timed step on the next batch, both models on the same batches:
+
+    python benchmarks/bench_dimenet_pyg.py --energy-only [--out results/bench/dimenet_pyg_energy.json]
 """
 
 from __future__ import annotations
@@ -33,13 +43,15 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from gnnpipe.atomic import data
-from gnnpipe.atomic.dimenetpp import DimeNetPP, DimeNetPPConfig, energy_and_forces, preset
+from gnnpipe.atomic.dimenetpp import DimeNetPP, DimeNetPPConfig, DimeNetPPModel, energy_and_forces, preset
 from gnnpipe.atomic.parallel import single_graph, with_pos
 from gnnpipe.io import write_json
 
@@ -48,6 +60,9 @@ SIZES = {  # name: (model, slabs, timed steps per model by default)
     "h256": (dict(hidden_channels=256, num_blocks=4, int_emb_size=128, basis_emb_size=8, out_emb_channels=256), 16, 10),
 }
 CUTOFF, MAX_NEIGHBORS = 5.0, 24
+#: energy-only: name -> (model, molecules per batch, timed steps per model by default); "default" is
+#: PyG's DimeNetPlusPlus defaults (hidden 128, 4 blocks: the published QM9 model)
+ENERGY_SIZES = {"small": (dict(preset="small"), 32, 40), "default": (dict(preset="default"), 32, 20)}
 
 
 def slab_batch(num_systems: int, cutoff: float = CUTOFF, seed: int = 1) -> dict:
@@ -70,12 +85,40 @@ def _config(spec: dict) -> DimeNetPPConfig:
     return preset(name, **spec) if name else DimeNetPPConfig(**spec)
 
 
-def _models(cfg: DimeNetPPConfig, dtype=torch.float64):
-    """Ours and PyG's ``DimeNetPlusPlus`` with the same (randomly perturbed) weights."""
+def molecule_batches(batch_size: int, cutoff: float = CUTOFF) -> list[dict]:
+    """ASE's g2 molecules of 3 atoms or more with Lennard-Jones energies and no forces, written as an
+    extxyz and read back as a user's energy-only file (``data.read_structures``), in batches of
+    ``batch_size`` (batch_arrays; the last partial batch dropped)."""
+    import ase.io
+    from ase.calculators.lj import LennardJones
+    from ase.calculators.singlepoint import SinglePointCalculator
+    from ase.collections import g2
+
+    frames = []
+    for mol in g2:
+        if len(mol) >= 3:
+            mol = mol.copy()
+            mol.calc = LennardJones(rc=cutoff)
+            mol.calc = SinglePointCalculator(mol, energy=mol.get_potential_energy())
+            frames.append(mol)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "g2.extxyz"
+        ase.io.write(path, frames)
+        systems = data.read_structures(path, split="random")
+    if data.has_forces(systems):
+        raise AssertionError("the molecules were meant to have energies alone")
+    graphs = data.build_graphs(systems, cutoff, MAX_NEIGHBORS, progress=False)
+    n = len(systems["energy"]) // batch_size * batch_size
+    return [data.batch_arrays(systems, graphs, list(range(i, i + batch_size))) for i in range(0, n, batch_size)]
+
+
+def _models(cfg: DimeNetPPConfig, dtype=torch.float64, cls=DimeNetPP):
+    """Ours (``cls``: DimeNetPP, or the protocol's DimeNetPPModel) and PyG's ``DimeNetPlusPlus`` with the
+    same (randomly perturbed) weights."""
     from torch_geometric.nn.models.dimenet import DimeNetPlusPlus
 
     torch.manual_seed(0)
-    ours = DimeNetPP(cfg).to(dtype)
+    ours = cls(cfg).to(dtype)
     with torch.no_grad():  # the zero-initialised output layers would make every gradient but theirs 0
         for p in ours.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -128,14 +171,42 @@ def _steps(ours, ref, b: dict, dtype):
     return step_ours, step_ref
 
 
+def _energy_steps(ours, ref, batches: list, dtype):
+    """Two closures, each one energy-only training step (forward, backward of ``sum(E²)``) on the next
+    of ``batches`` (the two keep in step: call each once per round), returning (energies,)."""
+    graphs = [single_graph(b, dtype) for b in batches]
+    turn = {"ours": 0, "pyg": 0}
+
+    def next_batch(name):
+        i = turn[name] % len(batches)
+        turn[name] += 1
+        return i
+
+    def step_ours():
+        e = ours(graphs[next_batch("ours")], forces=False)["energy"]
+        e.pow(2).sum().backward()
+        return (e.detach(),)
+
+    def step_ref():
+        i = next_batch("pyg")
+        b, g = batches[i], graphs[i]
+        with pyg_graph(b):
+            e = ref(g.z, g.pos, g.system).squeeze(-1)
+        e.pow(2).sum().backward()
+        return (e.detach(),)
+
+    return step_ours, step_ref
+
+
 def check_same_step(step_ours, step_ref, ours, ref, tol: float = 1e-9) -> None:
-    """One float64 step of each: energies, forces and every parameter gradient agree to ``tol`` of
-    their largest magnitude (random weights make them large: an element-wise rtol would be noise)."""
+    """One float64 step of each: energies, forces (where the steps compute them) and every parameter
+    gradient agree to ``tol`` of their largest magnitude (random weights make them large: an
+    element-wise rtol would be noise)."""
     for m in (ours, ref):
         m.zero_grad(set_to_none=True)
-    (e0, f0), (e1, f1) = step_ours(), step_ref()
+    out0, out1 = step_ours(), step_ref()
     ref_grads = dict(ref.named_parameters())
-    pairs = [("energy", e0, e1), ("forces", f0, f1)] + [
+    pairs = list(zip(("energy", "forces"), out0, out1)) + [
         (name, p.grad, ref_grads[name].grad) for name, p in ours.named_parameters()]
     for name, a, b in pairs:
         err, scale = float((a - b).abs().max()), float(b.abs().max())
@@ -172,29 +243,55 @@ def pyg_ratio(spec: dict, num_systems: int, repeats: int = 20, warmup: int = 2, 
         ours, ref = ours.to(dtype), ref.to(dtype)
         step_ours, step_ref = _steps(ours, ref, b, dtype)
         mem = {"ours": saved_bytes(step_ours, ours), "pyg": saved_bytes(step_ref, ref)}
-        cpu = {"ours": [], "pyg": []}
-        wall = {"ours": [], "pyg": []}
-        for r in range(warmup + repeats):
-            order = (("ours", step_ours, ours), ("pyg", step_ref, ref))
-            for name, step, model in (order if r % 2 else order[::-1]):
-                model.zero_grad(set_to_none=True)
-                c0, w0 = time.process_time(), time.perf_counter()
-                step()
-                if r >= warmup:
-                    cpu[name].append(time.process_time() - c0)
-                    wall[name].append(time.perf_counter() - w0)
-
-    def ratios(t: dict) -> dict:
-        med = {k: statistics.median(v) for k, v in t.items()}
-        return {"ratio": med["ours"] / med["pyg"], "median_s": med,
-                "paired_ratio_median": statistics.median(a / p for a, p in zip(t["ours"], t["pyg"]))}
-
-    c, w = ratios(cpu), ratios(wall)
+        cpu, wall = _interleaved(step_ours, step_ref, ours, ref, repeats, warmup)
+    c, w = _ratios(cpu), _ratios(wall)
     return {"systems": num_systems, "atoms": int(len(b["z"])), "edges": int(len(b["edge_src"])),
             "triplets": int(len(b["idx_kj"])), "model": vars(cfg), "repeats": repeats,
             "time_ratio": c["ratio"], "saved_bytes_ratio": mem["ours"] / mem["pyg"], "saved_bytes": mem,
             "cpu": c, "wall": w, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
             "step_cpu_s": cpu, "step_wall_s": wall}
+
+
+def energy_ratio(spec: dict, batch_size: int, repeats: int = 20, warmup: int = 2, dtype=torch.float32) -> dict:
+    """Ours/PyG time of energy-only training steps (medians of interleaved steps, each on the next batch
+    of :func:`molecule_batches`) for the model ``spec``, after checking energies and every parameter
+    gradient agree (float64). Call it under ``torch.set_num_threads(1)``."""
+    cfg = _config(spec)
+    batches = molecule_batches(batch_size, cfg.cutoff)
+    ours, ref = _models(cfg, cls=DimeNetPPModel)
+    load_before = os.getloadavg()
+    check_same_step(*_energy_steps(ours, ref, batches, torch.float64), ours, ref)
+    ours, ref = ours.to(dtype), ref.to(dtype)
+    cpu, wall = _interleaved(*_energy_steps(ours, ref, batches, dtype), ours, ref, repeats, warmup)
+    c, w = _ratios(cpu), _ratios(wall)
+    size = lambda key: [int(len(b[key])) for b in batches]  # noqa: E731
+    return {"molecules": batch_size * len(batches), "batch_size": batch_size, "batches": len(batches),
+            "atoms_per_batch": size("z"), "edges_per_batch": size("edge_src"), "triplets_per_batch": size("idx_kj"),
+            "model": vars(cfg), "parameters": sum(p.numel() for p in ours.parameters()), "repeats": repeats,
+            "time_ratio": c["ratio"], "cpu": c, "wall": w, "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(), "step_cpu_s": cpu, "step_wall_s": wall}
+
+
+def _interleaved(step_ours, step_ref, ours, ref, repeats: int, warmup: int) -> tuple[dict, dict]:
+    """CPU and wall seconds of each model's steps, alternating which goes first (the module docstring)."""
+    cpu = {"ours": [], "pyg": []}
+    wall = {"ours": [], "pyg": []}
+    for r in range(warmup + repeats):
+        order = (("ours", step_ours, ours), ("pyg", step_ref, ref))
+        for name, step, model in (order if r % 2 else order[::-1]):
+            model.zero_grad(set_to_none=True)
+            c0, w0 = time.process_time(), time.perf_counter()
+            step()
+            if r >= warmup:
+                cpu[name].append(time.process_time() - c0)
+                wall[name].append(time.perf_counter() - w0)
+    return cpu, wall
+
+
+def _ratios(t: dict) -> dict:
+    med = {k: statistics.median(v) for k, v in t.items()}
+    return {"ratio": med["ours"] / med["pyg"], "median_s": med,
+            "paired_ratio_median": statistics.median(a / p for a, p in zip(t["ours"], t["pyg"]))}
 
 
 def main(argv=None) -> int:
@@ -204,27 +301,39 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed steps per model and size (default: small 40, h256 10; --quick 5)")
     ap.add_argument("--quick", action="store_true", help="the small size only, 5 repeats")
+    ap.add_argument("--energy-only", action="store_true",
+                    help="energy-only training steps on molecules (sizes: " + ", ".join(ENERGY_SIZES) + ")")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    sizes = ["small"] if a.quick else a.sizes
     out = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "dtype": "float32",
            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "loadavg_before": os.getloadavg(), "sizes": {}}
     import torch_geometric
     out["torch_geometric"] = torch_geometric.__version__
-    for name in sizes:
-        spec, n, repeats = SIZES[name]
-        res = out["sizes"][name] = pyg_ratio(spec, n, a.repeats or (5 if a.quick else repeats))
-        print(f"{name}: {res['atoms']} atoms, {res['edges']} edges, {res['triplets']} triplets; ours/PyG time "
-              f"{res['time_ratio']:.3f} (CPU; paired {res['cpu']['paired_ratio_median']:.3f}; wall "
-              f"{res['wall']['ratio']:.3f}), saved memory "
-              f"{res['saved_bytes']['ours'] / 2**20:.1f} / {res['saved_bytes']['pyg'] / 2**20:.1f} MiB = "
-              f"{res['saved_bytes_ratio']:.3f}; load {res['loadavg_after'][0]:.2f}", file=sys.stderr)
+    table, ratio = (ENERGY_SIZES, energy_ratio) if a.energy_only else (SIZES, pyg_ratio)
+    out["mode"] = "energy-only" if a.energy_only else "forces"
+    for name in ["small"] if a.quick else (list(ENERGY_SIZES) if a.energy_only else a.sizes):
+        spec, n, repeats = table[name]
+        res = out["sizes"][name] = ratio(spec, n, a.repeats or (5 if a.quick else repeats))
+        print(_summary(name, res), file=sys.stderr)
     out["loadavg_after"] = os.getloadavg()
     write_json(a.out, out)
     return 0
 
+
+def _summary(name: str, res: dict) -> str:
+    """One line of a size's result (either mode)."""
+    times = (f"ours/PyG time {res['time_ratio']:.3f} (CPU, medians {res['cpu']['median_s']['ours'] * 1e3:.1f} / "
+             f"{res['cpu']['median_s']['pyg'] * 1e3:.1f} ms; paired {res['cpu']['paired_ratio_median']:.3f}; wall "
+             f"{res['wall']['ratio']:.3f})")
+    if "batches" in res:  # energy-only
+        return (f"{name} energy-only: {res['batches']} batches of {res['batch_size']} molecules "
+                f"({statistics.mean(res['atoms_per_batch']):.0f} atoms, {statistics.mean(res['triplets_per_batch']):.0f} "
+                f"triplets a batch); {times}; load {res['loadavg_after'][0]:.2f}")
+    return (f"{name}: {res['atoms']} atoms, {res['edges']} edges, {res['triplets']} triplets; {times}, saved memory "
+            f"{res['saved_bytes']['ours'] / 2**20:.1f} / {res['saved_bytes']['pyg'] / 2**20:.1f} MiB = "
+            f"{res['saved_bytes_ratio']:.3f}; load {res['loadavg_after'][0]:.2f}")
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")

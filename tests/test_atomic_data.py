@@ -141,10 +141,38 @@ def test_readers_and_bad_rows(tmp_path, systems):
     with ase.db.connect(str(db)) as c:
         c.write(atoms([1, 8]))
         c.write(atoms([6, 8], with_labels=False))
-    with pytest.raises(GnnPipeError, match="row id 2 has no energy and forces"):
+    with pytest.raises(GnnPipeError, match="row id 2 has no energy; every structure needs its energy"):
         data.read_structures(db, split="random")
     ase.io.write(xyz, [atoms([1, 118])])
     with pytest.raises(GnnPipeError, match=r"frame 0: element\(s\) \[118\]"):
+        data.read_structures(xyz, split="random")
+
+
+def test_a_file_of_energies_alone_is_read_with_unknown_forces_and_mixed_or_energyless_files_are_one_line(tmp_path):
+    """Energies without forces (molecular datasets): read, the forces NaN (``has_forces`` False), which
+    trains energy-only; a file where some structures have forces and some not, or one with forces but
+    no energy, is one line naming the structure and what it lacks."""
+    import ase.io
+    from ase import Atoms
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    def atoms(z, energy=-1.5, forces=None):
+        a = Atoms(numbers=z, positions=np.arange(3 * len(z)).reshape(-1, 3) * 0.7, cell=np.eye(3) * 5, pbc=True)
+        a.calc = SinglePointCalculator(a, energy=energy, forces=forces)
+        return a
+    xyz = tmp_path / "e.extxyz"
+    ase.io.write(xyz, [atoms([1, 8]), atoms([6, 8], energy=-2.5)])
+    got = data.read_structures(xyz, split="random")
+    assert np.isnan(got["forces"]).all() and got["forces"].shape == (4, 3) and not data.has_forces(got)
+    assert list(got["energy"]) == [-1.5, -2.5] and data.systems_summary(got)["forces"] is False
+    both = atoms([6, 8], forces=np.ones((2, 3)))
+    for frames, lacks, has in (([both, atoms([1, 8])], 1, 0), ([atoms([1, 8]), both], 0, 1)):
+        ase.io.write(xyz, frames)
+        with pytest.raises(GnnPipeError, match=f"frame {lacks} has an energy but no forces while frame {has} has "
+                                               f"both; give every structure forces, or none"):
+            data.read_structures(xyz, split="random")
+    ase.io.write(xyz, [atoms([1, 8], energy=None, forces=np.ones((2, 3)))])
+    with pytest.raises(GnnPipeError, match="frame 0 has forces but no energy; every structure needs its energy"):
         data.read_structures(xyz, split="random")
 
 

@@ -191,9 +191,11 @@ class AtomicSpec:
 
     preset: Literal["small", "default", "xl"] = "small"
     force_head: Optional[Literal["gradient", "direct"]] = None  # gradient: F = -dE/dpos; None: the preset's
-    force_weight: float = 10.0  # weight of the force term in the loss
+    # weight of the force term in the loss; 0 (or data without forces): energy-only training, no force pass
+    force_weight: float = 10.0
     batch_size: int = 4  # systems per step and data-parallel replica
-    lr: Optional[float] = None  # overrides training.lr for this model
+    # Adam's learning rate, the schedule's peak (training.lr is the node models'); each kind sets its own
+    lr: float = 1e-3
     # Å, the model's basis cutoff: None = the graphs' (datasets.<name>.atoms.cutoff); a smaller one
     # drops the longer edges at set-up, a larger one is refused (the graphs lack those neighbours)
     cutoff: Optional[float] = None
@@ -213,6 +215,7 @@ class DimeNetPPSpec(AtomicSpec):
     DimeNet++-XL) with any size overridden."""
 
     force_head: Literal["gradient", "direct"] = "gradient"
+    lr: float = 1e-3  # DimeNet++'s published one (Gasteiger et al. 2020; PyG's QM9 example)
     hidden_channels: Optional[int] = None
     num_blocks: Optional[int] = None
     int_emb_size: Optional[int] = None  # triplet message width: what is all-gathered per block
@@ -228,6 +231,7 @@ class GemNetTSpec(AtomicSpec):
     gp-gemnet-dT; xl = GemNet-XL of Sriram et al.) with any size overridden; ``force_head``
     gradient is GemNet-T, direct GemNet-dT (None: the preset's: small T, default and xl dT)."""
 
+    lr: float = 1e-3  # GemNet's published one on molecules (Gasteiger et al. 2021: MD17, COLL)
     num_spherical: Optional[int] = None
     num_radial: Optional[int] = None
     num_blocks: Optional[int] = None

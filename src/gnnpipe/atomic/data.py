@@ -5,7 +5,8 @@ Two HDF5 files per dataset (h5py; ``format_version``, a ``content_hash`` over ev
 missing array, a truncated, bit-flipped or edited file, naming the rule that rebuilds it):
 
 * ``results/data/<ds>/systems.h5`` (rule ``build_systems``): concatenated ``z`` (N,), ``pos``
-  (N, 3) Å, ``fixed`` (N,), ``forces`` (N, 3) eV/Å; per system ``cell`` (S, 3, 3), ``pbc``
+  (N, 3) Å, ``fixed`` (N,), ``forces`` (N, 3) eV/Å (all NaN: a file of energies alone, which
+  trains energy-only, ``has_forces``); per system ``cell`` (S, 3, 3), ``pbc``
   (S, 3), ``energy`` (S,) eV, ``split`` (S,) 0/1/2 = train/val/test, ``group`` (S,) the system's
   trajectory (0, 1, ...: splits by trajectory keep each in one split; format version 2);
   ``atom_ptr`` (S+1,).
@@ -260,8 +261,9 @@ def generate(num_trajectories: int = 64, metals=SLAB_METALS, adsorbates=ADSORBAT
 def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fraction: float = 0.1,
                     seed: int = 0, min_distance: float = MIN_DISTANCE, split: str = "trajectory",
                     group_key: str = "trajectory", split_key: str = "split", split_file: str = "") -> dict:
-    """A user's ASE database (``.db``) or extended XYZ with energies and forces, checked row by row
-    (``checks.check_structure``, then finite energy and forces). ``split`` ``trajectory``: each
+    """A user's ASE database (``.db``) or extended XYZ with energies and forces, or energies alone (every
+    structure the same: the forces are then NaN, :func:`has_forces`, and training is energy-only),
+    checked row by row (``checks.check_structure``, then finite energy and forces). ``split`` ``trajectory``: each
     structure's trajectory is the value of its ``group_key`` (an ``info`` key of extxyz, a column of
     the db: ``key_value_pairs``), and whole trajectories go to train, val or test; ``random``:
     structure by structure; a fixed split: ``key``, each structure's ``split_key`` names its split
@@ -286,18 +288,27 @@ def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fr
         raise GnnPipeError(f"{path}: cannot be read as an ASE database or extxyz ({type(e).__name__}: {e})") from None
     if not rows:
         raise GnnPipeError(f"{path}: holds no structures")
-    out = []
-    for where, atoms, *_ in rows:
+    out, with_forces = [], None  # the first structure with forces (every one must have them, or none)
+    for i, (where, atoms, *_) in enumerate(rows):
         z = atoms.numbers
         check_structure(z, atoms.positions, atoms.cell.array, atoms.pbc, min_distance=min_distance,
                         where=f"{path}: {where}")
-        try:
-            energy = atoms.get_potential_energy()
-            forces = atoms.get_forces(apply_constraint=False)
-        except Exception:  # noqa: BLE001 - no calculator results stored
-            raise GnnPipeError(f"{path}: {where} has no energy and forces (both are needed for training)") from None
-        if forces is None or np.shape(forces) != (len(z), 3) or not np.all(np.isfinite(forces)) \
-                or not np.isfinite(energy):
+        energy, forces = _stored(atoms, "get_potential_energy"), _stored(atoms, "get_forces")
+        if energy is None:
+            raise GnnPipeError(f"{path}: {where} has {'forces but ' if forces is not None else ''}no energy; every "
+                               f"structure needs its energy (forces are optional: without them training is "
+                               f"energy-only)")
+        if not np.isfinite(energy):
+            raise GnnPipeError(f"{path}: {where}: its energy must be finite, not {energy}")
+        if i == 0:
+            with_forces = forces is not None
+        elif with_forces != (forces is not None):
+            has, lacks = (rows[0][0], where) if with_forces else (where, rows[0][0])
+            raise GnnPipeError(f"{path}: {lacks} has an energy but no forces while {has} has both; give every "
+                               f"structure forces, or none (energy-only training)")
+        if forces is None:
+            forces = np.full((len(z), 3), np.nan)  # unknown (systems.h5: NaN; has_forces)
+        elif np.shape(forces) != (len(z), 3) or not np.all(np.isfinite(forces)):
             raise GnnPipeError(f"{path}: {where}: forces must be finite, one row of 3 per atom")
         fixed = np.zeros(len(z), dtype=bool)
         for c in atoms.constraints:
@@ -325,6 +336,19 @@ def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fr
     else:
         cut = random_split(len(out), train_fraction, val_fraction, seed)
     return _pack(out, cut, f"file:{path.name} split={split}{how}", min_distance, groups)
+
+
+def _stored(atoms, getter: str):
+    """The energy or the forces (``getter``) an ASE structure carries, None where it has none."""
+    try:
+        return getattr(atoms, getter)(**({"apply_constraint": False} if getter == "get_forces" else {}))
+    except Exception:  # noqa: BLE001 - no calculator, or one without that property
+        return None
+
+
+def has_forces(systems: dict) -> bool:
+    """Whether the systems carry forces: a file of energies alone stores its forces as NaN (unknown)."""
+    return not np.isnan(systems["forces"]).any()
 
 
 # --------------------------------------------------------------------------- graphs
@@ -490,4 +514,5 @@ def systems_summary(systems: dict) -> dict:
             "atoms": int(n.sum()), "atoms_per_system_mean": float(n.mean()),
             "elements": sorted(int(z) for z in np.unique(systems["z"])),
             "splits": {s: int((systems["split"] == i).sum()) for i, s in enumerate(("train", "val", "test"))},
-            "energy_mean": float(systems["energy"].mean()), "source": systems.get("source", "")}
+            "energy_mean": float(systems["energy"].mean()), "forces": has_forces(systems),
+            "source": systems.get("source", "")}

@@ -501,12 +501,15 @@ def energy_and_forces(model: DimeNetPP, g: AtomGraph, create_graph: bool) -> tup
 class DimeNetPPModel(DimeNetPP):
     """DimeNet++ on the atomic model protocol (``protocol.DIMENETPP``): the same module and state dict
     (PyG's names), ``forward(g) -> {"energy": (B,), "forces": (N_own, 3)}``; ``DimeNetPP.forward``
-    keeps PyG's ``DimeNetPlusPlus`` interface (energies), which the parity test and benchmark use."""
+    keeps PyG's ``DimeNetPlusPlus`` interface (energies), which the parity test and benchmark use.
+    ``forces=False``: ``{"energy"}`` alone, by the forward pass alone (energy-only training)."""
 
-    def forward(self, g: AtomGraph) -> dict:
+    def forward(self, g: AtomGraph, forces: bool = True) -> dict:
+        if not forces:  # energy only: no force head, no gradient with respect to positions
+            return {"energy": super().forward(g)}
         if self.cfg.force_head == "direct":
-            energy, forces = energy_and_forces(self, g, create_graph=False)
-            return {"energy": energy, "forces": forces}
+            energy, f = energy_and_forces(self, g, create_graph=False)
+            return {"energy": energy, "forces": f}
         return gradient_forces(super().forward, g, self.training)
 
 

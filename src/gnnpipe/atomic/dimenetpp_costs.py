@@ -19,7 +19,7 @@ from .parallel import collective_passes, shard_graph
 
 
 def step_bytes(cfg, edges: Sequence[int], atoms: Sequence[int], systems: Sequence[int], ways: int,
-               dtype_bytes: int, params: int, training: bool = True) -> int:
+               dtype_bytes: int, params: int, training: bool = True, forces: bool = True) -> int:
     """Bytes one DimeNet++ training step sends, summed over every rank (what the ledger counts).
 
     ``edges[d], atoms[d], systems[d]``: the batch of replica d. With P ways, I = int_emb_size,
@@ -35,10 +35,11 @@ def step_bytes(cfg, edges: Sequence[int], atoms: Sequence[int], systems: Sequenc
 
     ``training=False``: one inference call (energies and forces, no loss): half the passes (forward,
     and the force pass with the gradient head), the forces' exchange once, no parameters.
+    ``forces=False`` (energy-only training): the direct head's two passes, either head, and no forces.
     """
     p, d, b = ways, len(edges), dtype_bytes
     k, i, h = cfg.num_blocks, cfg.int_emb_size, cfg.hidden_channels
-    passes, once = collective_passes(cfg.force_head, training)
+    passes, once = collective_passes(cfg.force_head, training, forces)
     total = 0
     for e, n, s in zip(edges, atoms, systems):
         total += (p - 1) * b * (passes * k * e * i + passes * (k + 1) * n * h + once * 3 * n + 2 * s)

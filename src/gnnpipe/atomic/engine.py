@@ -15,6 +15,12 @@ with ``n_systems`` and ``n_free`` the counts over the whole step (all replicas).
 parameter gradients are **summed** over the graph group and then over the data-parallel
 group, and equal single-process training on the union batch (tests: ``..._matches_unsharded``).
 
+**Energy-only** (``energy_only``: data without forces, or ``force_weight: 0``; the one place that
+decides): the loss is the energy term alone and the model is asked for energies alone
+(``model(g, forces=False)``), so a step is the energy's forward and backward: no forces by autograd,
+no double backward, no direct head; the bytes' closed form counts those two passes
+(``parallel.collective_passes``), and the force metrics are None.
+
 Targets are normalised by per-element reference energies (a least-squares fit on the
 training systems: the "per-element mean energy" baseline) and their residuals' standard
 deviation σ: ``E = σ·model(g) + Σ_atoms e_ref[z]``, ``F = σ·model_forces``.
@@ -89,26 +95,43 @@ class StepCounts:
     free_atoms: int
 
 
-def step_loss(model, g, b: dict, norm: Normalizer, counts: StepCounts,
-              force_weight: float) -> tuple[Tensor, Tensor, Tensor, float]:
+def energy_only(systems: dict, force_weight: float) -> Optional[str]:
+    """Why a run trains on energies alone, or None when it fits forces too: the one place that decides.
+    Energy-only (data without forces, ``data.has_forces``, or ``force_weight: 0``) means no force pass
+    at all (the step is the energy's forward and backward: no forces by autograd, no double backward,
+    no direct head) and no force metrics (None in the run record, eval.json and the report)."""
+    from .data import has_forces
+
+    if not has_forces(systems):
+        return "its data has no forces"
+    if force_weight == 0:
+        return "force_weight is 0"
+    return None
+
+
+def step_loss(model, g, b: dict, norm: Normalizer, counts: StepCounts, force_weight: float,
+              forces: bool = True) -> tuple[Tensor, Tensor, Optional[Tensor], float]:
     """This rank's share of a step's loss, the batch's energies (B,) and own forces (N_own, 3), eV,
     and the share to *report*: the loss with the (replicated) energy term divided by the ways.
-    ``model`` is a protocol model: in training mode its gradient forces keep the graph."""
-    out = model(g)
-    y, f = out["energy"], out["forces"]
+    ``model`` is a protocol model: in training mode its gradient forces keep the graph.
+    ``forces=False`` (energy-only): the model's energy alone, the energy term alone, forces None."""
+    out = model(g, forces=forces)
+    y = out["energy"]
     dtype = y.dtype
     base = torch.as_tensor(norm.baseline(b["z"], b["system"], b["num_systems"]), dtype=dtype, device=y.device)
     energy = norm.scale * y + base
-    forces = norm.scale * f
-    own = slice(g.atom_lo, g.atom_hi)
     e_ref = torch.as_tensor(b["energy"], dtype=dtype, device=y.device)
+    loss_e = ((energy - e_ref) / norm.scale).pow(2).sum() / max(counts.systems, 1)
+    ways = getattr(getattr(g, "group", None), "size", 1) or 1
+    if not forces:
+        return loss_e, energy.detach(), None, float(loss_e.detach()) / ways
+    f = norm.scale * out["forces"]
+    own = slice(g.atom_lo, g.atom_hi)
     f_ref = torch.as_tensor(b["forces"][own], dtype=dtype, device=y.device)
     free = torch.as_tensor(~b["fixed"][own], device=y.device).unsqueeze(-1)
-    loss_e = ((energy - e_ref) / norm.scale).pow(2).sum() / max(counts.systems, 1)
-    loss_f = (((forces - f_ref) / norm.scale).pow(2) * free).sum() / max(3 * counts.free_atoms, 1)
-    ways = getattr(getattr(g, "group", None), "size", 1) or 1
+    loss_f = (((f - f_ref) / norm.scale).pow(2) * free).sum() / max(3 * counts.free_atoms, 1)
     report = float(loss_e.detach()) / ways + force_weight * float(loss_f.detach())
-    return loss_e + force_weight * loss_f, energy.detach(), forces.detach(), report
+    return loss_e + force_weight * loss_f, energy.detach(), f.detach(), report
 
 
 def rank_view(b: dict, grp: Optional[EdgeGroup], dtype, device):
@@ -149,7 +172,9 @@ class AtomicEngine:
         self.ways, self.replicas = (cfg.ways, cfg.data_parallel) if cfg.mode == "graph" else (1, 1)
         self.layout = cfg.atom_layout  # how the ways split a batch (gnnpipe.atomic.halo)
         self.replica, self.way = divmod(groups.rank if groups is not None else 0, self.ways)
-        self.batch_size, self.force_weight = spec.batch_size, spec.force_weight
+        # why it fits energies alone (energy_only), or None; then no force pass runs and the weight is 0
+        self.energy_only = energy_only(self.systems, spec.force_weight)
+        self.batch_size, self.force_weight = spec.batch_size, 0.0 if self.energy_only else spec.force_weight
         self.eval_train_systems = spec.eval_train_systems  # gnnpipe evaluate --train-systems overrides it
         self.model_cfg = model_config(cfg.model, float(self.graphs["cutoff"]))
         edges = np.diff(self.graphs["edge_ptr"])
@@ -168,9 +193,8 @@ class AtomicEngine:
         torch.manual_seed(cfg.training.seed)
         self.model = self.kind.build(self.model_cfg).to(device, self.dtype)
         self.num_params = self.kind.count_parameters(self.model_cfg)
-        training = dataclasses.replace(cfg.training, lr=spec.lr) if spec.lr else cfg.training
-        self.opt = make_optimizer(self.model.parameters(), training)
-        self.lr = training.lr
+        self.lr = spec.lr  # the kind's own (its section's default), not the node models' training.lr
+        self.opt = make_optimizer(self.model.parameters(), dataclasses.replace(cfg.training, lr=self.lr))
         self.steps_per_epoch = -(-len(self.ids["train"]) // (self.batch_size * self.replicas))
         self.warmup_steps = round(spec.schedule.warmup_epochs * self.steps_per_epoch)
         self.ema = EMA(self.model, spec.ema_decay) if spec.ema_decay is not None else None
@@ -257,7 +281,7 @@ class AtomicEngine:
                                for s in step))
                 b, g = layout_view(b, self.grp, self.dtype, self.device, self.layout)
                 loss, _, _, report = step_loss(self.model, g, b, self.norm, StepCounts(len(step), free),
-                                               self.force_weight)
+                                               self.force_weight, forces=not self.energy_only)
                 loss.backward()
             reports.append(report if len(mine) else 0.0)
             self._reduce_grads()  # every rank holds the step's whole gradients: it clips the same ones
@@ -287,19 +311,20 @@ class AtomicEngine:
             if self.layout == "atoms" and self.ways > 1:  # the halos of the same partitions as training's
                 halos = [halo_counts(atom_layout(self._batch(p), self.ways)) for p in parts]
                 total += halo_step_bytes(self.kind, self.model_cfg, halos, [len(p) for p in parts], self.ways, b,
-                                         self.num_params)
+                                         self.num_params, forces=not self.energy_only)
                 continue
             e = [int(sum(np.diff(self.graphs["edge_ptr"])[p])) for p in parts]
             n = [int(sum(np.diff(self.systems["atom_ptr"])[p])) for p in parts]
             total += self.kind.step_bytes(self.model_cfg, e, n, [len(p) for p in parts], self.ways, b,
-                                          self.num_params)
+                                          self.num_params, forces=not self.energy_only)
         return total
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
         """OC20 S2EF metrics per split on free atoms: energy MAE (eV), force MAE (eV/Å, components),
         force cosine (per atom), EFwT (|ΔE| < 0.02 eV and max |ΔF| < 0.03 eV/Å); with the weights'
-        moving average where the run keeps one."""
+        moving average where the run keeps one. An energy-only run: the energy MAE alone (forward
+        passes only), the force metrics and EFwT None."""
         with self.ema.applied(self.model) if self.ema is not None else contextlib.nullcontext():
             return self._evaluate()
 
@@ -318,19 +343,24 @@ class AtomicEngine:
                     count = True
                 b = self._batch(mine)
                 b, g = layout_view(b, self.grp, self.dtype, self.device, self.layout)
-                _, energy, forces, _ = step_loss(self.model, g, b, self.norm, StepCounts(1, 1), 0.0)
+                with torch.no_grad() if self.energy_only else contextlib.nullcontext():
+                    _, energy, forces, _ = step_loss(self.model, g, b, self.norm, StepCounts(1, 1), 0.0,
+                                                     forces=not self.energy_only)
+                de = np.abs(energy.cpu().double().numpy() - b["energy"])
+                lead = self.way == 0  # energies are replicated in the group: count them once
+                if forces is None:  # energy-only: no forces to score
+                    sums[:2] += [de.sum() * lead * count, len(de) * lead * count]
+                    continue
                 own = slice(g.atom_lo, g.atom_hi)
                 free = ~b["fixed"][own]
                 df = (forces.cpu().double().numpy() - b["forces"][own])[free]
                 f_ref, f_pred = b["forces"][own][free], forces.cpu().double().numpy()[free]
                 cos = (f_ref * f_pred).sum(1) / np.maximum(np.linalg.norm(f_ref, axis=1) * np.linalg.norm(f_pred, axis=1), 1e-12)
-                de = np.abs(energy.cpu().double().numpy() - b["energy"])
                 maxf = np.zeros(b["num_systems"])
                 np.maximum.at(maxf, b["system"][own][free], np.abs(df).max(axis=1, initial=0))
                 if self.grp is not None:
                     maxf = np.array(self._sum(maxf.tolist(), self.graph_pg, "max"))
                 if count:
-                    lead = self.way == 0  # energies are replicated in the group: count them once
                     sums += [de.sum() * lead, len(de) * lead, np.abs(df).sum(), df.size, cos.sum(), len(cos)]
                     hits += float(((de < 0.02) & (maxf < 0.03)).sum()) * lead
             tot = self._sum([*sums.tolist(), hits])
@@ -338,7 +368,7 @@ class AtomicEngine:
             out[f"{split}_energy_mae"] = e_sum / n_sys if n_sys else None
             out[f"{split}_force_mae"] = f_sum / n_comp if n_comp else None
             out[f"{split}_force_cos"] = c_sum / n_free if n_free else None
-            out[f"{split}_efwt"] = h / n_sys if n_sys else None
+            out[f"{split}_efwt"] = h / n_sys if n_sys and not self.energy_only else None
         for k in ("energy_mae", "force_mae", "force_cos", "efwt"):
             out[k] = out[f"test_{k}"]
         out["train_systems_scored"], out["train_systems"] = len(self.eval_ids("train")), len(self.ids["train"])
@@ -388,7 +418,8 @@ class AtomicEngine:
     def baselines(self, split: str = "test") -> dict:
         """What a model must beat, on the split's systems (the metrics' own sums): the per-element
         energy baseline's energy MAE (reference energies fitted on the training systems) and the
-        zero-force baseline's force MAE (predicting F = 0: the mean |F| component of free atoms)."""
+        zero-force baseline's force MAE (predicting F = 0: the mean |F| component of free atoms; None
+        in an energy-only run)."""
         s = self.systems
         n = len(s["energy"])
         ids = self.ids[split]
@@ -398,13 +429,15 @@ class AtomicEngine:
         atoms = np.concatenate([np.arange(s["atom_ptr"][i], s["atom_ptr"][i + 1]) for i in ids])
         free = atoms[~s["fixed"][atoms]]
         return {"baseline_energy_mae": float(np.abs(base[ids] - s["energy"][ids]).mean()),
-                "baseline_force_mae": float(np.abs(s["forces"][free]).mean()) if len(free) else None}
+                "baseline_force_mae": float(np.abs(s["forces"][free]).mean())
+                if len(free) and not self.energy_only else None}
 
     def extra_info(self) -> dict:
         return {"atomic": True, "kind": self.kind.name, "label": self.kind.labels[self.model_cfg.force_head],
                 "data_parallel": self.replicas, "ways": self.ways,
                 "parameters": self.num_params, "cutoff": float(self.graphs["cutoff"]),
-                "force_head": self.model_cfg.force_head, "batch_size": self.batch_size, **self.baselines()}
+                "force_head": self.model_cfg.force_head, "batch_size": self.batch_size, "lr": self.lr,
+                "energy_only": self.energy_only, **self.baselines()}
 
 
 def model_config(model, cutoff: float):

@@ -134,9 +134,9 @@ class OutputBlock(AtomUpdate):
             self.scale_rbf_forces = ScaleFactor()
             self.out_forces = Dense(c.emb_size_edge, 1, activation=False)
 
-    def forward(self, m: Tensor, rbf: Tensor, g: AtomGraph) -> tuple[Tensor, Optional[Tensor]]:
+    def forward(self, m: Tensor, rbf: Tensor, g: AtomGraph, forces: bool = True) -> tuple[Tensor, Optional[Tensor]]:
         energy = self.out_energy(super().forward(m, rbf, g))
-        if not self.direct:
+        if not (self.direct and forces):
             return energy, None
         x = self.mlp_forces(m)
         x = self.scale_rbf_forces(x * self.dense_rbf_forces(rbf), ref=x)
@@ -230,9 +230,9 @@ class GemNetT(nn.Module):
         return [(self.mlp_rbf3.linear.weight, k), (self.mlp_cbf3.weight, k), (self.mlp_rbf_h.linear.weight, k),
                 (self.mlp_rbf_out.linear.weight, k + 1)]
 
-    def embed(self, g: AtomGraph) -> tuple[Tensor, Optional[Tensor], Tensor]:
-        """Per-own-atom energies (N_own, 1), per-edge force magnitudes (E_loc, 1) or None (T),
-        and the unit edge vectors (E_loc, 3)."""
+    def embed(self, g: AtomGraph, forces: bool = True) -> tuple[Tensor, Optional[Tensor], Tensor]:
+        """Per-own-atom energies (N_own, 1), per-edge force magnitudes (E_loc, 1) or None (T, or
+        ``forces=False``: the direct head is skipped), and the unit edge vectors (E_loc, 3)."""
         if g.id_swap is None or g.triplet_rank is None:
             raise ValueError("GemNet needs a symmetric edge set with id_swap and triplet_rank "
                              "(gnnpipe.atomic.neighbors: radius_graph, reverse_edges)")
@@ -246,19 +246,22 @@ class GemNetT(nn.Module):
         rbf_out = self.mlp_rbf_out(rbf)
         h = self.atom_emb(g.z)  # (N, A): a lookup, replicated
         m = self.edge_emb(h, rbf, g)  # (E_loc, Ed)
-        energy, f_edge = self.out_blocks[0](m, rbf_out, g)
+        energy, f_edge = self.out_blocks[0](m, rbf_out, g, forces)
         h_own = h[g.own_atoms]
         for block, out in zip(self.int_blocks, self.out_blocks[1:]):
             h_own, m = block(h_own, m, bases, g)
-            e, f = out(m, rbf_out, g)
+            e, f = out(m, rbf_out, g, forces)
             energy = energy + e
             f_edge = f_edge + f if f is not None else None
         return energy, f_edge, u
 
-    def forward(self, g: AtomGraph) -> dict[str, Tensor]:
+    def forward(self, g: AtomGraph, forces: bool = True) -> dict[str, Tensor]:
         """Energies (B,) and the forces on the own atoms (N_own, 3). Gradient forces differentiate
         ``g.pos`` (a leaf copy is made if it does not require grad), keeping the graph for a loss
-        on the forces (double backward) when the model is in training mode."""
+        on the forces (double backward) when the model is in training mode. ``forces=False``:
+        ``{"energy"}`` alone, by the forward pass alone (no force head, no gradient in positions)."""
+        if not forces:
+            return {"energy": g.sum_systems(self.embed(g, forces=False)[0]).squeeze(-1)}
         if self.cfg.force_head == "gradient":
             return gradient_forces(lambda g: g.sum_systems(self.embed(g)[0]).squeeze(-1), g, self.training)
         e_own, f_edge, u = self.embed(g)
@@ -294,7 +297,7 @@ def widths(cfg: GemNetTConfig) -> dict:
 
 
 def step_bytes(cfg: GemNetTConfig, edges: Sequence[int], atoms: Sequence[int], systems: Sequence[int],
-               ways: int, dtype_bytes: int, params: int, training: bool = True) -> int:
+               ways: int, dtype_bytes: int, params: int, training: bool = True, forces: bool = True) -> int:
     """Bytes one training step sends, summed over every rank (what the ledger counts).
 
     ``edges[d], atoms[d], systems[d]``: the batch of replica d; P ways, K blocks, b dtype bytes.
@@ -312,11 +315,12 @@ def step_bytes(cfg: GemNetTConfig, edges: Sequence[int], atoms: Sequence[int], s
     * parameters ``2·(P-1)·params·b`` per replica, ``2·(D-1)·params·b`` per way.
 
     ``training=False``: one inference call (energies and forces, no loss): half the passes, the
-    forces' exchange once, no parameters.
+    forces' exchange once, no parameters. ``forces=False`` (energy-only training): the direct head's
+    two passes, either head, and no forces.
     """
     p, d, b = ways, len(edges), dtype_bytes
     c, k = cfg, cfg.num_blocks
-    passes, once = collective_passes(cfg.force_head, training)
+    passes, once = collective_passes(cfg.force_head, training, forces)
     total = 0
     for e, n, s in zip(edges, atoms, systems):
         rows = k * e * (c.emb_size_trip + c.emb_size_bil_trip) + k * n * (c.emb_size_edge + c.emb_size_atom) \

@@ -205,13 +205,14 @@ def halo_counts(b: dict) -> dict:
     return {k: sum(r[k] for r in sizes) for k in HALO_KEYS}
 
 
-def step_bytes(kind, cfg, halos, systems, ways: int, dtype_bytes: int, params: int, training: bool = True) -> int:
+def step_bytes(kind, cfg, halos, systems, ways: int, dtype_bytes: int, params: int, training: bool = True,
+               forces: bool = True) -> int:
     """Bytes one step sends in the atoms layout, summed over every rank (what the ledger counts).
 
     ``halos[d]``: replica d's halo rows summed over its P ways (:func:`halo_counts`), ``w`` the kind's
     ``halo_widths``, K blocks, b dtype bytes; ``passes`` and ``once`` as the edges layout's
     (``parallel.collective_passes``: 4 and 2 in a training step with gradient forces, 2 and 1 direct;
-    half in an inference call). Per replica::
+    half in an inference call; 2 and 0 in an energy-only step, ``forces=False``). Per replica::
 
         b · ( passes · K · (kj·w_kj + swap·w_swap + atoms·w_atoms)     halo rows per interaction block
               + once · 3 · ghosts     (gradient forces: the ghosts' -dE/dpos to their owners; direct: 0)
@@ -223,7 +224,7 @@ def step_bytes(kind, cfg, halos, systems, ways: int, dtype_bytes: int, params: i
     """
     p, d, b = ways, len(halos), dtype_bytes
     w = kind.halo_widths(cfg)
-    passes, once = collective_passes(cfg.force_head, training)
+    passes, once = collective_passes(cfg.force_head, training, forces)
     forces = once * 3 if cfg.force_head == "gradient" else 0
     total = 0
     for h, s in zip(halos, systems):

@@ -73,12 +73,14 @@ def split_sizes(n: int, parts: int) -> list[int]:
     return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
 
 
-def collective_passes(force_head: str, training: bool) -> tuple[int, int]:
+def collective_passes(force_head: str, training: bool, forces: bool = True) -> tuple[int, int]:
     """(times a model collective crosses the wire, times the forces' exchange does) in one training
     step or one inference call: forward, the force pass (gradient head), and in training the adjoint
-    of each (the loss backward; through the force pass too: double backward)."""
-    passes = 4 if force_head == "gradient" else 2
-    return (passes, 2) if training else (passes // 2, 1)
+    of each (the loss backward; through the force pass too: double backward). ``forces=False``
+    (energy-only training): the forward and the loss backward alone, no forces exchanged."""
+    passes = 4 if force_head == "gradient" and forces else 2
+    once = 2 if forces else 0
+    return (passes, once) if training else (passes // 2, once // 2)
 
 
 @dataclass

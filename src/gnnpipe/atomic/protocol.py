@@ -2,11 +2,13 @@
 
 An atomic model is an ``nn.Module`` built from its config dataclass whose
 
-    forward(g: AtomGraph) -> {"energy": (B,), "forces": (N_own, 3)}
+    forward(g: AtomGraph, forces: bool = True) -> {"energy": (B,), "forces": (N_own, 3)}
 
 returns the energies of the batch's systems (replicated in a graph-parallel group) and the
 forces on the view's own atoms, by gradient (``-dE/dpos``; the graph is kept for a loss on the
-forces when the model is in training mode) or by a direct head. The model reads only what the
+forces when the model is in training mode) or by a direct head; ``forces=False`` returns
+``{"energy"}`` alone, from the forward pass alone (energy-only training: no force pass, no
+double backward, no force head). The model reads only what the
 ``AtomGraph`` holds and reduces only through its calls, so it runs unchanged as one rank of a
 graph-parallel group. The trainer never reaches into its submodules.
 

@@ -54,8 +54,20 @@ def _baseline(run, key):
     return (run.record.get("extra") or {}).get(key)
 
 
-def verdict(energy, base_energy, force, base_force) -> str:
-    """Which baselines the model beats (lower MAE); **neither** is marked."""
+def energy_only(run):
+    """Why the run trained on energies alone (``extra.energy_only``: no forces in its data, or
+    ``force_weight`` 0), or None."""
+    return (run.record.get("extra") or {}).get("energy_only")
+
+
+def verdict(energy, base_energy, force, base_force, only_energy: bool = False) -> str:
+    """Which baselines the model beats (lower MAE); **neither** is marked. An energy-only run is
+    judged on the energy alone, and says so."""
+    if only_energy:
+        if energy is None or base_energy is None:
+            return "energy-only run"
+        return "energy-only run: " + ("beats the energy baseline" if energy < base_energy
+                                      else "**does not beat the energy baseline**")
     pairs = [("energy", energy, base_energy), ("forces", force, base_force)]
     if any(m is None or b is None for _, m, b in pairs):
         return DASH
@@ -73,7 +85,7 @@ def run_row(run) -> list[str]:
             f"{extra.get('parameters', 0):,}", fmt_s(r["epoch_time_s"]), fmt_bytes(r["comm_bytes_per_epoch"]),
             fmt_bytes(r["comm_bytes_predicted"]), fmt_bytes(r["peak_mem_bytes"]),
             _f(e), _f(be), _f(f), _f(bf), _f(_metric(run, "force_cos"), ".3f"), _f(_metric(run, "efwt"), ".3f"),
-            verdict(e, be, f, bf)]
+            verdict(e, be, f, bf, energy_only(run) is not None)]
 
 
 def plot_curves(dataset: str, model: str, runs: list, path: Path) -> None:
@@ -142,6 +154,10 @@ def section(runs: list, plots_dir: Path, rel) -> str:
         out += [f"### {ds}: {model}", "", md_table(HEADER, [run_row(r) for r in members]), ""]
         out += [FLOAT32_NOTE, ""] if float32_layouts(members) else []
         out += sample_note(members)
+        only = [f"`{r.run_id}` ({energy_only(r)})" for r in members if energy_only(r)]
+        if only:
+            out += [f"Energy-only training: {', '.join(only)}: the loss is the energy term alone, no force pass "
+                    "ran (no forces by autograd, no double backward) and no force metric exists.", ""]
         out += [f"![loss and validation MAE per epoch, {ds}, {model}]({rel(png)})", ""]
     out += is2rs_section(runs, plots_dir, rel)
     return "\n".join(out)
