@@ -1,13 +1,16 @@
 """Our DimeNet++ against PyG's ``DimeNetPlusPlus``: time and memory kept for backward, as ratios.
 
     python benchmarks/bench_dimenet_pyg.py [--out results/bench/dimenet_pyg.json] [--quick]
+    python benchmarks/bench_dimenet_pyg.py --out /tmp/pyg.json --smoke   # the smoke size, one step
 
 One training step each — forward, energy-conserving forces (``create_graph=True``), backward of
 ``sum(E²) + sum(F²)`` — with the same weights (PyG loads our state dict), the same batch, one
 thread, float32, at two sizes (issue #22, part 3):
 
 * ``small``: the ``small`` preset on 4 slabs;
-* ``h256``: hidden 256, 4 blocks, triplet width 128 (bench_atomic's model) on 16 slabs.
+* ``h256``: hidden 256, 4 blocks, triplet width 128 (bench_atomic's model) on 16 slabs;
+* ``smoke`` (only when named, and ``--smoke``'s): ``small`` with 3 spherical and 3 radial bases on 2
+  slabs (PyG builds its bases with sympy: minutes of CPU at the default 7 spherical, seconds at 3).
 
 The slabs are the repository's EMT slabs (``gnnpipe.atomic.data``: cutoff 5 Å, 24 neighbours),
 edges over periodic images. PyG knows no periodic images: its compiled-only ``radius_graph`` and
@@ -42,11 +45,13 @@ from gnnpipe.atomic import data
 from gnnpipe.atomic.dimenetpp import DimeNetPP, DimeNetPPConfig, energy_and_forces, preset
 from gnnpipe.atomic.parallel import single_graph, with_pos
 from gnnpipe.io import write_json
+from smoke import parse_args
 
 SIZES = {  # name: (model, slabs, timed steps per model by default)
     "small": (dict(preset="small"), 4, 40),
     "h256": (dict(hidden_channels=256, num_blocks=4, int_emb_size=128, basis_emb_size=8, out_emb_channels=256), 16, 10),
 }
+SMOKE = {"smoke": (dict(preset="small", num_spherical=3, num_radial=3), 2, 1)}
 CUTOFF, MAX_NEIGHBORS = 5.0, 24
 
 
@@ -200,11 +205,11 @@ def pyg_ratio(spec: dict, num_systems: int, repeats: int = 20, warmup: int = 2, 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/bench/dimenet_pyg.json")
-    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=[*SIZES, *SMOKE])
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed steps per model and size (default: small 40, h256 10; --quick 5)")
     ap.add_argument("--quick", action="store_true", help="the small size only, 5 repeats")
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv, sizes=list(SMOKE))
     torch.set_num_threads(1)
     sizes = ["small"] if a.quick else a.sizes
     out = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
@@ -214,7 +219,7 @@ def main(argv=None) -> int:
     import torch_geometric
     out["torch_geometric"] = torch_geometric.__version__
     for name in sizes:
-        spec, n, repeats = SIZES[name]
+        spec, n, repeats = {**SIZES, **SMOKE}[name]
         res = out["sizes"][name] = pyg_ratio(spec, n, a.repeats or (5 if a.quick else repeats))
         print(f"{name}: {res['atoms']} atoms, {res['edges']} edges, {res['triplets']} triplets; ours/PyG time "
               f"{res['time_ratio']:.3f} (CPU; paired {res['cpu']['paired_ratio_median']:.3f}; wall "
