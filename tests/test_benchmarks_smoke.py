@@ -20,7 +20,7 @@ BENCH = ROOT / "benchmarks"
 #: DGL environment exists)
 HELPERS = {"machine.py", "run.py", "tables.py", "smoke.py", "dgl_epoch.py"}
 #: multi-process (spawned ranks, torchrun, Snakemake): seconds each, not a fraction of one
-SLOW = {"atom_layout", "atomic", "atomic_training", "calibrate", "compare", "convergence", "locality",
+SLOW = {"atom_layout", "atomic", "atomic_training", "calculator", "calibrate", "compare", "convergence", "locality",
         "memory_cap", "modes", "narrow", "netem", "scale"}
 NAMES = sorted(p.stem.removeprefix("bench_") for p in BENCH.glob("bench_*.py"))
 
@@ -30,12 +30,19 @@ def test_every_script_is_a_benchmark_or_a_named_helper():
     assert SLOW <= set(NAMES)
 
 
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """One folder for every smoke run: bench_compare and bench_convergence share the smoke workflow
+    there (``smoke.workflow``), so the second finds its jobs done."""
+    return tmp_path_factory.mktemp("bench")
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in NAMES])
-def test_benchmark_runs_in_its_smoke_mode(name, tmp_path, monkeypatch):
+def test_benchmark_runs_in_its_smoke_mode(name, work, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.chdir(tmp_path)  # what a benchmark writes under its default paths lands here
+    monkeypatch.chdir(work)  # what a benchmark writes under its default paths lands here
     threads = torch.get_num_threads()
-    out = tmp_path / f"{name}.json"
+    out = work / f"{name}.json"
     try:
         rc = importlib.import_module(f"bench_{name}").main(["--smoke", "--out", str(out)])
     finally:
