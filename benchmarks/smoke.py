@@ -14,6 +14,15 @@ figures mean nothing; it proves that the configs load, the calls match and the J
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from gnnpipe.io import write_text
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(ap: argparse.ArgumentParser, argv=None, **small) -> argparse.Namespace:
@@ -25,3 +34,26 @@ def parse_args(ap: argparse.ArgumentParser, argv=None, **small) -> argparse.Name
         ap.set_defaults(**small)
         a = ap.parse_args(argv)
     return a
+
+
+def workflow(out: str) -> tuple[Path, Path]:
+    """The smoke run's workflow config and Snakemake directory (``.test/bench.yaml``, its results
+    beside ``out`` in ``smoke-workflow/``): the benchmarks that run the workflow share it, so the
+    second finds its jobs done."""
+    work = Path(out).resolve().parent / "smoke-workflow"
+    conf = yaml.safe_load((ROOT / ".test" / "bench.yaml").read_text())
+    conf["results"] = str(work / "results")
+    work.mkdir(parents=True, exist_ok=True)
+    write_text(work / "config.yaml", yaml.safe_dump(conf, sort_keys=False))
+    return work / "config.yaml", work
+
+
+def snakemake(directory: Path, config: Path, cores: str) -> list[str]:
+    """The command line of this repository's workflow on ``config`` in ``directory``."""
+    return [str(Path(sys.executable).with_name("snakemake")), "-s", str(ROOT / "Snakefile"), "--directory",
+            str(directory), "--cores", cores, "--configfile", str(config), "--replace-workflow-config"]
+
+
+def venv_env() -> dict:
+    """This environment with the interpreter's bin first on PATH (the rules' ``gnnpipe``)."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
