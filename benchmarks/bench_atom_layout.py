@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_atom_layout.py --out results/bench/atom_layout.json
     .venv/bin/python benchmarks/bench_atom_layout.py --out /tmp/al.json --atoms-per-worker 256 --steps 1   # quick
+    .venv/bin/python benchmarks/bench_atom_layout.py --out /tmp/al.json --smoke   # 32 atoms a worker, P = 2 only
 
 **Measured (weak scaling).** One rattled fcc Cu cell of ``--atoms-per-worker`` × P atoms (1,000 by
 default: 4·5·5·10 at P = 1, 4·5·10·10 at P = 2, 4·10³ at P = 4), EMT-labelled, symmetric radius graph
@@ -46,6 +47,7 @@ import numpy as np
 
 from gnnpipe.io import write_json
 from machine import machine_record
+from smoke import parse_args
 
 FAIRCHEM_ANCHOR = {"efficiency": 0.646, "all_gather_efficiency": 0.378, "gpus": 256, "device": "H200",
                    "atoms_per_gpu": 4000, "what": "fairchem (UMA) graph parallelism, all-to-all of boundary rows; "
@@ -124,7 +126,7 @@ def weak_scaling(a) -> list[dict]:
     cfg = kind.preset("small", cutoff=a.cutoff)
     params = kind.count_parameters(cfg)
     rows = []
-    for p in (1, 2, 4):
+    for p in a.workers:
         reps = _reps(a.atoms_per_worker * p)
         b = cu_cell(reps, a.cutoff)
         costs = halo.layout_costs(kind, cfg, b, p, 4)
@@ -149,10 +151,10 @@ def weak_scaling(a) -> list[dict]:
                   + (f"{row['time_per_step_s']:.2f} s/step, " if timed else "")
                   + f"{sent[0] / 1e6:.2f} MB/step (closed form {closed / 1e6:.2f}), peak RSS "
                   f"{row['peak_rss_per_worker'] / 2**30:.2f} GiB/worker", flush=True)
-    t1 = next(r["time_per_step_s"] for r in rows if r["P"] == 1)
+    t1 = next((r["time_per_step_s"] for r in rows if r["P"] == 1), None)
     for r in rows:
         r["params"] = params
-        r["weak_scaling_efficiency"] = t1 / r["time_per_step_s"] if r["timed"] else None
+        r["weak_scaling_efficiency"] = t1 / r["time_per_step_s"] if r["timed"] and t1 else None
     return rows
 
 
@@ -261,7 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--neighbor-atoms", type=int, default=108_000, help="the graph-building timing's cell size")
     ap.add_argument("--fit-sizes", type=int, nargs="+", default=[250, 500, 1000, 2000],
                     help="atoms per part of the METIS partitions the halo law is fitted on (P = 8)")
-    a = ap.parse_args(argv)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="the weak-scaling runs' P")
+    a = parse_args(ap, argv, atoms_per_worker=32, steps=1, neighbor_atoms=500, fit_sizes=[32], workers=[2])
     load0, t0 = os.getloadavg(), time.perf_counter()
     neighbours = neighbour_list(a.neighbor_atoms, a.cutoff)
     weak = weak_scaling(a)

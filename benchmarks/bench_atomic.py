@@ -1,6 +1,7 @@
 """Edge/triplet graph parallelism of the atomic models: throughput and per-worker memory at P = 1, 2, 4.
 
     python benchmarks/bench_atomic.py --out results/bench/atomic.json [--quick] [--models dimenetpp gemnet_t]
+    python benchmarks/bench_atomic.py --out /tmp/atomic.json --smoke   # --quick at P = 2 only, no PyG
 
 One batch of EMT slab systems (gnnpipe.atomic.data: symmetric radius graphs, cutoff 5 Å, 24
 neighbours) and, per registered kind, a model that is large for this machine — DimeNet++ hidden
@@ -172,10 +173,13 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--no-pyg", dest="pyg", action="store_false", help="skip the PyG ratio")
-    a = ap.parse_args(argv)
     here = Path(__file__).resolve()
     sys.path[:0] = [str(here.parents[1] / "src"), str(here.parent)]
     from gnnpipe.atomic import data
+    from gnnpipe.io import write_json
+    from smoke import parse_args
+
+    a = parse_args(ap, argv, quick=True, workers=[2], pyg=False)  # PyG: bench_dimenet_pyg's smoke
 
     n_sys = 2 if a.quick else 8
     systems = data.generate(n_sys, seed=1, progress=False)
@@ -193,8 +197,7 @@ def main(argv=None) -> int:
             if ratio.get("time_ratio") is not None:
                 print(f"  DimeNet++ / PyG per step: time {ratio['time_ratio']:.2f}, saved memory "
                       f"{ratio['saved_bytes_ratio']:.2f} ({ratio['systems']} slabs)", file=sys.stderr)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(a.out, out)
     return 0
 
 

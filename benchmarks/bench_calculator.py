@@ -2,34 +2,33 @@
 drift?) and the time of one call at N = 1, 2, 4.
 
     python benchmarks/bench_calculator.py --out results/bench/calculator.json [--run results/runs/<id>]
-                                          [--steps 200] [--kind dimenetpp] [--quick]
+                                          [--steps 200] [--kind dimenetpp] [--quick | --smoke]
 
 Without ``--run``, a fresh ``small`` model of ``--kind`` with a normaliser fitted on EMT slabs
 (``modelfile.untrained_payload``, float64) stands in for a trained one: the equality across
 workers and the drift of a velocity Verlet integrator with energy-conserving forces do not
 depend on training. The NVE system is a rattled fcc cell of a metal the model knows (3x3x3
 conventional cells, 108 atoms; ``--quick``: 2x2x2), 1 fs steps from 300 K; the timing system
-is the same cell.
+is the same cell. ``--smoke``: the quick cell, a normaliser fitted on 4 slabs, 3 steps, one timed
+call at N = 1 and 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 
-def _model(args):
+def _model(args, fit_systems: int):
     from gnnpipe.atomic import data
     from gnnpipe.atomic.modelfile import decode, load_model_file, untrained_payload
     if args.run:
         return load_model_file(args.run)
-    systems = data.generate(16, seed=0, progress=False)
+    systems = data.generate(fit_systems, seed=0, progress=False)
     return decode(untrained_payload(args.kind, systems), f"untrained {args.kind}")
 
 
@@ -79,21 +78,25 @@ def call_time(mf, repeat: int, workers: int, calls: int = 5) -> dict:
     return {"workers": workers, "atoms": len(atoms), "s_per_call_median": float(np.median(times[1:]))}
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    from gnnpipe.io import write_json
+    from smoke import parse_args
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/bench/calculator.json")
     ap.add_argument("--run", help="a run directory or model file (default: an untrained stand-in)")
     ap.add_argument("--kind", default="dimenetpp")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--quick", action="store_true", help="2x2x2 cells, 50 steps")
-    args = ap.parse_args()
+    args = parse_args(ap, argv, quick=True, steps=3)
     torch.set_num_threads(1)
     repeat, steps = (2, min(args.steps, 50)) if args.quick else (3, args.steps)
-    mf = _model(args)
+    mf = _model(args, 4 if args.smoke else 16)
     runs = [nve(mf, repeat, steps, w) for w in (1, 2)]
     diff = float(np.abs(runs[1].pop("_positions") - runs[0].pop("_positions")).max())
     from gnnpipe.atomic.inference import cpu_cores
-    timing = [call_time(mf, repeat, w) for w in (1, 2, 4) if w <= cpu_cores()]  # more workers are refused
+    workers = (1, 2) if args.smoke else (1, 2, 4)
+    timing = [call_time(mf, repeat, w, 1 if args.smoke else 5) for w in workers if w <= cpu_cores()]  # more are refused
     out = {"model": mf.source, "kind": mf.kind, "dtype": mf.dtype, "nve": runs,
            "max_position_difference_N1_N2_A": diff, "call_time": timing}
     for r in runs:
@@ -103,8 +106,7 @@ def main() -> None:
     print(f"trajectories N=1 vs N=2: max |Δpos| {diff:.1e} Å", file=sys.stderr)
     for t in timing:
         print(f"one call, {t['atoms']} atoms, N={t['workers']}: {t['s_per_call_median'] * 1e3:.0f} ms", file=sys.stderr)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

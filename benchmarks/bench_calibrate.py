@@ -4,6 +4,7 @@
         --write-profile config/hardware/cpu-2core.yaml
     python benchmarks/bench_calibrate.py --check results/data/synth/graph.h5 --layers 8 \\
         --hidden 64 --epochs 5 --runs-dir results/runs --out results/benchmarks/check.json
+    python benchmarks/bench_calibrate.py --smoke --out /tmp/calibrate.json   # every measurement, tiny
 
 Measurements (medians of ``--reps``, after a warm-up):
 
@@ -50,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from gnnpipe.io import write_json, write_text  # noqa: E402
 from gnnpipe.planning.calibrate import median_time as _median  # noqa: E402
+from smoke import parse_args  # noqa: E402
 
 
 def _graph_csr(n: int, deg: int, seed: int = 0):
@@ -64,11 +66,14 @@ def _graph_csr(n: int, deg: int, seed: int = 0):
 
 DENSE_SHAPES = [(20000, 128, 128), (20000, 602, 100), (20000, 100, 100)]
 WIDTHS = [16, 64, 128]
+SMALL = 1000  # --smoke: rows of every dense and sparse measurement (x 100: elementwise values)
 
 
-def kernel_rates(reps: int, threads: int, n: int = 20000, deg: int = 16, clock: str = "wall") -> dict:
+def kernel_rates(reps: int, threads: int, n: int = 20000, deg: int = 16, clock: str = "wall",
+                 small: bool = False) -> dict:
     """Dense GFLOP/s, SpMM G values/s and elementwise G values/s with ``threads`` threads,
-    timed on ``clock`` (``cpu``: this thread's CPU time, one thread only)."""
+    timed on ``clock`` (``cpu``: this thread's CPU time, one thread only); ``small``: ``SMALL`` rows."""
+    n = SMALL if small else n
     from functools import partial
 
     from gnnpipe.planning.calibrate import median_time
@@ -82,6 +87,7 @@ def kernel_rates(reps: int, threads: int, n: int = 20000, deg: int = 16, clock: 
         gen = torch.Generator().manual_seed(0)
         dense = {}
         for m, k, d in DENSE_SHAPES:
+            m = SMALL if small else m
             a, b = torch.randn(m, k, generator=gen), torch.randn(k, d, generator=gen)
             dense[f"{m}x{k}x{d}"] = 2.0 * m * k * d / _median(lambda: a @ b, reps) / 1e9
         block = _graph_csr(n, deg)
@@ -90,7 +96,7 @@ def kernel_rates(reps: int, threads: int, n: int = 20000, deg: int = 16, clock: 
         for d in WIDTHS:
             x = torch.randn(n, d, generator=gen)
             sparse[str(d)] = entries * d / _median(lambda: gcn_aggregate(x, block), reps) / 1e9
-        x = torch.randn(4_000_000, generator=gen)
+        x = torch.randn(SMALL * 100 if small else 4_000_000, generator=gen)
         elem = 2.0 * x.numel() / _median(lambda: torch.relu(x).add_(1.0), reps) / 1e9
         drop = x.numel() / _median(lambda: torch.nn.functional.dropout(x, 0.5), reps) / 1e9
         return {"threads": threads, "clock": clock, "dense_gflops": dense, "sparse_gvalues": sparse,
@@ -110,11 +116,11 @@ def layer_overhead_us(reps: int) -> float:
     return _median(lambda: conv(x, block).sum().backward(), reps * 20, clock="cpu") * 1e6
 
 
-def _concurrent(rank: int, world: int, reps: int) -> dict:
+def _concurrent(rank: int, world: int, reps: int, small: bool) -> dict:
     import torch.distributed as dist
 
     dist.barrier()
-    return kernel_rates(reps, 1, clock="cpu")
+    return kernel_rates(reps, 1, clock="cpu", small=small)
 
 
 def _pingpong(rank: int, world: int, sizes: list[int], reps: int) -> dict:
@@ -227,13 +233,13 @@ def _oversubscribed(rank: int, world: int, iters: int, reps: int) -> dict:
     return out
 
 
-def oversubscription(reps: int, cores: int) -> dict:
+def oversubscription(reps: int, cores: int, iters: int = 40) -> dict:
     """``_oversubscribed`` at 2 x cores workers and, for reference, at ``cores`` workers."""
     from gnnpipe.parallel.testing import spawn_multi_process
 
     out = {}
     for world in sorted({max(2, cores), 2 * max(1, cores)}):
-        out[str(world)] = spawn_multi_process(_oversubscribed, world, 40, reps, timeout=600)[0]
+        out[str(world)] = spawn_multi_process(_oversubscribed, world, iters, reps, timeout=600)[0]
     return out
 
 
@@ -249,10 +255,10 @@ def process_rss_gib() -> float:
     return int(out.stdout.split()[-1]) * 1024 / 2**30
 
 
-def gloo_link(reps: int) -> dict:
+def gloo_link(reps: int, small: bool = False) -> dict:
     from gnnpipe.parallel.testing import spawn_multi_process
 
-    sizes = [4, 1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26]
+    sizes = [4, 1 << 10, 1 << 20, 1 << 21] if small else [4, 1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26]
     one_way = spawn_multi_process(_pingpong, 2, sizes, reps, timeout=300)[0]
     big = [s for s in sizes if s >= 1 << 20]
     slope, intercept = np.polyfit(big, [one_way[s] for s in big], 1)
@@ -260,19 +266,20 @@ def gloo_link(reps: int) -> dict:
             "bandwidth_gbs": 1.0 / slope / 1e9, "large_message_intercept_us": intercept * 1e6}
 
 
-def measure(reps: int) -> dict:
+def measure(reps: int, small: bool = False) -> dict:
+    """Every measurement of the module docstring; ``small`` (``--smoke``): tiny sizes, seconds."""
     from gnnpipe.parallel.testing import spawn_multi_process
 
     load = os.getloadavg()[0]
-    solo1 = kernel_rates(reps, 1, clock="cpu")  # the core's own rate, blind to other jobs
-    solo1_wall, solo2 = kernel_rates(reps, 1), kernel_rates(reps, 2)
-    conc = spawn_multi_process(_concurrent, 2, reps, timeout=600)
+    solo1 = kernel_rates(reps, 1, clock="cpu", small=small)  # the core's own rate, blind to other jobs
+    solo1_wall, solo2 = kernel_rates(reps, 1, small=small), kernel_rates(reps, 2, small=small)
+    conc = spawn_multi_process(_concurrent, 2, reps, small, timeout=600)
     cores = os.cpu_count() or 1
     return {"cpu_count": os.cpu_count(), "torch": torch.__version__, "load_avg_1min": load,
             "solo_1_thread": solo1, "solo_1_thread_wall": solo1_wall, "solo_2_threads": solo2,
             "concurrent_2x1": conc, "layer_overhead_us": layer_overhead_us(reps),
-            "gloo_loopback": gloo_link(reps), "overlap": spawn_multi_process(_overlap, 2, 3 * reps, timeout=300)[0],
-            "oversubscribed": oversubscription(reps, cores), "mem_total_gib": _mem_total_gib(),
+            "gloo_loopback": gloo_link(reps, small), "overlap": spawn_multi_process(_overlap, 2, 3 * reps, timeout=300)[0],
+            "oversubscribed": oversubscription(reps, cores, 2 if small else 40), "mem_total_gib": _mem_total_gib(),
             "process_rss_gib": process_rss_gib(),
             "load_avg_1min_after": os.getloadavg()[0]}
 
@@ -460,7 +467,7 @@ def main(argv=None) -> int:
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="--check: time with wall clock, or thread CPU time (a shared machine)")
     ap.add_argument("--runs-dir", help="also compare these run records (metrics.json + run.yaml)")
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv, reps=1)
     if a.check:
         from gnnpipe.config import ModelConfig
 
@@ -475,7 +482,7 @@ def main(argv=None) -> int:
         print(f"calibration fit: median |rel err| {res['calibration']['median_abs_rel_error']:.1%} "
               f"over {len(res['calibration']['measurements'])} measurements")
     else:
-        res = measure(a.reps)
+        res = measure(a.reps, a.smoke)
         if a.write_profile:
             write_text(a.write_profile, profile_yaml(res))
             print(f"wrote {a.write_profile}")

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_compare.py --out results/bench/compare.json
     .venv/bin/python benchmarks/bench_compare.py --no-run --out c.json   # summarise results/compare only
+    .venv/bin/python benchmarks/bench_compare.py --smoke --out /tmp/c.json   # .test/bench.yaml in /tmp/smoke-workflow
 
 Runs ``snakemake --cores <cores> --configfile config/experiments/compare.yaml
 --replace-workflow-config`` (every run a real job: data, METIS, chunk store, torchrun training,
@@ -36,6 +37,7 @@ from gnnpipe.io import write_json
 from gnnpipe.report import timing
 from gnnpipe.report.predictions import Predictor, rel_error
 from gnnpipe.report.records import aggregate, load_runs, mean_std
+from smoke import parse_args, snakemake, venv_env, workflow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,7 +105,10 @@ def main(argv=None):
     ap.add_argument("--cores", default="all")
     ap.add_argument("--no-run", action="store_true",
                     help="only summarise existing results (the workflow's time, cores and machine kept from --out)")
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv)
+    directory = ROOT  # Snakemake's: where .snakemake/ and a relative results: land
+    if a.smoke:
+        a.config, directory = workflow(a.out)
     import torch
 
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0],
@@ -114,10 +119,8 @@ def main(argv=None):
         elapsed, machine = earlier.get("workflow_s"), earlier.get("machine", machine)
         a.cores = earlier.get("cores", a.cores)
     if not a.no_run:
-        snakemake = Path(sys.executable).with_name("snakemake")
         t0 = time.perf_counter()
-        subprocess.run([str(snakemake), "--cores", a.cores, "--configfile", str(a.config),
-                        "--replace-workflow-config"], cwd=ROOT, check=True)
+        subprocess.run(snakemake(directory, a.config, a.cores), cwd=ROOT, check=True, env=venv_env())
         elapsed = time.perf_counter() - t0
         machine["loadavg_after"] = os.getloadavg()
     res = {"benchmark": a.config.stem, "config": os.path.relpath(a.config, ROOT), "cores": a.cores,

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_convergence.py --out results/bench/convergence.json
     .venv/bin/python benchmarks/bench_convergence.py --no-run --out c.json   # summarise only
+    .venv/bin/python benchmarks/bench_convergence.py --smoke --out /tmp/c.json   # bench_compare's smoke workflow
 
 Runs the workflow on ``config/experiments/convergence.yaml`` (every run a real
 Snakemake job: data, METIS, chunk store, torchrun training, exact evaluation, MLflow),
@@ -16,12 +17,12 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 from gnnpipe.config import load_workflow_config, resolve_runs
 from gnnpipe.io import write_json
+from smoke import parse_args, snakemake, venv_env, workflow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,11 +55,12 @@ def main(argv=None):
     ap.add_argument("--out", default="results/bench/convergence.json")
     ap.add_argument("--cores", default="all")
     ap.add_argument("--no-run", action="store_true", help="only summarise existing results")
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv)
+    directory = ROOT
+    if a.smoke:
+        a.config, directory = workflow(a.out)
     if not a.no_run:
-        snakemake = Path(sys.executable).with_name("snakemake")
-        subprocess.run([str(snakemake), "--cores", a.cores, "--configfile", str(a.config),
-                        "--replace-workflow-config"], cwd=ROOT, check=True)
+        subprocess.run(snakemake(directory, a.config, a.cores), cwd=ROOT, check=True, env=venv_env())
     res = {"benchmark": "convergence", "config": str(a.config), "groups": summarise(a.config)}
     write_json(a.out, res)
     print(json.dumps(res, indent=2))

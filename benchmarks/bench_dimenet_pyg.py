@@ -1,13 +1,16 @@
 """Our DimeNet++ against PyG's ``DimeNetPlusPlus``: time and memory kept for backward, as ratios.
 
     python benchmarks/bench_dimenet_pyg.py [--out results/bench/dimenet_pyg.json] [--quick]
+    python benchmarks/bench_dimenet_pyg.py --out /tmp/pyg.json --smoke   # the smoke size, one step
 
 One training step each — forward, energy-conserving forces (``create_graph=True``), backward of
 ``sum(E²) + sum(F²)`` — with the same weights (PyG loads our state dict), the same batch, one
 thread, float32, at two sizes (issue #22, part 3):
 
 * ``small``: the ``small`` preset on 4 slabs;
-* ``h256``: hidden 256, 4 blocks, triplet width 128 (bench_atomic's model) on 16 slabs.
+* ``h256``: hidden 256, 4 blocks, triplet width 128 (bench_atomic's model) on 16 slabs;
+* ``smoke`` (only when named, and ``--smoke``'s): ``small`` with 3 spherical and 3 radial bases on 2
+  slabs (PyG builds its bases with sympy: minutes of CPU at the default 7 spherical, seconds at 3).
 
 The slabs are the repository's EMT slabs (``gnnpipe.atomic.data``: cutoff 5 Å, 24 neighbours),
 edges over periodic images. PyG knows no periodic images: its compiled-only ``radius_graph`` and
@@ -54,15 +57,18 @@ from gnnpipe.atomic import data
 from gnnpipe.atomic.dimenetpp import DimeNetPP, DimeNetPPConfig, DimeNetPPModel, energy_and_forces, preset
 from gnnpipe.atomic.parallel import single_graph, with_pos
 from gnnpipe.io import write_json
+from smoke import parse_args
 
 SIZES = {  # name: (model, slabs, timed steps per model by default)
     "small": (dict(preset="small"), 4, 40),
     "h256": (dict(hidden_channels=256, num_blocks=4, int_emb_size=128, basis_emb_size=8, out_emb_channels=256), 16, 10),
 }
+SMOKE = {"smoke": (dict(preset="small", num_spherical=3, num_radial=3), 2, 1)}
 CUTOFF, MAX_NEIGHBORS = 5.0, 24
 #: energy-only: name -> (model, molecules per batch, timed steps per model by default); "default" is
 #: PyG's DimeNetPlusPlus defaults (hidden 128, 4 blocks: the published QM9 model)
 ENERGY_SIZES = {"small": (dict(preset="small"), 32, 40), "default": (dict(preset="default"), 32, 20)}
+ENERGY_SMOKE = {"smoke-energy-only": (dict(preset="small", num_spherical=3, num_radial=3), 4, 1)}
 
 
 def slab_batch(num_systems: int, cutoff: float = CUTOFF, seed: int = 1) -> dict:
@@ -297,13 +303,13 @@ def _ratios(t: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/bench/dimenet_pyg.json")
-    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=[*SIZES, *SMOKE])
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed steps per model and size (default: small 40, h256 10; --quick 5)")
     ap.add_argument("--quick", action="store_true", help="the small size only, 5 repeats")
     ap.add_argument("--energy-only", action="store_true",
                     help="energy-only training steps on molecules (sizes: " + ", ".join(ENERGY_SIZES) + ")")
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv, sizes=list(SMOKE))
     torch.set_num_threads(1)
     out = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "dtype": "float32",
@@ -311,9 +317,14 @@ def main(argv=None) -> int:
            "loadavg_before": os.getloadavg(), "sizes": {}}
     import torch_geometric
     out["torch_geometric"] = torch_geometric.__version__
-    table, ratio = (ENERGY_SIZES, energy_ratio) if a.energy_only else (SIZES, pyg_ratio)
     out["mode"] = "energy-only" if a.energy_only else "forces"
-    for name in ["small"] if a.quick else (list(ENERGY_SIZES) if a.energy_only else a.sizes):
+    if a.smoke:  # both modes, tiny
+        jobs = [(SMOKE, pyg_ratio, "smoke"), (ENERGY_SMOKE, energy_ratio, "smoke-energy-only")]
+    elif a.energy_only:
+        jobs = [(ENERGY_SIZES, energy_ratio, n) for n in (["small"] if a.quick else ENERGY_SIZES)]
+    else:
+        jobs = [(SIZES, pyg_ratio, n) for n in (["small"] if a.quick else a.sizes)]
+    for table, ratio, name in jobs:
         spec, n, repeats = table[name]
         res = out["sizes"][name] = ratio(spec, n, a.repeats or (5 if a.quick else repeats))
         print(_summary(name, res), file=sys.stderr)

@@ -3,6 +3,7 @@ single-process epoch against DGL 2.1 on the same graph.
 
     .venv/bin/python benchmarks/bench_foundation.py --out results/bench/foundation.json
     .venv/bin/python benchmarks/bench_foundation.py --nodes 100000 --out /tmp/f.json   # quicker
+    .venv/bin/python benchmarks/bench_foundation.py --smoke --out /tmp/f.json   # 2,100 nodes, one epoch
 
 Times (wall clock, this machine): synthetic generation, writing graph.h5, METIS into
 ``--parts`` parts, materialising the chunk store, and the median single-process epoch
@@ -36,6 +37,7 @@ from gnnpipe.models.block import Block
 from gnnpipe.models.model import GNN
 from gnnpipe.partition import node_order, partition_graph, partition_stats
 from gnnpipe.store import materialize
+from smoke import parse_args
 
 DEFAULT_DGL = Path.home() / ".cache" / "gnnpipe" / "dgl-venv" / "bin" / "python"
 
@@ -115,37 +117,38 @@ def main(argv=None):
     ap.add_argument("--dgl-python", type=Path, default=DEFAULT_DGL,
                     help="python of the DGL environment (make dgl-env); skipped when absent")
     ap.add_argument("--workdir", type=Path, help="keep the graph and store here (default: a temp dir)")
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv, nodes=2100, avg_degree=8.0, features=16, parts=2, hidden=16, epochs=1)
 
-    work = a.workdir or Path(tempfile.mkdtemp(prefix="gnnpipe-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    res: dict = {"benchmark": "foundation", "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                                       "python": sys.version.split()[0], "torch": torch.__version__}}
-    cfg = SyntheticConfig(shape="default", num_nodes=a.nodes, avg_degree=a.avg_degree, num_features=a.features)
-    graph, t_gen = timed(generate, cfg)
-    res["graph"] = {"num_nodes": graph.num_nodes, "num_edges": graph.num_edges, "num_features": graph.num_features}
-    graph_path = work / "graph.h5"
-    _, t_write = timed(write_graph, graph_path, graph)
-    assignment, t_metis = timed(partition_graph, graph, "metis", a.parts)
-    stats = partition_stats(graph, assignment)
-    _, t_mat = timed(materialize, graph, assignment, work / f"metis-{a.parts}.h5", graph_hash=graph.content_hash())
-    res["stages_s"] = {"generate": t_gen, "write_graph": t_write, f"metis_{a.parts}": t_metis, "materialize": t_mat}
-    res["partition"] = {k: stats[k] for k in ("edge_cut", "mirrors_total", "mirrors_over_n", "edge_balance")}
-    del graph
-    res["epoch"] = {}
-    for kind in ("gcn", "sage"):
-        ours = our_epoch(graph_path, kind, a.hidden, a.threads, a.epochs, warmup=1)
-        entry = {"gnnpipe_s": ours["epoch_time_s"]}
-        if a.dgl_python.exists():
-            theirs = dgl_epoch(a.dgl_python, graph_path, kind, a.hidden, a.threads, a.epochs)
-            entry["dgl"] = theirs
-            if "epoch_time_s" in theirs:
-                entry["dgl_s"] = theirs["epoch_time_s"]
-                entry["speedup_vs_dgl"] = theirs["epoch_time_s"] / ours["epoch_time_s"]
-        else:
-            entry["dgl"] = f"skipped: no DGL environment at {a.dgl_python} (make dgl-env)"
-        res["epoch"][kind] = entry
-        print(kind, json.dumps(entry), file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="gnnpipe-bench-") as tmp:  # the graph and store: GBs at 10^6 nodes
+        work = a.workdir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        res: dict = {"benchmark": "foundation", "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                                           "python": sys.version.split()[0], "torch": torch.__version__}}
+        cfg = SyntheticConfig(shape="default", num_nodes=a.nodes, avg_degree=a.avg_degree, num_features=a.features)
+        graph, t_gen = timed(generate, cfg)
+        res["graph"] = {"num_nodes": graph.num_nodes, "num_edges": graph.num_edges, "num_features": graph.num_features}
+        graph_path = work / "graph.h5"
+        _, t_write = timed(write_graph, graph_path, graph)
+        assignment, t_metis = timed(partition_graph, graph, "metis", a.parts)
+        stats = partition_stats(graph, assignment)
+        _, t_mat = timed(materialize, graph, assignment, work / f"metis-{a.parts}.h5", graph_hash=graph.content_hash())
+        res["stages_s"] = {"generate": t_gen, "write_graph": t_write, f"metis_{a.parts}": t_metis, "materialize": t_mat}
+        res["partition"] = {k: stats[k] for k in ("edge_cut", "mirrors_total", "mirrors_over_n", "edge_balance")}
+        del graph
+        res["epoch"] = {}
+        for kind in ("gcn", "sage"):
+            ours = our_epoch(graph_path, kind, a.hidden, a.threads, a.epochs, warmup=1)
+            entry = {"gnnpipe_s": ours["epoch_time_s"]}
+            if a.dgl_python.exists():
+                theirs = dgl_epoch(a.dgl_python, graph_path, kind, a.hidden, a.threads, a.epochs)
+                entry["dgl"] = theirs
+                if "epoch_time_s" in theirs:
+                    entry["dgl_s"] = theirs["epoch_time_s"]
+                    entry["speedup_vs_dgl"] = theirs["epoch_time_s"] / ours["epoch_time_s"]
+            else:
+                entry["dgl"] = f"skipped: no DGL environment at {a.dgl_python} (make dgl-env)"
+            res["epoch"][kind] = entry
+            print(kind, json.dumps(entry), file=sys.stderr)
     write_json(a.out, res)
     print(json.dumps(res, indent=2))
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_layers.py --out results/bench/layers.json
     .venv/bin/python benchmarks/bench_layers.py --quick --out /tmp/layers.json
+    .venv/bin/python benchmarks/bench_layers.py --smoke --out /tmp/layers.json   # 2,000 nodes, one repetition
 
 Part 1, **kernels**: ``out = A @ X`` and ``grad_X = A^T @ G`` for the GCN-normalised
 adjacency (self loops included) of a synthetic graph (the project's DC-SBM, power-law
@@ -51,6 +52,7 @@ from gnnpipe.data.synthetic import generate
 from gnnpipe.io import write_json
 from gnnpipe.models import GATConv, GCNConv, GCNIIConv, ResGCNLayer, SAGEConv, ops
 from gnnpipe.models.block import Block
+from smoke import parse_args
 
 DEFAULT_DGL = Path.home() / ".cache" / "gnnpipe" / "dgl-venv" / "bin" / "python"
 
@@ -261,7 +263,7 @@ def main(argv=None):
     ap.add_argument("--dgl-python", type=Path, default=DEFAULT_DGL,
                     help="python of the DGL environment (make dgl-env); skipped when absent")
     ap.add_argument("--quick", action="store_true", help="100k nodes, width 64, 2 repetitions")
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv, nodes=2000, avg_degree=8.0, widths=[16], threads=[1], hidden=16, reps=1)
     if a.quick:
         a.nodes, a.widths, a.reps = 100_000, [64], 2
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_locality.py --out results/bench/locality.json
     .venv/bin/python benchmarks/bench_locality.py --nodes 20000 --rounds 1 --out /tmp/loc.json   # quick
+    .venv/bin/python benchmarks/bench_locality.py --smoke --out /tmp/loc.json   # 400 nodes, graph P = 2 only
 
 A degree-corrected SBM graph (``--nodes``, ``--degree``; 64 features, 16 classes: by default the
 issue's 10^5-node, 4.9·10^6-edge shape, whose ids are a random permutation), a ``--kind`` model of
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from bench_modes import layout, run_layout
 from machine import machine_record
+from smoke import parse_args
 from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, PipelineConfig, RunConfig,
                             SyntheticConfig, TrainingConfig)
 from gnnpipe.data.synthetic import generate
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--work", default="results/bench/work/locality")
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv, nodes=400, degree=8.0, hidden=16, modes=["graph"], rounds=1, epochs=1)
 
     t0, load0 = time.perf_counter(), os.getloadavg()
     work = Path(a.work)

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_modes.py --out results/bench/modes.json
     .venv/bin/python benchmarks/bench_modes.py --out /tmp/modes.json --quick       # smaller graphs
     .venv/bin/python benchmarks/bench_modes.py --out m.json --modes single graph pipeline
+    .venv/bin/python benchmarks/bench_modes.py --out /tmp/modes.json --smoke   # 300 nodes, 2 layers, P = 2
 
 On the ``reddit-like`` and ``physics-like`` synthetic shapes (2*10^4 nodes at the real
 graphs' average degrees, see ``SIZES``; ``--nodes`` and ``--degree`` override), a 32-layer GCN of hidden width 100 is
@@ -25,7 +26,8 @@ descheduled threads), which flatters every ratio to it: read ``ratio_to_single_1
 and ``cpu_main`` beside it.
 A mode is one entry of ``LAYOUTS``: adding one (hybrid, another pipeline depth) is one
 line. The machine's load average before and after is recorded: other jobs on the same
-cores distort every timing here.
+cores distort every timing here. A run that fails is recorded with its error and the others
+go on; the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from gnnpipe.io import write_json
 from gnnpipe.layout import resolve_layout
 from gnnpipe.partition import partition_graph, partition_stats
 from gnnpipe.store import materialize
+from smoke import parse_args
 
 # shape -> (num_nodes, avg_degree). "full": the real graphs' average degrees (Reddit 492,
 # Coauthor-Physics 14.4: None keeps the shape's own) at 2*10^4 nodes, the fewest at which
@@ -179,7 +182,7 @@ def graph_over_pipeline(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--quick", action="store_true", help="smaller graphs and fewer epochs (a smoke run)")
@@ -202,7 +205,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--work-dir", default="results/bench/work/modes")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv, quick=True, datasets=["physics-like"], nodes=300, degree=8.0, layers=2, hidden=16,
+                   epochs=1, workers=[2], single_threads=[1])
     size = "quick" if a.quick else "full"
     epochs = a.epochs or (2 if a.quick else 3)
     work = Path(a.work_dir)
@@ -263,8 +267,8 @@ def main(argv=None) -> dict:
         print(f"[modes] {row['dataset']} P={row['workers']}: graph / pipeline bytes x{row['bytes']:.2f}, "
               f"epoch time x{row['epoch_time']:.2f}", file=sys.stderr, flush=True)
     write_json(a.out, out)
-    return out
+    return 1 if any("error" in r for r in out["runs"]) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

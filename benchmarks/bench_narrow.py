@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_narrow.py --out results/bench/narrow.json
     .venv/bin/python benchmarks/bench_narrow.py --out /tmp/narrow.json --nodes 2000 --degree 20   # quick
+    .venv/bin/python benchmarks/bench_narrow.py --out /tmp/narrow.json --smoke   # 400 nodes, one epoch
 
 A degree-corrected SBM graph (``--nodes``, ``--degree``; 64 features, 16 classes: the issue's
 10^5-node, 4.9·10^6-edge shape at a size this machine trains in seconds), METIS into ``--parts``
@@ -42,6 +43,7 @@ from gnnpipe.io import write_json
 from gnnpipe.partition import partition_graph
 from gnnpipe.store import materialize
 from machine import machine_record
+from smoke import parse_args
 
 FEATURES, HIDDEN, CLASSES, LAYERS = 64, 128, 16, 3
 
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--degree", type=float, default=49.0, help="average degree (the issue's graph: 49)")
     ap.add_argument("--parts", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=2)
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv, nodes=400, degree=8.0, epochs=1)
     from gnnpipe.parallel.testing import spawn_multi_process
 
     load0, t0 = os.getloadavg(), time.perf_counter()

@@ -2,9 +2,11 @@
 
     sudo .venv/bin/python benchmarks/bench_netem.py --out results/bench/netem.json
     sudo .venv/bin/python benchmarks/bench_netem.py --out n.json --links netem-1g --workers 2
+    .venv/bin/python benchmarks/bench_netem.py --out n.json --smoke   # --modes single: no namespaces, no root
 
-Root (network namespaces). For each link in ``--links`` (hardware profiles
-``config/hardware/netem-*.yaml``; the rate to emulate is their ``measured.emulated_link``)
+Root (network namespaces; not for ``--modes single``, which trains outside them). For each link
+in ``--links`` (hardware profiles ``config/hardware/netem-*.yaml``; the rate to emulate is their
+``measured.emulated_link``)
 ``gnnpipe.netem`` brings up max(``--workers``) namespaces with that rate, measures what
 the links carry (``netem.check``: all_to_all Gb/s per worker, gloo ping-pong latency),
 and trains graph / pipeline / hybrid runs at each P in ``--workers`` on the
@@ -58,6 +60,7 @@ from gnnpipe.layout import resolve_layout  # noqa: E402
 from gnnpipe.planning.calibrate import calibrate_run  # noqa: E402
 from gnnpipe.report.predictions import Predictor, rel_error  # noqa: E402
 from gnnpipe.report.records import load_run  # noqa: E402
+from smoke import parse_args  # noqa: E402
 
 # shape -> (nodes, avg degree): as large as a few minutes per link allow on 2 cores
 SIZES = {"reddit-like": (8000, 150.0), "physics-like": (4000, None)}
@@ -239,7 +242,7 @@ def repredict(path: str, work: Path) -> dict:
     return out
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--links", nargs="+", default=["netem-1g", "netem-10g"],
@@ -265,12 +268,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--predict-only", action="store_true",
                     help="train nothing: predict the runs of --out again (their run directories under "
                          "--work-dir) with the profiles as they are now, and rewrite --out")
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv, links=["netem-1g"], modes=["single"], datasets=["physics-like"], nodes=300, degree=8.0,
+                   layers=2, hidden=16, epochs=1, warmup=1)
     if a.predict_only:
-        out = repredict(a.out, Path(a.work_dir).resolve())
-        write_json(a.out, out)
-        return out
-    why = netem.available()
+        write_json(a.out, repredict(a.out, Path(a.work_dir).resolve()))
+        return 0
+    runs_plan = plan_runs(a.modes, a.workers)
+    why = netem.available() if runs_plan else None  # single trains outside the namespaces
     if why:
         raise SystemExit(f"bench_netem: {why}")
     work = Path(a.work_dir).resolve()
@@ -282,7 +286,6 @@ def main(argv=None) -> dict:
     training = TrainingConfig(epochs=a.epochs + a.warmup, seed=a.seed, dtype="float32", warmup_epochs=a.warmup,
                               eval_every=a.epochs + a.warmup, threads_per_worker=1)
     env = {"OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
-    runs_plan = plan_runs(a.modes, a.workers)
     out = {"benchmark": "netem", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                        "loadavg_before": os.getloadavg(), "pinned_cpus": not a.no_pin,
@@ -342,7 +345,7 @@ def main(argv=None) -> dict:
         res = train(cfg, run_dir, None, a.timeout, env)
         for link in links:
             record(shape, mode, p, {"stages": 1, "ways": 1, "chunks": 1}, link, run_dir, dict(res), None)
-    for link, hw in links.items():
+    for link, hw in links.items() if runs_plan else ():
         el = hw.measured["emulated_link"]
         cluster = netem.Cluster(max(a.workers), float(el["rate_gbit"]), float(el.get("delay_us", 0)), a.prefix)
         cluster.down()
@@ -368,13 +371,13 @@ def main(argv=None) -> dict:
     out["machine"]["loadavg_after"] = os.getloadavg()
     summarise(out, links)
     write_json(a.out, out)
-    return out
+    return 0
 
 
 if __name__ == "__main__":
     # SIGTERM (timeout, a scheduler) as an exception: the namespaces are torn down on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        main()
+        sys.exit(main())
     except GnnPipeError as e:
         raise SystemExit(f"bench_netem: error: {e}")

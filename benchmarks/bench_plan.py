@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_plan.py --out results/bench/plan.json
     .venv/bin/python benchmarks/bench_plan.py --out /tmp/plan.json --hardware 8xgpu-nvlink
+    .venv/bin/python benchmarks/bench_plan.py --out /tmp/plan.json --smoke   # 4 layers, both graphs at 600 nodes of degree 8
 
 The Reddit-shaped and the Coauthor-Physics-shaped synthetic graphs (``reddit-like``,
 ``physics-like``), a 32-layer GCN of hidden width 100 (docs/DESIGN.md's deep model), 8
@@ -37,19 +38,21 @@ from gnnpipe.data.synthetic import generate
 from gnnpipe.graph import write_graph
 from gnnpipe.io import write_json
 from gnnpipe.planning.plan import run_plan
+from smoke import parse_args
 
 MODEL = {"kind": "gcn", "layers": 32, "hidden": 100, "dropout": 0.5}
 REDDIT_NODES = 232_965
 REDDIT_MIRRORS_AT_8 = 2.1  # METIS, 8 parts, Σ mirrors / N (the GNNPipe / PipeGCN papers' Reddit cut)
 
 
-def make_graphs(work: Path, reddit_sample: int) -> dict:
-    """shape -> (graph file, plan arguments)."""
+def make_graphs(work: Path, reddit_sample: int, smoke: bool = False) -> dict:
+    """shape -> (graph file, plan arguments); ``smoke``: both shapes at ``reddit_sample`` nodes of degree 8."""
     out = {}
-    for shape, nodes in (("reddit-like", reddit_sample), ("physics-like", None)):
+    for shape, nodes in (("reddit-like", reddit_sample), ("physics-like", reddit_sample if smoke else None)):
         path = work / f"{shape}.h5"
         t0 = time.perf_counter()
-        cfg = SyntheticConfig(shape=shape, seed=0, **({"num_nodes": nodes} if nodes else {}))
+        cfg = SyntheticConfig(shape=shape, seed=0, **({"num_nodes": nodes} if nodes else {}),
+                              **({"avg_degree": 8.0} if smoke else {}))
         g = generate(cfg, name=shape)
         write_graph(path, g)
         print(f"[bench_plan] {shape}: {g.num_nodes} nodes, {g.num_edges} edges, {g.num_features} features "
@@ -76,18 +79,20 @@ def main(argv=None) -> int:
     ap.add_argument("--hardware", nargs="+", default=["8xgpu-pcie", "8xgpu-pcie-gloo"])
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--reddit-sample", type=int, default=20_000, help="nodes of the reddit-like sample")
-    a = ap.parse_args(argv)
-    res = {"model": MODEL, "workers": a.workers, "load_avg_1min": os.getloadavg()[0], "graphs": {}, "plans": {}}
+    ap.add_argument("--layers", type=int, default=MODEL["layers"], help="the GCN's depth")
+    a = parse_args(ap, argv, reddit_sample=600, hardware=["8xgpu-pcie"], layers=4)
+    model = {**MODEL, "layers": a.layers}
+    res = {"model": model, "workers": a.workers, "load_avg_1min": os.getloadavg()[0], "graphs": {}, "plans": {}}
     with tempfile.TemporaryDirectory(prefix="bench_plan-") as tmp:
-        graphs = make_graphs(Path(tmp), a.reddit_sample)
+        graphs = make_graphs(Path(tmp), a.reddit_sample, a.smoke)
         for shape, (path, extra, info) in graphs.items():
             res["graphs"][shape] = {**info, **{k: list(v) if isinstance(v, tuple) else v for k, v in extra.items()}}
             for hw in a.hardware:
-                print(f"\n=== {shape}, {hw}: gnnpipe plan --graph {path.name} --kind gcn --layers 32 --hidden 100 "
+                print(f"\n=== {shape}, {hw}: gnnpipe plan --graph {path.name} --kind gcn --layers {a.layers} --hidden 100 "
                       f"--hardware {hw} --workers {a.workers}"
                       + (f" --at-nodes {extra['at_nodes']} --mirror-ratio 8:{REDDIT_MIRRORS_AT_8}" if extra else ""),
                       flush=True)
-                p = run_plan(str(path), MODEL, hw, a.workers, progress=False, **extra)
+                p = run_plan(str(path), model, hw, a.workers, progress=False, **extra)
                 res["plans"][f"{shape} on {hw}"] = s = summarize(p)
                 if s["graph_over_pipeline"]:
                     r = s["graph_over_pipeline"]

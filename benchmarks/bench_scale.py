@@ -3,6 +3,7 @@ one machine, stage by stage, with the memory every stage needs.
 
     .venv/bin/python benchmarks/bench_scale.py --edges 1e8 --out results/bench/scale.json
     .venv/bin/python benchmarks/bench_scale.py --edges 1e7 --avg-degree 100 --out /tmp/scale.json
+    .venv/bin/python benchmarks/bench_scale.py --smoke --out /tmp/scale.json   # 4,000 edges, single only
 
 Stages, each a process of its own started by this script (the DAG's own commands):
 
@@ -46,6 +47,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smoke import parse_args  # noqa: E402
 
 STAGES_DOC = "data, partition-<k>, materialize-<k>, train-single, train-graph, train-pipeline"
 
@@ -183,7 +185,7 @@ def main(argv=None):
     ap.add_argument("--graph", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv, edges=4000.0, avg_degree=8.0, features=16, hidden=16, epochs=1, modes=["single"])
     if a.train:
         return train_main(a)
 

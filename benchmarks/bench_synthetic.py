@@ -3,6 +3,7 @@ the METIS mirror totals of every named shape at several sizes (is the target N-s
 
     .venv/bin/python benchmarks/bench_synthetic.py --out results/bench/synthetic.json
     .venv/bin/python benchmarks/bench_synthetic.py --quick --out /tmp/synthetic.json
+    .venv/bin/python benchmarks/bench_synthetic.py --smoke --out /tmp/synthetic.json   # 2,000 / 600 nodes, degree 8
 
 Mirrors of part p: distinct nodes outside p that are sources of an edge into p;
 ``mirrors_over_n`` is their sum over the ``--parts`` METIS parts (vertex weights
@@ -28,10 +29,12 @@ from gnnpipe.config import SyntheticConfig
 from gnnpipe.data.synthetic import GENERATOR_VERSION, generate
 from gnnpipe.io import write_json
 from gnnpipe.partition import partition_graph, partition_stats
+from smoke import parse_args
 
 SIZES = {"default": [10_000, 100_000], "physics-like": [20_000, 34_493, 100_000],
          "reddit-like": [40_000, 100_000, 232_965]}
 QUICK_SIZES = {"default": [10_000], "physics-like": [34_493], "reddit-like": [40_000]}
+SMOKE_SIZES = {shape: [600] for shape in SIZES}  # at degree 8: each shape's own is too many edges for 600 nodes
 
 
 def timed(fn, *args, **kw):
@@ -46,12 +49,13 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="smaller sizes and a 2*10^5-node timing run")
     ap.add_argument("--parts", type=int, default=8)
     ap.add_argument("--seeds", type=int, default=1, help="seeds per (shape, size) mirror run")
-    a = ap.parse_args(argv)
+    ap.add_argument("--nodes", type=int, help="the timing run's nodes (default 10^6, --quick 2*10^5)")
+    a = parse_args(ap, argv, nodes=2000)
 
     res: dict = {"benchmark": "synthetic", "generator_version": GENERATOR_VERSION,
                  "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                              "python": sys.version.split()[0], "numpy": np.__version__}}
-    n = 200_000 if a.quick else 1_000_000
+    n = a.nodes or (200_000 if a.quick else 1_000_000)
     g, wall, cpu = timed(generate, SyntheticConfig(num_nodes=n, avg_degree=20.0))
     res["generate"] = {"num_nodes": g.num_nodes, "num_edges": g.num_edges, "num_features": g.num_features,
                        "wall_s": wall, "cpu_s": cpu}
@@ -59,11 +63,12 @@ def main(argv=None):
     del g
 
     res["mirrors"] = []
-    for shape, sizes in (QUICK_SIZES if a.quick else SIZES).items():
+    for shape, sizes in (SMOKE_SIZES if a.smoke else QUICK_SIZES if a.quick else SIZES).items():
         for num_nodes in sizes:
             for seed in range(a.seeds):
                 g, gen_wall, gen_cpu = timed(generate, SyntheticConfig(
-                    shape=shape, num_nodes=num_nodes, num_features=4, seed=seed))
+                    shape=shape, num_nodes=num_nodes, num_features=4, seed=seed,
+                    **({"avg_degree": 8.0} if a.smoke else {})))
                 assignment, metis_wall, _ = timed(partition_graph, g, "metis", a.parts)
                 st = partition_stats(g, assignment, a.parts)
                 row = {"shape": shape, "num_nodes": num_nodes, "seed": seed, "num_edges": g.num_edges,

@@ -15,6 +15,7 @@ import time
 import torch
 
 from gnnpipe.io import write_json
+from smoke import parse_args
 
 
 def main(argv=None):
@@ -23,7 +24,7 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=8000)
     ap.add_argument("--width", type=int, default=100)
     ap.add_argument("--reps", type=int, default=200)
-    a = ap.parse_args(argv)
+    a = parse_args(ap, argv, rows=200, reps=2)
     x, w = torch.randn(a.rows, a.width), torch.randn(a.width, a.width)
     ops = {"relu": lambda: torch.relu(x), "dropout": lambda: torch.nn.functional.dropout(x, 0.5),
            "matmul": lambda: x @ w}

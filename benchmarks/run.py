@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/run.py                 # all, full size
     .venv/bin/python benchmarks/run.py --quick         # smaller graphs, minutes not tens of minutes
+    .venv/bin/python benchmarks/run.py --smoke         # each one's tiny run: does it still run (seconds)
     .venv/bin/python benchmarks/run.py foundation modes  # some
 
 Each benchmark is a script ``benchmarks/bench_<name>.py`` that takes ``--out`` (and
@@ -23,13 +24,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help=f"benchmarks to run (default all: {', '.join(names)})")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="benchmarks/smoke.py: tiny sizes, the figures mean nothing")
     ap.add_argument("--out-dir", default="results/bench")
     a = ap.parse_args()
     failed = []
     for name in a.names or names:
         script = HERE / f"bench_{name}.py"
         args = [sys.executable, str(script), "--out", f"{a.out_dir}/{name}.json"]
-        if a.quick:
+        if a.smoke:
+            args.append("--smoke")
+        elif a.quick:
             args += QUICK.get(name, ["--quick"])
         print(f"== {name}: {' '.join(args[1:])}", file=sys.stderr, flush=True)
         if subprocess.run(args).returncode:

@@ -1,0 +1,51 @@
+"""Every benchmark still runs (issue #37 item 21): each ``benchmarks/bench_*.py`` in its ``--smoke``
+mode (``benchmarks/smoke.py``: tiny sizes, one epoch, one round), in this process (torch imported
+once), with its JSON written. A benchmark is how a headline figure of docs/BENCHMARKS.md is
+reproduced; without this, a change to the package breaks one silently until someone re-measures.
+A new script in benchmarks/ is either a benchmark (``bench_<name>.py``, with a smoke mode) or a
+helper named here."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+#: the scripts of benchmarks/ that are not benchmarks: the JSON's machine record, the runner, the
+#: docs generator, this smoke mode, and bench_dgl's DGL side (run by bench_dgl's smoke where the
+#: DGL environment exists)
+HELPERS = {"machine.py", "run.py", "tables.py", "smoke.py", "dgl_epoch.py"}
+#: multi-process (spawned ranks, torchrun, Snakemake): seconds each, not a fraction of one
+SLOW = {"atom_layout", "atomic", "atomic_training", "calculator", "calibrate", "compare", "convergence", "locality",
+        "memory_cap", "modes", "narrow", "netem", "scale"}
+NAMES = sorted(p.stem.removeprefix("bench_") for p in BENCH.glob("bench_*.py"))
+
+
+def test_every_script_is_a_benchmark_or_a_named_helper():
+    assert {p.name for p in BENCH.glob("*.py") if not p.name.startswith("bench_")} == HELPERS
+    assert SLOW <= set(NAMES)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """One folder for every smoke run: bench_compare and bench_convergence share the smoke workflow
+    there (``smoke.workflow``), so the second finds its jobs done."""
+    return tmp_path_factory.mktemp("bench")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in NAMES])
+def test_benchmark_runs_in_its_smoke_mode(name, work, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.chdir(work)  # what a benchmark writes under its default paths lands here
+    threads = torch.get_num_threads()
+    out = work / f"{name}.json"
+    try:
+        rc = importlib.import_module(f"bench_{name}").main(["--smoke", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc in (None, 0)
+    assert json.loads(out.read_text())
