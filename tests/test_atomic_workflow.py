@@ -322,7 +322,7 @@ def test_a_users_extxyz_and_ase_db_train_gemnet_through_snakemake(tmp_path):
     _check_trained_runs_are_usable(results, resolve_runs(load_workflow_config(conf)), None)
     relax = json.loads((results / "runs" / "xyz-gem-single-p1-seed0" / "relax.json").read_text())
     assert relax["reference"] is None and "adwt" not in relax and "no reference calculator" in relax["note"]
-    assert "*no reference calculator for this dataset" in report and (results / "plots" / "is2rs_db.png").is_file()
+    assert "*no reference calculator (relax.reference none" in report and (results / "plots" / "is2rs_db.png").is_file()
 
 
 def test_plan_atomic_sizes_xl_and_finds_the_smallest_p(small_data, capsys):

@@ -69,7 +69,7 @@ def mirrors_brute_force(graph: Graph, a: np.ndarray) -> list[int]:
 
 def model_cfg(kind: str) -> ModelConfig:
     # 3 layers: first, hidden and last convs; LayerNorm on for sage to cover it
-    return ModelConfig(kind=kind, layers=3, hidden=8, dropout=0.0, heads=2,
+    return ModelConfig(kind=kind, layers=3, hidden=8, dropout=0.0, heads=2 if kind == "gat" else ModelConfig.heads,
                        norm="layer" if kind == "sage" else "none")
 
 

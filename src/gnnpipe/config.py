@@ -194,8 +194,10 @@ class AtomicSpec:
     # weight of the force term in the loss; 0 (or data without forces): energy-only training, no force pass
     force_weight: float = 10.0
     batch_size: int = 4  # systems per step and data-parallel replica
-    # Adam's learning rate, the schedule's peak (training.lr is the node models'); each kind sets its own
-    lr: float = 1e-3
+    # Adam's learning rate, the schedule's peak (training.lr is the node models'); each kind sets its own.
+    # None (run.yaml files written before #37 item 13, whose atomic sections say lr: null): training.lr,
+    # the rate such a run trained at; the workflow config's schema takes a number only
+    lr: Optional[float] = 1e-3
     # Å, the model's basis cutoff: None = the graphs' (datasets.<name>.atoms.cutoff); a smaller one
     # drops the longer edges at set-up, a larger one is refused (the graphs lack those neighbours)
     cutoff: Optional[float] = None
@@ -215,7 +217,7 @@ class DimeNetPPSpec(AtomicSpec):
     DimeNet++-XL) with any size overridden."""
 
     force_head: Literal["gradient", "direct"] = "gradient"
-    lr: float = 1e-3  # DimeNet++'s published one (Gasteiger et al. 2020; PyG's QM9 example)
+    lr: Optional[float] = 1e-3  # DimeNet++'s published one (Gasteiger et al. 2020; PyG's QM9 example)
     hidden_channels: Optional[int] = None
     num_blocks: Optional[int] = None
     int_emb_size: Optional[int] = None  # triplet message width: what is all-gathered per block
@@ -231,7 +233,7 @@ class GemNetTSpec(AtomicSpec):
     gp-gemnet-dT; xl = GemNet-XL of Sriram et al.) with any size overridden; ``force_head``
     gradient is GemNet-T, direct GemNet-dT (None: the preset's: small T, default and xl dT)."""
 
-    lr: float = 1e-3  # GemNet's published one on molecules (Gasteiger et al. 2021: MD17, COLL)
+    lr: Optional[float] = 1e-3  # GemNet's published one on molecules (Gasteiger et al. 2021: MD17, COLL)
     num_spherical: Optional[int] = None
     num_radial: Optional[int] = None
     num_blocks: Optional[int] = None
@@ -288,7 +290,15 @@ class ModelConfig:
         all: ``refuse_other_kinds``)."""
         default = ModelConfig()
         refuse_other_kinds(self.kind, [f.name for f in dataclasses.fields(self)
-                                       if getattr(self, f.name) != getattr(default, f.name)], path)
+                                       if not _same(getattr(self, f.name), getattr(default, f.name))], path)
+
+
+def _same(value, default) -> bool:
+    """A key at its default; an atomic section's ``lr: null`` counts as its default (what a run.yaml of
+    gnnpipe before #37 item 13 says in every atomic section, of a node model's run too)."""
+    if isinstance(value, AtomicSpec) and value.lr is None:
+        value = dataclasses.replace(value, lr=default.lr)
+    return value == default
 
 
 def refuse_other_kinds(kind: str, keys, path: str) -> None:

@@ -193,7 +193,9 @@ class AtomicEngine:
         torch.manual_seed(cfg.training.seed)
         self.model = self.kind.build(self.model_cfg).to(device, self.dtype)
         self.num_params = self.kind.count_parameters(self.model_cfg)
-        self.lr = spec.lr  # the kind's own (its section's default), not the node models' training.lr
+        # the kind's own (its section's default), not the node models' training.lr; None: a run.yaml of
+        # gnnpipe before #37 item 13, whose atomic runs trained at training.lr
+        self.lr = spec.lr if spec.lr is not None else cfg.training.lr
         self.opt = make_optimizer(self.model.parameters(), dataclasses.replace(cfg.training, lr=self.lr))
         self.steps_per_epoch = -(-len(self.ids["train"]) // (self.batch_size * self.replicas))
         self.warmup_steps = round(spec.schedule.warmup_epochs * self.steps_per_epoch)
