@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import stat
 
 import numpy as np
 import pytest
@@ -185,6 +187,7 @@ def test_streams_are_written_through_without_a_rename(capfd):
     write_json("/dev/stdout", {"a": 1})
     gio.write_text("/dev/stderr", "to stderr\n")
     gio.write_text("/dev/null", "discarded")
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)  # written through, still the device (a rename would replace it)
     out, err = capfd.readouterr()
     assert json.loads(out) == {"a": 1} and err == "to stderr\n"
     assert gio.check_destination("/dev/stdout") == gio.Path("/dev/stdout")
