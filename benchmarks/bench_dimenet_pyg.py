@@ -268,14 +268,49 @@ def energy_ratio(spec: dict, batch_size: int, repeats: int = 20, warmup: int = 2
     load_before = os.getloadavg()
     check_same_step(*_energy_steps(ours, ref, batches, torch.float64), ours, ref)
     ours, ref = ours.to(dtype), ref.to(dtype)
-    cpu, wall = _interleaved(*_energy_steps(ours, ref, batches, dtype), ours, ref, repeats, warmup)
+    steps = _energy_steps(ours, ref, batches, dtype)
+    cpu, wall = _interleaved(*steps, ours, ref, repeats, warmup)
     c, w = _ratios(cpu), _ratios(wall)
+    split = {name: products_split(step, model, len(batches)) for name, step, model in
+             (("ours", steps[0], ours), ("pyg", steps[1], ref))}
     size = lambda key: [int(len(b[key])) for b in batches]  # noqa: E731
     return {"molecules": batch_size * len(batches), "batch_size": batch_size, "batches": len(batches),
             "atoms_per_batch": size("z"), "edges_per_batch": size("edge_src"), "triplets_per_batch": size("idx_kj"),
             "model": vars(cfg), "parameters": sum(p.numel() for p in ours.parameters()), "repeats": repeats,
-            "time_ratio": c["ratio"], "cpu": c, "wall": w, "loadavg_before": load_before,
+            "time_ratio": c["ratio"], "cpu": c, "wall": w, "products_split": split, "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(), "step_cpu_s": cpu, "step_wall_s": wall}
+
+
+#: the matrix products of a step (dense layers, and our triplet blocks' batched product)
+PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm")
+
+
+def products_split(step, model, steps: int) -> dict:
+    """Where one model's step goes: the profiler's self-CPU seconds a step in matrix products
+    (:data:`PRODUCTS`) and in everything else, and the products' floating-point operations
+    (``FlopCounterMode``), over ``steps`` steps (one a batch).
+
+    Both models run the same products (the same layers on the same rows), so their product seconds
+    are the floor under either step: a step can be no faster than its products, whatever the rest.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for _ in range(2):  # the second pass is kept: the first pays the profiler's own warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                model.zero_grad(set_to_none=True)
+                step()
+    own = {e.key: e.self_cpu_time_total for e in prof.key_averages()}  # microseconds
+    products = sum(own.get(k, 0.0) for k in PRODUCTS) / 1e6 / steps
+    total = sum(own.values()) / 1e6 / steps
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model.zero_grad(set_to_none=True)
+        step()
+    return {"products_s": products, "other_s": total - products, "profiled_step_s": total,
+            "product_flops": int(counter.get_total_flops()),
+            "product_gflops_per_s": counter.get_total_flops() / 1e9 / products if products else None}
 
 
 def _interleaved(step_ours, step_ref, ours, ref, repeats: int, warmup: int) -> tuple[dict, dict]:
@@ -339,9 +374,12 @@ def _summary(name: str, res: dict) -> str:
              f"{res['cpu']['median_s']['pyg'] * 1e3:.1f} ms; paired {res['cpu']['paired_ratio_median']:.3f}; wall "
              f"{res['wall']['ratio']:.3f})")
     if "batches" in res:  # energy-only
+        sp = res["products_split"]
+        split = "; ".join(f"{k} {v['products_s'] * 1e3:.0f} ms products ({v['product_flops'] / 1e9:.2f} GFLOP) + "
+                          f"{v['other_s'] * 1e3:.0f} ms else" for k, v in sp.items())
         return (f"{name} energy-only: {res['batches']} batches of {res['batch_size']} molecules "
                 f"({statistics.mean(res['atoms_per_batch']):.0f} atoms, {statistics.mean(res['triplets_per_batch']):.0f} "
-                f"triplets a batch); {times}; load {res['loadavg_after'][0]:.2f}")
+                f"triplets a batch); {times}; profiled steps: {split}; load {res['loadavg_after'][0]:.2f}")
     return (f"{name}: {res['atoms']} atoms, {res['edges']} edges, {res['triplets']} triplets; {times}, saved memory "
             f"{res['saved_bytes']['ours'] / 2**20:.1f} / {res['saved_bytes']['pyg'] / 2**20:.1f} MiB = "
             f"{res['saved_bytes_ratio']:.3f}; load {res['loadavg_after'][0]:.2f}")
