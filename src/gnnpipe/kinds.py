@@ -9,11 +9,16 @@
 Both are :class:`~gnnpipe.registry.Registry` instances with lazy entries: the names are known
 without importing torch (the config's ``model.kind``, the schema's enum that
 ``workflow/rules/common.smk`` injects, the CLI's choices), and an entry is imported the first
-time it is asked for. A new kind is one line here and its entry beside its ``forward``; the
+time it is asked for. An atomic kind's config dataclass (its sizes) is registered as well, in
+``ATOMIC_CONFIGS``, from a module without torch: ``gnnpipe.config`` derives the kind's section of a
+model config (``models.<name>.<kind>``) and its part of the JSON schema from it. A new kind is its
+line(s) here and its entry beside its ``forward`` (an atomic kind: also its config dataclass); the
 order here is the order of enums, choices and reports.
 """
 
 from __future__ import annotations
+
+from dataclasses import field
 
 from .registry import Registry
 
@@ -24,3 +29,15 @@ for _name in ("gcn", "sage", "gat", "gcnii", "resgcn", "mlp"):
 ATOMIC_MODELS = Registry("atomic model")
 ATOMIC_MODELS.register_lazy("dimenetpp", "gnnpipe.atomic.protocol:DIMENETPP")
 ATOMIC_MODELS.register_lazy("gemnet_t", "gnnpipe.atomic.protocol:GEMNET_T")
+
+ATOMIC_CONFIGS = Registry("atomic model config")  # the same names; entries without torch
+ATOMIC_CONFIGS.register_lazy("dimenetpp", "gnnpipe.atomic.dimenetpp_config:DimeNetPPConfig")
+ATOMIC_CONFIGS.register_lazy("gemnet_t", "gnnpipe.atomic.gemnet_config:GemNetTConfig")
+
+
+def preset_size(default: int, doc: str = ""):
+    """A field of an atomic kind's config class that the kind's section of a model config may override
+    (``metadata["spec"] == "preset"``: ``Optional``, None there keeping the preset's); ``doc`` is its
+    description in the section and the schema. ``"spec": "own"`` puts a field in the section with its own
+    type and default. ``gnnpipe.config.atomic_spec`` reads these marks."""
+    return field(default=default, metadata={"spec": "preset", "doc": doc} if doc else {"spec": "preset"})
