@@ -5,19 +5,27 @@ Two shapes of config exist:
 * the **workflow config** (``config/config.yaml``): named datasets and models, shared
   training settings and a list of runs. ``load_workflow_config`` is its one judge, for
   Snakemake (``common.smk`` calls it) and the CLI alike: the dataclasses, the cross-checks,
-  then the JSON schema ``workflow/schemas/config.schema.yaml`` (``check_schema``).
+  then the JSON schema (``check_schema``), which ``json_schema`` generates from the dataclasses.
 * the **run config** (``results/runs/<run_id>/run.yaml``): one run, fully resolved
   (``resolve_run``), which is what ``gnnpipe train`` and ``gnnpipe evaluate`` read.
 
 Any unknown key, wrong type or bad value raises ``ConfigError`` with the dotted path
 of the offending key. Both shapes go through the same checks (``from_dict``): types, the
-bounds in ``BOUNDS`` (the JSON schema carries the same ones; a test keeps them equal),
+bounds in each field's metadata (``key(..., bound=...)``, ``bounds``; the schema says the same ones),
 finite numbers and integers that fit in 64 bits only, names that are safe in paths, file
 paths without control characters (``PATHS``; spaces are fine, the rules quote every path),
 and no output directory inside a system directory or a file (``check_output_dir``). A run key its
 mode would ignore (``stages`` on a graph run, ``data_parallel`` on a node run) is refused, and so
 is a model key only another kind reads (``refuse_other_kinds``); a section may be left out, not
 null. Sizes whose allocation would be absurd are over a bound (``MAX_WIDTH``, ``MAX_DEPTH``, ...).
+
+**One source.** A key is written once, as a dataclass field: its type, default, bound, doc and any
+schema keyword the types do not say live in the field (``key``). The JSON schema is generated from
+the dataclasses (``json_schema``; ``workflow/schemas/config.schema.yaml`` is its output, rewritten by
+``python -m gnnpipe.config --write-schema``, and a test fails while the two differ). An atomic
+kind's section (``ATOMIC_SPECS``, ``atomic_spec``) is derived from the kind's config class, which
+``gnnpipe.kinds.ATOMIC_CONFIGS`` names, and ``ModelConfig`` has one section per registered kind:
+adding an atomic kind writes nothing here.
 """
 
 from __future__ import annotations

@@ -1,19 +1,21 @@
-"""Every model kind's name and where its entry is defined: the two registries of kinds.
+"""Every model kind's name and where its entry is defined: the registries of kinds.
 
 * ``CONVS``: the node model kinds (a stack of graph layers; ``mlp`` the no-graph baseline),
   each entry a :class:`~gnnpipe.models.kinds.ConvKind` defined beside its layer's ``forward``
   (``gnnpipe.models.<kind>.KIND``);
 * ``ATOMIC_MODELS``: the atomic model kinds, each entry a
-  :class:`~gnnpipe.atomic.protocol.AtomicModelKind` (``gnnpipe.atomic.protocol``).
+  :class:`~gnnpipe.atomic.protocol.AtomicModelKind` (``gnnpipe.atomic.protocol``);
+* ``ATOMIC_CONFIGS``: the same names, each entry the kind's config dataclass (its sizes), in a
+  module without torch (``gnnpipe.atomic.<kind>_config``): ``gnnpipe.config`` derives the kind's
+  section of a model config (``models.<name>.<kind>``) and its part of the JSON schema from it
+  (``preset_size`` marks the sizes a section may override).
 
-Both are :class:`~gnnpipe.registry.Registry` instances with lazy entries: the names are known
-without importing torch (the config's ``model.kind``, the schema's enum that
-``workflow/rules/common.smk`` injects, the CLI's choices), and an entry is imported the first
-time it is asked for. An atomic kind's config dataclass (its sizes) is registered as well, in
-``ATOMIC_CONFIGS``, from a module without torch: ``gnnpipe.config`` derives the kind's section of a
-model config (``models.<name>.<kind>``) and its part of the JSON schema from it. A new kind is its
-line(s) here and its entry beside its ``forward`` (an atomic kind: also its config dataclass); the
-order here is the order of enums, choices and reports.
+All are :class:`~gnnpipe.registry.Registry` instances with lazy entries: the names are known
+without importing torch (the config's ``model.kind``, the schema's enum, the CLI's choices), and
+an entry is imported the first time it is asked for. A new kind is its line(s) here and its entry
+beside its ``forward``; an atomic kind also its config class, and nothing in ``gnnpipe.config``;
+a node kind with hyperparameters of its own also adds them to ``ModelConfig``
+(``key(..., kinds=(...))``). The order here is the order of enums, choices and reports.
 """
 
 from __future__ import annotations
