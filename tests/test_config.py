@@ -382,7 +382,11 @@ def test_atomic_sections_derived_from_the_kinds_configs_keep_their_keys_order_an
              "gemnet_t": ["num_spherical", "num_radial", "num_blocks", "emb_size_atom", "emb_size_edge",
                           "emb_size_trip", "emb_size_rbf", "emb_size_cbf", "emb_size_bil_trip", "num_before_skip",
                           "num_after_skip", "num_concat", "num_atom"]}
+    import pickle
+
     d = to_dict(ModelConfig())
+    for kind in ATOMIC_SPECS:  # spawned workers receive configs by pickle: the derived classes are found by name
+        assert pickle.loads(pickle.dumps(ModelConfig(kind=kind))) == ModelConfig(kind=kind)
     assert list(d) == ["kind", "layers", "hidden", "dropout", "heads", "alpha", "lambda", "norm", *ATOMIC_SPECS]
     for kind, names in sizes.items():
         want = {**shared, **({"force_head": "gradient"} if kind == "dimenetpp" else {}), **dict.fromkeys(names)}

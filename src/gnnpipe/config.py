@@ -359,6 +359,8 @@ def atomic_spec(kind: str) -> type:
 #: The config section of each atomic kind: ``models.<name>.<kind>`` (a field of ModelConfig), derived
 #: from the kind's config class: its size fields are the kind's, the rest how it trains.
 ATOMIC_SPECS = {kind: atomic_spec(kind) for kind in ATOMIC_MODELS.names()}
+# module attributes (DimeNetPPSpec, GemNetTSpec, ...), so that pickle (spawned workers) finds them by name
+globals().update({spec.__name__: spec for spec in ATOMIC_SPECS.values()})
 
 
 @dataclass
