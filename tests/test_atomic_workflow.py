@@ -69,11 +69,13 @@ def test_every_atomic_kind_has_a_section_whose_sizes_are_its_configs():
 
     from gnnpipe.atomic.protocol import ATOMIC_MODELS
     from gnnpipe.config import ATOMIC_SPECS, AtomicSpec, ModelConfig
+    from gnnpipe.kinds import ATOMIC_CONFIGS
 
     shared = {f.name for f in dc.fields(AtomicSpec)}
     assert tuple(ATOMIC_SPECS) == ATOMIC_MODELS.names()
     for kind, spec in ATOMIC_SPECS.items():
         entry = ATOMIC_MODELS[kind]
+        assert ATOMIC_CONFIGS[kind] is entry.config  # the section is derived from the class the model is built from
         assert entry.name == kind and issubclass(spec, AtomicSpec) and kind in {f.name for f in dc.fields(ModelConfig)}
         sizes = {f.name for f in dc.fields(spec)} - shared
         assert sizes <= set(entry.config_fields()), (kind, sizes - set(entry.config_fields()))

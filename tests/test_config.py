@@ -363,3 +363,40 @@ def test_absurd_sizes_are_refused_by_the_config_check(monkeypatch, mutate, messa
     cfg["resources"] = {"workers_per_node": 8}  # spread over nodes: 64 workers are fine
     if "64 workers" in message:
         assert load_workflow_config(cfg)
+
+
+def test_atomic_sections_derived_from_the_kinds_configs_keep_their_keys_order_and_defaults():
+    """Each atomic kind's section is derived from its config class (gnnpipe.config.atomic_spec); a run.yaml
+    (and every run's record) holds its keys in this order with these defaults, as when the sections were
+    written by hand: a change here changes every atomic run.yaml."""
+    import typing
+
+    from gnnpipe.config import ATOMIC_SPECS, ModelConfig, bounds, to_dict
+
+    shared = {"preset": "small", "force_head": None, "force_weight": 10.0, "batch_size": 4, "lr": 0.001,
+              "cutoff": None, "schedule": {"warmup_epochs": 2.0, "decay": "cosine", "min_lr_factor": 0.02},
+              "clip_grad_norm": 10.0, "ema_decay": 0.99,
+              "guard": {"loss_factor": 3.0, "patience": 3, "min_force_cos": -0.2}, "eval_train_systems": 500}
+    sizes = {"dimenetpp": ["hidden_channels", "num_blocks", "int_emb_size", "basis_emb_size", "out_emb_channels",
+                           "num_spherical", "num_radial"],
+             "gemnet_t": ["num_spherical", "num_radial", "num_blocks", "emb_size_atom", "emb_size_edge",
+                          "emb_size_trip", "emb_size_rbf", "emb_size_cbf", "emb_size_bil_trip", "num_before_skip",
+                          "num_after_skip", "num_concat", "num_atom"]}
+    import pickle
+
+    d = to_dict(ModelConfig())
+    for kind in ATOMIC_SPECS:  # spawned workers receive configs by pickle: the derived classes are found by name
+        assert pickle.loads(pickle.dumps(ModelConfig(kind=kind))) == ModelConfig(kind=kind)
+    assert list(d) == ["kind", "layers", "hidden", "dropout", "heads", "alpha", "lambda", "norm", *ATOMIC_SPECS]
+    for kind, names in sizes.items():
+        want = {**shared, **({"force_head": "gradient"} if kind == "dimenetpp" else {}), **dict.fromkeys(names)}
+        assert list(d[kind].items()) == list(want.items()), kind
+        spec = ATOMIC_SPECS[kind]
+        hints = typing.get_type_hints(spec)
+        for name in names:
+            assert hints[name] == typing.Optional[int]
+            assert bounds(spec)[name].hi == (4096 if name.startswith("num_") else 2**16)
+    # DimeNet++'s force head is its own (no preset sets it); GemNet's preset chooses T or dT
+    assert typing.get_type_hints(ATOMIC_SPECS["dimenetpp"])["force_head"] == typing.Literal["gradient", "direct"]
+    assert typing.get_type_hints(ATOMIC_SPECS["gemnet_t"])["force_head"] == \
+        typing.Optional[typing.Literal["gradient", "direct"]]

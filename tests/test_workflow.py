@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from gnnpipe.config import BOUNDS, WorkflowConfig, load_workflow_config, resolve_runs, run_id
+from gnnpipe.config import WorkflowConfig, bounds, load_workflow_config, resolve_runs, run_id
 from helpers import ROOT, TINY, snakemake, write_config
 
 DEFAULT = ROOT / "config" / "config.yaml"
@@ -259,9 +259,9 @@ def _check(schema: dict, node: dict, tp, where: str) -> None:
             else:
                 assert sub.get("default") == f.default and isinstance(sub["default"], bool) == \
                     isinstance(f.default, bool), f"{where}.{key}: default {sub.get('default')!r} != {f.default!r}"
-            bound = BOUNDS.get(tp, {}).get(f.name)  # the bounds gnnpipe checks without Snakemake too
+            bound = bounds(tp).get(f.name)  # the bounds gnnpipe checks without Snakemake too
             assert {k: v for k, v in sub.items() if k in _BOUND_KEYS} == (bound.schema() if bound else {}), \
-                f"{where}.{key}: schema bounds differ from gnnpipe.config.BOUNDS"
+                f"{where}.{key}: schema bounds differ from the field's metadata bound"
             _check(schema, sub, hints[f.name], f"{where}.{key}")
     elif origin is typing.Literal:
         assert node.get("enum") == list(args), where
@@ -284,16 +284,49 @@ def _check(schema: dict, node: dict, tp, where: str) -> None:
 
 
 def test_schema_mirrors_the_config_dataclasses():
-    """The schema common.smk validates with (the file, its model kinds from the registry) against the
-    dataclasses; model.kind's enum is every node kind and every atomic kind registered."""
+    """The schema gnnpipe and common.smk validate with (generated from the dataclasses) against the
+    dataclasses: every key, type, default and bound; model.kind's enum is every node kind and every
+    atomic kind registered."""
     from gnnpipe.kinds import ATOMIC_MODELS, CONVS
-    from gnnpipe.config import MODEL_KINDS, NODE_KINDS, workflow_schema
+    from gnnpipe.config import MODEL_KINDS, NODE_KINDS, json_schema
 
-    schema = workflow_schema(SCHEMA)
+    schema = json_schema()
     _check(schema, schema, WorkflowConfig, "config")
-    assert schema["$defs"]["model"]["properties"]["kind"]["enum"] == list(MODEL_KINDS) == \
+    assert schema["$defs"]["ModelConfig"]["properties"]["kind"]["enum"] == list(MODEL_KINDS) == \
         [*NODE_KINDS, *ATOMIC_MODELS.names()] == [*CONVS.names(), *ATOMIC_MODELS.names()]
-    assert "enum" not in yaml.safe_load(SCHEMA.read_text())["$defs"]["model"]["properties"]["kind"]  # not retyped
+    assert schema["required"] == ["datasets", "models", "runs"]
+    names = schema["properties"]["models"]["propertyNames"]["pattern"]
+    assert names == schema["properties"]["datasets"]["propertyNames"]["pattern"] == \
+        schema["$defs"]["RunSpec"]["properties"]["name"]["pattern"]
+
+
+def test_committed_schema_is_the_generated_one():
+    """workflow/schemas/config.schema.yaml is generated; editing a dataclass without regenerating fails here."""
+    from gnnpipe.config import schema_text
+
+    assert SCHEMA.read_text() == schema_text(), \
+        "workflow/schemas/config.schema.yaml differs from the dataclasses: run  python -m gnnpipe.config --write-schema"
+
+
+def test_the_schema_check_reads_no_file(monkeypatch):
+    """check_schema validates against the schema generated in memory: an installed package, which has no
+    workflow/ directory, judges a config as a checkout does."""
+    import builtins
+
+    import gnnpipe.config as config
+
+    opened = builtins.open
+
+    def no_schema_file(path, *args, **kwargs):
+        assert not str(path).endswith(".schema.yaml"), f"{path} was read"
+        return opened(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_schema_file)
+    monkeypatch.setattr(config, "SCHEMA_FILE", config.Path("/nonexistent/config.schema.yaml"))
+    cfg = yaml.safe_load(TINY.read_text())
+    assert resolve_runs(load_workflow_config(cfg))
+    with pytest.raises(config.ConfigError, match=r"config.datasets.tiny.atoms.adsorbates\[0\]: 'Xe' is not one of"):
+        load_workflow_config({**cfg, "datasets": {"tiny": {**cfg["datasets"]["tiny"], "atoms": {"adsorbates": ["Xe"]}}}})
 
 
 def test_shipped_configs_are_valid():

@@ -5,19 +5,27 @@ Two shapes of config exist:
 * the **workflow config** (``config/config.yaml``): named datasets and models, shared
   training settings and a list of runs. ``load_workflow_config`` is its one judge, for
   Snakemake (``common.smk`` calls it) and the CLI alike: the dataclasses, the cross-checks,
-  then the JSON schema ``workflow/schemas/config.schema.yaml`` (``check_schema``).
+  then the JSON schema (``check_schema``), which ``json_schema`` generates from the dataclasses.
 * the **run config** (``results/runs/<run_id>/run.yaml``): one run, fully resolved
   (``resolve_run``), which is what ``gnnpipe train`` and ``gnnpipe evaluate`` read.
 
 Any unknown key, wrong type or bad value raises ``ConfigError`` with the dotted path
 of the offending key. Both shapes go through the same checks (``from_dict``): types, the
-bounds in ``BOUNDS`` (the JSON schema carries the same ones; a test keeps them equal),
+bounds in each field's metadata (``key(..., bound=...)``, ``bounds``; the schema says the same ones),
 finite numbers and integers that fit in 64 bits only, names that are safe in paths, file
 paths without control characters (``PATHS``; spaces are fine, the rules quote every path),
 and no output directory inside a system directory or a file (``check_output_dir``). A run key its
 mode would ignore (``stages`` on a graph run, ``data_parallel`` on a node run) is refused, and so
 is a model key only another kind reads (``refuse_other_kinds``); a section may be left out, not
 null. Sizes whose allocation would be absurd are over a bound (``MAX_WIDTH``, ``MAX_DEPTH``, ...).
+
+**One source.** A key is written once, as a dataclass field: its type, default, bound, doc and any
+schema keyword the types do not say live in the field (``key``). The JSON schema is generated from
+the dataclasses (``json_schema``; ``workflow/schemas/config.schema.yaml`` is its output, rewritten by
+``python -m gnnpipe.config --write-schema``, and a test fails while the two differ). An atomic
+kind's section (``ATOMIC_SPECS``, ``atomic_spec``) is derived from the kind's config class, which
+``gnnpipe.kinds.ATOMIC_CONFIGS`` names, and ``ModelConfig`` has one section per registered kind:
+adding an atomic kind writes nothing here.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from .io import GnnPipeError
-from .kinds import ATOMIC_MODELS, CONVS
+from .kinds import ATOMIC_CONFIGS, ATOMIC_MODELS, CONVS
 from .layout import resolve_layout
 
 
@@ -43,466 +51,7 @@ class ConfigError(GnnPipeError):
     """A config key or value is wrong."""
 
 
-# --------------------------------------------------------------------------- datasets
-@dataclass
-class SyntheticConfig:
-    """Degree-corrected SBM with power-law degrees and a locality knob (see gnnpipe.data.synthetic).
-
-    Fields left ``None`` take the value of the named ``shape``.
-    """
-
-    shape: Literal["default", "reddit-like", "physics-like"] = "default"
-    num_nodes: Optional[int] = None
-    avg_degree: Optional[float] = None
-    num_features: Optional[int] = None
-    num_classes: Optional[int] = None
-    num_communities: Optional[int] = None
-    intra_fraction: Optional[float] = None  # share of edges inside a community
-    locality: Optional[float] = None  # share of intra edges kept near in a 1-D embedding (0..1)
-    degree_exponent: Optional[float] = None  # power-law exponent of expected degrees
-    feature_signal: Optional[float] = None  # class signal in features relative to noise
-    label_noise: Optional[float] = None  # share of nodes whose label is not their community's
-    train_fraction: float = 0.6
-    val_fraction: float = 0.2
-    seed: int = 0
-
-
-@dataclass
-class OgbConfig:
-    """An OGB node-property dataset read from OGB's raw on-disk files under ``root``."""
-
-    name: Literal["ogbn-arxiv", "ogbn-products", "ogbn-papers100M"] = "ogbn-arxiv"
-    root: str = "data/ogb"  # where <name with _>/ lies or is downloaded to
-    download: bool = True  # try to download when missing (needs the internet)
-
-
-@dataclass
-class FilesConfig:
-    """A user's own graph: an edge list and per-node arrays."""
-
-    edges: str = ""  # .csv (two int columns, optional header) or .npy/.npz (E, 2)
-    features: str = ""  # .npy (N, F)
-    labels: str = ""  # .npy (N,) integral
-    train_mask: Optional[str] = None  # .npy bool (N,); all three or none
-    val_mask: Optional[str] = None
-    test_mask: Optional[str] = None
-    train_fraction: float = 0.6  # random split when no masks are given
-    val_fraction: float = 0.2
-    seed: int = 0
-
-
-@dataclass
-class AtomsConfig:
-    """Atomistic systems with energies and forces (gnnpipe.atomic.data) and their radius graphs.
-
-    ``file`` empty: generate slab + adsorbate relaxations under ASE's EMT calculator, frames along
-    each as systems (no internet); else read the user's ASE database (``.db``) or extended XYZ file.
-    ``split``: ``trajectory`` keeps each trajectory (generated: a relaxation; a file: the structures
-    with one value of ``group_key``) in one of train/val/test; ``random``: structure by structure;
-    a file's fixed split (the fractions unused): ``key``, each structure's ``split_key`` (info key /
-    db column) names its split, train, val or test; ``file``, the index file ``split_file`` (JSON or
-    NPZ: train/val/test lists of 0-based structure positions) lists them.
-    """
-
-    file: str = ""
-    num_trajectories: int = 21  # generated relaxations
-    frames_per_trajectory: int = 3  # systems taken along each (initial, ..., relaxed); 1: the start only
-    split: Literal["trajectory", "random", "key", "file"] = "trajectory"
-    group_key: str = "trajectory"  # a file's info key (extxyz) / column (ASE db) naming each structure's trajectory
-    split_key: str = "split"  # split: key: the info key / column whose value is train, val or test
-    split_file: str = ""  # split: file: JSON or NPZ of train/val/test structure indices (0-based, file order)
-    metals: list[str] = field(default_factory=lambda: ["Cu", "Ag", "Au", "Ni", "Pd", "Pt", "Al"])
-    adsorbates: list[str] = field(default_factory=lambda: ["O", "H", "C", "N", "CO", "N2", "NO"])
-    slab_size: list[int] = field(default_factory=lambda: [2, 2, 3])  # fcc(111)/(100) repeats, layers last
-    rattle: float = 0.05  # Å
-    # Å: two atoms (or an atom and a periodic image) closer than this are refused when the
-    # systems are read or generated (gnnpipe.atomic.checks); the shortest real bond, H2, is 0.74 Å
-    min_distance: float = 0.5
-    cutoff: float = 5.0  # Å, radius graph and the model's basis cutoff
-    max_neighbors: int = 32  # nearest neighbours kept per atom
-    train_fraction: float = 0.8
-    val_fraction: float = 0.1
-    seed: int = 0
-
-    def check(self, path: str) -> None:  # numbers: BOUNDS
-        if len(self.slab_size) != 3 or min(self.slab_size) < 1:
-            raise ConfigError(f"{path}.slab_size: three positive repeats, got {self.slab_size}")
-        if self.split in ("key", "file") and not self.file:
-            raise ConfigError(f"{path}.split: {self.split} fixes a split of a user's structures (atoms.file); "
-                              f"generated data is split by trajectory or random")
-        if (self.split == "file") != bool(self.split_file):
-            raise ConfigError(f"{path}.split_file: " + ("split: file needs the index file here" if self.split == "file"
-                              else f"an index file is read with split: file only (split is {self.split})"))
-
-
-@dataclass
-class DatasetConfig:
-    kind: Literal["synthetic", "ogb", "files", "atoms"] = "synthetic"
-    symmetrize: bool = True  # add the reverse of every edge
-    self_loops: Literal["remove", "add", "keep"] = "remove"  # layers add their own self term
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    ogb: OgbConfig = field(default_factory=OgbConfig)
-    files: FilesConfig = field(default_factory=FilesConfig)
-    atoms: AtomsConfig = field(default_factory=AtomsConfig)
-
-
-# --------------------------------------------------------------------------- model & training
-#: Node-level model kinds (graph layers, gnnpipe.models): the conv registry's names (no torch).
-NODE_KINDS = CONVS.names()
-
-#: Every model kind: the schema's enum and the CLI's choices are this tuple (common.smk injects it).
-MODEL_KINDS = NODE_KINDS + ATOMIC_MODELS.names()
-
-
-def _kinds(*kinds: str) -> dict:
-    """A ModelConfig field's metadata: the model kinds that read it (others refuse it: ModelConfig.check)."""
-    return {"kinds": kinds}
-
-
-@dataclass
-class ScheduleConfig:
-    """The learning rate of an atomic model per optimizer step (gnnpipe.atomic.habits.lr_at): a linear
-    warmup to the model's lr over ``warmup_epochs``, then a cosine decay to ``min_lr_factor`` x lr
-    at the last step (``decay: none``: lr after the warmup)."""
-
-    warmup_epochs: float = 2.0  # epochs of linear warmup (fractions allowed: steps are counted)
-    decay: Literal["cosine", "none"] = "cosine"
-    min_lr_factor: float = 0.02  # the last step's lr, as a fraction of lr
-
-
-@dataclass
-class GuardConfig:
-    """The divergence guard of an atomic run (gnnpipe.atomic.habits.Guard): a non-finite loss, the
-    loss above ``loss_factor`` x its best for ``patience`` epochs in a row, or a force cosine (val,
-    else train) below ``min_force_cos`` at an evaluation after the warmup where the loss no longer
-    falls (no new best) stops the run: one line, MLflow FAILED, exit non-zero, no model written.
-    ``null`` switches a test off."""
-
-    loss_factor: Optional[float] = 3.0
-    patience: int = 3
-    min_force_cos: Optional[float] = -0.2
-
-
-@dataclass
-class AtomicSpec:
-    """What every atomic model's section holds beside its sizes: a preset, the force head, how it
-    trains (lr, its schedule, clipping, the weights' moving average, the divergence guard), and its
-    basis cutoff. Sizes left ``None`` keep the preset's."""
-
-    preset: Literal["small", "default", "xl"] = "small"
-    force_head: Optional[Literal["gradient", "direct"]] = None  # gradient: F = -dE/dpos; None: the preset's
-    # weight of the force term in the loss; 0 (or data without forces): energy-only training, no force pass
-    force_weight: float = 10.0
-    batch_size: int = 4  # systems per step and data-parallel replica
-    # Adam's learning rate, the schedule's peak (training.lr is the node models'); each kind sets its own.
-    # None (run.yaml files written before #37 item 13, whose atomic sections say lr: null): training.lr,
-    # the rate such a run trained at; the workflow config's schema takes a number only
-    lr: Optional[float] = 1e-3
-    # Å, the model's basis cutoff: None = the graphs' (datasets.<name>.atoms.cutoff); a smaller one
-    # drops the longer edges at set-up, a larger one is refused (the graphs lack those neighbours)
-    cutoff: Optional[float] = None
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    clip_grad_norm: Optional[float] = 10.0  # the gradients' global 2-norm is clipped to this (None: off)
-    # the weights evaluated and written as the model: their exponential moving average (None: the last)
-    ema_decay: Optional[float] = 0.99
-    guard: GuardConfig = field(default_factory=GuardConfig)
-    # every evaluation (training's, gnnpipe evaluate's) scores val and test whole and, of the training
-    # split, a seeded sample of at most this many systems, the same each time (None: all of them)
-    eval_train_systems: Optional[int] = 500
-
-
-@dataclass
-class DimeNetPPSpec(AtomicSpec):
-    """DimeNet++ (kind ``dimenetpp``): a preset (small, default = PyG's, xl = Sriram et al.'s
-    DimeNet++-XL) with any size overridden."""
-
-    force_head: Literal["gradient", "direct"] = "gradient"
-    lr: Optional[float] = 1e-3  # DimeNet++'s published one (Gasteiger et al. 2020; PyG's QM9 example)
-    hidden_channels: Optional[int] = None
-    num_blocks: Optional[int] = None
-    int_emb_size: Optional[int] = None  # triplet message width: what is all-gathered per block
-    basis_emb_size: Optional[int] = None
-    out_emb_channels: Optional[int] = None
-    num_spherical: Optional[int] = None
-    num_radial: Optional[int] = None
-
-
-@dataclass
-class GemNetTSpec(AtomicSpec):
-    """GemNet-T / GemNet-dT (kind ``gemnet_t``): a preset (small; default = fairchem's
-    gp-gemnet-dT; xl = GemNet-XL of Sriram et al.) with any size overridden; ``force_head``
-    gradient is GemNet-T, direct GemNet-dT (None: the preset's: small T, default and xl dT)."""
-
-    lr: Optional[float] = 1e-3  # GemNet's published one on molecules (Gasteiger et al. 2021: MD17, COLL)
-    num_spherical: Optional[int] = None
-    num_radial: Optional[int] = None
-    num_blocks: Optional[int] = None
-    emb_size_atom: Optional[int] = None  # all-gathered per block
-    emb_size_edge: Optional[int] = None  # summed into atoms per block
-    emb_size_trip: Optional[int] = None  # all-gathered per block (triplet input messages)
-    emb_size_rbf: Optional[int] = None
-    emb_size_cbf: Optional[int] = None
-    emb_size_bil_trip: Optional[int] = None  # all-gathered per block (reverse-edge aggregates)
-    num_before_skip: Optional[int] = None
-    num_after_skip: Optional[int] = None
-    num_concat: Optional[int] = None
-    num_atom: Optional[int] = None
-
-
-#: The config section of each atomic kind: ``models.<name>.<kind>`` (a field of ModelConfig). Its
-#: size fields are the kind's config fields (tests/test_config.py), the rest how it trains.
-ATOMIC_SPECS = {"dimenetpp": DimeNetPPSpec, "gemnet_t": GemNetTSpec}
-if set(ATOMIC_SPECS) != set(ATOMIC_MODELS.names()):
-    raise ImportError(f"gnnpipe.config: atomic model kinds {ATOMIC_MODELS.names()} registered, config sections for "
-                      f"{tuple(ATOMIC_SPECS)}: give every registered kind its section")
-
-
-@dataclass
-class ModelConfig:
-    """A stack of ``layers`` graph layers (``mlp``: no graph, the baseline), or an atomic model
-    (a kind of ``gnnpipe.atomic.protocol.ATOMIC_MODELS``) sized by its own section."""
-
-    kind: Literal[MODEL_KINDS] = "gcn"  # type: ignore[valid-type]  # the registry's names
-    layers: int = field(default=2, metadata=_kinds(*NODE_KINDS))
-    hidden: int = field(default=64, metadata=_kinds(*NODE_KINDS))
-    dropout: float = field(default=0.5, metadata=_kinds(*NODE_KINDS))
-    # gat: attention heads (hidden is split across them)
-    heads: int = field(default=4, metadata=_kinds("gat"))
-    alpha: float = field(default=0.1, metadata=_kinds("gcnii"))  # initial-residual weight
-    lambda_: float = field(default=0.5, metadata=_kinds("gcnii"))  # identity-mapping strength (YAML key: lambda)
-    # normalisation after each hidden layer of the plain stacks (resgcn: always layer)
-    norm: Literal["none", "layer"] = field(default="none", metadata=_kinds("gcn", "sage", "gat"))
-    dimenetpp: DimeNetPPSpec = field(default_factory=DimeNetPPSpec, metadata=_kinds("dimenetpp"))
-    gemnet_t: GemNetTSpec = field(default_factory=GemNetTSpec, metadata=_kinds("gemnet_t"))
-
-    @property
-    def atomic(self) -> bool:
-        return self.kind in ATOMIC_SPECS
-
-    @property
-    def spec(self) -> Optional[AtomicSpec]:
-        """The section of an atomic kind (None for node models)."""
-        return getattr(self, self.kind) if self.atomic else None
-
-    def check(self, path: str) -> None:
-        """A key of another kind that differs from its default would be ignored: refuse it rather than
-        drop it silently (a run.yaml holds every key; the workflow config's are refused when given at
-        all: ``refuse_other_kinds``)."""
-        default = ModelConfig()
-        refuse_other_kinds(self.kind, [f.name for f in dataclasses.fields(self)
-                                       if not _same(getattr(self, f.name), getattr(default, f.name))], path)
-
-
-def _same(value, default) -> bool:
-    """A key at its default; an atomic section's ``lr: null`` counts as its default (what a run.yaml of
-    gnnpipe before #37 item 13 says in every atomic section, of a node model's run too)."""
-    if isinstance(value, AtomicSpec) and value.lr is None:
-        value = dataclasses.replace(value, lr=default.lr)
-    return value == default
-
-
-def refuse_other_kinds(kind: str, keys, path: str) -> None:
-    """Refuse the first of ``keys`` (ModelConfig fields) that only models of other kinds read
-    (``metadata["kinds"]``): it would be ignored silently."""
-    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    for key in keys:
-        kinds = fields[_RENAMES.get(key, key)].metadata.get("kinds")
-        if kinds and kind not in kinds:
-            name = "lambda" if key == "lambda_" else key
-            raise ConfigError(f"{path}.{name}: only models of kind {' / '.join(kinds)} read this key, a {kind} "
-                              f"model would ignore it; remove it (or set kind: {kinds[0]})")
-
-
-@dataclass
-class TrainingConfig:
-    epochs: int = 100
-    lr: float = 0.01
-    weight_decay: float = 5e-4
-    seed: int = 0
-    dtype: Literal["float32", "float64"] = "float32"
-    eval_every: int = 10  # exact inference for val/test accuracy every N epochs (and the last)
-    checkpoint_every: int = 50  # 0: only the final model
-    warmup_epochs: int = 1  # epochs excluded from the timing median
-    threads_per_worker: int = 1
-    # single-process runs: "locality" renumbers the nodes by METIS parts before training (the
-    # aggregations' gathers then hit the caches; same results up to float rounding), "given"
-    # keeps the dataset's ids (gnnpipe.partition.locality_order)
-    node_order: Literal["locality", "given"] = "locality"
-    # how long a worker waits for the others in a collective before the run fails, seconds
-    # (torch.distributed's timeout; the environment variable GNNPIPE_DIST_TIMEOUT overrides it)
-    dist_timeout_s: int = 600
-    # parallel runs of the workflow: torchrun --max-restarts (a crashed worker group is restarted
-    # and resumes from the last complete checkpoint); 0: a failure ends the job
-    max_restarts: int = 0
-
-
-@dataclass
-class PipelineConfig:
-    """GNNPipe chunk pipeline and its convergence techniques (docs/DESIGN.md §4)."""
-
-    chunks_per_stage: int = 4  # C = chunks_per_stage * S unless a run sets chunks
-    shuffle_chunks: bool = True  # technique 1
-    grad_correction: bool = True  # technique 2: zero not-yet-backpropagated rows, scale fresh ones
-    grad_scale: float = 2.0
-    snapshot_every: int = 23  # technique 3: 0 disables
-    momentum: float = 0.0  # PipeGCN-style smoothing of stale rows; 0 disables (reference 0.95)
-    recompute: bool = False  # recompute activations in backward instead of storing them
-    balance: Literal["uniform", "estimate", "profile"] = "estimate"
-
-
-@dataclass
-class PipelineOverride:
-    """A run's overrides of ``PipelineConfig`` (``runs[i].pipeline``); None keeps the workflow's."""
-
-    chunks_per_stage: Optional[int] = None
-    shuffle_chunks: Optional[bool] = None
-    grad_correction: Optional[bool] = None
-    grad_scale: Optional[float] = None
-    snapshot_every: Optional[int] = None
-    momentum: Optional[float] = None
-    recompute: Optional[bool] = None
-    balance: Optional[Literal["uniform", "estimate", "profile"]] = None
-
-
-@dataclass
-class GraphParallelConfig:
-    overlap: bool = True  # aggregate inner rows while halo rows are in flight
-    # Input features never change: fetch the halo's features once at set-up and compute
-    # the first layer's sources locally (no layer-0 exchange per epoch). False: exchange
-    # them every epoch (the docs/DESIGN.md §4 count, less the input gradients nobody needs).
-    cache_input_halo: bool = True
-
-
-@dataclass
-class PartitionConfig:
-    method: Literal["metis", "random", "contiguous"] = "metis"
-    balance_edges: bool = True  # METIS vertex weights = degree + 1
-    seed: int = 0
-
-
-@dataclass
-class ResourcesConfig:
-    """Cluster resources of the train and evaluate jobs (Snakemake ``resources:``; the
-    Slurm profile turns them into ``sbatch`` flags). Local runs only use ``threads``."""
-
-    mem_mb_per_worker: int = 4096  # a job asks for workers_on_a_node * this
-    runtime_min: int = 120  # wall-clock limit of one train job, minutes
-    gpus_per_worker: int = 0  # 0: CPU workers (gloo); 1: one GPU per worker (NCCL)
-    workers_per_node: Optional[int] = None  # None: all of a run's workers on one node
-
-
-@dataclass
-class CostModelConfig:
-    """The cost model the report sets beside every measured run (gnnpipe.planning)."""
-
-    hardware: str = "cpu-2core"  # profile name under config/hardware, or a YAML file
-    # Fit the profile's compute rates to each (dataset, model) on this machine first
-    # (rule calibrate, a few seconds each); false: the profile's rates as they are.
-    calibrate: bool = True
-
-
-@dataclass
-class RelaxConfig:
-    """IS2RS after ``evaluate`` for every atomic run (rule ``relax``, ``gnnpipe.atomic.is2rs``):
-    ``systems`` systems of the test split (a seeded sample across compositions and trajectories),
-    rattled, relaxed with the model and with the ``reference`` calculator. Defaults as OC20's IS2RS
-    baseline: ASE L-BFGS (maxstep 0.04 Å, memory 50), fairchem's 300 steps and fmax 0.02 eV/Å."""
-
-    systems: int = 4  # test systems relaxed per run; 0: no relax rule
-    optimizer: Literal["lbfgs", "fire"] = "lbfgs"
-    fmax: float = 0.02  # eV/Å: converged when the largest free-atom force is at most this
-    steps: int = 300  # optimiser steps at most, per relaxation
-    rattle: float = 0.05  # Å: Gaussian displacement of every free atom before relaxing (the initial structure)
-    seed: int = 0  # of the rattle and of the sample of test systems
-    # the calculator that labelled the data: "emt", "none" (ML relaxations only), or an ASE
-    # calculator class "module:Class" (built without arguments); null: by the data, "emt" for
-    # gnnpipe's EMT-generated systems, "none" for a user's file (atoms.file)
-    reference: Optional[str] = None
-
-    def check(self, path: str) -> None:
-        if self.reference is not None and not re.fullmatch(REFERENCE_PATTERN, self.reference):
-            raise ConfigError(f"{path}.reference: {self.reference!r} is not emt, none or an ASE calculator class "
-                              "as module:Class (e.g. ase.calculators.emt:EMT)")
-
-
-REFERENCE_PATTERN = r"emt|none|[A-Za-z_][\w.]*:[A-Za-z_]\w*"  # relax.reference, gnnpipe relax --reference
-
-
-# --------------------------------------------------------------------------- runs
-MODES = ("single", "graph", "pipeline", "hybrid")
-
-
-@dataclass
-class RunSpec:
-    """One entry of the workflow config's ``runs`` list."""
-
-    mode: Literal["single", "graph", "pipeline", "hybrid"]
-    dataset: str
-    model: str
-    workers: int = 1
-    stages: Optional[int] = None  # hybrid: S (ways = workers / S); pipeline: = workers
-    chunks: Optional[int] = None  # pipeline/hybrid: default chunks_per_stage * S
-    seed: Optional[int] = None  # overrides training.seed
-    epochs: Optional[int] = None  # overrides training.epochs
-    name: Optional[str] = None  # overrides the generated run id
-    pipeline: Optional[PipelineOverride] = None  # this run's own pipeline settings (ablations)
-    data_parallel: Optional[int] = None  # atomic graph mode: D replicas of P = workers / D ways
-    # atomic graph mode: how the P ways split a batch (gnnpipe.atomic.halo): "edges" (contiguous edge
-    # blocks, all-gathers: Sriram et al.) or "atoms" (METIS atom parts, halo all_to_all); null: edges
-    atom_layout: Optional[Literal["edges", "atoms"]] = None
-
-
-@dataclass
-class WorkflowConfig:
-    results: str = "results"
-    datasets: dict[str, DatasetConfig] = field(default_factory=dict)
-    models: dict[str, ModelConfig] = field(default_factory=dict)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    partitioning: PartitionConfig = field(default_factory=PartitionConfig)
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    graph_parallel: GraphParallelConfig = field(default_factory=GraphParallelConfig)
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
-    cost_model: CostModelConfig = field(default_factory=CostModelConfig)
-    relax: RelaxConfig = field(default_factory=RelaxConfig)
-    runs: list[RunSpec] = field(default_factory=list)
-
-
-@dataclass
-class RunConfig:
-    """Everything one training run needs; written to ``results/runs/<run_id>/run.yaml``."""
-
-    run_id: str
-    mode: Literal["single", "graph", "pipeline", "hybrid"]
-    dataset_name: str
-    graph_path: str  # results/data/<dataset>/graph.h5
-    store_path: Optional[str]  # results/chunks/<dataset>/<method>-<k>.h5 (None for single)
-    out_dir: str  # results/runs/<run_id>
-    model: ModelConfig
-    training: TrainingConfig
-    partitioning: PartitionConfig
-    pipeline: PipelineConfig
-    graph_parallel: GraphParallelConfig
-    workers: int = 1
-    stages: int = 1
-    ways: int = 1
-    chunks: int = 1  # parts in the chunk store: P for graph, C for pipeline/hybrid
-    data_parallel: int = 1  # atomic models: replicas (workers = data_parallel * ways)
-    atom_layout: Literal["edges", "atoms"] = "edges"  # atomic graph mode: how the ways split a batch
-    systems_path: Optional[str] = None  # atomic models: results/data/<dataset>/systems.h5
-
-    @property
-    def atomic(self) -> bool:
-        """The run's dataset is of kind ``atoms`` (``resolve_run`` gives such runs their systems.h5)."""
-        return self.systems_path is not None
-
-    def check(self, path: str) -> None:
-        if self.atomic != self.model.atomic:  # a run.yaml written by hand
-            raise ConfigError(f"{path}: model kind {self.model.kind} on "
-                              f"{'an atoms' if self.atomic else 'a node'} dataset ({self.dataset_name}): "
-                              f"atoms datasets train {', '.join(ATOMIC_SPECS)}, node datasets the others")
-
-
-# --------------------------------------------------------------------------- value checks
+# --------------------------------------------------------------------------- keys: bounds and docs
 def _number(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else f"{v:g}"
 
@@ -551,42 +100,522 @@ _SEED = Bound(0, 2**31 - 1)
 # A worker's wait for its peers: a week at the most (torch turns it into milliseconds, and a
 # larger value is a typo, not a plan).
 _TIMEOUT = Bound(1, 7 * 24 * 3600)
-_PIPELINE = dict(chunks_per_stage=_GE1, grad_scale=_GT0, snapshot_every=_GE0, momentum=_BELOW1)
-_ATOMIC = dict(force_weight=_GE0, batch_size=_GE1, lr=_GT0, cutoff=_GT0, clip_grad_norm=_GT0,
-               ema_decay=_BELOW1, eval_train_systems=_GE1)  # every AtomicSpec
-
-BOUNDS: dict[type, dict[str, Bound]] = {
-    SyntheticConfig: dict(num_nodes=Bound(2, MAX_NODES), avg_degree=_GT0, num_features=_WIDTH,
-                          num_classes=Bound(2, MAX_WIDTH), num_communities=Bound(2, MAX_NODES),
-                          intra_fraction=_FRACTION, locality=_FRACTION,
-                          degree_exponent=_GT0, feature_signal=_GE0, label_noise=_FRACTION,
-                          train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
-    FilesConfig: dict(train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
-    AtomsConfig: dict(num_trajectories=_GE1, frames_per_trajectory=_GE1, rattle=_GE0, min_distance=_GT0, cutoff=_GT0, max_neighbors=_GE1,
-                      train_fraction=_FRACTION, val_fraction=_FRACTION, seed=_SEED),
-    ScheduleConfig: dict(warmup_epochs=_GE0, min_lr_factor=_FRACTION),
-    GuardConfig: dict(loss_factor=Bound(1, lo_open=True), patience=_GE1, min_force_cos=Bound(-1, 1)),
-    DimeNetPPSpec: dict(_ATOMIC, hidden_channels=_WIDTH, num_blocks=_DEPTH, int_emb_size=_WIDTH,
-                        basis_emb_size=_WIDTH, out_emb_channels=_WIDTH, num_spherical=_DEPTH, num_radial=_DEPTH),
-    GemNetTSpec: dict(_ATOMIC, **{f.name: _DEPTH if f.name.startswith("num_") else _WIDTH  # counts, widths
-                                  for f in dataclasses.fields(GemNetTSpec)
-                                  if f.name not in {g.name for g in dataclasses.fields(AtomicSpec)}}),
-    ModelConfig: dict(layers=_DEPTH, hidden=_WIDTH, dropout=_BELOW1, heads=_WIDTH, alpha=_FRACTION, lambda_=_GT0),
-    TrainingConfig: dict(epochs=_GE1, lr=_GT0, weight_decay=_GE0, seed=_SEED, eval_every=_GE1,
-                         checkpoint_every=_GE0, warmup_epochs=_GE0, threads_per_worker=_GE1,
-                         dist_timeout_s=_TIMEOUT, max_restarts=_GE0),
-    PipelineConfig: _PIPELINE,
-    PipelineOverride: _PIPELINE,
-    PartitionConfig: dict(seed=_SEED),
-    ResourcesConfig: dict(mem_mb_per_worker=_GE1, runtime_min=_GE1, gpus_per_worker=_GE0,
-                          workers_per_node=_GE1),
-    RelaxConfig: dict(systems=_GE0, fmax=_GT0, steps=_GE1, rattle=_GE0, seed=_SEED),
-    RunSpec: dict(workers=_WORKERS, stages=_DEPTH, chunks=Bound(1, MAX_NODES), seed=_SEED, epochs=_GE1,
-                  data_parallel=_WORKERS),
-    RunConfig: dict(workers=_WORKERS, stages=_DEPTH, ways=_WORKERS, chunks=Bound(1, MAX_NODES),
-                    data_parallel=_WORKERS),
-}
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # dataset, model and run names: safe in paths
+REFERENCE_PATTERN = r"emt|none|[A-Za-z_][\w.]*:[A-Za-z_]\w*"  # relax.reference, gnnpipe relax --reference
+
+
+def key(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, bound: Optional[Bound] = None,
+        doc: str = "", kinds: tuple[str, ...] = (), schema: Optional[dict] = None, required: bool = False):
+    """A config field with what the checks and the JSON schema read from its metadata: ``bound`` (the
+    interval a number lies in; ``from_dict`` checks it, the schema says it), ``doc`` (the schema's
+    description), ``kinds`` (the model kinds that read a ModelConfig key: ``_kinds``), ``schema``
+    (JSON-schema keywords the types do not say: a name pattern, an enum of list items, a length;
+    ``items`` is merged into the items' schema) and ``required`` (the workflow config must give the
+    key although the dataclass has a default)."""
+    meta: dict[str, Any] = {}
+    if bound is not None:
+        meta["bound"] = bound
+    if doc:
+        meta["doc"] = doc
+    if kinds:
+        meta.update(_kinds(*kinds))
+    if schema:
+        meta["schema"] = schema
+    if required:
+        meta["required"] = True
+    return field(default=default, default_factory=factory, metadata=meta)
+
+
+def _kinds(*kinds: str) -> dict:
+    """A ModelConfig field's metadata: the model kinds that read it (others refuse it: ModelConfig.check)."""
+    return {"kinds": kinds}
+
+
+def bounds(cls: type) -> dict[str, Bound]:
+    """The bounds of a config dataclass's numeric fields (their ``metadata["bound"]``), by field name."""
+    return {f.name: f.metadata["bound"] for f in dataclasses.fields(cls) if "bound" in f.metadata}
+
+
+_NAME = {"type": "string", "pattern": NAME_PATTERN}
+
+
+# --------------------------------------------------------------------------- datasets
+@dataclass
+class SyntheticConfig:
+    """Degree-corrected SBM with power-law degrees and a locality knob (see gnnpipe.data.synthetic).
+
+    Fields left ``None`` take the value of the named ``shape``.
+    """
+
+    shape: Literal["default", "reddit-like", "physics-like"] = "default"
+    num_nodes: Optional[int] = key(None, bound=Bound(2, MAX_NODES))
+    avg_degree: Optional[float] = key(None, bound=_GT0)
+    num_features: Optional[int] = key(None, bound=_WIDTH)
+    num_classes: Optional[int] = key(None, bound=Bound(2, MAX_WIDTH))
+    num_communities: Optional[int] = key(None, bound=Bound(2, MAX_NODES))
+    intra_fraction: Optional[float] = key(None, bound=_FRACTION, doc="share of edges inside a community")
+    locality: Optional[float] = key(None, bound=_FRACTION,
+                                    doc="share of intra edges kept near in a 1-D embedding (0..1)")
+    degree_exponent: Optional[float] = key(None, bound=_GT0, doc="power-law exponent of expected degrees")
+    feature_signal: Optional[float] = key(None, bound=_GE0, doc="class signal in features relative to noise")
+    label_noise: Optional[float] = key(None, bound=_FRACTION,
+                                       doc="share of nodes whose label is not their community's")
+    train_fraction: float = key(0.6, bound=_FRACTION)
+    val_fraction: float = key(0.2, bound=_FRACTION)
+    seed: int = key(0, bound=_SEED)
+
+
+@dataclass
+class OgbConfig:
+    """An OGB node-property dataset read from OGB's raw on-disk files under ``root``."""
+
+    name: Literal["ogbn-arxiv", "ogbn-products", "ogbn-papers100M"] = "ogbn-arxiv"
+    root: str = key("data/ogb", doc="where <name with _>/ lies or is downloaded to")
+    download: bool = key(True, doc="try to download when missing (needs the internet)")
+
+
+@dataclass
+class FilesConfig:
+    """A user's own graph: an edge list and per-node arrays."""
+
+    edges: str = key("", doc=".csv (two int columns, optional header) or .npy/.npz (E, 2)")
+    features: str = key("", doc=".npy (N, F)")
+    labels: str = key("", doc=".npy (N,) integral")
+    train_mask: Optional[str] = key(None, doc=".npy bool (N,); all three or none")
+    val_mask: Optional[str] = None
+    test_mask: Optional[str] = None
+    train_fraction: float = key(0.6, bound=_FRACTION, doc="random split when no masks are given")
+    val_fraction: float = key(0.2, bound=_FRACTION)
+    seed: int = key(0, bound=_SEED)
+
+
+_METALS = ["Cu", "Ag", "Au", "Ni", "Pd", "Pt", "Al"]
+_ADSORBATES = ["O", "H", "C", "N", "CO", "N2", "NO"]
+
+
+@dataclass
+class AtomsConfig:
+    """Atomistic systems with energies and forces (gnnpipe.atomic.data) and their radius graphs.
+
+    ``file`` empty: generate slab + adsorbate relaxations under ASE's EMT calculator, frames along
+    each as systems (no internet); else read the user's ASE database (``.db``) or extended XYZ file.
+    ``split``: ``trajectory`` keeps each trajectory (generated: a relaxation; a file: the structures
+    with one value of ``group_key``) in one of train/val/test; ``random``: structure by structure;
+    a file's fixed split (the fractions unused): ``key``, each structure's ``split_key`` (info key /
+    db column) names its split, train, val or test; ``file``, the index file ``split_file`` (JSON or
+    NPZ: train/val/test lists of 0-based structure positions) lists them.
+    """
+
+    file: str = ""
+    num_trajectories: int = key(21, bound=_GE1, doc="generated relaxations")
+    frames_per_trajectory: int = key(3, bound=_GE1,
+                                     doc="systems taken along each (initial, ..., relaxed); 1: the start only")
+    split: Literal["trajectory", "random", "key", "file"] = "trajectory"
+    group_key: str = key("trajectory",
+                         doc="a file's info key (extxyz) / column (ASE db) naming each structure's trajectory")
+    split_key: str = key("split", doc="split: key: the info key / column whose value is train, val or test")
+    split_file: str = key("", doc="split: file: JSON or NPZ of train/val/test structure indices (0-based, "
+                                  "file order)")
+    metals: list[str] = key(factory=lambda: list(_METALS), schema={"minItems": 1, "items": {"enum": _METALS}})
+    adsorbates: list[str] = key(factory=lambda: list(_ADSORBATES),
+                                schema={"minItems": 1, "items": {"enum": _ADSORBATES}})
+    slab_size: list[int] = key(factory=lambda: [2, 2, 3], doc="fcc(111)/(100) repeats, layers last",
+                               schema={"minItems": 3, "maxItems": 3, "items": _GE1.schema()})
+    rattle: float = key(0.05, bound=_GE0, doc="Å")
+    min_distance: float = key(0.5, bound=_GT0, doc=(
+        "Å: two atoms (or an atom and a periodic image) closer than this are refused when the systems are "
+        "read or generated (gnnpipe.atomic.checks); the shortest real bond, H2, is 0.74 Å"))
+    cutoff: float = key(5.0, bound=_GT0, doc="Å, radius graph and the model's basis cutoff")
+    max_neighbors: int = key(32, bound=_GE1, doc="nearest neighbours kept per atom")
+    train_fraction: float = key(0.8, bound=_FRACTION)
+    val_fraction: float = key(0.1, bound=_FRACTION)
+    seed: int = key(0, bound=_SEED)
+
+    def check(self, path: str) -> None:  # numbers: their bounds
+        if len(self.slab_size) != 3 or min(self.slab_size) < 1:
+            raise ConfigError(f"{path}.slab_size: three positive repeats, got {self.slab_size}")
+        if self.split in ("key", "file") and not self.file:
+            raise ConfigError(f"{path}.split: {self.split} fixes a split of a user's structures (atoms.file); "
+                              f"generated data is split by trajectory or random")
+        if (self.split == "file") != bool(self.split_file):
+            raise ConfigError(f"{path}.split_file: " + ("split: file needs the index file here" if self.split == "file"
+                              else f"an index file is read with split: file only (split is {self.split})"))
+
+
+@dataclass
+class DatasetConfig:
+    """One named dataset: its kind, the graph's symmetry and self-loops, and the kind's section."""
+
+    kind: Literal["synthetic", "ogb", "files", "atoms"] = "synthetic"
+    symmetrize: bool = key(True, doc="add the reverse of every edge")
+    self_loops: Literal["remove", "add", "keep"] = key("remove", doc="layers add their own self term")
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    ogb: OgbConfig = field(default_factory=OgbConfig)
+    files: FilesConfig = field(default_factory=FilesConfig)
+    atoms: AtomsConfig = field(default_factory=AtomsConfig)
+
+
+# --------------------------------------------------------------------------- model & training
+#: Node-level model kinds (graph layers, gnnpipe.models): the conv registry's names (no torch).
+NODE_KINDS = CONVS.names()
+
+#: Every model kind: the schema's enum and the CLI's choices are this tuple.
+MODEL_KINDS = NODE_KINDS + ATOMIC_MODELS.names()
+
+
+@dataclass
+class ScheduleConfig:
+    """The learning rate of an atomic model per optimizer step (gnnpipe.atomic.habits.lr_at): a linear
+    warmup to the model's lr over ``warmup_epochs``, then a cosine decay to ``min_lr_factor`` x lr
+    at the last step (``decay: none``: lr after the warmup)."""
+
+    warmup_epochs: float = key(2.0, bound=_GE0, doc="epochs of linear warmup (fractions allowed: steps are counted)")
+    decay: Literal["cosine", "none"] = "cosine"
+    min_lr_factor: float = key(0.02, bound=_FRACTION, doc="the last step's lr, as a fraction of lr")
+
+
+@dataclass
+class GuardConfig:
+    """The divergence guard of an atomic run (gnnpipe.atomic.habits.Guard): a non-finite loss, the
+    loss above ``loss_factor`` x its best for ``patience`` epochs in a row, or a force cosine (val,
+    else train) below ``min_force_cos`` at an evaluation after the warmup where the loss no longer
+    falls (no new best) stops the run: one line, MLflow FAILED, exit non-zero, no model written.
+    ``null`` switches a test off."""
+
+    loss_factor: Optional[float] = key(3.0, bound=Bound(1, lo_open=True))
+    patience: int = key(3, bound=_GE1)
+    min_force_cos: Optional[float] = key(-0.2, bound=Bound(-1, 1))
+
+
+@dataclass
+class AtomicSpec:
+    """What every atomic model's section holds beside its sizes: a preset, the force head, how it
+    trains (lr, its schedule, clipping, the weights' moving average, the divergence guard), and its
+    basis cutoff. Sizes left ``None`` keep the preset's. Each kind's section is this class with the
+    sizes of the kind's config class (``atomic_spec``)."""
+
+    preset: Literal["small", "default", "xl"] = "small"
+    force_head: Optional[Literal["gradient", "direct"]] = key(
+        None, doc="gradient: F = -dE/dpos; direct: a force head; null: the preset's")
+    force_weight: float = key(10.0, bound=_GE0, doc=(
+        "weight of the force term in the loss; 0 (or data without forces): energy-only training, no force pass"))
+    batch_size: int = key(4, bound=_GE1, doc="systems per step and data-parallel replica")
+    lr: Optional[float] = key(1e-3, bound=_GT0, doc=(
+        "Adam's learning rate, the schedule's peak (training.lr is the node models'); each kind sets its own "
+        "(its config class's SPEC_DEFAULTS). null (run.yaml files written before #37 item 13, whose atomic "
+        "sections say lr: null): training.lr, the rate such a run trained at"))
+    cutoff: Optional[float] = key(None, bound=_GT0, doc=(
+        "Å, the model's basis cutoff: null = the graphs' (datasets.<name>.atoms.cutoff); a smaller one drops "
+        "the longer edges at set-up, a larger one is refused (the graphs lack those neighbours)"))
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    clip_grad_norm: Optional[float] = key(10.0, bound=_GT0,
+                                          doc="the gradients' global 2-norm is clipped to this (null: off)")
+    ema_decay: Optional[float] = key(0.99, bound=_BELOW1, doc=(
+        "the weights evaluated and written as the model: their exponential moving average (null: the last)"))
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    eval_train_systems: Optional[int] = key(500, bound=_GE1, doc=(
+        "every evaluation (training's, gnnpipe evaluate's) scores val and test whole and, of the training "
+        "split, a seeded sample of at most this many systems, the same each time (null: all of them)"))
+
+
+def _size_bound(name: str) -> Bound:
+    """A size of an atomic model: a count (``num_*``: blocks, basis functions, layers) or a width."""
+    return _DEPTH if name.startswith("num_") else _WIDTH
+
+
+def _derived(name: str, base: type, fields: list, doc: str) -> type:
+    """``base`` with ``fields`` ((name, type, field) triples) added or redefined (a redefined field keeps
+    its place), a dataclass of this module."""
+    cls = dataclasses.make_dataclass(name, fields, bases=(base,))
+    cls.__module__, cls.__qualname__, cls.__doc__ = __name__, name, doc
+    return cls
+
+
+def atomic_spec(kind: str) -> type:
+    """The class of an atomic kind's section ``models.<name>.<kind>``, derived from the kind's config
+    class (``ATOMIC_CONFIGS[kind]``): ``AtomicSpec`` plus, in the config's order, every field marked
+    ``"spec": "preset"`` as ``Optional[...] = None`` (the preset's value), bounded as a count
+    (``num_*``) or a width; a field marked ``"spec": "own"`` with the config's own type and default;
+    and the config's ``SPEC_DEFAULTS`` as the kind's defaults of AtomicSpec's keys."""
+    config = ATOMIC_CONFIGS[kind]
+    hints, base_hints = typing.get_type_hints(config), typing.get_type_hints(AtomicSpec)
+    base = {f.name: f for f in dataclasses.fields(AtomicSpec)}
+    own = []
+    for f in dataclasses.fields(config):
+        doc, role = f.metadata.get("doc", ""), f.metadata.get("spec")
+        if role == "preset":
+            own.append((f.name, Optional[hints[f.name]], key(None, bound=_size_bound(f.name), doc=doc)))
+        elif role == "own":
+            own.append((f.name, hints[f.name], key(f.default, doc=doc or base[f.name].metadata.get("doc", ""))))
+        elif role is not None:
+            raise TypeError(f"{config.__name__}.{f.name}: metadata spec is 'preset' or 'own', not {role!r}")
+    for name, value in getattr(config, "SPEC_DEFAULTS", {}).items():
+        own.append((name, base_hints[name], field(default=value, metadata=base[name].metadata)))
+    doc = (f"{config.__doc__.strip()} The section ``models.<name>.{kind}``: {AtomicSpec.__doc__.split('.')[0]}; "
+           f"null sizes keep the preset's.")
+    return _derived(f"{config.__name__.removesuffix('Config')}Spec", AtomicSpec, own, doc)
+
+
+#: The config section of each atomic kind: ``models.<name>.<kind>`` (a field of ModelConfig), derived
+#: from the kind's config class: its size fields are the kind's, the rest how it trains.
+ATOMIC_SPECS = {kind: atomic_spec(kind) for kind in ATOMIC_MODELS.names()}
+# module attributes (DimeNetPPSpec, GemNetTSpec, ...), so that pickle (spawned workers) finds them by name
+globals().update({spec.__name__: spec for spec in ATOMIC_SPECS.values()})
+
+
+@dataclass
+class _ModelConfig:
+    """A stack of ``layers`` graph layers (``mlp``: no graph, the baseline), or an atomic model
+    (a kind of ``gnnpipe.atomic.protocol.ATOMIC_MODELS``) sized by its own section."""
+
+    kind: Literal[MODEL_KINDS] = key("gcn", doc="a model kind: gnnpipe.kinds' registries' names")  # type: ignore[valid-type]
+    layers: int = key(2, bound=_DEPTH, kinds=NODE_KINDS)
+    hidden: int = key(64, bound=_WIDTH, kinds=NODE_KINDS)
+    dropout: float = key(0.5, bound=_BELOW1, kinds=NODE_KINDS)
+    heads: int = key(4, bound=_WIDTH, kinds=("gat",), doc="gat: attention heads (hidden is split across them)")
+    alpha: float = key(0.1, bound=_FRACTION, kinds=("gcnii",), doc="initial-residual weight")
+    lambda_: float = key(0.5, bound=_GT0, kinds=("gcnii",), doc="identity-mapping strength (YAML key: lambda)")
+    norm: Literal["none", "layer"] = key("none", kinds=("gcn", "sage", "gat"), doc=(
+        "normalisation after each hidden layer of the plain stacks (resgcn: always layer)"))
+
+    @property
+    def atomic(self) -> bool:
+        return self.kind in ATOMIC_SPECS
+
+    @property
+    def spec(self) -> Optional[AtomicSpec]:
+        """The section of an atomic kind (None for node models)."""
+        return getattr(self, self.kind) if self.atomic else None
+
+    def check(self, path: str) -> None:
+        """A key of another kind that differs from its default would be ignored: refuse it rather than
+        drop it silently (a run.yaml holds every key; the workflow config's are refused when given at
+        all: ``refuse_other_kinds``)."""
+        default = ModelConfig()
+        refuse_other_kinds(self.kind, [f.name for f in dataclasses.fields(self)
+                                       if not _same(getattr(self, f.name), getattr(default, f.name))], path)
+
+
+#: The model config: the node models' keys, then one section per atomic kind (``ATOMIC_SPECS``).
+ModelConfig = _derived("ModelConfig", _ModelConfig, [
+    (kind, spec, key(factory=spec, kinds=(kind,))) for kind, spec in ATOMIC_SPECS.items()], _ModelConfig.__doc__)
+
+
+def _same(value, default) -> bool:
+    """A key at its default; an atomic section's ``lr: null`` counts as its default (what a run.yaml of
+    gnnpipe before #37 item 13 says in every atomic section, of a node model's run too)."""
+    if isinstance(value, AtomicSpec) and value.lr is None:
+        value = dataclasses.replace(value, lr=default.lr)
+    return value == default
+
+
+def refuse_other_kinds(kind: str, keys, path: str) -> None:
+    """Refuse the first of ``keys`` (ModelConfig fields) that only models of other kinds read
+    (``metadata["kinds"]``): it would be ignored silently."""
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    for key in keys:
+        kinds = fields[_RENAMES.get(key, key)].metadata.get("kinds")
+        if kinds and kind not in kinds:
+            name = "lambda" if key == "lambda_" else key
+            raise ConfigError(f"{path}.{name}: only models of kind {' / '.join(kinds)} read this key, a {kind} "
+                              f"model would ignore it; remove it (or set kind: {kinds[0]})")
+
+@dataclass
+class TrainingConfig:
+    """Training settings every run shares (a run may override ``epochs`` and ``seed``)."""
+
+    epochs: int = key(100, bound=_GE1)
+    lr: float = key(0.01, bound=_GT0)
+    weight_decay: float = key(5e-4, bound=_GE0)
+    seed: int = key(0, bound=_SEED)
+    dtype: Literal["float32", "float64"] = "float32"
+    eval_every: int = key(10, bound=_GE1, doc="exact inference for val/test accuracy every N epochs (and the last)")
+    checkpoint_every: int = key(50, bound=_GE0, doc="0: only the final model")
+    warmup_epochs: int = key(1, bound=_GE0, doc="epochs excluded from the timing median")
+    threads_per_worker: int = key(1, bound=_GE1)
+    node_order: Literal["locality", "given"] = key("locality", doc=(
+        "single-process runs: locality renumbers the nodes by METIS parts before training (the aggregations' "
+        "gathers then hit the caches; same results up to float rounding), given keeps the dataset's ids "
+        "(gnnpipe.partition.locality_order)"))
+    dist_timeout_s: int = key(600, bound=_TIMEOUT, doc=(
+        "how long a worker waits for the others in a collective before the run fails, seconds "
+        "(torch.distributed's timeout; the environment variable GNNPIPE_DIST_TIMEOUT overrides it)"))
+    max_restarts: int = key(0, bound=_GE0, doc=(
+        "parallel runs of the workflow: torchrun --max-restarts (a crashed worker group is restarted and "
+        "resumes from the last complete checkpoint); 0: a failure ends the job"))
+
+
+@dataclass
+class PipelineConfig:
+    """GNNPipe chunk pipeline and its convergence techniques (docs/DESIGN.md §4)."""
+
+    chunks_per_stage: int = key(4, bound=_GE1, doc="C = chunks_per_stage * S unless a run sets chunks")
+    shuffle_chunks: bool = key(True, doc="technique 1")
+    grad_correction: bool = key(True, doc="technique 2: zero not-yet-backpropagated rows, scale fresh ones")
+    grad_scale: float = key(2.0, bound=_GT0)
+    snapshot_every: int = key(23, bound=_GE0, doc="technique 3: 0 disables")
+    momentum: float = key(0.0, bound=_BELOW1, doc="PipeGCN-style smoothing of stale rows; 0 disables (reference 0.95)")
+    recompute: bool = key(False, doc="recompute activations in backward instead of storing them")
+    balance: Literal["uniform", "estimate", "profile"] = "estimate"
+
+
+#: A run's overrides of ``PipelineConfig`` (``runs[i].pipeline``): every field Optional, None keeps the
+#: workflow's; the bounds and docs are PipelineConfig's.
+PipelineOverride = _derived("PipelineOverride", object, [
+    (f.name, Optional[hint], field(default=None, metadata=f.metadata))
+    for f, hint in ((f, typing.get_type_hints(PipelineConfig)[f.name]) for f in dataclasses.fields(PipelineConfig))],
+    "A run's overrides of ``PipelineConfig`` (``runs[i].pipeline``); None keeps the workflow's.")
+
+
+@dataclass
+class GraphParallelConfig:
+    """Graph parallelism's options."""
+
+    overlap: bool = key(True, doc="aggregate inner rows while halo rows are in flight")
+    cache_input_halo: bool = key(True, doc=(
+        "input features never change: fetch the halo's features once at set-up and compute the first layer's "
+        "sources locally (no layer-0 exchange per epoch); false: exchange them every epoch (the docs/DESIGN.md "
+        "§4 count, less the input gradients nobody needs)"))
+
+
+@dataclass
+class PartitionConfig:
+    """How the graph is split into parts and chunks."""
+
+    method: Literal["metis", "random", "contiguous"] = "metis"
+    balance_edges: bool = key(True, doc="METIS vertex weights = degree + 1")
+    seed: int = key(0, bound=_SEED)
+
+
+@dataclass
+class ResourcesConfig:
+    """Cluster resources of the train and evaluate jobs (Snakemake ``resources:``; the
+    Slurm profile turns them into ``sbatch`` flags). Local runs only use ``threads``."""
+
+    mem_mb_per_worker: int = key(4096, bound=_GE1, doc="a job asks for workers_on_a_node * this")
+    runtime_min: int = key(120, bound=_GE1, doc="wall-clock limit of one train job, minutes")
+    gpus_per_worker: int = key(0, bound=_GE0, doc="0: CPU workers (gloo); 1: one GPU per worker (NCCL)")
+    workers_per_node: Optional[int] = key(None, bound=_GE1, doc="null: all of a run's workers on one node")
+
+
+@dataclass
+class CostModelConfig:
+    """The cost model the report sets beside every measured run (gnnpipe.planning)."""
+
+    hardware: str = key("cpu-2core", doc="profile name under config/hardware, or a YAML file",
+                        schema={"minLength": 1})
+    calibrate: bool = key(True, doc=(
+        "fit the profile's compute rates to each (dataset, model) on this machine first (rule calibrate, a few "
+        "seconds each); false: the profile's rates as they are"))
+
+
+@dataclass
+class RelaxConfig:
+    """IS2RS after ``evaluate`` for every atomic run (rule ``relax``, ``gnnpipe.atomic.is2rs``):
+    ``systems`` systems of the test split (a seeded sample across compositions and trajectories),
+    rattled, relaxed with the model and with the ``reference`` calculator. Defaults as OC20's IS2RS
+    baseline: ASE L-BFGS (maxstep 0.04 Å, memory 50), fairchem's 300 steps and fmax 0.02 eV/Å."""
+
+    systems: int = key(4, bound=_GE0, doc="test systems relaxed per run; 0: no relax rule")
+    optimizer: Literal["lbfgs", "fire"] = "lbfgs"
+    fmax: float = key(0.02, bound=_GT0, doc="eV/Å: converged when the largest free-atom force is at most this")
+    steps: int = key(300, bound=_GE1, doc="optimiser steps at most, per relaxation")
+    rattle: float = key(0.05, bound=_GE0, doc=(
+        "Å: Gaussian displacement of every free atom before relaxing (the initial structure)"))
+    seed: int = key(0, bound=_SEED, doc="of the rattle and of the sample of test systems")
+    reference: Optional[str] = key(None, schema={"pattern": f"^({REFERENCE_PATTERN})$"}, doc=(
+        "the calculator that labelled the data: emt, none (ML relaxations only), or an ASE calculator class "
+        "module:Class (built without arguments); null: by the data, emt for gnnpipe's EMT-generated systems, "
+        "none for a user's file (atoms.file)"))
+
+    def check(self, path: str) -> None:
+        if self.reference is not None and not re.fullmatch(REFERENCE_PATTERN, self.reference):
+            raise ConfigError(f"{path}.reference: {self.reference!r} is not emt, none or an ASE calculator class "
+                              "as module:Class (e.g. ase.calculators.emt:EMT)")
+
+
+# --------------------------------------------------------------------------- runs
+MODES = ("single", "graph", "pipeline", "hybrid")
+
+
+@dataclass
+class RunSpec:
+    """One entry of the workflow config's ``runs`` list; its id is
+    ``<dataset>-<model>-<mode>-<layout>-seed<seed>`` unless ``name`` is set."""
+
+    mode: Literal["single", "graph", "pipeline", "hybrid"]
+    dataset: str
+    model: str
+    workers: int = key(1, bound=_WORKERS)
+    stages: Optional[int] = key(None, bound=_DEPTH, doc="hybrid: S (ways = workers / S); pipeline: = workers")
+    chunks: Optional[int] = key(None, bound=Bound(1, MAX_NODES), doc="pipeline/hybrid: default chunks_per_stage * S")
+    seed: Optional[int] = key(None, bound=_SEED, doc="overrides training.seed")
+    epochs: Optional[int] = key(None, bound=_GE1, doc="overrides training.epochs")
+    name: Optional[str] = key(None, doc="overrides the generated run id", schema={"pattern": NAME_PATTERN})
+    pipeline: Optional[PipelineOverride] = key(None, doc="this run's own pipeline settings (ablations)")
+    data_parallel: Optional[int] = key(None, bound=_WORKERS,
+                                       doc="atomic graph mode: D replicas of P = workers / D ways")
+    atom_layout: Optional[Literal["edges", "atoms"]] = key(None, doc=(
+        "atomic graph mode: how the P ways split a batch (gnnpipe.atomic.halo): edges (contiguous edge blocks, "
+        "all-gathers: Sriram et al.) or atoms (METIS atom parts, halo all_to_all); null: edges"))
+
+
+@dataclass
+class WorkflowConfig:
+    """The workflow config (config/config.yaml): named datasets and models, shared settings, the runs."""
+
+    results: str = key("results", schema={"minLength": 1}, doc=(
+        "the directory every output goes to (any path without control characters, { or }; spaces are fine)"))
+    datasets: dict[str, DatasetConfig] = key(factory=dict, required=True,
+                                             schema={"minProperties": 1, "propertyNames": _NAME})
+    models: dict[str, ModelConfig] = key(factory=dict, required=True,
+                                         schema={"minProperties": 1, "propertyNames": _NAME})
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    partitioning: PartitionConfig = field(default_factory=PartitionConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    graph_parallel: GraphParallelConfig = field(default_factory=GraphParallelConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    cost_model: CostModelConfig = field(default_factory=CostModelConfig)
+    relax: RelaxConfig = field(default_factory=RelaxConfig)
+    runs: list[RunSpec] = key(factory=list, required=True, schema={"minItems": 1})
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs; written to ``results/runs/<run_id>/run.yaml``."""
+
+    run_id: str
+    mode: Literal["single", "graph", "pipeline", "hybrid"]
+    dataset_name: str
+    graph_path: str  # results/data/<dataset>/graph.h5
+    store_path: Optional[str]  # results/chunks/<dataset>/<method>-<k>.h5 (None for single)
+    out_dir: str  # results/runs/<run_id>
+    model: ModelConfig
+    training: TrainingConfig
+    partitioning: PartitionConfig
+    pipeline: PipelineConfig
+    graph_parallel: GraphParallelConfig
+    workers: int = key(1, bound=_WORKERS)
+    stages: int = key(1, bound=_DEPTH)
+    ways: int = key(1, bound=_WORKERS)
+    chunks: int = key(1, bound=Bound(1, MAX_NODES), doc="parts in the chunk store: P for graph, C for pipeline/hybrid")
+    data_parallel: int = key(1, bound=_WORKERS, doc="atomic models: replicas (workers = data_parallel * ways)")
+    atom_layout: Literal["edges", "atoms"] = key("edges", doc="atomic graph mode: how the ways split a batch")
+    systems_path: Optional[str] = key(None, doc="atomic models: results/data/<dataset>/systems.h5")
+
+    @property
+    def atomic(self) -> bool:
+        """The run's dataset is of kind ``atoms`` (``resolve_run`` gives such runs their systems.h5)."""
+        return self.systems_path is not None
+
+    def check(self, path: str) -> None:
+        if self.atomic != self.model.atomic:  # a run.yaml written by hand
+            raise ConfigError(f"{path}: model kind {self.model.kind} on "
+                              f"{'an atoms' if self.atomic else 'a node'} dataset ({self.dataset_name}): "
+                              f"atoms datasets train {', '.join(ATOMIC_SPECS)}, node datasets the others")
+
+
+# --------------------------------------------------------------------------- value checks
 # File and directory paths of each section. Any character but a control character (a newline
 # in a path breaks logs and shells; spaces and quotes are fine, the rules quote every path);
 # in the workflow config, not { or } either: Snakemake reads them as wildcards in the rules' paths.
@@ -640,7 +669,7 @@ def check_output_dir(value: str, where: str) -> None:
 
 def _check_values(obj, path: str) -> None:
     """The bounds of ``obj``'s numeric fields (``None``: the default of the shape / mode)."""
-    for name, bound in BOUNDS.get(type(obj), {}).items():
+    for name, bound in bounds(type(obj)).items():
         v = getattr(obj, name)
         if v is not None and not bound.ok(v):
             key = "lambda" if name == "lambda_" else name
@@ -776,15 +805,102 @@ def load_yaml(path: str | Path) -> Any:
         raise ConfigError(f"{path}: not valid YAML ({e})") from None
 
 
+# --------------------------------------------------------------------------- the JSON schema
+#: Where the generated schema is committed (a source checkout; an installed package has no workflow/).
 SCHEMA_FILE = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+SCHEMA_HEADER = """\
+# GENERATED from the config dataclasses (gnnpipe.config.json_schema, src/gnnpipe/config.py): do not edit.
+# Regenerate after changing a config key: python -m gnnpipe.config --write-schema
+# (tests/test_workflow.py fails while this file differs from what the dataclasses generate).
+# gnnpipe.config.load_workflow_config, the one judge of a config (gnnpipe runs and common.smk alike),
+# checks the dataclasses and then this schema, generated in memory; this file is for readers and tools.
+"""
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
 
 
-def workflow_schema(path: str | Path = SCHEMA_FILE) -> dict:
-    """The workflow config's JSON schema (``workflow/schemas/config.schema.yaml``) with the enum of
-    model kinds filled in from ``MODEL_KINDS`` (the node kinds and the atomic registry's names)."""
-    schema = load_yaml(path)
-    schema["$defs"]["model"]["properties"]["kind"]["enum"] = list(MODEL_KINDS)
-    return schema
+def _doc(obj) -> str:
+    """A docstring as one line (none for the signature ``dataclass`` writes when there is none)."""
+    doc = obj.__doc__ or ""
+    return "" if doc.startswith(f"{obj.__name__}(") else " ".join(doc.split())
+
+
+def _type_schema(tp, defs: dict) -> dict:
+    """The JSON schema of a field type; nested dataclasses go to ``defs`` by class name."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if tp.__name__ not in defs:
+            defs[tp.__name__] = {}  # taken before recursing
+            defs[tp.__name__] = _object_schema(tp, defs)
+        return {"$ref": f"#/$defs/{tp.__name__}", "type": "object"}  # the type here: it may be made nullable
+    if origin is Literal:
+        return {"type": "string", "enum": list(args)}
+    if origin in (typing.Union, types.UnionType):
+        inner, = [a for a in args if a is not type(None)]
+        out = _type_schema(inner, defs)
+        out["type"] = [out["type"], "null"]
+        if "enum" in out:
+            out["enum"] = [*out["enum"], None]
+        return out
+    if origin is dict:
+        return {"type": "object", "additionalProperties": _type_schema(args[1], defs)}
+    if origin is list:
+        return {"type": "array", "items": _type_schema(args[0], defs)}
+    return {"type": _JSON_TYPES[tp]}
+
+
+def _object_schema(cls, defs: dict) -> dict:
+    """A config dataclass as a closed JSON object: each field's type, bound, default (leaves only: an
+    absent section takes the dataclass defaults), extra keywords and doc; its required keys."""
+    hints, props, required = typing.get_type_hints(cls), {}, []
+    for f in dataclasses.fields(cls):
+        name = "lambda" if f.name == "lambda_" else f.name
+        prop = _type_schema(hints[f.name], defs)
+        if "bound" in f.metadata:
+            prop.update(f.metadata["bound"].schema())
+        for k, v in f.metadata.get("schema", {}).items():
+            prop[k] = {**prop[k], **v} if k == "items" else v
+        if f.default is not dataclasses.MISSING and f.default is not None:
+            prop["default"] = f.default
+        if f.metadata.get("doc"):
+            prop["description"] = f.metadata["doc"]
+        props[name] = prop
+        if f.metadata.get("required") or (f.default is dataclasses.MISSING
+                                          and f.default_factory is dataclasses.MISSING):
+            required.append(name)
+    out = {"description": _doc(cls)} if _doc(cls) else {}
+    out.update(additionalProperties=False, properties=props)
+    if required:
+        out["required"] = required
+    return out
+
+
+def json_schema() -> dict:
+    """The workflow config's JSON schema (draft 2020-12), generated from the dataclasses: types
+    (Optional: null allowed; Literal: an enum, model kinds from the registries), defaults, bounds,
+    the extra keywords and docs of each field's metadata (``key``); every section is closed."""
+    defs: dict = {}
+    root = _object_schema(WorkflowConfig, defs)
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "GNNPipe workflow config",
+            "type": "object", **root, "$defs": dict(sorted(defs.items()))}
+
+
+def schema_text() -> str:
+    """``json_schema()`` as the committed file's text (``workflow/schemas/config.schema.yaml``)."""
+    return SCHEMA_HEADER + yaml.dump(json_schema(), Dumper=_PlainDumper, sort_keys=False, allow_unicode=True,
+                                     width=110, default_flow_style=None)
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """YAML without anchors and aliases (a keyword object used twice is written twice)."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def write_schema(path: str | Path = SCHEMA_FILE) -> Path:
+    """Write ``schema_text()`` to ``path`` (default: this checkout's workflow/schemas/config.schema.yaml)."""
+    Path(path).write_text(schema_text())
+    return Path(path)
 
 
 def schema_error_line(err) -> str:
@@ -807,7 +923,7 @@ def check_schema(data: Any) -> None:
     (``load_workflow_config``), so that ``gnnpipe runs`` and Snakemake refuse the same configs."""
     import jsonschema
 
-    schema = workflow_schema()
+    schema = json_schema()
     err = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(schema)(schema).iter_errors(data))
     if err is not None:
         raise ConfigError(schema_error_line(err))
@@ -984,3 +1100,15 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 def dump_run_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+if __name__ == "__main__":  # python -m gnnpipe.config --write-schema [PATH]
+    import argparse
+
+    from gnnpipe.config import SCHEMA_FILE as _FILE, write_schema as _write  # the package's classes, not __main__'s
+
+    parser = argparse.ArgumentParser(prog="python -m gnnpipe.config",
+                                     description="Write the workflow config's JSON schema, generated from the dataclasses.")
+    parser.add_argument("--write-schema", nargs="?", const=str(_FILE), metavar="PATH", required=True,
+                        help=f"the file to write (default: {_FILE})")
+    print(f"wrote {_write(parser.parse_args().write_schema)}")

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from .checkpoint import run_fingerprint
-from .config import BOUNDS, RunConfig, TrainingConfig, dump_run_config, to_dict
+from .config import RunConfig, TrainingConfig, bounds, dump_run_config, to_dict
 from .engine import DTYPES, NonFiniteError, retain_freed_memory
 from .io import GnnPipeError, write_json, write_text, write_torch
 from .layout import ParallelDims
@@ -72,7 +72,7 @@ def dist_timeout_s(cfg: RunConfig) -> int:
     text = os.environ.get("GNNPIPE_DIST_TIMEOUT")
     if not text:
         return cfg.training.dist_timeout_s
-    bound = BOUNDS[TrainingConfig]["dist_timeout_s"]
+    bound = bounds(TrainingConfig)["dist_timeout_s"]
     try:
         value = int(text)
     except ValueError:

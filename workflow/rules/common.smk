@@ -25,7 +25,8 @@ from gnnpipe.config import (
 
 # ----------------------------------------------------------------------------- config
 # One judge: load_workflow_config checks the dataclasses, the cross-checks and the JSON schema
-# (workflow/schemas/config.schema.yaml), as `gnnpipe runs --config` does; no snakemake.utils.validate
+# (generated from the dataclasses in memory; workflow/schemas/config.schema.yaml is the same, for
+# readers), as `gnnpipe runs --config` does; no snakemake.utils.validate
 # here, which would also write the schema's defaults into `config`.
 try:
     WF = load_workflow_config(config)

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Literal
 
 import numpy as np
 import torch
@@ -53,26 +52,7 @@ from torch import Tensor, nn
 from torch.nn import Embedding, Linear
 
 from .batch import AtomGraph, gradient_forces
-
-
-@dataclass
-class DimeNetPPConfig:
-    """Sizes of a DimeNet++ (defaults: PyG's ``DimeNetPlusPlus``)."""
-
-    hidden_channels: int = 128
-    out_channels: int = 1
-    num_blocks: int = 4
-    int_emb_size: int = 64  # width of the triplet messages (what is all-gathered per block)
-    basis_emb_size: int = 8
-    out_emb_channels: int = 256
-    num_spherical: int = 7
-    num_radial: int = 6
-    cutoff: float = 5.0
-    envelope_exponent: int = 5
-    num_before_skip: int = 1
-    num_after_skip: int = 2
-    num_output_layers: int = 3
-    force_head: Literal["gradient", "direct"] = "gradient"
+from .dimenetpp_config import DimeNetPPConfig
 
 
 #: ``small`` runs on 2 CPU cores in seconds; ``xl`` is DimeNet++-XL of Sriram et al. (ICLR 2022):

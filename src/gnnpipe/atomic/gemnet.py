@@ -44,38 +44,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .batch import AtomGraph, gradient_forces
+from .gemnet_config import GemNetTConfig
 from .gemnet_layers import (INV_SQRT2, CircularBasis, CircularDown, Dense, EfficientBilinear, RadialBasis,
                             ResidualLayer, ScaleFactor, mlp)
 from .parallel import collective_passes
-
-
-@dataclass
-class GemNetTConfig:
-    """Sizes of a GemNet-T/dT (defaults: fairchem's ``gp-gemnet-dT.yml``, the ``default`` preset)."""
-
-    num_spherical: int = 7  # S: Y_l^0, l < S, of the triplet angle
-    num_radial: int = 128  # R: Gaussians of the distance
-    num_blocks: int = 3  # K interaction blocks (K + 1 output blocks)
-    emb_size_atom: int = 512  # A: atom embeddings (all-gathered per block)
-    emb_size_edge: int = 512  # Ed: edge embeddings (summed into atoms per block)
-    emb_size_trip: int = 64  # Tr: triplet input messages (all-gathered per block)
-    emb_size_rbf: int = 16
-    emb_size_cbf: int = 16
-    emb_size_bil_trip: int = 64  # Bt: bilinear output (all-gathered per block, for id_swap)
-    num_before_skip: int = 1
-    num_after_skip: int = 2
-    num_concat: int = 1
-    num_atom: int = 3  # residual layers of the atom MLPs (and of the direct-force MLPs)
-    cutoff: float = 6.0  # Å
-    envelope_exponent: int = 5
-    num_elements: int = 95  # embedding rows, indexed by z (fairchem: 83, indexed by z - 1)
-    force_head: Literal["gradient", "direct"] = "direct"  # gradient: GemNet-T (-dE/dpos); direct: GemNet-dT
 
 
 #: ``small`` runs on 2 CPU cores in seconds (GemNet-T, energy-conserving forces); ``default`` is

@@ -12,7 +12,9 @@ double backward, no force head). The model reads only what the
 ``AtomGraph`` holds and reduces only through its calls, so it runs unchanged as one rank of a
 graph-parallel group. The trainer never reaches into its submodules.
 
-A kind is registered once (its name in ``gnnpipe.kinds``, its entry here), with
+A kind is registered once (its name in ``gnnpipe.kinds``, its entry here, its config class —
+torch-free, ``ATOMIC_CONFIGS`` — in ``<kind>_config.py``, from which ``gnnpipe.config`` derives
+the kind's section of a model config and of the schema), with
 everything the rest of the package asks about it (:class:`AtomicModelKind`): the config class and its presets, the model class, the exact
 parameter count, the closed-form bytes of a training step, the memory per worker, and the
 ``AtomGraph`` index sets and edge symmetry its graphs must have. Schema enums and CLI choices
