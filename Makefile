@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # The optional DGL oracle lives outside the clone: it is large and slow to build.
 DGL_VENV ?= $(HOME)/.cache/gnnpipe/dgl-venv
 
-.PHONY: run test test-fast test-slurm lint lint-imports dgl-env test-dgl bench clean
+.PHONY: run test test-long test-fast test-slurm lint lint-imports dgl-env test-dgl bench clean
 
 $(STAMP): pyproject.toml requirements/cpu.lock.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,10 @@ run: $(STAMP)
 # lint-imports: the layering contracts of pyproject.toml (imports point down), before the tests
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not long" $(PYTEST_ARGS)
+
+test-long: $(STAMP)
+	$(PY) -m pytest -m long $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports

@@ -36,6 +36,11 @@ read as a user's file of energies would be (``data.read_structures``: no forces)
 molecules (3 batches, cutoff 5 Å), each timed step on the next batch, both models on the same batches:
 
     python benchmarks/bench_dimenet_pyg.py --energy-only [--out results/bench/dimenet_pyg_energy.json]
+
+It also says where each model's step goes (``products_split``): the profiler's seconds in matrix
+products and in the rest, the products' FLOPs (the same for both models: the same layers on the same
+rows), and those FLOPs at this machine's best rate for a dense layer of the step's shape
+(``gemm_rate``): the floor under either step, whatever else is made faster.
 """
 
 from __future__ import annotations
@@ -271,13 +276,16 @@ def energy_ratio(spec: dict, batch_size: int, repeats: int = 20, warmup: int = 2
     steps = _energy_steps(ours, ref, batches, dtype)
     cpu, wall = _interleaved(*steps, ours, ref, repeats, warmup)
     c, w = _ratios(cpu), _ratios(wall)
-    split = {name: products_split(step, model, len(batches)) for name, step, model in
-             (("ours", steps[0], ours), ("pyg", steps[1], ref))}
+    split = products_split({"ours": (steps[0], ours), "pyg": (steps[1], ref)}, min(len(batches), 3))
+    rows = statistics.median(len(b["edge_src"]) for b in batches)
+    peak = gemm_rate(int(rows), cfg.hidden_channels, dtype)
     size = lambda key: [int(len(b[key])) for b in batches]  # noqa: E731
     return {"molecules": batch_size * len(batches), "batch_size": batch_size, "batches": len(batches),
             "atoms_per_batch": size("z"), "edges_per_batch": size("edge_src"), "triplets_per_batch": size("idx_kj"),
             "model": vars(cfg), "parameters": sum(p.numel() for p in ours.parameters()), "repeats": repeats,
-            "time_ratio": c["ratio"], "cpu": c, "wall": w, "products_split": split, "loadavg_before": load_before,
+            "time_ratio": c["ratio"], "cpu": c, "wall": w, "products_split": split,
+            "gemm_gflops_per_s": peak, "products_floor_s": {k: v["product_flops"] / 1e9 / peak for k, v in split.items()},
+            "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(), "step_cpu_s": cpu, "step_wall_s": wall}
 
 
@@ -285,10 +293,11 @@ def energy_ratio(spec: dict, batch_size: int, repeats: int = 20, warmup: int = 2
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
-def products_split(step, model, steps: int) -> dict:
-    """Where one model's step goes: the profiler's self-CPU seconds a step in matrix products
-    (:data:`PRODUCTS`) and in everything else, and the products' floating-point operations
-    (``FlopCounterMode``), over ``steps`` steps (one a batch).
+def products_split(models: dict, steps: int, rounds: int = 3) -> dict:
+    """Where each model's step goes: the profiler's self-CPU seconds a step in matrix products
+    (:data:`PRODUCTS`) and in everything else (medians over ``rounds`` rounds of ``steps`` steps, one
+    a batch; the models alternate which goes first, as the timing does), and the products'
+    floating-point operations (``FlopCounterMode``). ``models``: name -> (step, model).
 
     Both models run the same products (the same layers on the same rows), so their product seconds
     are the floor under either step: a step can be no faster than its products, whatever the rest.
@@ -296,21 +305,42 @@ def products_split(step, model, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode
 
-    for _ in range(2):  # the second pass is kept: the first pays the profiler's own warm-up
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                model.zero_grad(set_to_none=True)
-                step()
-    own = {e.key: e.self_cpu_time_total for e in prof.key_averages()}  # microseconds
-    products = sum(own.get(k, 0.0) for k in PRODUCTS) / 1e6 / steps
-    total = sum(own.values()) / 1e6 / steps
-    counter = FlopCounterMode(display=False)
-    with counter:
-        model.zero_grad(set_to_none=True)
-        step()
-    return {"products_s": products, "other_s": total - products, "profiled_step_s": total,
-            "product_flops": int(counter.get_total_flops()),
-            "product_gflops_per_s": counter.get_total_flops() / 1e9 / products if products else None}
+    seen = {name: {"products_s": [], "profiled_step_s": []} for name in models}
+    for r in range(rounds + 1):  # round 0 pays the profiler's own warm-up and is dropped
+        for name in (list(models) if r % 2 else list(models)[::-1]):
+            step, model = models[name]
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    model.zero_grad(set_to_none=True)
+                    step()
+            own = {e.key: e.self_cpu_time_total for e in prof.key_averages()}  # microseconds
+            if r:
+                seen[name]["products_s"].append(sum(own.get(k, 0.0) for k in PRODUCTS) / 1e6 / steps)
+                seen[name]["profiled_step_s"].append(sum(own.values()) / 1e6 / steps)
+    out = {}
+    for name, (step, model) in models.items():
+        counter = FlopCounterMode(display=False)
+        with counter:
+            model.zero_grad(set_to_none=True)
+            step()
+        products, total = (statistics.median(seen[name][k]) for k in ("products_s", "profiled_step_s"))
+        out[name] = {"products_s": products, "other_s": total - products, "profiled_step_s": total,
+                     "product_flops": int(counter.get_total_flops()),
+                     "product_gflops_per_s": counter.get_total_flops() / 1e9 / products if products else None}
+    return out
+
+
+def gemm_rate(rows: int, width: int, dtype, repeats: int = 50) -> float:
+    """This machine's rate (GFLOP/s, best of ``repeats``) for one dense layer of the step's shape: a
+    (rows, width) @ (width, width) product, the shape most of either model's products have (edge rows
+    by the hidden width): the steps' product FLOPs at this rate are the floor under a step."""
+    a, w = torch.randn(rows, width, dtype=dtype), torch.randn(width, width, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.process_time()
+        a @ w
+        best = min(best, time.process_time() - t0)
+    return 2 * rows * width * width / 1e9 / max(best, 1e-9)
 
 
 def _interleaved(step_ours, step_ref, ours, ref, repeats: int, warmup: int) -> tuple[dict, dict]:
@@ -379,7 +409,8 @@ def _summary(name: str, res: dict) -> str:
                           f"{v['other_s'] * 1e3:.0f} ms else" for k, v in sp.items())
         return (f"{name} energy-only: {res['batches']} batches of {res['batch_size']} molecules "
                 f"({statistics.mean(res['atoms_per_batch']):.0f} atoms, {statistics.mean(res['triplets_per_batch']):.0f} "
-                f"triplets a batch); {times}; profiled steps: {split}; load {res['loadavg_after'][0]:.2f}")
+                f"triplets a batch); {times}; profiled steps: {split}; products at this machine's dense-layer rate "
+                f"({res['gemm_gflops_per_s']:.1f} GFLOP/s): {res['products_floor_s']['ours'] * 1e3:.0f} ms; load {res['loadavg_after'][0]:.2f}")
     return (f"{name}: {res['atoms']} atoms, {res['edges']} edges, {res['triplets']} triplets; {times}, saved memory "
             f"{res['saved_bytes']['ours'] / 2**20:.1f} / {res['saved_bytes']['pyg'] / 2**20:.1f} MiB = "
             f"{res['saved_bytes_ratio']:.3f}; load {res['loadavg_after'][0]:.2f}")

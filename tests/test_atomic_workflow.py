@@ -166,7 +166,8 @@ def frames_data(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,lr,epochs", [("dimenetpp", 0.001, 40), ("gemnet_t", 0.003, 30)])
+@pytest.mark.parametrize("kind,lr,epochs", [("dimenetpp", 0.001, 40),
+                                             pytest.param("gemnet_t", 0.003, 30, marks=pytest.mark.long)])
 def test_atomic_models_learn_the_embedded_dataset(frames_data, monkeypatch, kind, lr, epochs):
     """The embedded relaxation frames with the default habits, as `make run` trains them: both models
     beat both baselines on the test trajectories (measured: DimeNet++ small energy MAE 0.43 eV against
@@ -347,6 +348,7 @@ def test_plan_atomic_sizes_xl_and_finds_the_smallest_p(small_data, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_users_extxyz_of_a_large_cell_trains_on_the_atoms_layout_through_snakemake(tmp_path):
     """A user's extxyz of 256-atom Cu cells (EMT-labelled here) trains DimeNet++ through the workflow
     with ``atom_layout: atoms`` on 2 workers: each way holds a METIS part of every cell and receives

@@ -472,7 +472,9 @@ PARALLEL = {
 }
 
 
-@pytest.mark.parametrize("case", list(PARALLEL))
+#: the hybrid case kills and resumes both a stage pipeline and graph ways: it stays in make test
+@pytest.mark.parametrize("case", [c if c.startswith("hybrid") else pytest.param(c, marks=pytest.mark.long)
+                                  for c in PARALLEL])
 def test_killed_worker_ends_the_job_and_the_rerun_resumes_exactly(tmp_path, case):
     spec = dict(PARALLEL[case])
     kill = spec.pop("kill")
@@ -499,6 +501,7 @@ def test_killed_worker_ends_the_job_and_the_rerun_resumes_exactly(tmp_path, case
     assert done.info.run_id == failed.info.run_id and done.info.status == "FINISHED"
 
 
+@pytest.mark.long
 def test_torchrun_max_restarts_resumes_by_itself(tmp_path):
     spec = dict(PARALLEL["graph-P2"])
     spec.pop("kill")
@@ -648,6 +651,7 @@ def test_a_second_job_is_refused_while_the_first_holds_the_run_and_a_dead_ones_l
 
 # --------------------------------------------------------------------------- through Snakemake
 @pytest.mark.slow
+@pytest.mark.long
 def test_killed_worker_under_snakemake_then_rerun_completes(tmp_path):
     import yaml
 
@@ -682,6 +686,7 @@ def test_killed_worker_under_snakemake_then_rerun_completes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_snakemake_killed_with_its_workers_then_unlocked_and_resumed(tmp_path):
     """The probe of issue 21 (items 2, 7): `kill -9 -- -PGID` of Snakemake mid-train. The workers die
     too and write nothing; as docs/WORKFLOW.md says, the rerun stops on Snakemake's lock until
@@ -728,7 +733,7 @@ def test_snakemake_killed_with_its_workers_then_unlocked_and_resumed(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dimenetpp", "gemnet_t"])
+@pytest.mark.parametrize("kind", [pytest.param("dimenetpp", marks=pytest.mark.long), "gemnet_t"])
 def test_atomic_graph_mode_killed_and_resumed_is_bit_identical(tmp_path, kind):
     """DimeNet++ and GemNet-T graph P = 2 (several optimizer steps per epoch): a killed worker, a resumed
     rerun, the weights of a run that never stopped (GemNet's scale factors, fitted at the start of the

@@ -982,6 +982,9 @@ def _check_workers(wf: WorkflowConfig, run: RunSpec, where: str) -> None:
                               f"{run.dataset!r} (datasets.{run.dataset}.synthetic.num_nodes) leave some empty; use "
                               f"at most {nodes}")
     per_node = min(run.workers, wf.resources.workers_per_node or run.workers)
+    if run.workers % per_node:
+        raise ConfigError(f"config.resources.workers_per_node: run {run_id(wf, run)} has {run.workers} workers, "
+                          f"not a multiple of {per_node}")
     cpus = os.cpu_count() or 1
     if per_node > WORKERS_PER_CPU * cpus:
         raise ConfigError(f"{where}.workers: {per_node} workers on one node, more than the {WORKERS_PER_CPU * cpus} "

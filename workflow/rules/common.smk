@@ -50,11 +50,7 @@ os.environ.update(GNNPIPE_JOB_OWNER=str(os.getpid()))
 def _train_layout(run) -> dict:
     """Slurm shape of one train job: nodes, workers per node, CPUs, memory, GPUs."""
     res = WF.resources
-    per_node = min(run.workers, res.workers_per_node or run.workers)
-    if run.workers % per_node:
-        raise WorkflowError(
-            f"invalid config: config.resources.workers_per_node: run {run.run_id} has "
-            f"{run.workers} workers, not a multiple of {per_node}")
+    per_node = min(run.workers, res.workers_per_node or run.workers)  # a divisor (load_workflow_config)
     nodes = run.workers // per_node
     gpus = per_node * res.gpus_per_worker
     return {
