@@ -62,6 +62,7 @@ from gnnpipe.atomic import data
 from gnnpipe.atomic.dimenetpp import DimeNetPP, DimeNetPPConfig, DimeNetPPModel, energy_and_forces, preset
 from gnnpipe.atomic.parallel import single_graph, with_pos
 from gnnpipe.io import write_json
+from machine import machine_record
 from smoke import parse_args
 
 SIZES = {  # name: (model, slabs, timed steps per model by default)
@@ -376,10 +377,11 @@ def main(argv=None) -> int:
                     help="energy-only training steps on molecules (sizes: " + ", ".join(ENERGY_SIZES) + ")")
     a = parse_args(ap, argv, sizes=list(SMOKE))
     torch.set_num_threads(1)
+    load0 = os.getloadavg()
     out = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "dtype": "float32",
-           "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-           "loadavg_before": os.getloadavg(), "sizes": {}}
+           "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+           "loadavg_before": load0, "sizes": {}}
     import torch_geometric
     out["torch_geometric"] = torch_geometric.__version__
     out["mode"] = "energy-only" if a.energy_only else "forces"
@@ -394,6 +396,7 @@ def main(argv=None) -> int:
         res = out["sizes"][name] = ratio(spec, n, a.repeats or (5 if a.quick else repeats))
         print(_summary(name, res), file=sys.stderr)
     out["loadavg_after"] = os.getloadavg()
+    out["machine"] = machine_record(load0)
     write_json(a.out, out)
     return 0
 
