@@ -369,7 +369,7 @@ def _single_epochs(graph_path: str, model_cfg, epochs: int, threads: int, clock:
     from gnnpipe.planning.calibrate import CLOCKS
 
     now = CLOCKS[clock]
-    eng = SingleEngine(cfg, torch.device("cpu"))
+    eng = SingleEngine(cfg, None, None, torch.device("cpu"))
     times = []
     for e in range(epochs + 1):
         t0 = now()

@@ -82,12 +82,12 @@ def _worker(rank: int, world: int, cfg_dict: dict, epochs: int, warmup: int) -> 
     from gnnpipe.layout import ParallelDims
     from gnnpipe.parallel.groups import build_groups
     from gnnpipe.parallel.engine import peak_memory
-    from gnnpipe.engine import retain_freed_memory
+    from gnnpipe.tasks import task_for
     from gnnpipe.train import build_engine
 
     cfg = from_dict(RunConfig, cfg_dict)
-    if not cfg.atomic:  # as gnnpipe.train.run sets up a node-model rank (off under MALLOC_*_ variables)
-        retain_freed_memory()
+    task = task_for(cfg)
+    task.prepare()  # as gnnpipe.train.run sets up a rank (node models: retain_freed_memory)
     device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -96,7 +96,7 @@ def _worker(rank: int, world: int, cfg_dict: dict, epochs: int, warmup: int) -> 
         groups = build_groups(ParallelDims(cfg.mode, world, cfg.stages, cfg.ways), rank)
         comm = Communicator(groups, device)
     t0 = time.perf_counter()
-    engine = build_engine(cfg, groups, comm, device)
+    engine = build_engine(task, cfg, groups, comm, device)
     setup_s = time.perf_counter() - t0
     rows = []
     for e in range(warmup + epochs):

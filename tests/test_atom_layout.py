@@ -402,7 +402,7 @@ def _engine_epoch(rank: int, world: int, cfg, epochs: int = 1) -> dict:
 
     groups = build_groups(ParallelDims("graph", world, ways=cfg.ways, data=cfg.data_parallel), rank)
     comm = Communicator(groups, torch.device("cpu"))
-    engine = AtomicEngine(cfg, comm, torch.device("cpu"), groups)
+    engine = AtomicEngine(cfg, groups, comm, torch.device("cpu"))
     comm.set_epoch(0)
     stats = engine.train_epoch(0)
     for epoch in range(1, epochs):
@@ -447,7 +447,7 @@ def test_the_atomic_engine_in_the_atoms_layout_with_data_parallelism_trains_as_s
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as gnnpipe train and the workers: Adam magnifies the rounding of near-zero gradients
     try:
-        ref = AtomicEngine(single, None, torch.device("cpu"))
+        ref = AtomicEngine(single, None, None, torch.device("cpu"))
         ref_steps = ref.train_epoch(0).step_losses
     finally:
         torch.set_num_threads(threads)

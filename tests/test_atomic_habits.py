@@ -26,7 +26,7 @@ def test_schedule_warms_up_then_decays_by_a_cosine_to_its_floor():
 def _engine(tmp_path, **spec):
     from gnnpipe.atomic.engine import AtomicEngine
     cfg = setup_atomic_run(tmp_path, "single", 1, epochs=3, spec=spec, dtype="float64")
-    return AtomicEngine(cfg, None, torch.device("cpu"))
+    return AtomicEngine(cfg, None, None, torch.device("cpu"))
 
 
 def _grad_norm(engine) -> float:
@@ -78,7 +78,7 @@ def test_evaluation_and_the_finished_model_use_the_weights_moving_average(tmp_pa
     assert any(not torch.equal(final[k], live[k]) for k in avg)
     with_avg = eng.evaluate()
     assert all(torch.equal(v, eng.model.state_dict()[k]) for k, v in live.items())  # put back after evaluation
-    loaded = AtomicEngine(eng.cfg, None, torch.device("cpu"))
+    loaded = AtomicEngine(eng.cfg, None, None, torch.device("cpu"))
     loaded.model.load_state_dict(final)
     assert loaded.evaluate() == with_avg  # evaluate.py's path: a loaded model, no average yet
     eng.ema = None

@@ -131,7 +131,7 @@ def test_more_ways_than_a_systems_edges_is_refused(small_data, kind):
     from gnnpipe.io import GnnPipeError
     cfg = dataclasses.replace(_run_config(small_data, 1, kind), mode="graph", workers=10_000, ways=10_000)
     with pytest.raises(GnnPipeError, match="graph parallelism over 10000 ways: system .* has only"):
-        AtomicEngine(cfg, None, "cpu")
+        AtomicEngine(cfg, None, None, "cpu")
 
 
 def test_a_model_cutoff_above_the_graphs_is_refused_and_below_rebuilds_them(small_data):
@@ -142,8 +142,8 @@ def test_a_model_cutoff_above_the_graphs_is_refused_and_below_rebuilds_them(smal
     from gnnpipe.io import GnnPipeError
     with pytest.raises(GnnPipeError, match=r"the model's cutoff 5 Å is larger than the cutoff 4.5 Å of the graphs it "
                                            r"trains on \(.*graphs.h5\): they lack the neighbours between"):
-        AtomicEngine(_run_config(small_data, 1, "gemnet_t", cutoff=5.0), None, "cpu")
-    eng = AtomicEngine(_run_config(small_data, 1, "gemnet_t", cutoff=3.5), None, "cpu")
+        AtomicEngine(_run_config(small_data, 1, "gemnet_t", cutoff=5.0), None, None, "cpu")
+    eng = AtomicEngine(_run_config(small_data, 1, "gemnet_t", cutoff=3.5), None, None, "cpu")
     want = data.build_graphs(eng.systems, 3.5, 12, progress=False)
     assert eng.graphs["cutoff"] == eng.model_cfg.cutoff == 3.5 and eng.graphs["max_neighbors"] == 12
     for k in data.GRAPH_ARRAYS:

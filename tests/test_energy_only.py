@@ -66,7 +66,7 @@ def test_energy_only_training_runs_no_force_pass_and_has_no_force_metric(tmp_pat
     from gnnpipe.atomic.engine import AtomicEngine, StepCounts, layout_view, step_loss
 
     cfg = _run(tmp_path, kind=kind, forces=forces, spec={"force_head": head, **spec})
-    eng = AtomicEngine(cfg, None, torch.device("cpu"))
+    eng = AtomicEngine(cfg, None, None, torch.device("cpu"))
     assert eng.energy_only == why and eng.force_weight == 0.0
     monkeypatch.setattr(torch.autograd, "grad", _no_force_pass)
     if head == "gradient":  # the patch does catch a force pass
@@ -92,7 +92,7 @@ def test_the_energy_only_step_is_the_force_steps_energy_term_exactly(tmp_path):
     weight 0 (float64, to rounding): dropping the force pass changes the cost, not the training."""
     from gnnpipe.atomic.engine import AtomicEngine, StepCounts, layout_view, step_loss
 
-    eng = AtomicEngine(_run(tmp_path, forces=True), None, torch.device("cpu"))
+    eng = AtomicEngine(_run(tmp_path, forces=True), None, None, torch.device("cpu"))
     b, g = layout_view(eng._batch(eng.ids["train"][:3]), None, eng.dtype, eng.device, "edges")
     with torch.no_grad():  # the zero-initialised output layers would make most gradients 0
         for p in eng.model.parameters():
@@ -122,7 +122,7 @@ def _epochs(rank: int, world: int, cfgs: list) -> list[dict]:
     for cfg in cfgs:
         groups = build_groups(ParallelDims("graph", world, ways=cfg.ways, data=cfg.data_parallel), rank)
         comm = Communicator(groups, torch.device("cpu"))
-        engine = AtomicEngine(cfg, comm, torch.device("cpu"), groups)
+        engine = AtomicEngine(cfg, groups, comm, torch.device("cpu"))
         comm.set_epoch(0)
         stats = engine.train_epoch(0)
         out.append({"steps": stats.step_losses, "weights": engine.full_state_dict(), "sent": comm.epoch_bytes(0),
@@ -144,7 +144,7 @@ def test_energy_only_graph_parallel_training_equals_single(tmp_path):
               for kind, layout in cases]
     res = spawn_multi_process(_epochs, 2, graphs, timeout=240)
     for i, (kind, _) in enumerate(cases):
-        ref = AtomicEngine(_run(tmp_path / f"single-{kind}", kind=kind), None, torch.device("cpu"))
+        ref = AtomicEngine(_run(tmp_path / f"single-{kind}", kind=kind), None, None, torch.device("cpu"))
         ref_steps, ref_eval = ref.train_epoch(0).step_losses, ref.evaluate()
         for rank in res:
             r = rank[i]

@@ -193,7 +193,7 @@ def test_payload_from_the_engine_and_upgrade_of_an_older_run(tmp_path, monkeypat
                                                                      "model": "dpp"}]})
     cfg, = resolve_runs(wf).values()
     cfg = dataclasses.replace(cfg, systems_path=str(d / "systems.h5"), graph_path=str(d / "graphs.h5"))
-    engine = AtomicEngine(cfg, None, torch.device("cpu"))
+    engine = AtomicEngine(cfg, None, None, torch.device("cpu"))
     payload = payload_from_engine(engine, fingerprint={"config_hash": "x"})
     train = np.nonzero(s["split"] == 0)[0]
     assert payload["elements"] == sorted(set(np.concatenate([s["z"][s["atom_ptr"][i]:s["atom_ptr"][i + 1]]

@@ -257,6 +257,7 @@ def test_the_record_compares_the_ledger_with_the_same_epochs_predictions(tmp_pat
     ledger: exact per epoch gives equal figures (the engine's single figure, the last epoch's, was 7-9 % off)."""
     from types import SimpleNamespace
 
+    from gnnpipe.tasks import task_for
     from gnnpipe.train import _record
 
     cfg = run_cfg(tmp_path, {"kind": "gcn", "layers": 2, "hidden": 16})
@@ -264,7 +265,8 @@ def test_the_record_compares_the_ledger_with_the_same_epochs_predictions(tmp_pat
     rows = [{"epoch": e, "loss": 1.0, "epoch_time_s": 1.0, "compute_s": 1.0, "comm_s": 0.0, "bubble_s": 0.0,
              "comm_bytes": b, "comm_bytes_predicted": b} for e, b in enumerate(per_epoch)]
     engine = SimpleNamespace(graph_info=dict, extra_info=dict, predicted_bytes=lambda: per_epoch[-1])
-    rec = _record(cfg, engine, rows, [1.0] * 3, rows[1:], {}, 0)
+    task = task_for(cfg)
+    rec = _record(cfg, task, engine, rows, [1.0] * 3, rows[1:], {}, 0)
     assert rec["comm_bytes_per_epoch"] == rec["comm_bytes_predicted"] == 8_000_000  # the median of the timed 3
     rows[0].pop("comm_bytes_predicted")  # rows without their own (node engines): the engine's figure
-    assert _record(cfg, engine, rows, [1.0] * 4, rows, {}, 0)["comm_bytes_predicted"] == per_epoch[-1]
+    assert _record(cfg, task, engine, rows, [1.0] * 4, rows, {}, 0)["comm_bytes_predicted"] == per_epoch[-1]

@@ -218,7 +218,7 @@ def test_evaluate_scores_the_training_split_on_a_bounded_seeded_sample_and_says_
     assert cli.main([*base, "--out", str(tmp_path / "all.json"), "--train-systems", "all"]) == 0
     assert json.loads((tmp_path / "all.json").read_text())["train_energy_mae"] == whole["train_energy_mae"]
     # the sample is what is scored: the same metrics as an engine whose training split is that sample
-    eng = AtomicEngine(cfg, None, torch.device("cpu"))
+    eng = AtomicEngine(cfg, None, None, torch.device("cpu"))
     eng.model.load_state_dict(torch.load(f"{cfg.out_dir}/model.pt", weights_only=True)["model"])
     eng.eval_train_systems = 2
     sample = eng.eval_ids("train")

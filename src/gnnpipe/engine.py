@@ -35,7 +35,11 @@ class NonFiniteError(GnnPipeError):
 class EpochStats:
     """One training epoch as seen by one rank."""
 
-    loss: float  # mean cross-entropy over all training nodes of the whole graph (same on all ranks)
+    # the epoch's training loss, the same on all ranks: what the run's task trains (``Task.loss``):
+    # node classification the mean cross-entropy over all training nodes of the whole graph; S2EF the
+    # mean over the epoch's optimizer steps of each step's normalised energy + force loss (of the whole
+    # step batch, every rank's share summed); energy-only the same with the energy term alone
+    loss: float
     compute_s: float = 0.0  # this rank's time computing
     comm_s: float = 0.0  # this rank's time blocked in communication
     bubble_s: float = 0.0  # this rank's pipeline idle time (0 outside pipeline/hybrid)
@@ -43,9 +47,16 @@ class EpochStats:
 
 
 class Engine(Protocol):
+    """What the trainer drives; every engine is built as ``Engine(cfg, groups, comm, device)`` (by its task,
+    ``gnnpipe.tasks``; ``groups`` and ``comm`` None in one process)."""
+
     comm: Optional[object]  # gnnpipe.parallel.comm.Communicator, None for single
 
     def train_epoch(self, epoch: int) -> EpochStats: ...
+
+    def named_parameters(self) -> dict[str, Tensor]: ...  # this rank's parameters, single-process names
+
+    def register_step_pre_hook(self, hook): ...  # on its optimizer (the trainer's non-finite gradient stop)
 
     def evaluate(self) -> dict[str, float]: ...
 

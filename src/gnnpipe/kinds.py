@@ -8,7 +8,9 @@
 * ``ATOMIC_CONFIGS``: the same names, each entry the kind's config dataclass (its sizes), in a
   module without torch (``gnnpipe.atomic.<kind>_config``): ``gnnpipe.config`` derives the kind's
   section of a model config (``models.<name>.<kind>``) and its part of the JSON schema from it
-  (``preset_size`` marks the sizes a section may override).
+  (``preset_size`` marks the sizes a section may override);
+* ``TASKS``: what a run trains (node classification, S2EF, energy-only), each entry a
+  :class:`~gnnpipe.tasks.Task` (``gnnpipe.tasks``; ``tasks.task_for`` picks a run's).
 
 All are :class:`~gnnpipe.registry.Registry` instances with lazy entries: the names are known
 without importing torch (the config's ``model.kind``, the schema's enum, the CLI's choices), and
@@ -31,6 +33,12 @@ for _name in ("gcn", "sage", "gat", "gcnii", "resgcn", "mlp"):
 ATOMIC_MODELS = Registry("atomic model")
 ATOMIC_MODELS.register_lazy("dimenetpp", "gnnpipe.atomic.protocol:DIMENETPP")
 ATOMIC_MODELS.register_lazy("gemnet_t", "gnnpipe.atomic.protocol:GEMNET_T")
+
+#: what a run trains (``gnnpipe.tasks``: its engine, loss, metrics, record, check, payload, evaluate)
+TASKS = Registry("task")
+TASKS.register_lazy("node_classification", "gnnpipe.tasks:NODE_CLASSIFICATION")
+TASKS.register_lazy("s2ef", "gnnpipe.tasks:S2EF_TASK")
+TASKS.register_lazy("energy_only", "gnnpipe.tasks:ENERGY_ONLY")
 
 ATOMIC_CONFIGS = Registry("atomic model config")  # the same names; entries without torch
 ATOMIC_CONFIGS.register_lazy("dimenetpp", "gnnpipe.atomic.dimenetpp_config:DimeNetPPConfig")

@@ -13,7 +13,10 @@ Several nodes (Slurm or by hand)::
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
              --rdzv-endpoint $HEAD:29500 -m gnnpipe.cli train --run-config run.yaml
 
-The trainer branches once on the mode to build an engine (``engine.Engine``), resumes
+The run's task (``tasks.task_for``: node classification, S2EF, energy-only) builds its engine
+(``engine.Engine``; the task branches once on the mode) and owns what differs between kinds of
+run: the epoch's extra fields and check, the record's metrics, the finished model's payload. The
+trainer has no branch on the kind of run; it resumes
 from the run's last complete checkpoint (``checkpoint.py``; ``--restart`` discards it),
 then runs the epochs, reduces the per-rank statistics, checkpoints, and on rank 0 writes
 the run record ``<out_dir>/metrics.json`` (docs/DESIGN.md §6) and logs the run to MLflow.
@@ -52,10 +55,11 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .checkpoint import run_fingerprint
 from .config import RunConfig, TrainingConfig, bounds, dump_run_config, to_dict
-from .engine import DTYPES, NonFiniteError, retain_freed_memory
+from .engine import DTYPES, NonFiniteError
 from .io import GnnPipeError, write_json, write_text, write_torch
 from .layout import ParallelDims
 from .parallel.groups import ProcessGroups, build_groups
+from .tasks import Task, task_for
 
 
 # --------------------------------------------------------------------------- process set-up
@@ -106,16 +110,9 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> tuple[int, int]:
     return rank, world
 
 
-def build_engine(cfg: RunConfig, groups: Optional[ProcessGroups], comm, device):
-    """The one branch on the mode (atomic models: one engine for single and graph)."""
-    if cfg.atomic:
-        from .atomic.engine import AtomicEngine
-        return AtomicEngine(cfg, comm, device, groups)
-    if cfg.mode == "single":
-        from .parallel.single import SingleEngine
-        return SingleEngine(cfg, device)
-    from .parallel.engine import LayoutEngine  # graph, pipeline, hybrid: one S x G x C engine
-    return LayoutEngine(cfg, groups, comm, device)
+def build_engine(task: Task, cfg: RunConfig, groups: Optional[ProcessGroups], comm, device):
+    """The run's engine, built by its task (tests wrap it)."""
+    return task.build_engine(cfg, groups, comm, device)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -238,8 +235,7 @@ def _failure(att: _Attempt, e: BaseException) -> BaseException:
 
 def _finite_grads(engine, att: _Attempt):
     """An optimizer pre-step hook: a non-finite gradient stops the run before the step."""
-    named = engine.named_parameters() if not hasattr(engine, "model") else dict(engine.model.named_parameters())
-    names = {id(p): n for n, p in named.items()}
+    names = {id(p): n for n, p in engine.named_parameters().items()}
 
     def hook(opt, args, kwargs):
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
@@ -322,8 +318,8 @@ def run(cfg: RunConfig, *, progress: bool = True, restart: bool = False) -> Opti
     ``GNNPIPE_RESTART=1``: discard it). Returns the run record on rank 0 (None elsewhere)."""
     restart = restart or os.environ.get("GNNPIPE_RESTART", "0") not in ("", "0")
     torch.set_num_threads(max(int(os.environ.get("OMP_NUM_THREADS", 0)) or cfg.training.threads_per_worker, 1))
-    if not cfg.atomic:  # node runs: the epochs' (N, hidden) tensors reuse their pages (docs/ARCHITECTURE.md)
-        retain_freed_memory()
+    task = task_for(cfg)
+    task.prepare()
     device = _device()
     rank, world = init_distributed(cfg, device)
     att = _Attempt(cfg, rank, world)
@@ -339,8 +335,8 @@ def run(cfg: RunConfig, *, progress: bool = True, restart: bool = False) -> Opti
             dims = ParallelDims(cfg.mode, world, cfg.stages, cfg.ways, cfg.data_parallel)
             groups = build_groups(dims, rank)
             comm = Communicator(groups, device)
-        engine = build_engine(cfg, groups, comm, device)
-        return _train(cfg, engine, comm, att, device, progress, restart)
+        engine = build_engine(task, cfg, groups, comm, device)
+        return _train(cfg, task, engine, comm, att, device, progress, restart)
     except BaseException as e:
         if on_main:  # torchrun's SIGTERM must not cut the failure path short (it SIGKILLs after 30 s)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -373,7 +369,8 @@ def _open_mlflow(cfg: RunConfig, att: _Attempt, manifest: Optional[dict], fp: di
         att.epoch_log = EpochLog(cfg, rid)
 
 
-def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, restart: bool) -> Optional[dict]:
+def _train(cfg: RunConfig, task: Task, engine, comm, att: _Attempt, device, progress: bool,
+           restart: bool) -> Optional[dict]:
     tc = cfg.training
     rank, world = att.rank, att.world
     out_dir = Path(cfg.out_dir)
@@ -389,7 +386,7 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
         print(f"gnnpipe: resuming {cfg.run_id} after epoch {start - 1} ({out_dir / ckpt.RESUME_DIR})",
               file=sys.stderr)
     _open_mlflow(cfg, att, manifest, fp, superseded, start)
-    engine.opt.register_step_pre_hook(_finite_grads(engine, att))
+    engine.register_step_pre_hook(_finite_grads(engine, att))
     last_eval: dict[str, float] = {}
     bar = None
     if rank == 0 and progress:
@@ -418,18 +415,16 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
                "comm_bytes": int(sent_total), "train_acc": None, "val_acc": None, "test_acc": None}
         if stats.step_losses is not None:  # several optimizer steps an epoch (atomic): each one's loss
             row["step_losses"] = list(stats.step_losses)
-        if cfg.atomic and rank == 0:  # its own batches' closed form beside its ledger (atomic epochs differ)
-            row["comm_bytes_predicted"] = int(engine.predicted_bytes(epoch))
+        row.update(task.epoch_fields(engine, epoch, rank))
         if (epoch + 1) % max(tc.eval_every, 1) == 0 or epoch == tc.epochs - 1:
             if comm is not None:
                 comm.set_epoch(-1)  # evaluation traffic is not an epoch's training traffic
             last_eval = engine.evaluate()
             row.update({k: v for k, v in last_eval.items() if k != "loss"})
-        if cfg.atomic:  # the divergence guard: before the epoch is recorded or checkpointed
-            engine.check_epoch(epoch, row, att.where())
+        task.check_epoch(engine, epoch, row, att.where())  # before the epoch is recorded or checkpointed
         history.append(row)
         if tc.checkpoint_every and (epoch + 1) % tc.checkpoint_every == 0 and epoch != tc.epochs - 1:
-            _checkpoint(engine, out_dir / "checkpoint.pt", epoch, cfg, ranks)  # never model.pt: see _checkpoint
+            _checkpoint(task, engine, out_dir / "checkpoint.pt", epoch, cfg, ranks)  # never model.pt: see _checkpoint
             ckpt.save(out_dir, ranks, engine, device, epochs_done=epoch + 1, fingerprint=fp, run_id=cfg.run_id,
                       history=history, mlflow_run_id=att.mlflow_run_id)
         if att.epoch_log is not None:
@@ -437,18 +432,18 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
         if bar is not None:  # one line an epoch whatever the terminal (a log has no bar), above the bar
             bar.write(epoch_line(cfg, row), file=sys.stderr)
             sys.stderr.flush()
-            val = last_eval.get("val_acc") if not cfg.atomic else last_eval.get("val_energy_mae")
+            val = last_eval.get(task.progress_metric)
             bar.set_postfix(loss=f"{stats.loss:.4f}", val=f"{val if val is not None else float('nan'):.3f}")
             bar.update()
     att.epoch = None
     if bar is not None:
         bar.close()
-    _checkpoint(engine, out_dir / "model.pt", tc.epochs - 1, cfg, ranks, finished=True)
+    _checkpoint(task, engine, out_dir / "model.pt", tc.epochs - 1, cfg, ranks, finished=True)
     peak, = reduce([float(peak_memory_bytes(device))], "max")
     if rank != 0:
         return None
     timed = [r for r in history if r["epoch"] >= tc.warmup_epochs or tc.epochs <= tc.warmup_epochs]
-    record = _record(cfg, engine, history, [r["epoch_time_s"] for r in timed], timed, last_eval, int(peak))
+    record = _record(cfg, task, engine, history, [r["epoch_time_s"] for r in timed], timed, last_eval, int(peak))
     record.update(started_at=att.started_at, finished_at=_utc_now())  # this attempt's job, UTC
     write_text(out_dir / "run.resolved.yaml", dump_run_config(cfg))
     write_json(out_dir / "metrics.json", record)  # kept even if MLflow fails below
@@ -456,10 +451,6 @@ def _train(cfg: RunConfig, engine, comm, att: _Attempt, device, progress: bool, 
     log_training(cfg, record, out_dir, att.mlflow_run_id)  # sets record["mlflow_run_id"], rewrites metrics.json
     ckpt.finish(out_dir)  # complete: a later train of this run starts from epoch 0
     return record
-
-
-#: OC20 S2EF metrics of atomic runs, at the top of the run record (docs/DESIGN.md §4)
-ATOMIC_METRICS = ("energy_mae", "force_mae", "force_cos", "efwt")
 
 
 def epoch_line(cfg: RunConfig, row: dict) -> str:
@@ -476,7 +467,7 @@ def _median(values):
     return float(statistics.median(values)) if values else 0.0
 
 
-def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
+def _record(cfg, task: Task, engine, history, times, splits, last_eval, peak) -> dict:
     """The run record (docs/DESIGN.md §6); parallel-only fields are 0/1 for ``single``."""
     graph_info = engine.graph_info()
     bytes_timed = [r["comm_bytes"] for r in splits]
@@ -497,36 +488,31 @@ def _record(cfg, engine, history, times, splits, last_eval, peak) -> dict:
         "peak_mem_bytes": peak,
         "train_acc": last_eval.get("train_acc"), "val_acc": last_eval.get("val_acc"),
         "test_acc": last_eval.get("test_acc"), "final_loss": history[-1]["loss"] if history else None,
-        **({k: last_eval.get(k) for k in ATOMIC_METRICS} if cfg.atomic else {}),
+        **task.metric_fields(last_eval),  # the task's metrics of the test split (S2EF: docs/DESIGN.md §4)
         "mlflow_run_id": None,
         "extra": engine.extra_info(),
         "history": history,
     }
-    if cfg.atomic:  # interaction blocks and their width (the kind says which); the edge split's ways
-        record.update(layers=engine.model_cfg.num_blocks, hidden=getattr(engine.model_cfg, engine.kind.width),
-                      parts=cfg.ways)
+    record.update(task.record_fields(cfg, engine))
     return record
 
 
-def _checkpoint(engine, path: Path, epoch: int, cfg: RunConfig, ranks: ckpt.World, finished: bool = False) -> None:
+def _checkpoint(task: Task, engine, path: Path, epoch: int, cfg: RunConfig, ranks: ckpt.World,
+                finished: bool = False) -> None:
     """Save the weights after ``epoch`` with what they were trained from (``run_fingerprint``).
 
     Intermediate checkpoints go to ``checkpoint.pt``, the finished model alone to ``model.pt``
     (the train rule's output): a run killed half-way never leaves a partial ``model.pt`` that
-    ``evaluate`` or Snakemake would take for the result. The finished model of an atomic run also
-    carries its inference payload (``atomic.modelfile``: normaliser, cutoff, elements, ...), so
-    that ``GNNPipeCalculator.from_run`` needs nothing else.
+    ``evaluate`` or Snakemake would take for the result. The finished model also carries what its
+    task adds (``Task.final_payload``: an atomic run's inference payload, ``atomic.modelfile``).
     """
     state = engine.full_state_dict()  # collective in model-parallel modes: every rank calls it
     error = None
     if ranks.rank == 0:
         payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "epoch": epoch,
                    "epochs_done": epoch + 1, "run_id": cfg.run_id, "config": to_dict(cfg), **run_fingerprint(cfg)}
-        if finished and cfg.atomic:
-            from .atomic.modelfile import PAYLOAD_KEY, payload_from_engine
-            fingerprint = {k: payload[k] for k in ("config_hash", "graph_hash", "store_hash") if k in payload}
-            payload[PAYLOAD_KEY] = payload_from_engine(engine, fingerprint, state_dict=payload["model"])
-            payload[PAYLOAD_KEY]["state_dict"] = payload["model"]  # the same tensors: torch.save stores them once
+        if finished:
+            task.final_payload(engine, payload)
         payload["digest"] = ckpt.digest(payload)  # a flipped bit is refused by evaluate.load_checkpoint
         try:
             write_torch(path, payload)

@@ -38,6 +38,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import h5py
 import numpy as np
@@ -343,6 +344,16 @@ def _stored(atoms, getter: str):
     try:
         return getattr(atoms, getter)(**({"apply_constraint": False} if getter == "get_forces" else {}))
     except Exception:  # noqa: BLE001 - no calculator, or one without that property
+        return None
+
+
+def read_forces(path) -> Optional[np.ndarray]:
+    """The forces of a systems.h5 alone (``has_forces`` without reading the rest: ``tasks.task_for``), unverified;
+    None where the file cannot be read (``read_systems`` then says why)."""
+    try:
+        with h5py.File(path, "r") as f:
+            return f["forces"][()]
+    except (OSError, KeyError, ValueError, TypeError):
         return None
 
 

@@ -157,7 +157,7 @@ SPLIT_NAMES = ("train", "val", "test")
 class AtomicEngine:
     """Modes ``single`` and ``graph`` (P ways × D replicas) for atomic models (see the module docstring)."""
 
-    def __init__(self, cfg, comm, device, groups=None):
+    def __init__(self, cfg, groups, comm, device):
         import dataclasses
 
         from .data import read_graphs, read_systems
@@ -390,6 +390,12 @@ class AtomicEngine:
     def check_epoch(self, epoch: int, row: dict, where: str) -> None:
         """The divergence guard on the epoch's record row (its loss; its force cosine where evaluated)."""
         self.guard.check(epoch, row, where)
+
+    def named_parameters(self) -> dict:
+        return dict(self.model.named_parameters())
+
+    def register_step_pre_hook(self, hook):
+        return self.opt.register_step_pre_hook(hook)
 
     def full_state_dict(self):
         """The finished model: the weights' moving average where the run keeps one."""

@@ -326,7 +326,7 @@ def upgrade_run(run_dir, out=None) -> Path:
                                "without it; rebuild the data (the same config gives the same file) or retrain")
     check_checkpoint(state, cfg, run_dir / MODEL_FILE)  # the data must be what it was trained from
     one = dataclasses.replace(cfg, mode="single", workers=1, ways=1, data_parallel=1)
-    engine = AtomicEngine(one, None, torch.device("cpu"))
+    engine = AtomicEngine(one, None, None, torch.device("cpu"))
     engine.model.load_state_dict(state["model"])
     fingerprint = {k: state.get(k) for k in ("config_hash", "graph_hash", "store_hash")}
     return save_model_file(out or run_dir / UPGRADED_FILE, payload_from_engine(engine, fingerprint))

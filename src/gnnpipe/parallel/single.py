@@ -27,7 +27,10 @@ class SingleEngine:
 
     comm = None
 
-    def __init__(self, cfg: RunConfig, device: torch.device):
+    def __init__(self, cfg: RunConfig, groups, comm, device: torch.device):
+        """The engines' one constructor order; one process has no ``groups`` and no ``comm`` (both None)."""
+        if groups is not None or comm is not None:
+            raise ValueError("SingleEngine runs in one process: groups and comm are None")
         self.cfg = cfg
         dtype = DTYPES[cfg.training.dtype]
         graph = read_graph(cfg.graph_path)
@@ -54,6 +57,12 @@ class SingleEngine:
         loss.backward()
         self.opt.step()
         return EpochStats(loss=float(loss.detach()), compute_s=time.perf_counter() - t0)
+
+    def named_parameters(self) -> dict:
+        return dict(self.model.named_parameters())
+
+    def register_step_pre_hook(self, hook):
+        return self.opt.register_step_pre_hook(hook)
 
     def evaluate(self) -> dict[str, float]:
         return exact_metrics(self.model, self.block, self.x, self.y, self.masks)
