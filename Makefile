@@ -26,12 +26,18 @@ run: $(STAMP)
 	$(VENV)/bin/snakemake --cores $(CORES) --rerun-incomplete --show-failed-logs --configfile config/config.yaml
 
 # lint-imports: the layering contracts of pyproject.toml (imports point down), before the tests
+# The suite's processes are mostly single-threaded start-ups (python, torch, MLflow imports) that
+# leave the second core idle: two pytest workers, a test file each (module fixtures are shared
+# within a file: --dist loadfile). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -m "not long" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not long" $(XDIST) $(PYTEST_ARGS)
 
 test-long: $(STAMP)
-	$(PY) -m pytest -m long $(PYTEST_ARGS)
+	$(PY) -m pytest -m long $(XDIST) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
