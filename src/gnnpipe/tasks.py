@@ -23,6 +23,7 @@ The tasks are entries of ``kinds.TASKS`` (the one registry mechanism, ``registry
 
 from __future__ import annotations
 
+import abc
 from pathlib import Path
 from typing import Optional
 
@@ -34,8 +35,9 @@ from .io import GnnPipeError
 from .kinds import TASKS
 
 
-class Task:
-    """A kind of run (the module docstring); the defaults are what a task without the hook does."""
+class Task(abc.ABC):
+    """A kind of run (the module docstring): every task builds its engine and evaluates a checkpoint;
+    the other hooks' defaults are what a task without them does."""
 
     name: str = ""
     loss: str = ""  # what EpochStats.loss is for this task (docs, the record's "loss")
@@ -45,8 +47,9 @@ class Task:
     def prepare(self) -> None:
         """Process-wide set-up before anything is allocated."""
 
+    @abc.abstractmethod
     def build_engine(self, cfg: RunConfig, groups, comm, device):
-        raise NotImplementedError
+        """The run's engine (``engine.Engine``), in the one constructor order."""
 
     def epoch_fields(self, engine, epoch: int, rank: int) -> dict:
         """What one epoch's row of the history adds to the trainer's."""
@@ -65,9 +68,10 @@ class Task:
     def final_payload(self, engine, payload: dict) -> None:
         """Add what the finished model file carries beside the weights (rank 0, ``payload["model"]``)."""
 
+    @abc.abstractmethod
     def evaluate(self, cfg: RunConfig, state: dict, checkpoint: Path, *, predictions=None,
                  train_systems=None) -> dict:
-        raise NotImplementedError
+        """The metrics of a checkpoint of the run, in one process whatever mode trained it."""
 
     def __repr__(self) -> str:
         return f"Task({self.name})"
