@@ -5,8 +5,9 @@
     .venv/bin/python benchmarks/run.py --smoke         # each one's tiny run: does it still run (seconds)
     .venv/bin/python benchmarks/run.py foundation modes  # some
 
-Each benchmark is a script ``benchmarks/bench_<name>.py`` that takes ``--out`` (and
-``--quick`` where it has a smaller size); this runner only sequences them, so that
+Each benchmark is a script ``benchmarks/bench_<name>.py`` that takes ``--out``; ``QUICK`` says
+what ``--quick`` passes to each (its own ``--quick``, smaller sizes, or nothing: a benchmark
+that has no smaller size runs as it is, and says so). This runner only sequences them, so that
 the machine runs one at a time and the timings do not disturb each other.
 """
 
@@ -16,7 +17,30 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-QUICK = {"foundation": ["--nodes", "100000"], "calibrate": [], "convergence": [], "compare": []}  # others take --quick
+#: ``--quick``'s arguments of every benchmark (tests/test_benchmarks_smoke.py checks that each is
+#: listed and that each argument is one its script defines); ``[]``: no smaller size, run as it is.
+QUICK = {
+    "atom_layout": ["--atoms-per-worker", "250", "--neighbor-atoms", "10000", "--workers", "1", "2"],
+    "atomic": ["--quick"],
+    "atomic_training": ["--epochs", "10"],
+    "calculator": ["--quick"],
+    "calibrate": [],
+    "compare": [],
+    "convergence": [],
+    "dgl": ["--nodes", "20000", "--epochs", "5"],
+    "dimenet_pyg": ["--quick"],
+    "foundation": ["--nodes", "100000"],
+    "layers": ["--quick"],
+    "locality": ["--nodes", "20000"],
+    "memory_cap": [],
+    "modes": ["--quick"],
+    "narrow": [],
+    "netem": [],
+    "plan": ["--reddit-sample", "5000"],
+    "scale": ["--edges", "1e7"],
+    "synthetic": ["--quick"],
+    "threads": [],
+}
 
 
 def main():
@@ -34,7 +58,9 @@ def main():
         if a.smoke:
             args.append("--smoke")
         elif a.quick:
-            args += QUICK.get(name, ["--quick"])
+            args += QUICK[name]
+            if not QUICK[name]:
+                print(f"== {name}: no smaller size, run as it is", file=sys.stderr, flush=True)
         print(f"== {name}: {' '.join(args[1:])}", file=sys.stderr, flush=True)
         if subprocess.run(args).returncode:
             failed.append(name)

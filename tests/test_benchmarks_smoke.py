@@ -49,3 +49,27 @@ def test_benchmark_runs_in_its_smoke_mode(name, work, monkeypatch):
         torch.set_num_threads(threads)
     assert rc in (None, 0)
     assert json.loads(out.read_text())
+
+
+def _options(script: Path) -> set:
+    """The ``--options`` a benchmark's parser defines (its ``add_argument`` calls, read from its source)."""
+    import ast
+
+    return {a.value for node in ast.walk(ast.parse(script.read_text())) if isinstance(node, ast.Call)
+            and getattr(node.func, "attr", None) == "add_argument"
+            for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+
+
+def test_quick_passes_each_benchmark_only_options_it_has():
+    """``benchmarks/run.py --quick`` once passed ``--quick`` to every benchmark without a size of its
+    own, and ten of them stopped at argparse's error: each benchmark is listed, with options it defines."""
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.syspath_prepend(str(BENCH))
+    try:
+        quick = importlib.import_module("run").QUICK
+    finally:
+        monkeypatch.undo()
+    assert set(quick) == set(NAMES)
+    for name, args in quick.items():
+        flags = {a for a in args if a.startswith("--")}
+        assert flags <= _options(BENCH / f"bench_{name}.py"), name
