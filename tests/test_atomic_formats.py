@@ -271,3 +271,59 @@ def test_s2ef_config_keys():
     with pytest.raises(config.ConfigError, match="s2ef_split: 200k needs atoms.file"):
         cfg.check("datasets.oc.atoms")
     assert config.AtomsConfig().s2ef_energy == "referenced"
+
+
+@pytest.mark.slow
+def test_an_aselmdb_dataset_trains_dimenetpp_like_an_ase_db(tmp_path, monkeypatch):
+    """A workflow config naming a folder of .aselmdb shards: gnnpipe data's reader gives exactly the systems
+    of the same structures in an ASE db, and a tiny DimeNet++ single run trains on them (in process)."""
+    import dataclasses
+
+    import ase.db
+
+    from gnnpipe import train
+
+    frames = _frames()
+    (tmp_path / "omat").mkdir()
+    write_aselmdb(tmp_path / "omat" / "0.aselmdb", frames[:3])
+    write_aselmdb(tmp_path / "omat" / "1.aselmdb", frames[3:])
+    with ase.db.connect(str(tmp_path / "same.db")) as db:
+        for a in frames:
+            db.write(a, trajectory=a.info["trajectory"])
+    conf = {"results": str(tmp_path / "res"),
+            "datasets": {name: {"kind": "atoms", "atoms": {"file": str(tmp_path / f), "cutoff": 4.0, "max_neighbors": 8,
+                                                            "split": "random", "train_fraction": 0.5,
+                                                            "val_fraction": 0.25}}
+                         for name, f in (("lmdb", "omat"), ("db", "same.db"))},
+            "models": {"dpp": {"kind": "dimenetpp", "dimenetpp": {"preset": "small", "batch_size": 2}}},
+            "training": {"epochs": 2, "eval_every": 2, "checkpoint_every": 0},
+            "runs": [{"mode": "single", "dataset": "lmdb", "model": "dpp"}]}
+    wf = config.load_workflow_config(conf)
+    systems = data.systems_from_config(wf.datasets["lmdb"].atoms, progress=False)
+    same = data.systems_from_config(wf.datasets["db"].atoms, progress=False)
+    for k in data.SYSTEM_ARRAYS:
+        assert np.array_equal(systems[k], same[k]), k
+    digest = data.write_systems(tmp_path / "systems.h5", systems)
+    data.write_graphs(tmp_path / "graphs.h5", data.build_graphs(systems, 4.0, 8, progress=False), 4.0, 8, digest)
+    run, = config.resolve_runs(wf).values()
+    run = dataclasses.replace(run, systems_path=str(tmp_path / "systems.h5"), graph_path=str(tmp_path / "graphs.h5"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    rec = train.run(run, progress=False)
+    assert len(rec["history"]) == 2 and all(np.isfinite(h["loss"]) for h in rec["history"])
+    assert rec["energy_mae"] is not None and rec["force_mae"] is not None and rec["num_systems"] == 4
+
+
+@pytest.mark.slow
+def test_a_named_s2ef_split_not_yet_downloaded_is_planned_by_the_workflow(tmp_path):
+    """A dataset naming an S2EF split whose folder does not exist yet: the folder is not a missing input,
+    build_systems is planned (it downloads the split, or says in one line what to do)."""
+    import yaml
+
+    from helpers import snakemake
+
+    conf = {"datasets": {"oc": {"kind": "atoms", "atoms": {"file": "data/oc20/200k", "s2ef_split": "200k"}}},
+            "models": {"dpp": {"kind": "dimenetpp"}}, "runs": [{"mode": "single", "dataset": "oc", "model": "dpp"}]}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(conf))
+    res = snakemake(tmp_path, tmp_path / "config.yaml", "-n", "results/data/oc/systems.h5")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "build_systems" in res.stdout
