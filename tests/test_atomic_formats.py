@@ -215,8 +215,11 @@ def test_s2ef_refusals_are_one_line(tmp_path):
     (tmp_path / "bad" / "1.txt").write_text("random9,frame0,-1.0\nsystem9 frame1\n")
     write_s2ef(tmp_path / "lonely", frames)
     (tmp_path / "lonely" / "1.txt").unlink()
+    untagged = _frames()
+    untagged[3].set_tags(0)
+    write_s2ef(tmp_path / "untagged", untagged)
     cases = {"short": "1 metadata lines for the 2 frames of 1.extxyz.xz", "bad": "line 2 'system9 frame1' is not",
-             "lonely": "no 1.txt"}
+             "lonely": "no 1.txt", "untagged": "1.extxyz.xz frame 1 has no atom with tag > 0"}
     for name, words in cases.items():
         with pytest.raises(GnnPipeError, match=words) as e:
             data.read_structures(tmp_path / name)

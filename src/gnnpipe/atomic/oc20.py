@@ -95,7 +95,8 @@ def read_rows(folder, energy: str = "referenced") -> list[tuple[str, object, str
     tag 0 (``FixAtoms``), a single-point calculator holding the referenced (``energy: referenced``) or total
     energy and the forces, and ``info`` ``sid``, ``fid``, ``ref_energy``. One line refuses: a folder
     without frames, a metadata file whose line count differs from its frames, a line not of the form
-    ``random<sid>,frame<fid>,<reference energy>``, a frame without energy or forces."""
+    ``random<sid>,frame<fid>,<reference energy>``, a frame without energy or forces or without an atom of
+    tag > 0 (no tags)."""
     import ase.io
     import numpy as np
     from ase.calculators.singlepoint import SinglePointCalculator
@@ -139,6 +140,10 @@ def read_rows(folder, energy: str = "referenced") -> list[tuple[str, object, str
                                    f"frames carry both")
             tags = atoms.get_tags()
             fixed = tags == 0
+            if fixed.all():
+                raise GnnPipeError(f"{folder}: {where} has no atom with tag > 0 (OC20's tags: 0 sub-surface, 1 surface, "
+                                   f"2 adsorbate; the forces of tags > 0 are trained and scored); an S2EF frame needs its "
+                                   f"tags column")
             moved = np.ones(len(atoms), dtype=bool)
             for c in atoms.constraints:
                 if isinstance(c, FixAtoms):
