@@ -277,6 +277,7 @@ def test_s2ef_config_keys():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 37 s wall on the shared 2 cores (12 s of CPU): the readers' equality is also a fast test above
 def test_an_aselmdb_dataset_trains_dimenetpp_like_an_ase_db(tmp_path, monkeypatch):
     """A workflow config naming a folder of .aselmdb shards: gnnpipe data's reader gives exactly the systems
     of the same structures in an ASE db, and a tiny DimeNet++ single run trains on them (in process)."""
