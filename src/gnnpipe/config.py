@@ -191,6 +191,8 @@ class FilesConfig:
 
 _METALS = ["Cu", "Ag", "Au", "Ni", "Pd", "Pt", "Al"]
 _ADSORBATES = ["O", "H", "C", "N", "CO", "N2", "NO"]
+#: OC20's S2EF splits by name (their URLs and digests: gnnpipe.atomic.oc20.SPLITS, a test keeps the two equal)
+S2EF_SPLITS = ("200k", "2M", "20M", "all", "val_id", "val_ood_ads", "val_ood_cat", "val_ood_both", "rattled", "md")
 
 
 @dataclass
@@ -198,7 +200,10 @@ class AtomsConfig:
     """Atomistic systems with energies and forces (gnnpipe.atomic.data) and their radius graphs.
 
     ``file`` empty: generate slab + adsorbate relaxations under ASE's EMT calculator, frames along
-    each as systems (no internet); else read the user's ASE database (``.db``) or extended XYZ file.
+    each as systems (no internet); else read the user's ASE database (``.db``), extended XYZ file,
+    fairchem ASE-LMDB (``.aselmdb``, or a folder of ``*.aselmdb`` shards) or OC20 S2EF folder
+    (``*.extxyz.xz`` with their ``*.txt``; ``s2ef_split`` names a split to download into it when
+    missing, ``s2ef_energy`` picks its energies), the kind chosen by the name (``atomic.data.structure_kind``).
     ``split``: ``trajectory`` keeps each trajectory (generated: a relaxation; a file: the structures
     with one value of ``group_key``) in one of train/val/test; ``random``: structure by structure;
     a file's fixed split (the fractions unused): ``key``, each structure's ``split_key`` (info key /
@@ -207,6 +212,13 @@ class AtomsConfig:
     """
 
     file: str = ""
+    s2ef_split: str = key("", doc=(
+        "an OC20 S2EF split (200k, 2M, 20M, all, val_id, val_ood_ads, val_ood_cat, val_ood_both, rattled, md): "
+        "read from the folder atoms.file, downloaded into it (MD5 checked) when it holds no S2EF files"),
+        schema={"enum": ["", *S2EF_SPLITS]})
+    s2ef_energy: Literal["referenced", "total"] = key("referenced", doc=(
+        "an OC20 S2EF folder's energies: referenced (total minus each frame's reference energy: OC20's S2EF "
+        "target, an adsorption energy) or total (the DFT energy)"))
     num_trajectories: int = key(21, bound=_GE1, doc="generated relaxations")
     frames_per_trajectory: int = key(3, bound=_GE1,
                                      doc="systems taken along each (initial, ..., relaxed); 1: the start only")
@@ -237,6 +249,9 @@ class AtomsConfig:
         if self.split in ("key", "file") and not self.file:
             raise ConfigError(f"{path}.split: {self.split} fixes a split of a user's structures (atoms.file); "
                               f"generated data is split by trajectory or random")
+        if self.s2ef_split and not self.file:
+            raise ConfigError(f"{path}.s2ef_split: {self.s2ef_split} needs atoms.file, the folder it lies in or is "
+                              f"downloaded to")
         if (self.split == "file") != bool(self.split_file):
             raise ConfigError(f"{path}.split_file: " + ("split: file needs the index file here" if self.split == "file"
                               else f"an index file is read with split: file only (split is {self.split})"))

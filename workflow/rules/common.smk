@@ -179,10 +179,11 @@ def dataset_spec_text(wildcards) -> str:
 
 def dataset_inputs(wildcards) -> dict:
     """dataset.yaml, and the user's files (``files`` datasets; an atoms dataset's structures and split
-    index file), so edits rebuild the graph or the systems."""
+    index file), so edits rebuild the graph or the systems. A named OC20 S2EF split's folder is an input
+    once it exists (before, build_systems downloads it)."""
     ds = WF.datasets[wildcards.dataset]
     inputs = {"spec": f"{RESULTS}/data/{wildcards.dataset}/dataset.yaml"}
-    if ds.kind == "atoms" and ds.atoms.file:
+    if ds.kind == "atoms" and ds.atoms.file and (not ds.atoms.s2ef_split or os.path.exists(ds.atoms.file)):
         inputs["structures"] = ds.atoms.file
     if ds.kind == "atoms" and ds.atoms.split_file:
         inputs["split_file"] = ds.atoms.split_file

@@ -29,7 +29,8 @@ rule build_graph:
 
 
 rule build_systems:
-    """Generate (frames along EMT relaxations of slabs + adsorbates) or read (ASE db / extxyz) an atoms dataset: systems.h5."""
+    """Generate (frames along EMT relaxations of slabs + adsorbates) or read (ASE db / extxyz / fairchem .aselmdb / an
+    OC20 S2EF folder, downloading a named S2EF split when its folder is missing) an atoms dataset: systems.h5."""
     input:
         unpack(dataset_inputs),
     output:

@@ -259,10 +259,54 @@ def generate(num_trajectories: int = 64, metals=SLAB_METALS, adsorbates=ADSORBAT
                  min_distance, groups)
 
 
+def structure_kind(path) -> str:
+    """How a structure file or folder is read: ``aselmdb`` (an ``.aselmdb`` file or a folder of them: fairchem's
+    ASE-LMDB, ``atomic.aselmdb``), ``s2ef`` (a folder of OC20's ``*.extxyz(.xz)`` + ``*.txt(.xz)``,
+    ``atomic.oc20``), ``db`` (an ASE database) or ``extxyz`` (any other file ASE reads); a folder of neither
+    is one line."""
+    from . import aselmdb, oc20
+
+    path = Path(path)
+    if path.is_dir():
+        if aselmdb.shards(path):
+            return "aselmdb"
+        if oc20.is_s2ef_folder(path):
+            return "s2ef"
+        raise GnnPipeError(f"{path}: a folder of neither *.aselmdb shards (fairchem's ASE-LMDB) nor OC20 S2EF files "
+                           f"(*.extxyz.xz / *.extxyz with their *.txt); atoms.file names a structure file or such a folder")
+    return {".aselmdb": "aselmdb", ".db": "db"}.get(path.suffix, "extxyz")
+
+
+def _rows(path: Path, group_key: str, split_key: str, s2ef_energy: str) -> list[tuple]:
+    """``(where, atoms, trajectory, split name)`` of every structure of ``path`` (``structure_kind``)."""
+    import ase.db
+    import ase.io
+
+    from . import aselmdb, oc20
+
+    kind = structure_kind(path)
+    if kind == "aselmdb":
+        return [(where, a, kv.get(group_key), kv.get(split_key)) for where, a, kv in aselmdb.read_rows(path)]
+    if kind == "s2ef":  # trajectories are OC20's system ids, whatever group_key says
+        return [(where, a, sid, a.info.get(split_key)) for where, a, sid in oc20.read_rows(path, s2ef_energy)]
+    try:
+        if kind == "db":
+            with ase.db.connect(str(path)) as db:
+                return [(f"row id {r.id}", r.toatoms(add_additional_information=False), r.get(group_key),
+                         r.get(split_key)) for r in db.select(sort="id")]
+        return [(f"frame {i}", a, a.info.get(group_key), a.info.get(split_key))
+                for i, a in enumerate(ase.io.read(str(path), index=":"))]
+    except Exception as e:  # noqa: BLE001 - ASE raises many kinds; the user needs the file named
+        raise GnnPipeError(f"{path}: cannot be read as an ASE database or extxyz ({type(e).__name__}: {e})") from None
+
+
 def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fraction: float = 0.1,
                     seed: int = 0, min_distance: float = MIN_DISTANCE, split: str = "trajectory",
-                    group_key: str = "trajectory", split_key: str = "split", split_file: str = "") -> dict:
-    """A user's ASE database (``.db``) or extended XYZ with energies and forces, or energies alone (every
+                    group_key: str = "trajectory", split_key: str = "split", split_file: str = "",
+                    s2ef_energy: str = "referenced") -> dict:
+    """A user's ASE database (``.db``), extended XYZ, fairchem ASE-LMDB (``.aselmdb`` or a folder of shards) or
+    OC20 S2EF folder (``structure_kind``; S2EF energies ``s2ef_energy`` referenced or total, each frame's
+    trajectory its system id, fixed atoms those of tag 0) with energies and forces, or energies alone (every
     structure the same: the forces are then NaN, :func:`has_forces`, and training is energy-only),
     checked row by row (``checks.check_structure``, then finite energy and forces). ``split`` ``trajectory``: each
     structure's trajectory is the value of its ``group_key`` (an ``info`` key of extxyz, a column of
@@ -271,22 +315,12 @@ def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fr
     (``named_split``), or ``file``, the index file ``split_file`` lists them (``index_split``); the
     fractions are not used, and the trajectories are the ``group_key``'s where every structure has one
     (else one per structure)."""
-    import ase.db
-    import ase.io
-
     path = Path(path)
     if not path.exists():
-        raise GnnPipeError(f"{path}: no such structure file (an ASE .db or .extxyz/.xyz)")
-    try:
-        if path.suffix == ".db":
-            with ase.db.connect(str(path)) as db:
-                rows = [(f"row id {r.id}", r.toatoms(add_additional_information=False), r.get(group_key),
-                         r.get(split_key)) for r in db.select(sort="id")]
-        else:
-            rows = [(f"frame {i}", a, a.info.get(group_key), a.info.get(split_key))
-                    for i, a in enumerate(ase.io.read(str(path), index=":"))]
-    except Exception as e:  # noqa: BLE001 - ASE raises many kinds; the user needs the file named
-        raise GnnPipeError(f"{path}: cannot be read as an ASE database or extxyz ({type(e).__name__}: {e})") from None
+        raise GnnPipeError(f"{path}: no such structure file (an ASE .db, .extxyz/.xyz, .aselmdb, or a folder of "
+                           f".aselmdb shards or OC20 S2EF files)")
+    kind = structure_kind(path)
+    rows = _rows(path, group_key, split_key, s2ef_energy)
     if not rows:
         raise GnnPipeError(f"{path}: holds no structures")
     out, with_forces = [], None  # the first structure with forces (every one must have them, or none)
@@ -316,7 +350,7 @@ def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fr
             if hasattr(c, "get_indices"):
                 fixed[c.get_indices()] = True
         out.append((z, atoms.positions, fixed, forces, atoms.cell.array, atoms.pbc, energy))
-    what = "column" if path.suffix == ".db" else "info key"
+    what = "info key" if kind == "extxyz" else "column"
     unnamed = next((r[0] for r in rows if r[2] is None or not np.isscalar(r[2])), None)  # a row without a trajectory
     if split == "trajectory" and unnamed is not None:
         raise GnnPipeError(f"{path}: {unnamed} has no {what} {group_key!r} naming its trajectory (atoms.group_key; "
@@ -326,8 +360,8 @@ def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fr
     if split != "random" and unnamed is None:  # trajectories numbered in the order they first appear
         _, first, inverse = np.unique([str(r[2]) for r in rows], return_index=True, return_inverse=True)
         groups = np.argsort(np.argsort(first))[inverse]
-    how = {"trajectory": f" group_key={group_key}", "random": "", "key": f" split_key={split_key}",
-           "file": f" split_file={Path(split_file).name}"}[split]
+    how = {"trajectory": " group=system id" if kind == "s2ef" else f" group_key={group_key}", "random": "",
+           "key": f" split_key={split_key}", "file": f" split_file={Path(split_file).name}"}[split]
     if split == "key":
         cut = named_split([r[3] for r in rows], [r[0] for r in rows], path, split_key, what)
     elif split == "file":
@@ -336,7 +370,9 @@ def read_structures(path: str | os.PathLike, train_fraction: float = 0.8, val_fr
         cut = group_split(groups, train_fraction, val_fraction, seed)
     else:
         cut = random_split(len(out), train_fraction, val_fraction, seed)
-    return _pack(out, cut, f"file:{path.name} split={split}{how}", min_distance, groups)
+    # the new kinds say so; S2EF: which energies, referenced (adsorption) or total
+    tag = {"aselmdb": " (aselmdb)", "s2ef": f" (s2ef energy={s2ef_energy})"}.get(kind, "")
+    return _pack(out, cut, f"file:{path.name}{tag} split={split}{how}", min_distance, groups)
 
 
 def _stored(atoms, getter: str):
@@ -511,8 +547,14 @@ def read_graphs(path, expect_systems_hash: str | None = None) -> dict:
 def systems_from_config(cfg, progress: bool = True) -> dict:
     """The systems of a ``datasets.<name>.atoms`` config (``AtomsConfig``): generated or read."""
     if cfg.file:
-        return read_structures(cfg.file, cfg.train_fraction, cfg.val_fraction, cfg.seed, cfg.min_distance,
-                               cfg.split, cfg.group_key, cfg.split_key, cfg.split_file)
+        from . import oc20
+
+        path = oc20.fetch_split(cfg.s2ef_split, cfg.file) if cfg.s2ef_split else cfg.file
+        systems = read_structures(path, cfg.train_fraction, cfg.val_fraction, cfg.seed, cfg.min_distance,
+                                  cfg.split, cfg.group_key, cfg.split_key, cfg.split_file, cfg.s2ef_energy)
+        if cfg.s2ef_split:
+            oc20.check_count(cfg.s2ef_split, len(systems["energy"]), path)
+        return systems
     return generate(cfg.num_trajectories, tuple(cfg.metals), tuple(cfg.adsorbates), tuple(cfg.slab_size),
                     rattle=cfg.rattle, seed=cfg.seed, train_fraction=cfg.train_fraction,
                     val_fraction=cfg.val_fraction, progress=progress, min_distance=cfg.min_distance,
