@@ -16,7 +16,10 @@ never stale. With one chunk per way there is nothing to buffer: a chunk is the w
 
 **One chunk through the stage** (:meth:`Stage._run`, one autograd graph from the chunk's input
 rows, a leaf, to its output; :meth:`Stage._conv` per conv): each conv reads the chunk's own rows
-and its halo rows. Before the conv the ``G`` ways exchange (one all-to-all in the graph group, op
+and its halo rows, from the conv's :class:`HaloSource` chosen at set-up (``Stage.sources``;
+``Stage.exact_sources`` for the way's exact pass): exchanged (one chunk per way), exchanged into
+the buffer (several), from the buffer (one way), cached (conv 0's input) or given (recompute's
+rebuild, the exact pass chunk by chunk). Before the conv the ``G`` ways exchange (one all-to-all in the graph group, op
 ``halo``; :func:`gnnpipe.parallel.halo.way_plans`) the rows of *this step's* chunks that the other
 ways' halos list; the chunk's rows without an outside neighbour (``n_inner``) are aggregated
 while they are in flight (``graph_parallel.overlap``). A chunk's halo row is *fresh* if its chunk
@@ -70,9 +73,9 @@ dropout off). Without techniques 3/4 and without recompute the buffer itself is 
 row holds last epoch's value until its chunk is recomputed); otherwise a second buffer holds it.
 
 **Recompute** (``recompute``): the forward keeps no activations, only each (conv, chunk)'s RNG
-state and, with nothing buffered (``c = 1``), the chunk's input rows and each conv's halo rows;
-the backward rebuilds the chunk's graph from them (the buffers hold the rest; the exchanges are
-not repeated), each conv under its RNG state (dropout draws the same mask), the global RNG left
+state, each conv's halo rows as read and, with nothing buffered (``c = 1``), the chunk's input
+rows; the backward rebuilds the chunk's graph from them (the buffers hold the rest; the halo
+rows are ``Given``, the exchanges not repeated), each conv under its RNG state (dropout draws the same mask), the global RNG left
 as it was: bitwise the result of storing, and one chunk's activations at a time.
 
 **Exact passes** (evaluation, the warm start): the way's whole block as one chunk through the
@@ -90,7 +93,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..engine import ce_sum
+from ..config import RunConfig
+from ..engine import DTYPES, ce_sum
 from ..io import GnnPipeError
 from ..models.block import Block
 from .halo import HaloPlan
@@ -192,6 +196,24 @@ class Chunk:
             self.n_inner = n_inner
             self.inner, self.boundary = split_block(self.block, n_inner, self.end - self.start)
         return self
+
+
+@dataclass(eq=False)
+class WayData:
+    """What a worker loads of its way (``LayoutEngine._load``): the way's block of chunks against
+    its source space (own rows, then the way's halo ``H_g``) and the data its stage reads."""
+
+    chunks: list[Chunk]  # per chunk its block, halo positions, halo owners' steps, exchange plan
+    whole: Chunk  # the way's whole block (the exact passes; no block: one way, run chunk by chunk)
+    halo: np.ndarray  # H_g: the halo's node ids, sorted, grouped by owner way
+    features: Optional[Tensor] = None  # stage 0: the source space's input features (own rows; the halo's
+    #                                    too once fetched at set-up, ``graph_parallel.cache_input_halo``)
+    labels: Optional[Tensor] = None  # the last stage: the own rows' labels
+    masks: Optional[dict] = None  # the last stage: the own rows' split masks
+
+    @property
+    def n_own(self) -> int:
+        return self.whole.end - self.whole.start
 
 
 class HaloSource:
@@ -329,16 +351,21 @@ class Stage:
     """Stage ``stage`` of way ``way``: its modules (``owned``, under the single-process names),
     its buffers, ``forward(chunk)`` / ``backward(chunk)`` and the exact pass."""
 
-    def __init__(self, *, gnn, layers: list[int], first: bool, last: bool, chunks: list[Chunk], way: Chunk,
-                 comm, group, pc, overlap: bool, cache_input: bool, x_src: Optional[Tensor], labels, masks,
-                 n_train: int, device, dtype):
+    def __init__(self, gnn, way: WayData, *, layers: list[int], first: bool, last: bool, comm, group,
+                 cfg: RunConfig, n_train: int, device):
+        """``gnn``: the whole model (the stage keeps its ``layers``' convs, stage 0 the encoder, the
+        last the decoder); ``way``: what the worker loaded; ``comm`` / ``group``: the communicator
+        and the graph group (None: one way); ``cfg``: the run (its ``pipeline`` techniques,
+        ``graph_parallel`` switches and dtype); ``n_train``: the training rows of the whole graph."""
         self.layers, self.first, self.last = layers, first, last
-        self.chunks, self.way = chunks, way  # the way's chunks; the way's whole block (exact passes)
-        self.n_own = way.end - way.start
-        self.comm, self.group, self.pc = comm, group, pc
-        self.overlap, self.cache_input = overlap, cache_input
-        self.device, self.dtype = device, dtype
-        self.labels, self.masks, self.n_train = labels, masks, n_train
+        self.chunks, self.whole = way.chunks, way.whole  # the way's chunks; its whole block (exact passes)
+        self.n_own = way.n_own
+        self.comm, self.group, self.pc = comm, group, cfg.pipeline
+        gp = cfg.graph_parallel
+        self.overlap, self.cache_input = bool(gp.overlap), bool(gp.cache_input_halo)
+        self.device, self.dtype = device, DTYPES[cfg.training.dtype]
+        self.labels, self.masks, self.n_train = way.labels, way.masks, n_train
+        pc, dtype, x_src = self.pc, self.dtype, way.features
         self.dims, self.out_dims = gnn.exchange_dims(), gnn.conv_out_dims()
         self.needs_x0, self.has_encoder = gnn.needs_x0, gnn.encoder is not None
         self.x0_dim = self.dims[0] if self.needs_x0 else 0
@@ -350,8 +377,8 @@ class Stage:
             + [(f"convs.{l}", self.convs[l]) for l in layers]
             + ([("decoder", self.decoder)] if self.decoder is not None else []))
         # one way of several chunks has no whole block (the exact passes go chunk by chunk)
-        self.n_src = way.block.n_src if way.block is not None else way.end - way.start
-        self.buffered = len(chunks) > 1
+        self.n_src = self.whole.block.n_src if self.whole.block is not None else self.n_own
+        self.buffered = len(self.chunks) > 1
         # the narrow side (docs/DESIGN.md §4): with nothing buffered, a conv whose kind declares a
         # narrower halo width exchanges its projected rows (the owner applies the map first)
         self.halo_dims = list(self.dims) if self.buffered else gnn.halo_dims()
@@ -677,10 +704,10 @@ class Stage:
                 x0 = h if self.needs_x0 else None
             for l in self.layers:
                 own = src0 if (l == 0 and self.cache_input) else h
-                if self.way.block is None:
+                if self.whole.block is None:
                     out, halo = self._exact_by_chunks(l, own, x0), None
                 else:
-                    out, halo = self._conv(l, self.way, own, x0, self.exact_sources[l])
+                    out, halo = self._conv(l, self.whole, own, x0, self.exact_sources[l])
                 if fill and l in self.hist:
                     self.hist[l].fill(torch.cat([h, halo]) if halo is not None else h)
                 h = out
