@@ -34,7 +34,8 @@ from gnnpipe.parallel.balance import (StageAssignment, assign_stages, balanced_b
                                       stage_costs, uniform_bounds)
 from gnnpipe.costmodel.bytes import pipeline_bytes
 from gnnpipe.parallel.engine import LayoutEngine, check_config
-from gnnpipe.parallel.stage import History, chunk_order
+from gnnpipe.parallel.stage import (NO_HALO, Cached, Chunk, Exchanged, ExchangedIntoHistory, FromHistory, Given,
+                                    History, Stage, WayData, chunk_order)
 from gnnpipe.parallel.testing import spawn_multi_process
 from gnnpipe.partition import partition_graph
 from gnnpipe.store import ChunkStore, materialize
@@ -416,6 +417,54 @@ def test_recompute_is_bitwise_storing_with_dropout(stores):
 
 
 # --------------------------------------------------------------------------- pieces
+def test_each_convs_halo_source_is_chosen_once_at_set_up(stores):
+    """#33: a stage picks each conv's halo source when it is built (training chunks, and the
+    way's exact pass), from what its worker loaded (``WayData``), instead of switches per call."""
+    names = lambda sources: ["none" if s is NO_HALO else type(s).__name__ for s in sources.values()]  # noqa: E731
+    eng = LayoutEngine(run_cfg(stores["connected-4"], "gcn", chunks=4, layers=3), None, None, "cpu")
+    assert isinstance(eng.data, WayData) and len(eng.data.chunks) == 4 and eng.data.n_own == 72
+    assert set(eng.data.masks) == {"train", "val", "test"} and eng.data.labels.shape == (72,)
+    assert names(eng.stage.sources) == ["Cached", "FromHistory", "FromHistory"]
+    assert names(eng.stage.exact_sources) == ["Cached", "none", "none"]  # the exact pass goes chunk by chunk
+
+    def with_ways(store, chunks, cache_input):  # a stand-in graph group: choosing sends nothing
+        cfg = replace(run_cfg(store, "gcn", chunks=chunks, layers=3),
+                      graph_parallel=GraphParallelConfig(cache_input_halo=cache_input))
+        e = LayoutEngine(cfg, None, None, "cpu")
+        gnn = GNN(cfg.model, e.in_features, e.num_classes).double()
+        return Stage(gnn, e.data, layers=[0, 1, 2], first=True, last=True, comm=None, group=object(), cfg=cfg,
+                     n_train=e.n_train, device=e.device)
+
+    buffered = with_ways(stores["connected-4"], 4, True)
+    assert names(buffered.sources) == ["Cached", "ExchangedIntoHistory", "ExchangedIntoHistory"]
+    assert names(buffered.exact_sources) == ["Cached", "Exchanged", "Exchanged"]
+    assert buffered.sources[1].history.hist is buffered.hist[1]
+    one = with_ways(stores["connected-1"], 1, False)
+    assert names(one.sources) == names(one.exact_sources) == ["Exchanged"] * 3
+    assert [s.op for s in one.sources.values()] == ["halo"] * 3
+    assert [s.op for s in one.exact_sources.values()] == ["control"] * 3
+    assert one.overlapped == {0, 1, 2} and buffered.overlapped == {1, 2}
+
+
+def test_halo_sources_read_this_epochs_rows_where_fresh():
+    hist = History(4, 1, device="cpu", dtype=torch.float64, keep_history=True)
+    hist.fill(torch.zeros(4, 1))
+    hist.cur[:] = torch.arange(4.0)[:, None]  # this epoch's rows; the history holds zeros
+    steps = torch.zeros(2, dtype=torch.int64)
+    ch = Chunk(0, 2, None, torch.tensor([2, 3]), steps, None)
+    rows = lambda t: t.flatten().tolist()  # noqa: E731
+    assert rows(FromHistory(hist).receive(ch, None, None, torch.tensor([True, False]))) == [2.0, 0.0]
+    assert rows(FromHistory(hist).receive(ch, None, None, None)) == [2.0, 3.0]
+    assert FromHistory(hist).receive(Chunk(0, 2, None, steps[:0], steps[:0], None), None, None, None) is None
+    h0 = torch.arange(4.0)[:, None] * 10
+    assert rows(Cached(h0).receive(ch, None, None, None)) == [20.0, 30.0]
+    assert Cached(h0).receive(Chunk(0, 4, None, torch.tensor([1]), steps[:1], None, whole_way=True),
+                              None, None, None) is None  # the way: its own rows are the source space
+    given = torch.ones(2, 1)
+    assert Given(given).receive(ch, None, None, None) is given and NO_HALO.receive(ch, None, None, None) is None
+    assert Given(given).send(ch, given) is None and isinstance(ExchangedIntoHistory(None, None, "halo", hist), Exchanged)
+
+
 def test_history_sources():
     h = History(4, 1, device="cpu", dtype=torch.float64, keep_history=True)
     h.fill(torch.zeros(4, 1))

@@ -61,10 +61,6 @@ class Action(NamedTuple):
         """``forward`` for ``F`` and its messages, ``backward`` for ``B`` and its messages."""
         return "forward" if self.kind in (F, SEND_F, RECV_F) else "backward"
 
-    @property
-    def is_compute(self) -> bool:
-        return self.kind in (F, B)
-
     def tag(self, chunks: int) -> int:
         """The message tag of a send or receive (the same on both ends)."""
         return tag(self.direction, chunks, self.chunk)

@@ -117,9 +117,6 @@ class Communicator:
         """Bytes this rank sent in ``epoch``, over every op not in ``exclude``."""
         return sum(r["sent"] for op, r in self.ledger.get(epoch, {}).items() if op not in exclude)
 
-    def epoch_recv_bytes(self, epoch: int, exclude: Sequence[str] = ("control",)) -> int:
-        return sum(r["recv"] for op, r in self.ledger.get(epoch, {}).items() if op not in exclude)
-
     def epoch_comm_s(self, epoch: int, op: Optional[str] = None) -> float:
         """Seconds this rank was blocked in communication in ``epoch`` (all ops, or one)."""
         if op is None:

@@ -46,6 +46,7 @@ import logging
 import resource
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -64,7 +65,7 @@ from ..store import ChunkStore, open_run_store
 from .balance import StageAssignment, assign_stages
 from .comm import Communicator
 from .halo import way_plans
-from .stage import Chunk, Stage
+from .stage import Chunk, Stage, WayData
 
 log = logging.getLogger(__name__)
 
@@ -170,12 +171,12 @@ class LayoutEngine:
         try:
             self.N, self.E = store.num_nodes, store.num_edges
             self.in_features, self.num_classes = store.num_features, store.num_classes
-            features = self._load(store)
+            loaded = self._load(store)
         finally:
             store.close()
         torch.manual_seed(cfg.training.seed)  # every rank and mode starts from the same weights
         gnn = GNN(cfg.model, self.in_features, self.num_classes).to(self.device, self.dtype)
-        self._setup_exchanges(features, fetch_halo=self.cache_input and len(gnn.convs) > 0)
+        self.data = self._setup_exchanges(loaded, fetch_halo=self.cache_input and len(gnn.convs) > 0)
         self.dims = gnn.exchange_dims()
         self.needs_x0 = gnn.needs_x0
         self.first_input = first_input(gnn, gp) if self.G > 1 else "local"
@@ -183,7 +184,7 @@ class LayoutEngine:
         if self.S == 1:
             self.assignment = StageAssignment([(0, L)], "one stage", [0.0] * L)
         else:
-            sample = max(self.chunks, key=lambda ch: ch.block.nnz)  # profile: the largest chunk
+            sample = max(self.data.chunks, key=lambda ch: ch.block.nnz)  # profile: the largest chunk
             self.assignment = assign_stages(gnn, self.S, cfg.pipeline.balance, num_nodes=self.N, num_edges=self.E,
                                             sample_block=sample.block, comm=comm, dtype=self.dtype)
             if self.first and self.way == 0:
@@ -198,11 +199,8 @@ class LayoutEngine:
         for k, p in gnn.named_parameters():
             if p.requires_grad:
                 self.params_per_stage[self._owner(k)] += p.numel()
-        self.stage = Stage(gnn=gnn, layers=self.layers, first=self.first, last=self.last, chunks=self.chunks,
-                           way=self.way_chunk, comm=comm, group=self.group, pc=cfg.pipeline,
-                           overlap=self.overlap, cache_input=self.cache_input, x_src=self.x_src,
-                           labels=getattr(self, "labels", None), masks=getattr(self, "masks", None),
-                           n_train=self.n_train, device=self.device, dtype=self.dtype)
+        self.stage = Stage(gnn, self.data, layers=self.layers, first=self.first, last=self.last, comm=comm,
+                           group=self.group, cfg=cfg, n_train=self.n_train, device=self.device)
         self.halo_dims = self.stage.halo_dims  # the narrow side where nothing is buffered
         del gnn  # the other stages' convs are not ours to keep
         self.params = [p for _, m in self.stage.owned for p in m.parameters() if p.requires_grad]
@@ -212,77 +210,76 @@ class LayoutEngine:
             self._exact_pass(fill=True)
 
     # ------------------------------------------------------------------ set-up
-    def _load(self, store: ChunkStore) -> Optional[Tensor]:
-        """The way's block of chunks against its source space (own rows, then its halo ``H_g``):
-        ``chunks`` (per chunk its block, halo positions, halo owners' steps, exchange plan),
-        ``way_chunk`` (the whole block, the exact passes), the data this stage reads. Returns
-        stage 0's own rows' features."""
+    def _load(self, store: ChunkStore) -> WayData:
+        """The way's block of chunks against its source space (own rows, then its halo ``H_g``),
+        and the data this stage reads: stage 0 its own rows' features, the last stage their
+        labels and masks."""
         dev, G, Cw, g = self.device, self.G, self.Cw, self.way
         mine = list(range(g * Cw, (g + 1) * Cw))
         offsets = [int(o) for o in store.offsets]
         A, B = offsets[mine[0]], offsets[mine[-1] + 1]
-        self.n_own = B - A
+        n_own = B - A
         halos = {c: store.read_part(c, "halo").astype(np.int64) for c in mine}
         allh = np.concatenate(list(halos.values()))
-        self.way_halo = np.unique(allh[(allh < A) | (allh >= B)])  # H_g, sorted, grouped by owner way
+        way_halo = np.unique(allh[(allh < A) | (allh >= B)])  # H_g, sorted, grouped by owner way
 
         def loc(ids: np.ndarray) -> Tensor:
             own = (ids >= A) & (ids < B)
-            return torch.as_tensor(np.where(own, ids - A, self.n_own + np.searchsorted(self.way_halo, ids)),
+            return torch.as_tensor(np.where(own, ids - A, n_own + np.searchsorted(way_halo, ids)),
                                    dtype=torch.int64).to(dev)
 
-        steps, whole = way_plans(store, g, G, self.way_halo, dev, self.group) if G > 1 else ([None] * Cw, None)
-        self.chunks = []
+        steps, whole = way_plans(store, g, G, way_halo, dev, self.group) if G > 1 else ([None] * Cw, None)
+        chunks = []
         for j, c in enumerate(mine):
             ch = Chunk(offsets[c] - A, offsets[c + 1] - A, store.local_block(c, self.dtype).to(dev), loc(halos[c]),
                        torch.as_tensor(store.part_of(halos[c]) % Cw, dtype=torch.int64).to(dev), steps[j],
                        whole_way=Cw == 1)
-            self.chunks.append(ch.split(store.n_inner(c) if (G > 1 and self.overlap) else 0))
+            chunks.append(ch.split(store.n_inner(c) if (G > 1 and self.overlap) else 0))
         if Cw == 1:  # the chunk is the way: the exact passes run on the same blocks
-            self.way_chunk = self.chunks[0]
+            way_chunk = chunks[0]
         elif G == 1:  # one way: the exact passes run chunk by chunk (no second copy of the graph)
-            self.way_chunk = Chunk(0, self.n_own, None, loc(self.way_halo),
-                                   torch.zeros(0, dtype=torch.int64, device=dev), None, whole_way=True)
+            way_chunk = Chunk(0, n_own, None, loc(way_halo), torch.zeros(0, dtype=torch.int64, device=dev), None,
+                              whole_way=True)
         else:  # the way's rows against own rows then H_g
             ptrs = [store.read_part(c, "indptr") for c in mine]
             base = np.cumsum([0] + [int(q[-1]) for q in ptrs[:-1]])
             indptr = np.concatenate([[0]] + [q[1:] + b for q, b in zip(ptrs, base)])
             indices = np.concatenate([store.read_part(c, "indices") for c in mine]).astype(np.int64)
             deg_out = store.deg_out()
-            block = Block.from_numpy(indptr, loc(indices).cpu().numpy(), self.n_own + len(self.way_halo), 0,
+            block = Block.from_numpy(indptr, loc(indices).cpu().numpy(), n_own + len(way_halo), 0,
                                      np.concatenate([store.read_part(c, "deg_in") for c in mine]),
-                                     np.concatenate([deg_out[A:B], deg_out[self.way_halo]]), self.dtype)
-            self.way_chunk = Chunk(0, self.n_own, block.to(dev), loc(self.way_halo),
-                                   torch.zeros(len(self.way_halo), dtype=torch.int64, device=dev), whole,
-                                   whole_way=True)
+                                     np.concatenate([deg_out[A:B], deg_out[way_halo]]), self.dtype)
+            way_chunk = Chunk(0, n_own, block.to(dev), loc(way_halo),
+                              torch.zeros(len(way_halo), dtype=torch.int64, device=dev), whole, whole_way=True)
+        out = WayData(chunks, way_chunk, way_halo)
         read = lambda name: np.concatenate([store.read_part(c, name) for c in mine])  # noqa: E731
         if self.last:
-            self.labels = torch.as_tensor(read("labels")).to(dev)
-            self.masks = {s: torch.as_tensor(read(f"{s}_mask")).to(dev) for s in SPLITS}
-        return torch.as_tensor(read("features")).to(dev, self.dtype) if self.first else None
+            out.labels = torch.as_tensor(read("labels")).to(dev)
+            out.masks = {s: torch.as_tensor(read(f"{s}_mask")).to(dev) for s in SPLITS}
+        if self.first:
+            out.features = torch.as_tensor(read("features")).to(dev, self.dtype)
+        return out
 
-    def _setup_exchanges(self, features: Optional[Tensor], fetch_halo: bool) -> None:
+    def _setup_exchanges(self, way: WayData, fetch_halo: bool) -> WayData:
         """Once per run (ledger epoch -1): stage 0 fetches its way's halo features (``fetch_halo``:
         the input halo cached, and a conv to read it); the world sums the training rows and each
-        way's mirrors and rows."""
+        way's mirrors and rows. Returns ``way`` with the source space's features."""
         G, dev, comm = self.G, self.device, self.comm
-        self.x_src = None
-        if self.first:
-            self.x_src = features  # (n_own, F)
-            if G > 1 and fetch_halo:
-                plan = self.way_chunk.plan
-                halo = comm.all_to_all_rows(features.index_select(0, plan.send_index), plan.send_rows,
-                                            plan.recv_rows, self.group, op="halo_setup")
-                self.x_src = torch.cat([features, halo])  # (n_own + M_g, F): own rows, then the halo's
+        if self.first and G > 1 and fetch_halo:
+            plan, features = way.whole.plan, way.features  # (n_own, F)
+            halo = comm.all_to_all_rows(features.index_select(0, plan.send_index), plan.send_rows,
+                                        plan.recv_rows, self.group, op="halo_setup")
+            way = replace(way, features=torch.cat([features, halo]))  # (n_own + M_g, F): own rows, then the halo's
         vec = torch.zeros(1 + 2 * G, dtype=torch.float64, device=dev)
         if self.last:
-            vec[0] = float(self.masks["train"].sum())
+            vec[0] = float(way.masks["train"].sum())
         if self.first:
-            vec[1 + self.way], vec[1 + G + self.way] = len(self.way_halo), self.n_own
+            vec[1 + self.way], vec[1 + G + self.way] = len(way.halo), way.n_own
         comm.all_reduce_(vec, op="control")
         v = [int(round(x)) for x in vec.tolist()]
         self.n_train = max(v[0], 1)
         self.mirrors, self.nodes_per_way = v[1:1 + G], v[1 + G:]
+        return way
 
     def _owner(self, key: str) -> int:
         head = key.split(".")[0]
@@ -354,7 +351,7 @@ class LayoutEngine:
         st, tag = self.stage, schedule.tag("exact_pass", self.Cw)
         h = x0 = None
         if not self.first:
-            buf = torch.empty(self.n_own, st.in_width(), device=self.device, dtype=self.dtype)
+            buf = torch.empty(self.data.n_own, st.in_width(), device=self.device, dtype=self.dtype)
             self.comm.recv(buf, self.prev, op="control", tag=tag)
             d = self.dims[self.layers[0]]
             h, x0 = buf[:, :d], (buf[:, d:] if self.needs_x0 else None)
@@ -371,10 +368,11 @@ class LayoutEngine:
         logits = self._exact_pass(fill=False)
         vals = torch.zeros(2 * len(SPLITS) + 1, dtype=torch.float64, device=self.device)
         if self.last:
-            counts = correct_counts(logits, self.labels, {s: self.masks[s] for s in SPLITS})
+            labels, masks = self.data.labels, self.data.masks
+            counts = correct_counts(logits, labels, {s: masks[s] for s in SPLITS})
             for i, s in enumerate(SPLITS):
                 vals[2 * i], vals[2 * i + 1] = counts[s]
-            vals[-1] = float(ce_sum(logits, self.labels, self.masks["train"]))
+            vals[-1] = float(ce_sum(logits, labels, masks["train"]))
         self.comm.all_reduce_(vals, op="control")
         v = vals.tolist()
         out = {f"{s}_acc": (v[2 * i] / v[2 * i + 1] if v[2 * i + 1] else 0.0) for i, s in enumerate(SPLITS)}
@@ -466,8 +464,8 @@ class LayoutEngine:
         return {"layout": {
             "stages": self.S, "ways": self.G, "chunks": self.C, "chunks_per_way": self.Cw,
             "stage_assignment": self.assignment.as_dict(), "mirrors_per_way": self.mirrors,
-            "nodes_per_way": self.nodes_per_way, "chunk_rows": [ch.end - ch.start for ch in self.chunks],
-            "halo_rows": [int(ch.halo.numel()) for ch in self.chunks], "warm_start": self.warm_started,
+            "nodes_per_way": self.nodes_per_way, "chunk_rows": [ch.end - ch.start for ch in self.data.chunks],
+            "halo_rows": [int(ch.halo.numel()) for ch in self.data.chunks], "warm_start": self.warm_started,
             "overlap": self.overlap, "cache_input_halo": self.cache_input, "first_input": self.first_input,
             "predicted_bytes": self.predicted_bytes_by_kind(),
             "setup_bytes_rank0": self.comm.epoch_bytes(-1, exclude=("control",)),

@@ -16,7 +16,10 @@ never stale. With one chunk per way there is nothing to buffer: a chunk is the w
 
 **One chunk through the stage** (:meth:`Stage._run`, one autograd graph from the chunk's input
 rows, a leaf, to its output; :meth:`Stage._conv` per conv): each conv reads the chunk's own rows
-and its halo rows. Before the conv the ``G`` ways exchange (one all-to-all in the graph group, op
+and its halo rows, from the conv's :class:`HaloSource` chosen at set-up (``Stage.sources``;
+``Stage.exact_sources`` for the way's exact pass): exchanged (one chunk per way), exchanged into
+the buffer (several), from the buffer (one way), cached (conv 0's input) or given (recompute's
+rebuild, the exact pass chunk by chunk). Before the conv the ``G`` ways exchange (one all-to-all in the graph group, op
 ``halo``; :func:`gnnpipe.parallel.halo.way_plans`) the rows of *this step's* chunks that the other
 ways' halos list; the chunk's rows without an outside neighbour (``n_inner``) are aggregated
 while they are in flight (``graph_parallel.overlap``). A chunk's halo row is *fresh* if its chunk
@@ -70,9 +73,9 @@ dropout off). Without techniques 3/4 and without recompute the buffer itself is 
 row holds last epoch's value until its chunk is recomputed); otherwise a second buffer holds it.
 
 **Recompute** (``recompute``): the forward keeps no activations, only each (conv, chunk)'s RNG
-state and, with nothing buffered (``c = 1``), the chunk's input rows and each conv's halo rows;
-the backward rebuilds the chunk's graph from them (the buffers hold the rest; the exchanges are
-not repeated), each conv under its RNG state (dropout draws the same mask), the global RNG left
+state, each conv's halo rows as read and, with nothing buffered (``c = 1``), the chunk's input
+rows; the backward rebuilds the chunk's graph from them (the buffers hold the rest; the halo
+rows are ``Given``, the exchanges not repeated), each conv under its RNG state (dropout draws the same mask), the global RNG left
 as it was: bitwise the result of storing, and one chunk's activations at a time.
 
 **Exact passes** (evaluation, the warm start): the way's whole block as one chunk through the
@@ -90,7 +93,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..engine import ce_sum
+from ..config import RunConfig
+from ..engine import DTYPES, ce_sum
 from ..io import GnnPipeError
 from ..models.block import Block
 from .halo import HaloPlan
@@ -195,6 +199,120 @@ class Chunk:
 
 
 @dataclass(eq=False)
+class WayData:
+    """What a worker loads of its way (``LayoutEngine._load``): the way's block of chunks against
+    its source space (own rows, then the way's halo ``H_g``) and the data its stage reads."""
+
+    chunks: list[Chunk]  # per chunk its block, halo positions, halo owners' steps, exchange plan
+    whole: Chunk  # the way's whole block (the exact passes; no block: one way, run chunk by chunk)
+    halo: np.ndarray  # H_g: the halo's node ids, sorted, grouped by owner way
+    features: Optional[Tensor] = None  # stage 0: the source space's input features (own rows; the halo's
+    #                                    too once fetched at set-up, ``graph_parallel.cache_input_halo``)
+    labels: Optional[Tensor] = None  # the last stage: the own rows' labels
+    masks: Optional[dict] = None  # the last stage: the own rows' split masks
+
+    @property
+    def n_own(self) -> int:
+        return self.whole.end - self.whole.start
+
+
+class HaloSource:
+    """Where conv ``l``'s halo rows of a chunk come from, chosen once per conv at set-up
+    (:meth:`Stage._source`). ``send`` starts what goes out before the chunk's inner rows are
+    aggregated (None: nothing); ``receive`` completes it and returns the halo rows (None: the
+    chunk has none, or its own rows already are the whole source space). ``fresh``: which of the
+    chunk's halo rows are read from this epoch (None: all of them)."""
+
+    def send(self, ch: Chunk, rows: Tensor):
+        return None
+
+    def receive(self, ch: Chunk, work, clock, fresh: Optional[Tensor]) -> Optional[Tensor]:
+        raise NotImplementedError
+
+
+class Given(HaloSource):
+    """Rows handed in: recompute's rebuild (the rows the chunk's forward read, nothing exchanged
+    again) and the exact pass chunk by chunk (rows of the one way's input). ``None``: no halo."""
+
+    def __init__(self, rows: Optional[Tensor]):
+        self.rows = rows
+
+    def receive(self, ch, work, clock, fresh):
+        return self.rows
+
+
+#: a conv with nothing outside its chunk (one way of one chunk: the chunk is the graph)
+NO_HALO = Given(None)
+
+
+class Cached(HaloSource):
+    """Conv 0's halo rows from stage 0's input of the source space (``h0``: the features, own rows
+    then the halo's fetched once at set-up, or the encoder's output on them): never stale. None
+    where the chunk is the way, whose own rows are then read as the whole source space."""
+
+    def __init__(self, h0: Tensor):
+        self.h0 = h0
+
+    def receive(self, ch, work, clock, fresh):
+        if ch.whole_way or not ch.halo.numel():
+            return None
+        return self.h0.index_select(0, ch.halo)
+
+
+class FromHistory(HaloSource):
+    """Conv ``l``'s halo rows from this way's buffers: this epoch's rows where fresh, the
+    history (or snapshot) elsewhere."""
+
+    def __init__(self, hist: History):
+        self.hist = hist
+
+    def receive(self, ch, work, clock, fresh):
+        return self.read(ch, fresh)
+
+    def read(self, ch: Chunk, fresh: Optional[Tensor]) -> Optional[Tensor]:
+        if not ch.halo.numel():
+            return None
+        st = self.hist
+        stale = st.stale()
+        if stale is st.cur or fresh is None:
+            return st.cur.index_select(0, ch.halo)
+        return torch.where(fresh[:, None], st.cur.index_select(0, ch.halo), stale.index_select(0, ch.halo))
+
+
+class Exchanged(HaloSource):
+    """The ``G`` ways exchange the rows of this step's chunks that the other ways' halos list (one
+    all-to-all in the graph group, op ``op``): the chunk is the way, the halo is what arrives.
+    The rows sent are those the conv reads: its input, or its projected rows on the narrow side."""
+
+    def __init__(self, comm, group, op: str):
+        self.comm, self.group, self.op = comm, group, op
+
+    def send(self, ch, rows):
+        plan = ch.plan
+        return self.comm.all_to_all_rows(rows.detach().index_select(0, plan.send_index), plan.send_rows,
+                                         plan.recv_rows, self.group, op=self.op, async_op=True)
+
+    def arrived(self, work, clock) -> Tensor:
+        return clock.wait(work, "comm") if clock is not None else self.comm.wait(work)
+
+    def receive(self, ch, work, clock, fresh):
+        return self.arrived(work, clock)
+
+
+class ExchangedIntoHistory(Exchanged):
+    """Several chunks per way: what arrives are the other ways' rows of this step, fresh for this
+    chunk and the later ones: written into the buffer, and the halo read from it."""
+
+    def __init__(self, comm, group, op: str, hist: History):
+        super().__init__(comm, group, op)
+        self.history = FromHistory(hist)
+
+    def receive(self, ch, work, clock, fresh):
+        self.history.hist.cur[ch.plan.recv_pos] = self.arrived(work, clock)
+        return self.history.read(ch, fresh)
+
+
+@dataclass(eq=False)
 class EpochState:
     """What one epoch's actions share."""
 
@@ -233,16 +351,21 @@ class Stage:
     """Stage ``stage`` of way ``way``: its modules (``owned``, under the single-process names),
     its buffers, ``forward(chunk)`` / ``backward(chunk)`` and the exact pass."""
 
-    def __init__(self, *, gnn, layers: list[int], first: bool, last: bool, chunks: list[Chunk], way: Chunk,
-                 comm, group, pc, overlap: bool, cache_input: bool, x_src: Optional[Tensor], labels, masks,
-                 n_train: int, device, dtype):
+    def __init__(self, gnn, way: WayData, *, layers: list[int], first: bool, last: bool, comm, group,
+                 cfg: RunConfig, n_train: int, device):
+        """``gnn``: the whole model (the stage keeps its ``layers``' convs, stage 0 the encoder, the
+        last the decoder); ``way``: what the worker loaded; ``comm`` / ``group``: the communicator
+        and the graph group (None: one way); ``cfg``: the run (its ``pipeline`` techniques,
+        ``graph_parallel`` switches and dtype); ``n_train``: the training rows of the whole graph."""
         self.layers, self.first, self.last = layers, first, last
-        self.chunks, self.way = chunks, way  # the way's chunks; the way's whole block (exact passes)
-        self.n_own = way.end - way.start
-        self.comm, self.group, self.pc = comm, group, pc
-        self.overlap, self.cache_input = overlap, cache_input
-        self.device, self.dtype = device, dtype
-        self.labels, self.masks, self.n_train = labels, masks, n_train
+        self.chunks, self.whole = way.chunks, way.whole  # the way's chunks; its whole block (exact passes)
+        self.n_own = way.n_own
+        self.comm, self.group, self.pc = comm, group, cfg.pipeline
+        gp = cfg.graph_parallel
+        self.overlap, self.cache_input = bool(gp.overlap), bool(gp.cache_input_halo)
+        self.device, self.dtype = device, DTYPES[cfg.training.dtype]
+        self.labels, self.masks, self.n_train = way.labels, way.masks, n_train
+        pc, dtype, x_src = self.pc, self.dtype, way.features
         self.dims, self.out_dims = gnn.exchange_dims(), gnn.conv_out_dims()
         self.needs_x0, self.has_encoder = gnn.needs_x0, gnn.encoder is not None
         self.x0_dim = self.dims[0] if self.needs_x0 else 0
@@ -254,8 +377,8 @@ class Stage:
             + [(f"convs.{l}", self.convs[l]) for l in layers]
             + ([("decoder", self.decoder)] if self.decoder is not None else []))
         # one way of several chunks has no whole block (the exact passes go chunk by chunk)
-        self.n_src = way.block.n_src if way.block is not None else way.end - way.start
-        self.buffered = len(chunks) > 1
+        self.n_src = self.whole.block.n_src if self.whole.block is not None else self.n_own
+        self.buffered = len(self.chunks) > 1
         # the narrow side (docs/DESIGN.md §4): with nothing buffered, a conv whose kind declares a
         # narrower halo width exchanges its projected rows (the owner applies the map first)
         self.halo_dims = list(self.dims) if self.buffered else gnn.halo_dims()
@@ -274,6 +397,13 @@ class Stage:
                 self.h0 = x_src
         if self.needs_x0 and not first:
             self.x0buf = torch.zeros(self.n_own, self.x0_dim, device=device, dtype=dtype)
+        # each conv's halo source, chosen once: the training chunks', and the exact pass's (the
+        # way's whole block: nothing buffered; one way of several chunks passes its rows, Given)
+        self.sources = {l: self._source(l, "halo", self.buffered) for l in layers}
+        self.exact_sources = {l: self._source(l, "control", False) for l in layers}
+        # the convs whose inner rows are aggregated while the halo is in flight (a rebuild too:
+        # the same split, the same floating-point result)
+        self.overlapped = {l for l in layers if self._exchanges(l) and self.overlap}
 
     # ------------------------------------------------------------------ helpers
     def train_mode(self, on: bool) -> None:
@@ -305,6 +435,16 @@ class Stage:
         """Conv ``l``'s halo rows come from the other ways at each step (not a buffer of inputs)."""
         return self.group is not None and (l > 0 or not self.cache_input)
 
+    def _source(self, l: int, op: str, buffered: bool) -> HaloSource:
+        """Where conv ``l``'s halo rows come from (op ``op`` for what is exchanged)."""
+        if self._exchanges(l):
+            if buffered:
+                return ExchangedIntoHistory(self.comm, self.group, op, self.hist[l])
+            return Exchanged(self.comm, self.group, op)
+        if l == 0:
+            return Cached(self.h0)
+        return FromHistory(self.hist[l]) if buffered else NO_HALO
+
     def _halo_grads(self, l: int) -> bool:
         """Conv ``l``'s input takes a gradient (raw features do not)."""
         return l > 0 or self.has_encoder
@@ -315,47 +455,31 @@ class Stage:
         return ce_sum(logits, self.labels[s:e], self.masks["train"][s:e]) / self.n_train
 
     # ------------------------------------------------------------------ one (conv, chunk)
-    def _conv(self, l: int, ch: Chunk, own: Tensor, x0: Optional[Tensor], *, grad: bool, op: str = "halo",
-              clock=None, fresh: Optional[Tensor] = None, rebuild: bool = False, halo_in: Optional[Tensor] = None,
-              on_grad=None, on_join=None) -> tuple[Tensor, Optional[Tensor]]:
-        """Conv ``l`` on chunk ``ch`` from its own input rows ``own`` (and ``x0``, its residual rows):
-        returns its output and the halo rows it read. The halo rows are exchanged with the other
-        ways (``_exchanges``; the inner rows are aggregated meanwhile) and / or read from the
-        buffers; ``rebuild`` (recompute): no exchange, the halo rows are ``halo_in`` or the
-        buffers'. ``on_grad``: routes the halo rows' gradient (a tap on them). A narrow conv
-        (``self.narrow``) projects its own rows first (``z``, joined by ``on_join``), sends and reads
-        projected rows, and aggregates those (``z_src``): the same maths, the narrow side on the wire."""
+    def _conv(self, l: int, ch: Chunk, own: Tensor, x0: Optional[Tensor], source: HaloSource, *, clock=None,
+              fresh: Optional[Tensor] = None, tap=None, join=None) -> tuple[Tensor, Optional[Tensor]]:
+        """Conv ``l`` on chunk ``ch`` from its own input rows ``own`` (and ``x0``, its residual rows)
+        and the halo rows ``source`` gives (``fresh``: which are this epoch's, for the buffers;
+        ``clock``: where waiting is counted, None in the exact passes): returns its output and the
+        halo rows it read. ``tap`` routes the halo rows' gradient (None: no gradient wanted); the
+        inner rows are aggregated while an exchange is in flight (``self.overlapped``). A narrow
+        conv (``self.narrow``) projects its own rows first (``z``, joined by ``join``), sends and
+        reads projected rows, and aggregates those (``z_src``): the same maths, the narrow side on
+        the wire."""
         conv, n = self.convs[l], ch.end - ch.start
-        exchange = self._exchanges(l) and not rebuild
         z = None
         if l in self.narrow:
             z = conv.project(own)  # (n_c, halo_dims[l])
-            if on_join is not None:
-                z = _Hook.apply(z, on_join)
-        sent = own if z is None else z
-        work = None
-        if exchange:
-            plan = ch.plan
-            work = self.comm.all_to_all_rows(sent.detach().index_select(0, plan.send_index), plan.send_rows,
-                                             plan.recv_rows, self.group, op=op, async_op=True)
-        ni = ch.n_inner if (self._exchanges(l) and self.overlap) else 0
+            if join is not None:
+                z = _Hook.apply(z, join)
+        work = source.send(ch, own if z is None else z)
+        ni = ch.n_inner if l in self.overlapped else 0
         outs = []
         narrow = {} if z is None else {"z_src": z}
         if ni:  # these rows need no halo: aggregate them while it is in flight
             outs.append(conv(own, ch.inner, None if x0 is None else x0[:ni], **narrow))
-        halo = halo_in
-        if exchange:
-            got = clock.wait(work, "comm") if clock is not None else self.comm.wait(work)
-            if ch.whole_way:
-                halo = got
-            else:  # other ways' rows of this step: fresh for this chunk and the later ones
-                self.hist[l].cur[ch.plan.recv_pos] = got
-        covers = l == 0 and ch.whole_way and self.cache_input  # own = the whole source space
-        if halo is None and not covers and ch.halo.numel():
-            halo = self._buffered_halo(l, ch, fresh)
-        read = halo
-        if halo is not None and grad and self._halo_grads(l) and on_grad is not None:
-            halo = _Hook.apply(halo.detach().requires_grad_(), on_grad)  # the tap
+        halo = read = source.receive(ch, work, clock, fresh)
+        if halo is not None and tap is not None:
+            halo = _Hook.apply(halo.detach().requires_grad_(), tap)  # the tap
         if ni < n:
             blk, x0b = ch.boundary if ni else ch.block, None if x0 is None else (x0[ni:] if ni else x0)
             if z is None:
@@ -364,17 +488,6 @@ class Stage:
             else:  # the destination rows are own rows; the sources arrive projected
                 outs.append(conv(own, blk, x0b, z_src=z if halo is None else torch.cat([z, halo])))
         return (outs[0] if len(outs) == 1 else torch.cat(outs)), read
-
-    def _buffered_halo(self, l: int, ch: Chunk, fresh: Optional[Tensor]) -> Tensor:
-        """A chunk's halo rows from this way's buffers: conv 0's input (features or the encoder's
-        output, never stale), else this epoch's rows where fresh and the history elsewhere."""
-        if l == 0:
-            return self.h0.index_select(0, ch.halo)
-        st = self.hist[l]
-        stale = st.stale()
-        if stale is st.cur or fresh is None:
-            return st.cur.index_select(0, ch.halo)
-        return torch.where(fresh[:, None], st.cur.index_select(0, ch.halo), stale.index_select(0, ch.halo))
 
     def _source0(self, ch: Chunk) -> Tensor:
         """Conv 0's own rows on stage 0: the features or the encoder's output (the whole
@@ -430,21 +543,24 @@ class Stage:
         return own, (self.x0buf[ch.start:ch.end] if self.needs_x0 else None)
 
     def _run(self, j: int, ch: Chunk, ep: EpochState, h: Tensor, x0_rows: Optional[Tensor], *, grad: bool,
-             clock, rebuild: bool = False, kept: Optional[dict] = None):
+             clock, rebuild: Optional[dict] = None):
         """The chunk through this stage's convs as one graph: from its input rows (a leaf, whose
         gradient goes to the previous stage or the encoder) to its output, each conv's own rows
         joined with what reaches them from elsewhere (buffered gradients, the other ways' answer)
         and its halo rows tapped. Returns the input leaf, each conv's x0 leaf, the output, the
-        loss (last stage) and each conv's halo rows (what a rebuild needs without buffers)."""
-        record = self.pc.recompute and not rebuild
+        loss (last stage) and each conv's halo rows (what recompute's rebuild reads).
+        ``rebuild`` (recompute's backward): each conv's halo rows as the forward read them; each
+        conv runs under the RNG state its forward drew, on those rows (``Given``: nothing is
+        exchanged again), and writes no buffer."""
+        record = self.pc.recompute and rebuild is None
         leaf = h.detach().requires_grad_() if grad and self._halo_grads(self.layers[0]) else h
         h, x0s, halos = leaf, [], {}
         for l in self.layers:
-            if l in self.hist and not rebuild:
+            if l in self.hist and rebuild is None:
                 self.hist[l].cur[ch.start:ch.end] = h.detach()
             if record:
                 ep.rng[(l, j)] = self._rng_state()
-            with (self._replay(ep.rng.pop((l, j))) if rebuild else contextlib.nullcontext()):
+            with (self._replay(ep.rng.pop((l, j))) if rebuild is not None else contextlib.nullcontext()):
                 join = None
                 if grad and self._halo_grads(l) and (self._exchanges(l) or l in self.hist):
                     join = self._joiner(l, j, ch, ep, clock)
@@ -454,9 +570,10 @@ class Stage:
                 if x0_rows is not None:  # a leaf per conv; stage 0's rows of h0 are not written in the
                     # epoch (a view will do), later stages' x0buf is, chunk by chunk (a copy)
                     x0 = (x0_rows.detach() if self.first else x0_rows.clone()).requires_grad_() if grad else x0_rows
-                h, halos[l] = self._conv(l, ch, h, x0, grad=grad, clock=clock, fresh=ep.fresh.get(j), rebuild=rebuild,
-                                         halo_in=(kept or {}).get(l), on_grad=self._router(l, j, ch, ep),
-                                         on_join=join)
+                source = self.sources[l] if rebuild is None else Given(rebuild[l])
+                tap = self._router(l, j, ch, ep) if grad and self._halo_grads(l) else None
+                h, halos[l] = self._conv(l, ch, h, x0, source, clock=clock, fresh=ep.fresh.get(j), tap=tap,
+                                         join=join)
                 x0s.append(x0)
         loss = self._chunk_loss(h, ch) if self.last else None
         return leaf, x0s, h, loss, halos
@@ -535,7 +652,7 @@ class Stage:
             kept_input, halos = ep.saved.pop(j)
             h, x0_rows = self._inputs(ch, None)
             leaf, x0s, out, loss, _ = self._run(j, ch, ep, h if kept_input is None else kept_input, x0_rows,
-                                                grad=True, clock=clock, rebuild=True, kept=halos)
+                                                grad=True, clock=clock, rebuild=halos)
         else:
             leaf, x0s, out, loss = ep.saved.pop(j)
         gx0 = None
@@ -587,10 +704,10 @@ class Stage:
                 x0 = h if self.needs_x0 else None
             for l in self.layers:
                 own = src0 if (l == 0 and self.cache_input) else h
-                if self.way.block is None:
+                if self.whole.block is None:
                     out, halo = self._exact_by_chunks(l, own, x0), None
                 else:
-                    out, halo = self._conv(l, self.way, own, x0, grad=False, op="control")
+                    out, halo = self._conv(l, self.whole, own, x0, self.exact_sources[l])
                 if fill and l in self.hist:
                     self.hist[l].fill(torch.cat([h, halo]) if halo is not None else h)
                 h = out
@@ -609,8 +726,7 @@ class Stage:
         outs = []
         for ch in self.chunks:
             halo = (h if z is None else z).index_select(0, ch.halo)
-            out, _ = self._conv(l, ch, h[ch.start:ch.end], None if x0 is None else x0[ch.start:ch.end],
-                                grad=False, op="control", rebuild=True, halo_in=halo)
+            out, _ = self._conv(l, ch, h[ch.start:ch.end], None if x0 is None else x0[ch.start:ch.end], Given(halo))
             outs.append(out)
         return torch.cat(outs)
 
