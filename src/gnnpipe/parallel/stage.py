@@ -84,6 +84,7 @@ stages, dropout off, every exchange op ``control``.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -216,7 +217,7 @@ class WayData:
         return self.whole.end - self.whole.start
 
 
-class HaloSource:
+class HaloSource(abc.ABC):
     """Where conv ``l``'s halo rows of a chunk come from, chosen once per conv at set-up
     (:meth:`Stage._source`). ``send`` starts what goes out before the chunk's inner rows are
     aggregated (None: nothing); ``receive`` completes it and returns the halo rows (None: the
@@ -226,8 +227,9 @@ class HaloSource:
     def send(self, ch: Chunk, rows: Tensor):
         return None
 
+    @abc.abstractmethod
     def receive(self, ch: Chunk, work, clock, fresh: Optional[Tensor]) -> Optional[Tensor]:
-        raise NotImplementedError
+        ...
 
 
 class Given(HaloSource):
