@@ -90,7 +90,7 @@ def _train(rank: int, world: int, b: dict, layout: str, cutoff: float, steps: in
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     t0 = time.perf_counter()
     if layout == "atoms" and world > 1:
-        b = halo.atom_layout(b, world)
+        b = halo.order_by_part(b, world)
         g = halo.shard_atoms(b, rank, grp, torch.float32)
     else:
         g = shard_graph(b, world, rank, grp, torch.float32)
@@ -212,7 +212,7 @@ def fit_halo(a) -> dict:
     for n in a.fit_sizes:
         b = cu_cell(_reps(8 * n), a.cutoff, seed=1)
         deg = len(b["edge_src"]) / len(b["z"])
-        sizes = halo.rank_sizes(halo.atom_layout(b, 8))
+        sizes = halo.rank_sizes(halo.order_by_part(b, 8))
         shells = {"atoms": _shell(n, a.cutoff, rho), "ghosts": _shell(n, 2 * a.cutoff, rho)}
         law = {"atoms": shells["atoms"], "ghosts": shells["ghosts"], "kj": deg * shells["atoms"],
                "swap": deg * shells["atoms"]}

@@ -93,7 +93,7 @@ def _worker(rank: int, world: int, batches: list, ways: int, states: dict, parts
     comm = Communicator()
     union = _concat(batches)
     b = batches[replica]
-    b = halo.group_by_part(b, parts[replica], ways) if parts is not None else halo.atom_layout(b, ways)
+    b = halo.group_by_part(b, parts[replica], ways) if parts is not None else halo.order_by_part(b, ways)
     g = halo.shard_atoms(b, way, EdgeGroup(comm, groups.graph, ways, way))
 
     def reduce(gs):
@@ -220,7 +220,7 @@ def _infer(rank: int, world: int, b: dict, states: dict, cfgs: dict) -> dict:
     torch.set_default_dtype(torch.float64)
     comm = Communicator()
     grp = EdgeGroup(comm, None, world, rank)
-    arranged = halo.atom_layout(b, world)
+    arranged = halo.order_by_part(b, world)
     views = {"edges": shard_graph(b, world, rank, grp), "atoms": halo.shard_atoms(arranged, rank, grp)}
     out, epoch = {"counts": views["atoms"].counts}, 0
     for head, cfg in cfgs.items():
@@ -255,7 +255,7 @@ def test_bulk_supercell_inference_bytes_atoms_below_edges():
     for ways in (2, 4):
         res = spawn_multi_process(_infer, ways, b, states, cfgs, timeout=300)
         counts = {k: sum(r["counts"][k] for r in res) for k in res[0]["counts"]}
-        assert counts == halo.halo_counts(halo.atom_layout(b, ways))
+        assert counts == halo.halo_counts(halo.order_by_part(b, ways))
         for head, cfg in cfgs.items():
             want = {"edges": kind.step_bytes(cfg, [len(b["edge_src"])], [len(b["z"])], [1], ways, 8, 0,
                                              training=False),
@@ -278,7 +278,7 @@ def test_the_plan_prices_both_layouts_and_chooses_by_bytes_then_memory():
     kind = ATOMIC_MODELS["gemnet_t"]
     cfg = kind.preset("small", cutoff=4.0)
     costs = halo.layout_costs(kind, cfg, b, 4, 4)
-    arranged = halo.atom_layout(b, 4)
+    arranged = halo.order_by_part(b, 4)
     assert costs["halo"] == halo.halo_counts(arranged) == _brute_counts(
         b, np.repeat(np.arange(4), arranged["atom_parts"])[np.argsort(arranged["atom_order"])])
     assert costs["atoms"]["bytes"] == halo.step_bytes(kind, cfg, [costs["halo"]], [1], 4, 4,
@@ -353,7 +353,7 @@ def _halo_epoch_bytes(run, kind: str) -> int:
         halos = []
         for ids in np.array_split(order[i:i + replicas], replicas):
             b = data.batch_arrays(systems, graphs, ids)
-            arranged = halo.atom_layout(b, ways)
+            arranged = halo.order_by_part(b, ways)
             halos.append(_brute_counts(b, np.repeat(np.arange(ways), arranged["atom_parts"])[
                 np.argsort(arranged["atom_order"])]))
             assert halos[-1]["kj"] > 0, f"system {ids} is not cut"

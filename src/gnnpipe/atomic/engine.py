@@ -54,7 +54,7 @@ from torch import Tensor
 from ..engine import DTYPES, EpochStats, load_train_state, make_optimizer, train_state
 from ..io import GnnPipeError
 from .habits import EMA, Guard, lr_at
-from .halo import atom_layout, choose_layout, halo_counts, layout_costs, shard_atoms
+from .halo import order_by_part, choose_layout, halo_counts, layout_costs, shard_atoms
 from .halo import step_bytes as halo_step_bytes
 from .parallel import EdgeGroup, shard_graph
 from .protocol import ATOMIC_MODELS
@@ -142,10 +142,10 @@ def rank_view(b: dict, grp: Optional[EdgeGroup], dtype, device):
 
 def layout_view(b: dict, grp: Optional[EdgeGroup], dtype, device, layout: str) -> tuple[dict, object]:
     """This rank's view of batch ``b`` in ``layout``, and the batch as the view numbers it: ``b`` itself
-    in the edges layout, reordered by part in the atoms layout (``halo.atom_layout``: the own atoms'
+    in the edges layout, reordered by part in the atoms layout (``halo.order_by_part``: the own atoms'
     rows of its per-atom arrays are ``[atom_lo, atom_hi)`` in both)."""
     if layout == "atoms" and grp is not None and grp.size > 1:
-        b = atom_layout(b, grp.size)
+        b = order_by_part(b, grp.size)
         return b, shard_atoms(b, grp.rank, grp, dtype, device)
     return b, rank_view(b, grp, dtype, device)
 
@@ -311,7 +311,7 @@ class AtomicEngine:
         for step in self._steps(self.ids["train"], epoch):
             parts = [self._replica_batch(step, r) for r in range(self.replicas)]
             if self.layout == "atoms" and self.ways > 1:  # the halos of the same partitions as training's
-                halos = [halo_counts(atom_layout(self._batch(p), self.ways)) for p in parts]
+                halos = [halo_counts(order_by_part(self._batch(p), self.ways)) for p in parts]
                 total += halo_step_bytes(self.kind, self.model_cfg, halos, [len(p) for p in parts], self.ways, b,
                                          self.num_params, forces=not self.energy_only)
                 continue

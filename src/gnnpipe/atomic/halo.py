@@ -133,7 +133,7 @@ def group_by_part(b: dict, part: np.ndarray, parts: int) -> dict:
     return out
 
 
-def atom_layout(b: dict, parts: int, seed: int = 0) -> dict:
+def order_by_part(b: dict, parts: int, seed: int = 0) -> dict:
     """``group_by_part(b, partition_atoms(b, parts))``: what every rank of a P-way group shards."""
     return group_by_part(b, partition_atoms(b, parts, seed), parts)
 
@@ -251,7 +251,7 @@ def layout_costs(kind, cfg, b: dict, ways: int, dtype_bytes: int, training: bool
         out["atoms"] = dict(out["edges"])
         out["halo"] = dict.fromkeys(HALO_KEYS, 0)
         return out
-    sizes = rank_sizes(atom_layout(b, ways))
+    sizes = rank_sizes(order_by_part(b, ways))
     w = kind.halo_widths(cfg)
     mem = max(kind.memory_per_worker(cfg, r["atoms_own"], r["edges_own"], r["triplets_own"], 1, dtype_bytes)["total"]
               + sum(r[k] * w[k] for k in ("kj", "swap", "atoms")) * dtype_bytes for r in sizes)
@@ -375,7 +375,7 @@ class HaloAtomGraph(ShardedAtomGraph):
 
 
 def shard_atoms(b: dict, rank: int, group: Optional[EdgeGroup], dtype=torch.float64, device=None) -> AtomGraph:
-    """Rank ``rank``'s view of a ``group_by_part`` batch ``b`` (``atom_layout``) in the atoms layout."""
+    """Rank ``rank``'s view of a ``group_by_part`` batch ``b`` (``order_by_part``) in the atoms layout."""
     parts = len(b["atom_parts"])
     src, dst, shift = np.asarray(b["edge_src"]), np.asarray(b["edge_dst"]), np.asarray(b["edge_shift"])
     n, e = len(b["z"]), len(src)
@@ -425,6 +425,6 @@ def shard_atoms(b: dict, rank: int, group: Optional[EdgeGroup], dtype=torch.floa
     return g.to(device) if device is not None else g
 
 
-__all__ = ["LAYOUTS", "partition_atoms", "group_by_part", "atom_layout", "rank_needs", "rank_sizes", "halo_counts",
+__all__ = ["LAYOUTS", "partition_atoms", "group_by_part", "order_by_part", "rank_needs", "rank_sizes", "halo_counts",
            "step_bytes", "layout_costs", "choose_layout",
            "shard_atoms", "HaloAtomGraph", "HaloPlan"]

@@ -260,11 +260,11 @@ class Predictor:
             return self.layout
         if len(b["z"]) < self.workers:
             return "edges"
-        from .halo import atom_layout, halo_counts, step_bytes
+        from .halo import order_by_part, halo_counts, step_bytes
 
         spec, cfg, db = self.model_file.spec, self.model_file.config(), torch.finfo(self.dtype).bits // 8
         edges = spec.step_bytes(cfg, [len(b["edge_src"])], [len(b["z"])], [1], self.workers, db, 0, training=False)
-        atoms = step_bytes(spec, cfg, [halo_counts(atom_layout(b, self.workers))], [1], self.workers, db, 0, False)
+        atoms = step_bytes(spec, cfg, [halo_counts(order_by_part(b, self.workers))], [1], self.workers, db, 0, False)
         return "atoms" if atoms < edges else "edges"
 
     def close(self) -> None:
@@ -371,8 +371,8 @@ class WorkerPool:
             raise GnnPipeError(f"{where}graph-parallel inference over {self.workers} workers needs at least "
                                f"{self.workers} edges, this structure has {edges} within the cutoff; use fewer workers")
         if layout == "atoms":
-            from .halo import atom_layout
-            b = atom_layout(b, self.workers)  # the workers' own atoms are consecutive blocks of it
+            from .halo import order_by_part
+            b = order_by_part(b, self.workers)  # the workers' own atoms are consecutive blocks of it
         msg = pickle.dumps((b, bool(stress), layout))
         for r, c in enumerate(self._conns):
             try:
