@@ -13,7 +13,7 @@ median time per step (P = 1 and 2 only: this machine has 2 cores, so P = 4 would
 oversubscription), the bytes per step all ranks sent (the ledger) beside the closed form
 (``kind.step_bytes``; ``halo.step_bytes`` on the partition's halo counts), each rank's peak
 resident memory (``ru_maxrss``, whole process: torch itself is ~0.3 GB of it) and the estimate of
-``halo.layout_costs``. Weak-scaling efficiency = t(P = 1) / t(P).
+``atom_layouts.layout_costs``. Weak-scaling efficiency = t(P = 1) / t(P).
 
 **Extrapolated (the cost model's closed forms, not measured).** One system of 10^4, 10^5, 10^6 atoms
 at P = 8 … 256, bytes per training step of both layouts for DimeNet++ and GemNet-T (``small`` and
@@ -78,8 +78,8 @@ def _train(rank: int, world: int, b: dict, layout: str, cutoff: float, steps: in
     import torch
     import torch.distributed as dist
 
-    from gnnpipe.atomic import halo
-    from gnnpipe.atomic.parallel import EdgeGroup, shard_graph
+    from gnnpipe.atomic.atom_layouts import ATOM_LAYOUTS
+    from gnnpipe.atomic.parallel import EdgeGroup
     from gnnpipe.atomic.protocol import ATOMIC_MODELS
     from gnnpipe.parallel.comm import Communicator
 
@@ -89,11 +89,7 @@ def _train(rank: int, world: int, b: dict, layout: str, cutoff: float, steps: in
     model = ATOMIC_MODELS["dimenetpp"].build(ATOMIC_MODELS["dimenetpp"].preset("small", cutoff=cutoff)).train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     t0 = time.perf_counter()
-    if layout == "atoms" and world > 1:
-        b = halo.atom_layout(b, world)
-        g = halo.shard_atoms(b, rank, grp, torch.float32)
-    else:
-        g = shard_graph(b, world, rank, grp, torch.float32)
+    b, g = ATOM_LAYOUTS[layout].view(b, grp, torch.float32, None)
     setup = time.perf_counter() - t0
     e_ref = torch.as_tensor(b["energy"], dtype=torch.float32) / len(b["z"])
     f_ref = torch.as_tensor(b["forces"][g.atom_lo:g.atom_hi], dtype=torch.float32)
@@ -118,7 +114,7 @@ def _train(rank: int, world: int, b: dict, layout: str, cutoff: float, steps: in
 
 
 def weak_scaling(a) -> list[dict]:
-    from gnnpipe.atomic import halo
+    from gnnpipe.atomic.atom_layouts import layout_costs
     from gnnpipe.atomic.protocol import ATOMIC_MODELS
     from gnnpipe.parallel.testing import spawn_multi_process
 
@@ -129,7 +125,7 @@ def weak_scaling(a) -> list[dict]:
     for p in a.workers:
         reps = _reps(a.atoms_per_worker * p)
         b = cu_cell(reps, a.cutoff)
-        costs = halo.layout_costs(kind, cfg, b, p, 4)
+        costs = layout_costs(kind, cfg, b, p, 4)
         for layout in (("edges",) if p == 1 else ("edges", "atoms")):
             timed = p <= 2
             t0 = time.perf_counter()
@@ -212,7 +208,7 @@ def fit_halo(a) -> dict:
     for n in a.fit_sizes:
         b = cu_cell(_reps(8 * n), a.cutoff, seed=1)
         deg = len(b["edge_src"]) / len(b["z"])
-        sizes = halo.rank_sizes(halo.atom_layout(b, 8))
+        sizes = halo.rank_sizes(halo.order_by_part(b, 8))
         shells = {"atoms": _shell(n, a.cutoff, rho), "ghosts": _shell(n, 2 * a.cutoff, rho)}
         law = {"atoms": shells["atoms"], "ghosts": shells["ghosts"], "kj": deg * shells["atoms"],
                "swap": deg * shells["atoms"]}

@@ -52,7 +52,8 @@ def model_config(kind: str, kw: dict):
 def _work(rank: int, world: int, b: dict, kind: str, cfg_kw: dict, steps: int) -> dict:
     import torch.distributed as dist
 
-    from gnnpipe.atomic.engine import Normalizer, StepCounts, rank_view, step_loss
+    from gnnpipe.atomic.atom_layouts import EDGES
+    from gnnpipe.atomic.engine import Normalizer, StepCounts, step_loss
     from gnnpipe.atomic.parallel import EdgeGroup
     from gnnpipe.atomic.protocol import ATOMIC_MODELS
     from gnnpipe.parallel.comm import Communicator
@@ -61,7 +62,7 @@ def _work(rank: int, world: int, b: dict, kind: str, cfg_kw: dict, steps: int) -
     model = ATOMIC_MODELS[kind].build(model_config(kind, cfg_kw))
     comm = Communicator()
     grp = EdgeGroup(comm, None, world, rank) if world > 1 else None
-    g = rank_view(b, grp, torch.float32, None)
+    _, g = EDGES.view(b, grp, torch.float32, None)
     norm = Normalizer(np.zeros(95), 1.0)
     counts = StepCounts(b["num_systems"], int((~b["fixed"]).sum()))
     saved: dict = {}

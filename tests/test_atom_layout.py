@@ -93,7 +93,7 @@ def _worker(rank: int, world: int, batches: list, ways: int, states: dict, parts
     comm = Communicator()
     union = _concat(batches)
     b = batches[replica]
-    b = halo.group_by_part(b, parts[replica], ways) if parts is not None else halo.atom_layout(b, ways)
+    b = halo.group_by_part(b, parts[replica], ways) if parts is not None else halo.order_by_part(b, ways)
     g = halo.shard_atoms(b, way, EdgeGroup(comm, groups.graph, ways, way))
 
     def reduce(gs):
@@ -220,7 +220,7 @@ def _infer(rank: int, world: int, b: dict, states: dict, cfgs: dict) -> dict:
     torch.set_default_dtype(torch.float64)
     comm = Communicator()
     grp = EdgeGroup(comm, None, world, rank)
-    arranged = halo.atom_layout(b, world)
+    arranged = halo.order_by_part(b, world)
     views = {"edges": shard_graph(b, world, rank, grp), "atoms": halo.shard_atoms(arranged, rank, grp)}
     out, epoch = {"counts": views["atoms"].counts}, 0
     for head, cfg in cfgs.items():
@@ -255,7 +255,7 @@ def test_bulk_supercell_inference_bytes_atoms_below_edges():
     for ways in (2, 4):
         res = spawn_multi_process(_infer, ways, b, states, cfgs, timeout=300)
         counts = {k: sum(r["counts"][k] for r in res) for k in res[0]["counts"]}
-        assert counts == halo.halo_counts(halo.atom_layout(b, ways))
+        assert counts == halo.halo_counts(halo.order_by_part(b, ways))
         for head, cfg in cfgs.items():
             want = {"edges": kind.step_bytes(cfg, [len(b["edge_src"])], [len(b["z"])], [1], ways, 8, 0,
                                              training=False),
@@ -272,31 +272,101 @@ def test_bulk_supercell_inference_bytes_atoms_below_edges():
 def test_the_plan_prices_both_layouts_and_chooses_by_bytes_then_memory():
     """On a 500-atom cell the atoms layout sends fewer bytes (its closed form on its own halo counts);
     a memory cap that only the edges layout fits chooses edges; at P = 1 both are the same."""
+    from gnnpipe.atomic.atom_layouts import ATOMS, EDGES, choose_layout, layout_costs
     from gnnpipe.atomic.engine import batch_plan
 
     b = _bulk(reps=5)
     kind = ATOMIC_MODELS["gemnet_t"]
     cfg = kind.preset("small", cutoff=4.0)
-    costs = halo.layout_costs(kind, cfg, b, 4, 4)
-    arranged = halo.atom_layout(b, 4)
+    costs = layout_costs(kind, cfg, b, 4, 4)
+    arranged = halo.order_by_part(b, 4)
     assert costs["halo"] == halo.halo_counts(arranged) == _brute_counts(
         b, np.repeat(np.arange(4), arranged["atom_parts"])[np.argsort(arranged["atom_order"])])
     assert costs["atoms"]["bytes"] == halo.step_bytes(kind, cfg, [costs["halo"]], [1], 4, 4,
                                                       kind.count_parameters(cfg))
     assert costs["atoms"]["bytes"] < costs["edges"]["bytes"]
-    assert halo.choose_layout(costs) == "atoms"
+    assert choose_layout(costs) is ATOMS
     squeeze = {"edges": {"bytes": 2, "memory": 1}, "atoms": {"bytes": 1, "memory": 3}}
-    assert halo.choose_layout(squeeze, cap=2) == "edges" and halo.choose_layout(squeeze, cap=3) == "atoms"
-    assert halo.choose_layout({"edges": {"bytes": 1, "memory": 1}, "atoms": {"bytes": 1, "memory": 1}}) == "edges"
+    assert choose_layout(squeeze, cap=2) is EDGES and choose_layout(squeeze, cap=3) is ATOMS
+    assert choose_layout({"edges": {"bytes": 1, "memory": 1}, "atoms": {"bytes": 1, "memory": 1}}) is EDGES
     rows = batch_plan(kind, cfg, b, 2**40, 4, max_ways=4)
     assert [r["layout"] for r in rows] == ["edges", "atoms", "atoms"]
     assert rows[2]["layouts"]["atoms"] == costs["atoms"]
     # a run in the atoms layout is sized by its layout's memory (gnnpipe launch's check)
     from gnnpipe.atomic.engine import RunPlan
     need = costs["atoms"]["memory"] + 100
-    plan = RunPlan(kind, cfg, b, 4, need, 100, rows, "atoms", 4)
+    plan = RunPlan(kind, cfg, b, 4, need, 100, rows, ATOMS, 4)
     assert plan.need(4) == need and plan.fits and "at P = 4 in the atoms layout" in plan.answer("r", "cap")
-    assert not RunPlan(kind, cfg, b, 4, need - 1, 100, rows, "atoms", 4).fits
+    assert not RunPlan(kind, cfg, b, 4, need - 1, 100, rows, ATOMS, 4).fits
+
+
+def test_the_layouts_are_the_configs_names_and_one_way_is_the_whole_batch():
+    """Every ``atom_layout`` the config accepts (a run entry's and run.yaml's) is a registered layout of that
+    name, and nothing else is; at one way the atoms layout is the edges layout's whole batch: the same view,
+    bytes and memory."""
+    import typing
+
+    from gnnpipe import config
+    from gnnpipe.atomic.atom_layouts import ATOM_LAYOUTS, ATOMS, EDGES
+
+    for cls in (config.RunSpec, config.RunConfig):
+        literal = typing.get_type_hints(cls)["atom_layout"]
+        if typing.get_origin(literal) is typing.Union:  # Optional: the run entry's None is "edges"
+            (literal,) = [a for a in typing.get_args(literal) if a is not type(None)]
+        assert typing.get_args(literal) == ATOM_LAYOUTS.names() == ("edges", "atoms"), cls
+    assert all(ATOM_LAYOUTS[name].name == name for name in ATOM_LAYOUTS)
+    b = _batch(3)
+    kind = ATOMIC_MODELS["dimenetpp"]
+    (vb, ve), (ab, ae) = (layout.view(b, None, torch.float64, None) for layout in (EDGES, ATOMS))
+    assert vb is ab is b and type(ve) is type(ae) and torch.equal(ve.edge_src, ae.edge_src)
+    for training in (True, False):  # two replicas (one without systems): their parameter reduction in training
+        assert ATOMS.step_bytes(kind, DIMENET, [b, None], 1, 8, 10, training) == \
+            EDGES.step_bytes(kind, DIMENET, [b, None], 1, 8, 10, training) == training * 2 * 10 * 8
+    assert {k: v for k, v in ATOMS.costs(kind, DIMENET, b, 1, 8).items() if k != "halo"} == \
+        EDGES.costs(kind, DIMENET, b, 1, 8)
+
+
+def test_the_plan_sizes_a_run_in_its_layout_at_its_dtype():
+    """``RunPlan.need`` (gnnpipe plan-atomic --check, launch) is the plan row's memory in the run's layout at
+    the run's dtype: a float64 run in the edges layout was sized at 4 bytes a value (below its own rows)."""
+    from gnnpipe.atomic.atom_layouts import ATOMS, EDGES
+    from gnnpipe.atomic.engine import RunPlan, batch_plan
+
+    b = _batch(4)
+    kind = ATOMIC_MODELS["dimenetpp"]
+    rows = batch_plan(kind, DIMENET, b, 2**40, 8, overhead=100, max_ways=4)
+    assert [r["ways"] for r in rows] == [1, 2, 4]
+    for r in rows:
+        assert RunPlan(kind, DIMENET, b, r["ways"], 2**40, 100, rows, EDGES, 8).need(r["ways"]) == r["memory_per_worker"]
+        if r["layouts"]:
+            assert RunPlan(kind, DIMENET, b, r["ways"], 2**40, 100, rows, ATOMS, 8).need(r["ways"]) == \
+                r["layouts"]["atoms"]["memory"] + 100
+
+
+def test_an_atoms_layout_replica_without_systems_is_priced_not_a_crash(tmp_path):
+    """P = 2 ways × D = 3 replicas, 8 training slabs, 2 a replica: the epoch's short last step leaves a replica
+    without systems. It computes nothing (its ways skip the model together) and sends only its parameter
+    reduction; the engine's prediction of the epoch's bytes raised (a batch of no systems) instead of pricing
+    it as the halo closed form with no halo rows."""
+    from gnnpipe.atomic import data
+    from gnnpipe.atomic.atom_layouts import ATOMS
+    from gnnpipe.atomic.engine import AtomicEngine
+    from test_faults import setup_atomic_run
+
+    cfg = setup_atomic_run(tmp_path, "graph", 6, epochs=1, spec={"batch_size": 2},
+                           run={"atom_layout": "atoms", "data_parallel": 3})
+    eng = AtomicEngine(cfg, None, None, torch.device("cpu"))
+    assert eng.layout is ATOMS and (eng.ways, eng.replicas) == (2, 3)
+    steps = eng._steps(eng.ids["train"], 0)
+    assert [len(s) for s in steps] == [6, 2]
+    eng.comm = object()  # predicted_bytes prices parallel runs only; it sends nothing itself
+    want = 0
+    for step in steps:
+        parts = np.array_split(step, 3)
+        halos = [halo.halo_counts(halo.order_by_part(data.batch_arrays(eng.systems, eng.graphs, p), 2)) if len(p)
+                 else dict.fromkeys(halo.HALO_KEYS, 0) for p in parts]
+        want += halo.step_bytes(eng.kind, eng.model_cfg, halos, [len(p) for p in parts], 2, 4, eng.num_params)
+    assert eng.predicted_bytes(0) == want > 0
 
 
 def _mutant(rank: int, world: int, batches: list, ways: int, states: dict) -> dict:
@@ -353,7 +423,7 @@ def _halo_epoch_bytes(run, kind: str) -> int:
         halos = []
         for ids in np.array_split(order[i:i + replicas], replicas):
             b = data.batch_arrays(systems, graphs, ids)
-            arranged = halo.atom_layout(b, ways)
+            arranged = halo.order_by_part(b, ways)
             halos.append(_brute_counts(b, np.repeat(np.arange(ways), arranged["atom_parts"])[
                 np.argsort(arranged["atom_order"])]))
             assert halos[-1]["kj"] > 0, f"system {ids} is not cut"

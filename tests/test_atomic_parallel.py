@@ -236,7 +236,8 @@ def _dimenet_step(model, g, b, counts, reduce_grads=None):
 def _dimenet_sharded(rank: int, world: int, batches: list, ways: int, head: str) -> dict:
     import torch.distributed as dist
 
-    from gnnpipe.atomic.engine import StepCounts, rank_view
+    from gnnpipe.atomic.atom_layouts import EDGES
+    from gnnpipe.atomic.engine import StepCounts
     from gnnpipe.parallel.comm import Communicator
 
     torch.set_default_dtype(torch.float64)
@@ -250,7 +251,7 @@ def _dimenet_sharded(rank: int, world: int, batches: list, ways: int, head: str)
     union = _concat(batches)
     counts = StepCounts(union["num_systems"], int((~union["fixed"]).sum()))
     grp = EdgeGroup(comm, graph_groups[replica], ways, way)
-    g = rank_view(b, grp, torch.float64, None)
+    _, g = EDGES.view(b, grp, torch.float64, None)
 
     def reduce(gs):
         comm.all_reduce_coalesced_(gs, group=graph_groups[replica])
@@ -268,14 +269,14 @@ def _dimenet_sharded(rank: int, world: int, batches: list, ways: int, head: str)
 def test_dimenetpp_sharded_matches_unsharded(ways, replicas, head, periodic):
     """Energies, forces and every parameter gradient of DimeNet++ on P ways × D replicas equal
     single-process training on the union of the replicas' batches (float64, 1e-10)."""
-    from gnnpipe.atomic.engine import StepCounts, rank_view
+    from gnnpipe.atomic.engine import StepCounts
 
     batches = [_batch(10 + d, n_sys=2, quiet_tail=40, periodic=periodic) for d in range(replicas)]
     union = _concat(batches)
     torch.set_default_dtype(torch.float64)
     try:
         counts = StepCounts(union["num_systems"], int((~union["fixed"]).sum()))
-        energy, forces, grads = _dimenet_step(_dimenet(head), rank_view(union, None, torch.float64, None),
+        energy, forces, grads = _dimenet_step(_dimenet(head), single_graph(union),
                                               union, counts)
     finally:
         torch.set_default_dtype(torch.float32)
@@ -305,7 +306,7 @@ def test_memory_estimate_is_within_15_percent_of_a_measured_step(head):
     from gnnpipe.atomic import data
     from gnnpipe.atomic.dimenetpp import DimeNetPPConfig, DimeNetPPModel
     from gnnpipe.atomic.dimenetpp_costs import block_counts, memory_per_worker, saved_bytes_by_rows
-    from gnnpipe.atomic.engine import Normalizer, StepCounts, rank_view, step_loss
+    from gnnpipe.atomic.engine import Normalizer, StepCounts, step_loss
 
     from helpers import dense_radius_graph
 
@@ -329,7 +330,7 @@ def test_memory_estimate_is_within_15_percent_of_a_measured_step(head):
                           num_spherical=6, num_radial=5, cutoff=5.0, force_head=head)
     torch.manual_seed(0)
     model = DimeNetPPModel(cfg)
-    g = rank_view(b, None, torch.float32, None)
+    g = single_graph(b, torch.float32)
     saved = saved_bytes_by_rows(model, g, lambda: step_loss(model, g, b, Normalizer(np.zeros(95), 1.0),
                                                             StepCounts(2, 10), 10.0)[0].backward())
     sizes = (g.num_atoms, g.num_local_edges, g.num_local_triplets, 1, 4)
@@ -344,7 +345,7 @@ def test_memory_estimate_is_within_15_percent_of_a_measured_step(head):
     assert abs(sum(default[p] for p in parts) / total - 1) < 0.15  # measured +1.9 % (gradient), +0.9 %
     # the symmetric graphs training uses: in one process a centre's rows and columns are as many, one part
     sym = data.batch_arrays(systems, data.build_graphs(systems, 5.0, 24, progress=False), [0, 1])
-    g = rank_view(sym, None, torch.float32, None)
+    g = single_graph(sym, torch.float32)
     saved = saved_bytes_by_rows(model, g, lambda: step_loss(model, g, sym, Normalizer(np.zeros(95), 1.0),
                                                             StepCounts(2, 10), 10.0)[0].backward())
     est = memory_per_worker(cfg, g.num_atoms, g.num_local_edges, g.num_local_triplets, 1, 4, **block_counts(sym, 1))

@@ -354,7 +354,7 @@ def test_one_large_cell_takes_the_atoms_layout_and_equals_one_process(models, ki
             a = cell.copy()
             a.calc = calc
             got = a.get_potential_energy(), a.get_forces(), a.get_stress()
-            assert calc.predictor.last_layout == ("atoms" if layout == "auto" else "edges")
+            assert calc.predictor.last_layout.name == ("atoms" if layout == "auto" else "edges")
         assert got[0] == pytest.approx(want[0], abs=1e-10 * max(1.0, abs(want[0])))
         for x, y in zip(got[1:], want[1:]):
             np.testing.assert_allclose(x, y, atol=1e-10 * max(1.0, np.abs(y).max()))

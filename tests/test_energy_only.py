@@ -63,14 +63,14 @@ def test_energy_only_training_runs_no_force_pass_and_has_no_force_metric(tmp_pat
     """The engine decides energy-only once (``engine.energy_only``) and then never computes forces: an epoch
     and an evaluation run with ``torch.autograd.grad`` (every gradient force's) made to fail, the direct head
     gets no gradient; the force metrics, EFwT and the zero-force baseline are None, the record says why."""
-    from gnnpipe.atomic.engine import AtomicEngine, StepCounts, layout_view, step_loss
+    from gnnpipe.atomic.engine import AtomicEngine, StepCounts, step_loss
 
     cfg = _run(tmp_path, kind=kind, forces=forces, spec={"force_head": head, **spec})
     eng = AtomicEngine(cfg, None, None, torch.device("cpu"))
     assert eng.energy_only == why and eng.force_weight == 0.0
     monkeypatch.setattr(torch.autograd, "grad", _no_force_pass)
     if head == "gradient":  # the patch does catch a force pass
-        b, g = layout_view(eng._batch(eng.ids["train"][:1]), None, eng.dtype, eng.device, "edges")
+        b, g = eng.layout.view(eng._batch(eng.ids["train"][:1]), None, eng.dtype, eng.device)
         with pytest.raises(AssertionError, match="a force pass ran"):
             step_loss(eng.model, g, b, eng.norm, StepCounts(1, 1), 1.0)
     stats = eng.train_epoch(0)
@@ -90,10 +90,10 @@ def test_energy_only_training_runs_no_force_pass_and_has_no_force_metric(tmp_pat
 def test_the_energy_only_step_is_the_force_steps_energy_term_exactly(tmp_path):
     """Without the force pass the loss and every parameter gradient are those of the full step with force
     weight 0 (float64, to rounding): dropping the force pass changes the cost, not the training."""
-    from gnnpipe.atomic.engine import AtomicEngine, StepCounts, layout_view, step_loss
+    from gnnpipe.atomic.engine import AtomicEngine, StepCounts, step_loss
 
     eng = AtomicEngine(_run(tmp_path, forces=True), None, None, torch.device("cpu"))
-    b, g = layout_view(eng._batch(eng.ids["train"][:3]), None, eng.dtype, eng.device, "edges")
+    b, g = eng.layout.view(eng._batch(eng.ids["train"][:3]), None, eng.dtype, eng.device)
     with torch.no_grad():  # the zero-initialised output layers would make most gradients 0
         for p in eng.model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

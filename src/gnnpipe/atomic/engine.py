@@ -2,7 +2,8 @@
 
 World layout: ``world = D × P``, ``rank = replica * P + way`` (fairchem's ``dp × gp`` grid):
 the P ranks of a replica split each batch's edges and triplets (``parallel.shard_graph``) or, with
-``atom_layout: atoms``, its atoms (``halo.shard_atoms``: each way receives only its halo);
+``atom_layout: atoms``, its atoms (``halo.shard_atoms``: each way receives only its halo), as the
+run's layout object says (``atom_layouts``: chosen once, asked for each batch's view and bytes);
 the D replicas take different batches. The loss of a step is written so that the sum over
 every rank is the single-process loss of the union of the replicas' batches:
 
@@ -54,9 +55,8 @@ from torch import Tensor
 from ..engine import DTYPES, EpochStats, load_train_state, make_optimizer, train_state
 from ..io import GnnPipeError
 from .habits import EMA, Guard, lr_at
-from .halo import atom_layout, choose_layout, halo_counts, layout_costs, shard_atoms
-from .halo import step_bytes as halo_step_bytes
-from .parallel import EdgeGroup, shard_graph
+from .atom_layouts import ATOM_LAYOUTS, EDGES, AtomLayout, choose_layout, layout_costs
+from .parallel import EdgeGroup, single_graph
 from .protocol import ATOMIC_MODELS
 
 #: whole step batches (the run's batch size × its replicas) GemNet's scale factors are fitted on
@@ -134,20 +134,10 @@ def step_loss(model, g, b: dict, norm: Normalizer, counts: StepCounts, force_wei
     return loss_e + force_weight * loss_f, energy.detach(), f.detach(), report
 
 
-def rank_view(b: dict, grp: Optional[EdgeGroup], dtype, device):
-    """This rank's AtomGraph of batch ``b`` (the whole batch without a group), edges layout."""
-    parts, rank = (1, 0) if grp is None else (grp.size, grp.rank)
-    return shard_graph(b, parts, rank, grp, dtype, device)
-
-
-def layout_view(b: dict, grp: Optional[EdgeGroup], dtype, device, layout: str) -> tuple[dict, object]:
-    """This rank's view of batch ``b`` in ``layout``, and the batch as the view numbers it: ``b`` itself
-    in the edges layout, reordered by part in the atoms layout (``halo.atom_layout``: the own atoms'
-    rows of its per-atom arrays are ``[atom_lo, atom_hi)`` in both)."""
-    if layout == "atoms" and grp is not None and grp.size > 1:
-        b = atom_layout(b, grp.size)
-        return b, shard_atoms(b, grp.rank, grp, dtype, device)
-    return b, rank_view(b, grp, dtype, device)
+def layout_view(b: dict, grp: Optional[EdgeGroup], dtype, device, layout: AtomLayout) -> tuple[dict, object]:
+    """``layout.view(b, grp, dtype, device)``: the call ``AtomicEngine.train_epoch`` makes (kept while its
+    training habits move into trainer hooks; then that call is ``self.layout.view``)."""
+    return layout.view(b, grp, dtype, device)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -160,17 +150,13 @@ class AtomicEngine:
     def __init__(self, cfg, groups, comm, device):
         import dataclasses
 
-        from .data import read_graphs, read_systems
-
         self.cfg, self.comm, self.device = cfg, comm, device
         self.dtype = DTYPES[cfg.training.dtype]
         self.kind = ATOMIC_MODELS[cfg.model.kind]
         spec = cfg.model.spec
-        self.systems = read_systems(cfg.systems_path)
-        self.graphs = model_graphs(read_graphs(cfg.graph_path, expect_systems_hash=self.systems["content_hash"]),
-                                   self.systems, spec.cutoff, cfg.graph_path)
+        self.systems, self.graphs = run_data(cfg)
         self.ways, self.replicas = (cfg.ways, cfg.data_parallel) if cfg.mode == "graph" else (1, 1)
-        self.layout = cfg.atom_layout  # how the ways split a batch (gnnpipe.atomic.halo)
+        self.layout = ATOM_LAYOUTS[cfg.atom_layout]  # how the ways split a batch (atom_layouts)
         self.replica, self.way = divmod(groups.rank if groups is not None else 0, self.ways)
         # why it fits energies alone (energy_only), or None; then no force pass runs and the weight is 0
         self.energy_only = energy_only(self.systems, spec.force_weight)
@@ -215,7 +201,7 @@ class AtomicEngine:
             ids = np.random.default_rng([self.cfg.training.seed, 2**31]).permutation(self.ids["train"])
             per = self.batch_size * self.replicas
             batches = [ids[i:i + per] for i in range(0, len(ids), per)][:FIT_BATCHES]
-            fitted = self.kind.fit(self.model, [rank_view(self._batch(b), None, self.dtype, self.device)
+            fitted = self.kind.fit(self.model, [single_graph(self._batch(b), self.dtype, self.device)
                                                 for b in batches])
         if self.comm is not None:  # every rank computes with rank 0's constants, bit for bit
             state = self.model.state_dict()
@@ -308,17 +294,11 @@ class AtomicEngine:
         total = 0
         b = torch.finfo(self.dtype).bits // 8
         epoch = self.cfg.training.epochs - 1 if epoch is None else epoch
-        for step in self._steps(self.ids["train"], epoch):
-            parts = [self._replica_batch(step, r) for r in range(self.replicas)]
-            if self.layout == "atoms" and self.ways > 1:  # the halos of the same partitions as training's
-                halos = [halo_counts(atom_layout(self._batch(p), self.ways)) for p in parts]
-                total += halo_step_bytes(self.kind, self.model_cfg, halos, [len(p) for p in parts], self.ways, b,
-                                         self.num_params, forces=not self.energy_only)
-                continue
-            e = [int(sum(np.diff(self.graphs["edge_ptr"])[p])) for p in parts]
-            n = [int(sum(np.diff(self.systems["atom_ptr"])[p])) for p in parts]
-            total += self.kind.step_bytes(self.model_cfg, e, n, [len(p) for p in parts], self.ways, b,
-                                          self.num_params, forces=not self.energy_only)
+        for step in self._steps(self.ids["train"], epoch):  # the batches (and partitions) of training's steps
+            batches = [self._batch(p) if len(p) else None for p in
+                       (self._replica_batch(step, r) for r in range(self.replicas))]
+            total += self.layout.step_bytes(self.kind, self.model_cfg, batches, self.ways, b, self.num_params,
+                                            forces=not self.energy_only)
         return total
 
     # ------------------------------------------------------------------ evaluation
@@ -343,8 +323,7 @@ class AtomicEngine:
                     count = False
                 else:
                     count = True
-                b = self._batch(mine)
-                b, g = layout_view(b, self.grp, self.dtype, self.device, self.layout)
+                b, g = self.layout.view(self._batch(mine), self.grp, self.dtype, self.device)
                 with torch.no_grad() if self.energy_only else contextlib.nullcontext():
                     _, energy, forces, _ = step_loss(self.model, g, b, self.norm, StepCounts(1, 1), 0.0,
                                                      forces=not self.energy_only)
@@ -456,6 +435,15 @@ def model_config(model, cutoff: float):
     return kind.preset(spec.preset, **over, cutoff=cutoff)
 
 
+def run_data(cfg) -> tuple[dict, dict]:
+    """The systems and the model's graphs (``model_graphs``) of atomic run ``cfg`` (its ``run.yaml``)."""
+    from .data import read_graphs, read_systems
+
+    systems = read_systems(cfg.systems_path)
+    graphs = read_graphs(cfg.graph_path, expect_systems_hash=systems["content_hash"])
+    return systems, model_graphs(graphs, systems, cfg.model.spec.cutoff, cfg.graph_path)
+
+
 def model_graphs(graphs: dict, systems: dict, cutoff: Optional[float], path) -> dict:
     """The graphs a model with basis cutoff ``cutoff`` computes on (None: the file's). A larger one
     is refused (the file lacks the neighbours beyond its cutoff); a smaller one rebuilds the graphs
@@ -502,19 +490,19 @@ def plan_ways(kind, cfg, atoms: int, edges: int, triplets: int, device_bytes: in
 def batch_plan(kind, model_cfg, b: dict, device_bytes: int, dtype_bytes: int, overhead: int = 0,
                max_ways: int = 64) -> list[dict]:
     """``plan_ways`` on batch ``b`` (``data.batch_arrays``): its sizes, and its kind-specific counts; each
-    row with P > 1 also prices the atoms layout on the same batch (``halo.layout_costs``: ``"layouts"``)
-    and names the layout to use (``"layout"``: fewer bytes among those that fit, ``halo.choose_layout``)."""
+    row with P > 1 also prices every layout on the same batch (``atom_layouts.layout_costs``: ``"layouts"``)
+    and names the layout to use (``"layout"``: fewer bytes among those that fit, ``atom_layouts.choose_layout``)."""
     counts = (lambda p: kind.batch_counts(b, p)) if kind.batch_counts else None
     rows = plan_ways(kind, model_cfg, len(b["z"]), len(b["edge_src"]), len(b["idx_kj"]), device_bytes, dtype_bytes,
                      max_ways, overhead, counts)
     for r in rows:
-        r["layout"], r["layouts"] = "edges", None
+        r["layout"], r["layouts"] = EDGES.name, None
         if 1 < r["ways"] <= len(b["z"]):
             try:
                 r["layouts"] = layout_costs(kind, model_cfg, b, r["ways"], dtype_bytes)
             except GnnPipeError:  # METIS could not give every way an atom: the edges layout only
                 continue
-            r["layout"] = choose_layout(r["layouts"], device_bytes - overhead)
+            r["layout"] = choose_layout(r["layouts"], device_bytes - overhead).name
     return rows
 
 
@@ -529,7 +517,7 @@ class RunPlan:
     cap: int  # bytes per worker
     overhead: int  # bytes of a worker process before its model (counted in each row)
     rows: list
-    layout: str = "edges"  # the run's atom_layout: which layout's memory the run needs
+    layout: AtomLayout  # the run's atom_layout: which layout's memory the run needs
     dtype_bytes: int = 4
 
     @property
@@ -540,20 +528,17 @@ class RunPlan:
 
     def need(self, ways: int) -> int:
         """Bytes per worker at ``ways`` ways (any P, not only the rows' powers of two), in the run's layout."""
-        if self.layout == "atoms" and ways > 1:
-            return layout_costs(self.kind, self.model_cfg, self.arrays, ways, self.dtype_bytes)["atoms"]["memory"] \
-                + self.overhead
-        counts = self.kind.batch_counts(self.arrays, ways) if self.kind.batch_counts else {}
-        return self.kind.memory_per_worker(self.model_cfg, *self.batch, ways, **counts)["total"] + self.overhead
+        return self.layout.costs(self.kind, self.model_cfg, self.arrays, ways, self.dtype_bytes)["memory"] \
+            + self.overhead
 
     @property
     def fits(self) -> bool:
         return self.need(self.ways) <= self.cap
 
     def smallest(self) -> Optional[int]:
-        def fits(r):
-            if self.layout == "atoms" and r.get("layouts"):
-                return r["layouts"]["atoms"]["memory"] + self.overhead <= self.cap
+        def fits(r):  # a row without "layouts" (P = 1, or no METIS parts) has the edges layout's only
+            if r.get("layouts"):
+                return r["layouts"][self.layout.name]["memory"] + self.overhead <= self.cap
             return r["fits"]
         return next((r["ways"] for r in self.rows if fits(r)), None)
 
@@ -562,7 +547,7 @@ class RunPlan:
         gib, need = 2**30, self.need(self.ways)
         need = (f"{self.kind.name} ({self.kind.count_parameters(self.model_cfg):,} parameters) needs about "
                 f"{need / gib:.2f} GiB per worker at P = {self.ways}"
-                f"{' in the atoms layout' if self.layout == 'atoms' and self.ways > 1 else ''} (gnnpipe plan-atomic: "
+                f"{self.layout.in_words if self.ways > 1 else ''} (gnnpipe plan-atomic: "
                 f"{(need - self.overhead) / gib:.2f} GiB for a step on the largest batch, "
                 f"{self.batch[0]} atoms / {self.batch[1]} edges / {self.batch[2]} triplets, + "
                 f"{self.overhead / gib:.2f} GiB of process)")
@@ -576,15 +561,13 @@ class RunPlan:
 
 
 def plan_run(cfg, cap_bytes: int, overhead: int = 0, max_ways: int = 64) -> RunPlan:
-    """The plan of an atomic run (its ``run.yaml``): its model on its graphs' largest step batch."""
-    from .data import batch_arrays, read_graphs, read_systems
+    """The plan of an atomic run (its ``run.yaml``): its model on its graphs' largest step batch, in its layout."""
+    from .data import batch_arrays
 
-    systems = read_systems(cfg.systems_path)
-    graphs = model_graphs(read_graphs(cfg.graph_path, expect_systems_hash=systems["content_hash"]), systems,
-                          cfg.model.spec.cutoff, cfg.graph_path)
-    kind = ATOMIC_MODELS[cfg.model.kind]
+    systems, graphs = run_data(cfg)
+    kind, dtype_bytes = ATOMIC_MODELS[cfg.model.kind], DTYPES[cfg.training.dtype].itemsize
     model_cfg = model_config(cfg.model, float(graphs["cutoff"]))
     b = batch_arrays(systems, graphs, largest_batch(systems, graphs, cfg.model.spec.batch_size))
-    rows = batch_plan(kind, model_cfg, b, cap_bytes, DTYPES[cfg.training.dtype].itemsize, overhead, max_ways)
-    return RunPlan(kind, model_cfg, b, cfg.ways, cap_bytes, overhead, rows, cfg.atom_layout,
-                   DTYPES[cfg.training.dtype].itemsize)
+    rows = batch_plan(kind, model_cfg, b, cap_bytes, dtype_bytes, overhead, max_ways)
+    return RunPlan(kind, model_cfg, b, cfg.ways, cap_bytes, overhead, rows, ATOM_LAYOUTS[cfg.atom_layout],
+                   dtype_bytes)

@@ -1,6 +1,7 @@
 """Atom-partitioned graph parallelism for atomistic models: each rank exchanges only its boundary, exact.
 
-The ``atoms`` layout beside ``parallel.py``'s ``edges`` one. The batch's atoms are split into P
+The ``atoms`` layout beside ``parallel.py``'s ``edges`` one (the objects the engine and the predictor
+ask: ``atom_layouts``). The batch's atoms are split into P
 spatially compact parts by k-way METIS on the atom graph (pymetis; vertex weight = in-degree + 1,
 so the parts hold about as many edges and triplets each). Rank r **owns**
 
@@ -64,7 +65,6 @@ from .batch import AtomGraph
 from .neighbors import triplet_rank
 from .parallel import EdgeGroup, ShardedAtomGraph, _t, collective_passes
 
-LAYOUTS = ("edges", "atoms")
 ATOM_KEYS = ("z", "pos", "system", "fixed", "forces")  # per-atom arrays of a batch (graphs.batch_arrays)
 
 OP_EDGE_HALO = "edge_halo"  # forward: halo edge rows to the ranks whose triplets read them
@@ -133,8 +133,9 @@ def group_by_part(b: dict, part: np.ndarray, parts: int) -> dict:
     return out
 
 
-def atom_layout(b: dict, parts: int, seed: int = 0) -> dict:
-    """``group_by_part(b, partition_atoms(b, parts))``: what every rank of a P-way group shards."""
+def order_by_part(b: dict, parts: int, seed: int = 0) -> dict:
+    """Batch ``b`` reordered by its METIS parts, ``group_by_part(b, partition_atoms(b, parts))``: what every
+    rank of a P-way group shards (``atom_layouts.AtomsLayout.arrange``)."""
     return group_by_part(b, partition_atoms(b, parts, seed), parts)
 
 
@@ -231,41 +232,6 @@ def step_bytes(kind, cfg, halos, systems, ways: int, dtype_bytes: int, params: i
         total += b * (passes * cfg.num_blocks * sum(h[k] * w[k] for k in ("kj", "swap", "atoms"))
                       + forces * h["ghosts"] + 2 * (p - 1) * s)
     return total + training * (d * 2 * (p - 1) * params * b + p * 2 * (d - 1) * params * b)
-
-
-def layout_costs(kind, cfg, b: dict, ways: int, dtype_bytes: int, training: bool = True) -> dict:
-    """Both layouts of batch ``b`` (one replica) at ``ways`` ways: ``{layout: {"bytes": closed-form bytes
-    of a step, "memory": estimated bytes per worker}}``, and ``"halo"``: the atoms layout's counts.
-
-    Memory, edges: the kind's ``memory_per_worker`` at P ways. Atoms: the largest over the ranks of the
-    kind's estimate for its own atoms, edges and triplets in one process (the kind's default block
-    counts), plus one block's gathered halo rows (``halo_widths``): a part's activations are its own
-    rows', its halo rows are read, not kept.
-    """
-    params = kind.count_parameters(cfg)
-    n, e, t, s = len(b["z"]), len(b["edge_src"]), len(b["idx_kj"]), int(b["num_systems"])
-    counts = kind.batch_counts(b, ways) if kind.batch_counts else {}
-    out = {"edges": {"bytes": kind.step_bytes(cfg, [e], [n], [s], ways, dtype_bytes, params, training=training),
-                     "memory": kind.memory_per_worker(cfg, n, e, t, ways, dtype_bytes, **counts)["total"]}}
-    if ways == 1:
-        out["atoms"] = dict(out["edges"])
-        out["halo"] = dict.fromkeys(HALO_KEYS, 0)
-        return out
-    sizes = rank_sizes(atom_layout(b, ways))
-    w = kind.halo_widths(cfg)
-    mem = max(kind.memory_per_worker(cfg, r["atoms_own"], r["edges_own"], r["triplets_own"], 1, dtype_bytes)["total"]
-              + sum(r[k] * w[k] for k in ("kj", "swap", "atoms")) * dtype_bytes for r in sizes)
-    halos = {k: sum(r[k] for r in sizes) for k in HALO_KEYS}
-    out["atoms"] = {"bytes": step_bytes(kind, cfg, [halos], [s], ways, dtype_bytes, params, training), "memory": mem}
-    out["halo"] = halos
-    return out
-
-
-def choose_layout(costs: dict, cap: Optional[int] = None) -> str:
-    """The layout of ``layout_costs`` that sends fewer bytes among those whose memory fits ``cap``
-    (None: any); the edges layout on a tie or when neither fits."""
-    fits = [k for k in LAYOUTS if cap is None or costs[k]["memory"] <= cap] or ["edges"]
-    return min(fits, key=lambda k: (costs[k]["bytes"], LAYOUTS.index(k)))
 
 
 # --------------------------------------------------------------------------- the exchange
@@ -375,7 +341,7 @@ class HaloAtomGraph(ShardedAtomGraph):
 
 
 def shard_atoms(b: dict, rank: int, group: Optional[EdgeGroup], dtype=torch.float64, device=None) -> AtomGraph:
-    """Rank ``rank``'s view of a ``group_by_part`` batch ``b`` (``atom_layout``) in the atoms layout."""
+    """Rank ``rank``'s view of a ``group_by_part`` batch ``b`` (``order_by_part``) in the atoms layout."""
     parts = len(b["atom_parts"])
     src, dst, shift = np.asarray(b["edge_src"]), np.asarray(b["edge_dst"]), np.asarray(b["edge_shift"])
     n, e = len(b["z"]), len(src)
@@ -425,6 +391,5 @@ def shard_atoms(b: dict, rank: int, group: Optional[EdgeGroup], dtype=torch.floa
     return g.to(device) if device is not None else g
 
 
-__all__ = ["LAYOUTS", "partition_atoms", "group_by_part", "atom_layout", "rank_needs", "rank_sizes", "halo_counts",
-           "step_bytes", "layout_costs", "choose_layout",
-           "shard_atoms", "HaloAtomGraph", "HaloPlan"]
+__all__ = ["partition_atoms", "group_by_part", "order_by_part", "rank_needs", "rank_sizes", "halo_counts",
+           "step_bytes", "shard_atoms", "HaloAtomGraph", "HaloPlan"]

@@ -65,6 +65,7 @@ import torch
 from torch import Tensor
 
 from ..io import GnnPipeError
+from .atom_layouts import ATOM_LAYOUTS, EDGES, AtomLayout, choose_layout
 from .modelfile import ModelFile
 
 VOIGT = ((0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1))  # ASE's order: xx yy zz yz xz xy
@@ -208,9 +209,11 @@ class Predictor:
                                f"use at most {cpu_cores()} (each worker is a process)")
         self.threads = threads_per_worker(workers, threads)
         self.min_distance = min_distance
-        if layout not in ("auto", "edges", "atoms"):
-            raise GnnPipeError(f"layout {layout!r}: one of auto, edges, atoms")
-        self.layout, self.last_layout = layout, None
+        if layout != "auto" and layout not in ATOM_LAYOUTS:
+            raise GnnPipeError(f"layout {layout!r}: one of auto, {', '.join(ATOM_LAYOUTS.names())}")
+        # the workers' layout (atom_layouts), None: chosen per structure (auto); the last call's
+        self.layout = None if layout == "auto" else ATOM_LAYOUTS[layout]
+        self.last_layout: Optional[AtomLayout] = None
         if (dtype or model_file.dtype) not in DTYPES:
             raise GnnPipeError(f"dtype {dtype or model_file.dtype!r}: one of {', '.join(DTYPES)}")
         self.model_file, self.workers = model_file, int(workers)
@@ -253,19 +256,17 @@ class Predictor:
             out.stress = np.array([sym[i, j] for i, j in VOIGT])
         return out
 
-    def choose_layout(self, b: dict) -> str:
+    def choose_layout(self, b: dict) -> AtomLayout:
         """The workers' layout for structure ``b``: the one given, or (``auto``) the one whose closed-form
-        bytes of this call are fewer (``halo.step_bytes`` on its METIS parts, ``kind.step_bytes``)."""
-        if self.layout != "auto":
+        bytes of this call are fewer (each layout's ``step_bytes``); the edges layout on a tie and for a
+        structure of fewer atoms than workers (the atoms layout needs an atom per worker)."""
+        if self.layout is not None:
             return self.layout
         if len(b["z"]) < self.workers:
-            return "edges"
-        from .halo import atom_layout, halo_counts, step_bytes
-
+            return EDGES
         spec, cfg, db = self.model_file.spec, self.model_file.config(), torch.finfo(self.dtype).bits // 8
-        edges = spec.step_bytes(cfg, [len(b["edge_src"])], [len(b["z"])], [1], self.workers, db, 0, training=False)
-        atoms = step_bytes(spec, cfg, [halo_counts(atom_layout(b, self.workers))], [1], self.workers, db, 0, False)
-        return "atoms" if atoms < edges else "edges"
+        return choose_layout({name: {"bytes": layout.step_bytes(spec, cfg, [b], self.workers, db, 0, training=False)}
+                              for name, layout in ATOM_LAYOUTS.items()})
 
     def close(self) -> None:
         if self.pool is not None:
@@ -358,9 +359,9 @@ class WorkerPool:
         return self._finalizer.alive and self._broken is None
 
     def compute(self, b: dict, stress: bool, where: str = "",
-                layout: str = "edges") -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+                layout: AtomLayout = EDGES) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
         """Model-unit energies (1,), every atom's forces (N, 3) and ``dy/dε`` summed over the workers,
-        the structure split by edges or (``layout="atoms"``) by METIS atom parts (``atomic.halo``)."""
+        the structure split as ``layout`` says (``atom_layouts``: by edges, or by METIS atom parts)."""
         if not self._finalizer.alive:
             raise GnnPipeError("the inference workers were shut down (close()); create a new calculator")
         if self._broken:
@@ -370,10 +371,8 @@ class WorkerPool:
         if edges < self.workers:
             raise GnnPipeError(f"{where}graph-parallel inference over {self.workers} workers needs at least "
                                f"{self.workers} edges, this structure has {edges} within the cutoff; use fewer workers")
-        if layout == "atoms":
-            from .halo import atom_layout
-            b = atom_layout(b, self.workers)  # the workers' own atoms are consecutive blocks of it
-        msg = pickle.dumps((b, bool(stress), layout))
+        b = layout.arrange(b, self.workers)  # here, once: the workers' own atoms are consecutive blocks of it
+        msg = pickle.dumps((b, bool(stress), layout.name))
         for r, c in enumerate(self._conns):
             try:
                 c.send_bytes(msg)
@@ -386,9 +385,7 @@ class WorkerPool:
             _shutdown(self._procs, self._conns, None, grace_s=0.0)
             raise
         y = replies[0][0]
-        forces = np.concatenate([f for _, f, _ in replies])
-        if layout == "atoms":  # back to the structure's atom order
-            forces[b["atom_order"]] = forces.copy()
+        forces = layout.restore_order(np.concatenate([f for _, f, _ in replies]), b)  # the structure's atom order
         dy = sum(d for _, _, d in replies) if stress else None
         return y, forces, dy
 
@@ -482,8 +479,7 @@ def _worker_main(rank: int, world: int, port: int, device: str, dtype, threads: 
         import torch.distributed as dist
 
         from .modelfile import decode
-        from .halo import shard_atoms
-        from .parallel import EdgeGroup, shard_graph
+        from .parallel import EdgeGroup
         from ..parallel.comm import Communicator
 
         torch.set_num_threads(threads)
@@ -510,7 +506,7 @@ def _worker_main(rank: int, world: int, port: int, device: str, dtype, threads: 
             if (rank, calls) == (kill_rank, kill_call):
                 os.kill(os.getpid(), signal.SIGKILL)
             b, stress, layout = msg
-            g = shard_atoms(b, rank, grp, dtype, dev) if layout == "atoms" else shard_graph(b, world, rank, grp, dtype, dev)
+            g = ATOM_LAYOUTS[layout].shard(b, grp, dtype, dev)
             y, f, dy = view_outputs(model, g, stress)
             conn.send(("ok", _numpy(y), _numpy(f), _numpy(dy)))
             calls += 1

@@ -1,0 +1,187 @@
+"""How the P graph ways of a replica split a batch of atomic systems: one object per layout.
+
+A run's ``atom_layout`` (the config keeps its string) and a predictor's ``layout`` are looked up once
+in :data:`ATOM_LAYOUTS`; the engine, the plan and the inference workers then ask the object, never
+the name:
+
+==================  ===================================  ===========================================
+question            asked by                             edges / atoms
+==================  ===================================  ===========================================
+``view``            ``AtomicEngine`` (training, eval)    this rank's ``AtomGraph`` of a batch
+``arrange``         ``WorkerPool.compute`` (the client)  the batch as the ways number it: itself /
+                                                         reordered by METIS part (``halo.order_by_part``)
+``shard``           the inference workers                a rank's view of an arranged batch
+``restore_order``   ``WorkerPool.compute``               per-atom rows back in the batch's order
+``step_bytes``      ``predicted_bytes``, ``Predictor``   the closed form of a step's bytes
+``costs``           ``plan_run`` (``RunPlan.need``),     a step's bytes and the memory per worker
+                    ``layout_costs``, ``choose_layout``  on one batch at P ways
+==================  ===================================  ===========================================
+
+* **edges** (``parallel.py``): way r holds edge block r, the triplets of its edges and atom block r;
+  the model's collectives are all-gathers and reduce-scatters.
+* **atoms** (``halo.py``): way r holds METIS part r's atoms, the edges into them and their triplets,
+  and receives only its halo rows.
+
+At one way both are the whole batch in one process (the same view, bytes and memory), so a run
+with ``atom_layout: atoms`` and ``data_parallel`` replicas of one way each computes as the edges
+layout. A third layout (#35, the distributed build) is a third class and one registration here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional
+
+import numpy as np
+
+from ..registry import Registry
+from . import halo
+from .parallel import EdgeGroup, shard_graph, single_graph
+
+
+class AtomLayout(ABC):
+    """One way of splitting a batch across the P ways of a replica (see the module docstring)."""
+
+    name: str
+    in_words: str  # what the plan's answer says of the layout ("... at P = 4{in_words}")
+
+    def view(self, b: dict, grp: Optional[EdgeGroup], dtype, device) -> tuple[dict, object]:
+        """This rank's view of batch ``b`` (the whole batch without a group, or with one way), and the
+        batch as the view numbers it (the own atoms' rows of its per-atom arrays are
+        ``[atom_lo, atom_hi)``)."""
+        if grp is None or grp.size == 1:
+            return b, single_graph(b, dtype, device)
+        b = self.arrange(b, grp.size)
+        return b, self.shard(b, grp, dtype, device)
+
+    @abstractmethod
+    def arrange(self, b: dict, ways: int) -> dict:
+        """Batch ``b`` as ``ways`` > 1 ways number it (what ``shard`` takes)."""
+
+    @abstractmethod
+    def shard(self, b: dict, grp: EdgeGroup, dtype, device=None):
+        """Rank ``grp.rank``'s view of an arranged batch ``b``."""
+
+    @abstractmethod
+    def restore_order(self, rows: np.ndarray, b: dict) -> np.ndarray:
+        """Per-atom ``rows`` of arranged batch ``b`` (the ways' own atoms, concatenated) in the order of
+        the batch before ``arrange``."""
+
+    @abstractmethod
+    def step_bytes(self, kind, cfg, batches: list, ways: int, dtype_bytes: int, params: int,
+                   training: bool = True, forces: bool = True) -> int:
+        """Closed-form bytes of one step (training, or an inference call), summed over every rank (what
+        the ledger counts): ``batches[d]`` replica d's batch, None for a replica without systems in a
+        short last step (it sends only its parameter reduction)."""
+
+    @abstractmethod
+    def costs(self, kind, cfg, b: dict, ways: int, dtype_bytes: int) -> dict:
+        """A training step on batch ``b`` (one replica) at ``ways`` ways: ``{"bytes": its closed form,
+        "memory": the estimated bytes per worker}``."""
+
+
+class EdgesLayout(AtomLayout):
+    """Edge/triplet sharding (``parallel.shard_graph``); at one way, every layout's whole batch."""
+
+    name = "edges"
+    in_words = ""
+
+    def arrange(self, b: dict, ways: int) -> dict:
+        return b
+
+    def shard(self, b: dict, grp: EdgeGroup, dtype, device=None):
+        return shard_graph(b, grp.size, grp.rank, grp, dtype, device)
+
+    def restore_order(self, rows: np.ndarray, b: dict) -> np.ndarray:
+        return rows
+
+    def step_bytes(self, kind, cfg, batches: list, ways: int, dtype_bytes: int, params: int,
+                   training: bool = True, forces: bool = True) -> int:
+        """The kind's closed form (``kind.step_bytes``) on each replica's edges, atoms and systems."""
+        sizes = [(0, 0, 0) if b is None else (len(b["edge_src"]), len(b["z"]), int(b["num_systems"]))
+                 for b in batches]
+        e, n, s = (list(c) for c in zip(*sizes))
+        return kind.step_bytes(cfg, e, n, s, ways, dtype_bytes, params, training=training, forces=forces)
+
+    def costs(self, kind, cfg, b: dict, ways: int, dtype_bytes: int) -> dict:
+        """Memory: the kind's ``memory_per_worker`` at P ways (its counts measured on ``b``)."""
+        counts = kind.batch_counts(b, ways) if kind.batch_counts else {}
+        mem = kind.memory_per_worker(cfg, len(b["z"]), len(b["edge_src"]), len(b["idx_kj"]), ways, dtype_bytes,
+                                     **counts)["total"]
+        return {"bytes": self.step_bytes(kind, cfg, [b], ways, dtype_bytes, kind.count_parameters(cfg)),
+                "memory": mem}
+
+
+class AtomsLayout(AtomLayout):
+    """METIS atom parts and halo exchanges (``halo.py``); at one way, the edges layout's whole batch."""
+
+    name = "atoms"
+    in_words = " in the atoms layout"
+
+    def arrange(self, b: dict, ways: int) -> dict:
+        """Batch ``b`` reordered so that METIS part r's atoms and the edges into them are block r."""
+        return halo.order_by_part(b, ways)
+
+    def shard(self, b: dict, grp: EdgeGroup, dtype, device=None):
+        return halo.shard_atoms(b, grp.rank, grp, dtype, device)
+
+    def restore_order(self, rows: np.ndarray, b: dict) -> np.ndarray:
+        out = np.empty_like(rows)
+        out[b["atom_order"]] = rows
+        return out
+
+    def step_bytes(self, kind, cfg, batches: list, ways: int, dtype_bytes: int, params: int,
+                   training: bool = True, forces: bool = True) -> int:
+        """``halo.step_bytes`` on the halo counts of each replica's METIS parts (the partitions the
+        ways compute on)."""
+        if ways == 1:
+            return EDGES.step_bytes(kind, cfg, batches, ways, dtype_bytes, params, training, forces)
+        halos = [dict.fromkeys(halo.HALO_KEYS, 0) if b is None else halo.halo_counts(self.arrange(b, ways))
+                 for b in batches]
+        systems = [0 if b is None else int(b["num_systems"]) for b in batches]
+        return halo.step_bytes(kind, cfg, halos, systems, ways, dtype_bytes, params, training, forces)
+
+    def costs(self, kind, cfg, b: dict, ways: int, dtype_bytes: int) -> dict:
+        """Also ``"halo"``: the halo rows of each exchange summed over the ways (``halo.HALO_KEYS``).
+
+        Memory: the largest over the ranks of the kind's estimate for its own atoms, edges and
+        triplets in one process (the kind's default block counts), plus one block's gathered halo
+        rows (``halo_widths``): a part's activations are its own rows', its halo rows are read, not
+        kept."""
+        if ways == 1:
+            return {**EDGES.costs(kind, cfg, b, ways, dtype_bytes), "halo": dict.fromkeys(halo.HALO_KEYS, 0)}
+        sizes = halo.rank_sizes(self.arrange(b, ways))
+        w = kind.halo_widths(cfg)
+        mem = max(kind.memory_per_worker(cfg, r["atoms_own"], r["edges_own"], r["triplets_own"], 1, dtype_bytes)["total"]
+                  + sum(r[k] * w[k] for k in ("kj", "swap", "atoms")) * dtype_bytes for r in sizes)
+        halos = {k: sum(r[k] for r in sizes) for k in halo.HALO_KEYS}
+        return {"bytes": halo.step_bytes(kind, cfg, [halos], [int(b["num_systems"])], ways, dtype_bytes,
+                                         kind.count_parameters(cfg)),
+                "memory": mem, "halo": halos}
+
+
+EDGES, ATOMS = EdgesLayout(), AtomsLayout()
+
+#: name -> layout; the names are the config's ``atom_layout`` values (a test keeps them equal)
+ATOM_LAYOUTS: Registry[AtomLayout] = Registry("atom layout")
+for _layout in (EDGES, ATOMS):  # the order breaks ties in choose_layout
+    ATOM_LAYOUTS.register(_layout.name, _layout)
+
+
+def layout_costs(kind, cfg, b: dict, ways: int, dtype_bytes: int) -> dict:
+    """Every layout's ``costs`` of batch ``b`` (one replica) at ``ways`` ways, by name, and ``"halo"``:
+    the atoms layout's counts."""
+    out = {name: layout.costs(kind, cfg, b, ways, dtype_bytes) for name, layout in ATOM_LAYOUTS.items()}
+    out["halo"] = out[ATOMS.name].pop("halo")
+    return out
+
+
+def choose_layout(costs: dict, cap: Optional[int] = None) -> AtomLayout:
+    """The layout of ``costs`` (name -> ``{"bytes", "memory"}``) that sends fewer bytes among those whose
+    memory fits ``cap`` (None: any, and ``memory`` is not read); the edges layout on a tie or when none fits."""
+    fits = [layout for name, layout in ATOM_LAYOUTS.items()
+            if cap is None or costs[name]["memory"] <= cap] or [EDGES]
+    return min(fits, key=lambda layout: costs[layout.name]["bytes"])  # min keeps the first of equals
+
+
+__all__ = ["AtomLayout", "EdgesLayout", "AtomsLayout", "EDGES", "ATOMS", "ATOM_LAYOUTS", "layout_costs", "choose_layout"]
