@@ -49,12 +49,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..config import NEIGHBOR_CONVENTIONS as CONVENTIONS
 from ..io import GnnPipeError
 
 __all__ = ["CONVENTIONS", "radius_graph", "directed_graph", "reverse_edges", "triplets", "triplet_rank", "system_graph"]
-
-#: the neighbour conventions (``datasets.<name>.atoms.neighbors``; the module docstring)
-CONVENTIONS = ("project", "fairchem")
 
 
 def triplets(src: np.ndarray, dst: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
