@@ -85,6 +85,28 @@ def test_the_calculators_graph_is_the_training_graph(slabs, models):
         assert all(np.array_equal(sym[k], want[k]) for k in want)
 
 
+def test_a_fairchem_models_graph_is_fairchems(slabs):
+    """A model file of the fairchem convention: GemNet gets fairchem's symmetric graph, a per-target
+    model (symmetric_edges false, fairchem's DimeNet++) radius_graph_pbc's edges as they are; where the
+    cap binds (Cu bulk, 6 Å / 50) both differ from the project's."""
+    import dataclasses
+
+    from ase.build import bulk
+
+    mf = tiny_atomic_model(slabs, "gemnet_t", cutoff=6.0, max_neighbors=50, neighbors="fairchem")
+    a = bulk("Cu", "fcc", cubic=True).repeat((2, 2, 2))
+    a.rattle(0.05, seed=1)
+    args = (a.positions, a.cell.array, a.pbc, 6.0, 50)
+    got = structure_graph(a.numbers, *args[:3], mf)
+    want = nb.system_graph(*args, "fairchem")
+    assert len(got["edge_src"]) == 1588 and all(np.array_equal(got[k], want[k]) for k in want)
+    directed = structure_graph(a.numbers, *args[:3], dataclasses.replace(mf, symmetric_edges=False))
+    assert "id_swap" not in directed and len(directed["edge_src"]) == 1600
+    assert np.array_equal(directed["edge_src"], nb.directed_graph(*args, "fairchem")[0])
+    project = structure_graph(a.numbers, *args[:3], dataclasses.replace(mf, neighbors="project"))
+    assert len(project["edge_src"]) == 1612
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_calculator_equals_the_batched_predictions_of_evaluate(slabs, models, kind):
     """Per system, the calculator (one structure, graph rebuilt from positions) = the batched path
@@ -154,7 +176,7 @@ def test_stress_has_ases_convention_of_an_analytic_calculator():
                    scale_atoms=True)
     atoms.rattle(0.05, seed=2)
     atoms.calc = LennardJones(sigma=2.3, epsilon=0.1, rc=4.5, smooth=False)
-    mf = type("MF", (), {"symmetric_edges": True, "cutoff": 4.5, "max_neighbors": None})
+    mf = type("MF", (), {"symmetric_edges": True, "cutoff": 4.5, "max_neighbors": None, "neighbors": "project"})
     b = structure_graph(atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc, mf)
     _, forces, dy = view_outputs(_PairLJ(), single_graph(b), stress=True)
     sym = (0.5 * (dy + dy.T) / atoms.get_volume()).numpy()
