@@ -223,6 +223,10 @@ def test_fairchem_edge_counts_on_cu_bulk(rattle, fairchem, directed, project):
     assert len(nb.reverse_edges(src, dst, shift)) == fairchem  # symmetric
 
 
-def test_an_unknown_convention_is_refused():
+def test_an_unknown_convention_and_a_cell_fairchem_cannot_search_are_refused():
     with pytest.raises(GnnPipeError, match="'pyg' is no neighbour convention .*project, fairchem"):
         nb.radius_graph(_line([0.0, 1.0]), np.zeros((3, 3)), False, 2.0, 1, "pyg")
+    flat = np.diag([3.0, 3.0, 0.0])  # periodic in x and y, no third vector: fairchem divides by the volume
+    with pytest.raises(GnnPipeError, match="fairchem needs three independent cell vectors when an axis is periodic"):
+        nb.radius_graph(_line([0.0, 1.0]), flat, (True, True, False), 2.0, 1, "fairchem")
+    assert len(nb.radius_graph(_line([0.0, 1.0]), flat, (True, True, False), 2.0, 1)[0]) == 2  # project: fine

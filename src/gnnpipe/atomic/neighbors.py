@@ -232,7 +232,8 @@ def _fairchem_nominated(pos, cell, pbc, cutoff: float, max_neighbors: int | None
     source, image). Candidates come from vesin at a slightly larger radius; which of them fairchem
     keeps is decided with its own float32 arithmetic: the squared distance ``|pos_i - (pos_j + n @
     cell)|²`` in float32 (``<= cutoff²``, ``> 1e-4``), images within its range, and per target the
-    ``max_neighbors`` first of ``torch.sort`` (not stable) over a row of the targets' common width."""
+    ``max_neighbors`` first of ``torch.sort`` (not stable; on the CPU, as fairchem's calculator runs it)
+    over a row of the targets' common width."""
     import torch
     import vesin
 
@@ -240,6 +241,7 @@ def _fairchem_nominated(pos, cell, pbc, cutoff: float, max_neighbors: int | None
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 3), np.int64)
     rep, offsets = _fairchem_offsets(cell, pbc, cutoff)
     pos32 = pos.astype(np.float32)
+    # vesin's radius: above the cutoff by more than float32's rounding of positions and offsets can move a distance
     margin = 1e-3 + 1e-6 * (np.abs(pos).max(initial=0.0) + np.abs(offsets).sum(axis=0).max(initial=0.0))
     nl = vesin.NeighborList(cutoff=float(cutoff) + margin, full_list=True)
     i, j, image = nl.compute(pos, cell if pbc.any() else np.zeros((3, 3)), pbc.tolist(), "ijS")
