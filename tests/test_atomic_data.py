@@ -122,6 +122,35 @@ def test_h5_round_trip_and_refusals(tmp_path, systems):
         data.read_systems(p)
 
 
+def test_graphs_h5_records_the_neighbour_convention(tmp_path, systems):
+    """atom-graphs --neighbors fairchem writes fairchem's graphs (atomic.neighbors) and records it; a
+    project file carries no such attribute (the file it was before the option) and reads as project;
+    a model's smaller cutoff rebuilds the graphs in the file's convention."""
+    from gnnpipe.atomic.engine import model_graphs
+    from gnnpipe.cli import main
+
+    sp, gp = tmp_path / "systems.h5", tmp_path / "graphs.h5"
+    digest = data.write_systems(sp, systems)
+    assert main(["atom-graphs", "--systems", str(sp), "--cutoff", "4", "--max-neighbors", "4",
+                 "--neighbors", "fairchem", "--out", str(gp)]) == 0
+    g = data.read_graphs(gp, digest)
+    assert g["neighbors"] == "fairchem"
+    ep, ap = g["edge_ptr"], systems["atom_ptr"]
+    for s in range(len(ep) - 1):
+        want = nb.system_graph(systems["pos"][ap[s]:ap[s + 1]], systems["cell"][s], systems["pbc"][s], 4.0, 4,
+                               "fairchem")
+        assert all(np.array_equal(g[k][ep[s]:ep[s + 1]], want[k]) for k in ("edge_src", "edge_dst", "id_swap"))
+    project = data.build_graphs(systems, 4.0, 4, progress=False)
+    assert len(project["edge_src"]) != len(g["edge_src"])  # the cap binds: the conventions differ
+    smaller = model_graphs(g, systems, 3.5, gp)
+    assert smaller["neighbors"] == "fairchem"
+    assert np.array_equal(smaller["edge_src"], data.build_graphs(systems, 3.5, 4, False, "fairchem")["edge_src"])
+    data.write_graphs(gp, project, 4.0, 4, digest)
+    with h5py.File(gp, "r") as f:
+        assert "neighbors" not in f.attrs
+    assert data.read_graphs(gp, digest)["neighbors"] == "project"
+
+
 def test_readers_and_bad_rows(tmp_path, systems):
     import ase.db
     import ase.io

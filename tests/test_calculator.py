@@ -85,6 +85,28 @@ def test_the_calculators_graph_is_the_training_graph(slabs, models):
         assert all(np.array_equal(sym[k], want[k]) for k in want)
 
 
+def test_a_fairchem_models_graph_is_fairchems(slabs):
+    """A model file of the fairchem convention: GemNet gets fairchem's symmetric graph, a per-target
+    model (symmetric_edges false, fairchem's DimeNet++) radius_graph_pbc's edges as they are; where the
+    cap binds (Cu bulk, 6 Å / 50) both differ from the project's."""
+    import dataclasses
+
+    from ase.build import bulk
+
+    mf = tiny_atomic_model(slabs, "gemnet_t", cutoff=6.0, max_neighbors=50, neighbors="fairchem")
+    a = bulk("Cu", "fcc", cubic=True).repeat((2, 2, 2))
+    a.rattle(0.05, seed=1)
+    args = (a.positions, a.cell.array, a.pbc, 6.0, 50)
+    got = structure_graph(a.numbers, *args[:3], mf)
+    want = nb.system_graph(*args, "fairchem")
+    assert len(got["edge_src"]) == 1588 and all(np.array_equal(got[k], want[k]) for k in want)
+    directed = structure_graph(a.numbers, *args[:3], dataclasses.replace(mf, symmetric_edges=False))
+    assert "id_swap" not in directed and len(directed["edge_src"]) == 1600
+    assert np.array_equal(directed["edge_src"], nb.directed_graph(*args, "fairchem")[0])
+    project = structure_graph(a.numbers, *args[:3], dataclasses.replace(mf, neighbors="project"))
+    assert len(project["edge_src"]) == 1612
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_calculator_equals_the_batched_predictions_of_evaluate(slabs, models, kind):
     """Per system, the calculator (one structure, graph rebuilt from positions) = the batched path
@@ -154,7 +176,7 @@ def test_stress_has_ases_convention_of_an_analytic_calculator():
                    scale_atoms=True)
     atoms.rattle(0.05, seed=2)
     atoms.calc = LennardJones(sigma=2.3, epsilon=0.1, rc=4.5, smooth=False)
-    mf = type("MF", (), {"symmetric_edges": True, "cutoff": 4.5, "max_neighbors": None})
+    mf = type("MF", (), {"symmetric_edges": True, "cutoff": 4.5, "max_neighbors": None, "neighbors": "project"})
     b = structure_graph(atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc, mf)
     _, forces, dy = view_outputs(_PairLJ(), single_graph(b), stress=True)
     sym = (0.5 * (dy + dy.T) / atoms.get_volume()).numpy()
@@ -273,6 +295,33 @@ def test_workers_equal_one_process(slabs, models, kind, dtype, monkeypatch):
             if s1 is not None:
                 np.testing.assert_allclose(s2, s1, atol=tol["s"] * max(1.0, np.abs(s1).max()))
         assert not any(_alive(p) for p in pids)  # the with block stopped them
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_fairchem_model_on_two_workers_equals_one_process_in_both_layouts(slabs, kind):
+    """fairchem's graphs (GemNet's symmetric; DimeNet++'s per-target, symmetric_edges false) through
+    the worker pool: edges and atoms layouts equal one process (float64, 1e-10) on a rattled bulk cell
+    at 4.5 Å / 20 neighbours, where the cap binds and the project's graph gives another energy."""
+    import dataclasses
+
+    mf = tiny_atomic_model(slabs, kind, cutoff=4.5, max_neighbors=20, neighbors="fairchem")
+    if kind == "dimenetpp":
+        mf = dataclasses.replace(mf, symmetric_edges=False)
+    cell = _bulk(mf, (2, 2, 2), seed=1)
+    cell.calc = GNNPipeCalculator(mf)
+    want = cell.get_potential_energy(), cell.get_forces()
+    other = cell.copy()
+    other.calc = GNNPipeCalculator(dataclasses.replace(mf, neighbors="project", symmetric_edges=True))
+    assert abs(other.get_potential_energy() - want[0]) > 1e-6 * abs(want[0])
+    for layout in ("edges", "atoms"):
+        with GNNPipeCalculator(mf, workers=2, layout=layout) as calc:
+            a = cell.copy()
+            a.calc = calc
+            got = a.get_potential_energy(), a.get_forces()
+            assert calc.predictor.last_layout == layout
+        assert got[0] == pytest.approx(want[0], abs=1e-10 * max(1.0, abs(want[0])))
+        np.testing.assert_allclose(got[1], want[1], atol=1e-10 * max(1.0, np.abs(want[1]).max()))
 
 
 def _alive(pid: int) -> bool:

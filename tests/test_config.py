@@ -313,6 +313,8 @@ def test_a_run_config_refuses_another_kinds_key_that_differs_from_its_default(tm
     (lambda c: c["datasets"].update(a={"kind": "atoms", "atoms": {"metals": []}}),
      "config.datasets.a.atoms.metals: [] should be non-empty"),
     (lambda c: c.update(runs=[]), "config.runs: [] should be non-empty"),
+    (lambda c: c["datasets"].update(a={"kind": "atoms", "atoms": {"neighbors": "pyg"}}),
+     "config.datasets.a.atoms.neighbors: 'pyg' is not one of 'project', 'fairchem'"),
 ])
 def test_one_judge_for_the_workflow_config(tmp_path, capsys, mutate, message):
     """`gnnpipe runs --config` refuses what Snakemake refuses (common.smk calls the same

@@ -62,15 +62,15 @@ def test_round_trip_bare_in_a_checkpoint_and_in_a_run_dir(tmp_path, mf):
 
 def test_the_committed_format_1_file_loads_and_predicts_what_it_did():
     """tests/fixtures/atomic-model/model-v1.pt (its make.py wrote it) must keep loading, with its
-    energies, as the format moves on."""
+    energies, as the format moves on (format 1 knew one neighbour convention: project)."""
     from ase.build import add_adsorbate, fcc111
     from ase.constraints import FixAtoms
 
     from gnnpipe.ase import GNNPipeCalculator
 
     mf = load_model_file(DATA / "model-v1.pt")
-    assert (mf.kind, mf.cutoff, mf.max_neighbors, mf.symmetric_edges, mf.elements) == \
-           ("dimenetpp", 4.0, 12, False, (6, 8, 29))
+    assert (mf.kind, mf.cutoff, mf.max_neighbors, mf.symmetric_edges, mf.elements, mf.neighbors) == \
+           ("dimenetpp", 4.0, 12, False, (6, 8, 29), "project")
     slab = fcc111("Cu", size=(2, 2, 2), vacuum=5.0)  # the fixture's make.py: reference_structure
     add_adsorbate(slab, "O", 1.8, "fcc")
     slab.set_constraint(FixAtoms(indices=[a.index for a in slab if a.tag == 2]))
@@ -78,6 +78,17 @@ def test_the_committed_format_1_file_loads_and_predicts_what_it_did():
     want = json.loads((DATA / "model-v1.json").read_text())
     assert slab.get_potential_energy() == pytest.approx(want["energy"], abs=1e-9)
     np.testing.assert_allclose(slab.get_forces(apply_constraint=False), want["forces"], atol=1e-9)
+
+
+def test_the_neighbour_convention_round_trips_and_an_unknown_one_is_refused(tmp_path, slabs):
+    mf = tiny_atomic_model(slabs, "gemnet_t", neighbors="fairchem")
+    path = save_model_file(tmp_path / "m.pt", mf.payload())
+    assert torch.load(path, weights_only=True)["format_version"] == FORMAT_VERSION == 2
+    assert load_model_file(path).neighbors == "fairchem"
+    torch.save({**mf.payload(), "neighbors": "pyg"}, path)
+    _refused(path, r"neighbour convention 'pyg' is none of project, fairchem \(written by a newer gnnpipe\?\)")
+    torch.save({k: v for k, v in mf.payload().items() if k != "neighbors"}, path)
+    _refused(path, r"incomplete model file \(missing neighbors\)")  # format 2 says it
 
 
 def test_an_older_gnnpipes_model_pt_is_refused_with_what_to_do(tmp_path):
@@ -201,6 +212,10 @@ def test_payload_from_the_engine_and_upgrade_of_an_older_run(tmp_path, monkeypat
     assert (payload["kind"], payload["cutoff"], payload["max_neighbors"], payload["symmetric_edges"],
             payload["dtype"]) == ("dimenetpp", 4.0, 10, True, cfg.training.dtype)  # graphs.h5 v2: symmetric
     assert torch.equal(payload["normalizer"]["e_ref"], torch.as_tensor(engine.norm.e_ref))
+    assert payload["neighbors"] == "project"  # the graphs' convention goes into the model file
+    engine.graphs = {**engine.graphs, "neighbors": "fairchem"}
+    assert payload_from_engine(engine)["neighbors"] == "fairchem"
+    engine.graphs = {**engine.graphs, "neighbors": "project"}
     run = Path(cfg.out_dir)
     run.mkdir(parents=True)
     (run / "run.yaml").write_text(dump_run_config(cfg))

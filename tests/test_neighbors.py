@@ -154,3 +154,79 @@ def test_a_lone_atom_and_a_dimer():
     assert len(src) == 0
     g = nb.system_graph(np.array([[0.0, 0, 0], [1.0, 0, 0]]), np.zeros((3, 3)), False, 3.0)
     assert len(g["edge_src"]) == 2 and len(g["idx_kj"]) == 0 and list(g["id_swap"]) == [1, 0]
+
+
+# --------------------------------------------------------------------------- fairchem's convention
+def _line(xs) -> np.ndarray:
+    return np.array([[x, 0.0, 0.0] for x in xs])
+
+
+def _pairs(src, dst) -> set:
+    return {(int(j), int(i)) for j, i in zip(src, dst)}
+
+
+def test_fairchem_keeps_a_pair_only_if_the_higher_atom_nominated_the_lower():
+    """Cap 1 on a line: 0 at 0, 1 at 1.0, 2 at 1.4. 0 nominates 1, 1 and 2 nominate each other. The
+    pair {0, 1} is dropped (1 did not nominate 0; that 0 nominated 1 does not count): atom 0 loses its
+    nearest neighbour. Numbered the other way round (0 <-> 2) the same structure keeps it."""
+    off = (np.zeros((3, 3)), False, 2.5, 1)
+    src, dst, _ = nb.radius_graph(_line([0.0, 1.0, 1.4]), *off, "fairchem")
+    assert _pairs(src, dst) == {(1, 2), (2, 1)}
+    assert _pairs(*nb.radius_graph(_line([0.0, 1.0, 1.4]), *off)[:2]) == {(0, 1), (1, 0), (1, 2), (2, 1)}  # project
+    assert _pairs(*nb.directed_graph(_line([0.0, 1.0, 1.4]), *off, "fairchem")[:2]) == {(1, 0), (2, 1), (1, 2)}
+    src, dst, _ = nb.radius_graph(_line([1.4, 1.0, 0.0]), *off, "fairchem")
+    assert _pairs(src, dst) == {(0, 1), (1, 0), (1, 2), (2, 1)}
+
+
+def test_fairchem_breaks_a_tie_at_the_cap_by_source_in_a_short_row():
+    """Cap 1: the centre (4, at 0) has two neighbours at exactly 1 Å, 0 at -1 and 1 at +1; each of them
+    has a nearer partner (2 at -1.8, 3 at +1.8) that it nominates. The centre's row holds 2 candidates
+    (torch.sort is stable up to 16), so it nominates the lower source, 0, and keeps it alone: the
+    atom at -1 numbered 0, the one at +1 numbered 0 when the two are swapped."""
+    off = (np.zeros((3, 3)), False, 1.5, 1)
+    src, dst, _ = nb.radius_graph(_line([-1.0, 1.0, -1.8, 1.8, 0.0]), *off, "fairchem")
+    assert _pairs(src, dst) == {(0, 4), (4, 0), (0, 2), (2, 0), (1, 3), (3, 1)}
+    src, dst, _ = nb.radius_graph(_line([1.0, -1.0, -1.8, 1.8, 0.0]), *off, "fairchem")
+    assert _pairs(src, dst) == {(0, 4), (4, 0), (1, 2), (2, 1), (0, 3), (3, 0)}
+
+
+def test_fairchem_keeps_an_atoms_own_image_if_nominated_and_negative():
+    """One atom in a 2 Å cube, cutoff 2.5: its six images at exactly 2 Å (the next at 2.83). Cap 2
+    nominates the first two in image order, (-1,0,0) and (0,-1,0), both lexicographically negative:
+    kept and mirrored, 4 edges (x and y). Cap 3 adds (0,0,-1): all six. The project keeps the same
+    here (nominated or reverse nominated)."""
+    cell = 2.0 * np.eye(3)
+    for cap, axes in ((2, {0, 1}), (3, {0, 1, 2})):
+        src, dst, shift = nb.radius_graph(np.zeros((1, 3)), cell, True, 2.5, cap, "fairchem")
+        assert len(src) == 2 * len(axes) and set(np.nonzero(shift)[1]) == axes
+        assert {tuple(s) for s in shift} == {tuple(s) for s in -shift}
+    g = nb.system_graph(np.zeros((1, 3)), cell, True, 2.5, 2, "fairchem")
+    assert len(g["id_swap"]) == 4 and sorted(g["id_swap"][g["id_swap"]]) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("rattle, fairchem, directed, project", [(0.05, 1588, 1600, 1612), (0.0, 1598, 1600, 1652)])
+def test_fairchem_edge_counts_on_cu_bulk(rattle, fairchem, directed, project):
+    """Cu bulk, 2x2x2 cubic cells (32 atoms), 6 Å / 50 neighbours: the counts of fairchem-core
+    (05b9595a) radius_graph_pbc + GemNet's reorder_symmetric_edges, run outside the repository on
+    these structures (edge sets compared as (src, dst, image): identical). Unrattled, the cap cuts
+    through a shell of exactly equal float32 distances, rows of 78 candidates: torch.sort's
+    order decides (a stable sort gives another set)."""
+    from ase.build import bulk
+    a = bulk("Cu", "fcc", cubic=True).repeat((2, 2, 2))
+    if rattle:
+        a.rattle(rattle, seed=1)
+    args = (a.positions, a.cell.array, a.pbc, 6.0, 50)
+    src, dst, shift = nb.radius_graph(*args, "fairchem")
+    assert len(src) == fairchem and len(nb.radius_graph(*args)[0]) == project
+    assert len(nb.directed_graph(*args, "fairchem")[0]) == directed
+    assert np.all(np.bincount(nb.directed_graph(*args, "fairchem")[1]) == 50)  # a strict cap per target
+    assert len(nb.reverse_edges(src, dst, shift)) == fairchem  # symmetric
+
+
+def test_an_unknown_convention_and_a_cell_fairchem_cannot_search_are_refused():
+    with pytest.raises(GnnPipeError, match="'pyg' is no neighbour convention .*project, fairchem"):
+        nb.radius_graph(_line([0.0, 1.0]), np.zeros((3, 3)), False, 2.0, 1, "pyg")
+    flat = np.diag([3.0, 3.0, 0.0])  # periodic in x and y, no third vector: fairchem divides by the volume
+    with pytest.raises(GnnPipeError, match="fairchem needs three independent cell vectors when an axis is periodic"):
+        nb.radius_graph(_line([0.0, 1.0]), flat, (True, True, False), 2.0, 1, "fairchem")
+    assert len(nb.radius_graph(_line([0.0, 1.0]), flat, (True, True, False), 2.0, 1)[0]) == 2  # project: fine

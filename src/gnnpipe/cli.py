@@ -62,11 +62,12 @@ def _atom_graphs(a):
     from .io import write_json
 
     systems = read_systems(a.systems)
-    graphs = build_graphs(systems, a.cutoff, a.max_neighbors)
-    digest = write_graphs(a.out, graphs, a.cutoff, a.max_neighbors, systems["content_hash"])
+    graphs = build_graphs(systems, a.cutoff, a.max_neighbors, neighbors=a.neighbors)
+    digest = write_graphs(a.out, graphs, a.cutoff, a.max_neighbors, systems["content_hash"], a.neighbors)
     stats = graph_stats(graphs, systems)
     if a.stats:
-        write_json(a.stats, {**stats, "cutoff": a.cutoff, "max_neighbors": a.max_neighbors, "content_hash": digest})
+        write_json(a.stats, {**stats, "cutoff": a.cutoff, "max_neighbors": a.max_neighbors, "neighbors": a.neighbors,
+                             "content_hash": digest})
     print(f"wrote {a.out}: {stats['edges_total']} edges, {stats['triplets_total']} triplets "
           f"({stats['edges_mean']:.0f} / {stats['triplets_mean']:.0f} per system)", file=sys.stderr)
 
@@ -315,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--stats", help="also write a JSON summary (sizes, degrees, splits)")
     d.set_defaults(func=_data, outputs=("out", "stats"))
 
+    from .config import NEIGHBOR_CONVENTIONS
+
     g = sub.add_parser("atom-graphs", help="radius graphs and triplets of atomistic systems",
                        description="For every system of a systems.h5 (`gnnpipe data` on an atoms dataset): "
                                    "the directed edges within the cutoff over periodic images (at most "
@@ -322,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--systems", required=True, help="results/data/<name>/systems.h5")
     g.add_argument("--cutoff", type=float, required=True, help="radius in Å (also the model's basis cutoff)")
     g.add_argument("--max-neighbors", type=int, required=True, help="nearest neighbours kept per atom")
+    g.add_argument("--neighbors", choices=NEIGHBOR_CONVENTIONS, default="project",
+                   help="how the cap makes the graph symmetric: project (a pair if either atom nominated the "
+                        "other) or fairchem (fairchem's GemNet graph); default project")
     g.add_argument("--out", required=True, help="results/data/<name>/graphs.h5")
     g.add_argument("--stats", help="also write a JSON summary (edges, triplets per system)")
     g.set_defaults(func=_atom_graphs, outputs=("out", "stats"))

@@ -193,6 +193,8 @@ _METALS = ["Cu", "Ag", "Au", "Ni", "Pd", "Pt", "Al"]
 _ADSORBATES = ["O", "H", "C", "N", "CO", "N2", "NO"]
 #: OC20's S2EF splits by name (their URLs and digests: gnnpipe.atomic.oc20.SPLITS, a test keeps the two equal)
 S2EF_SPLITS = ("200k", "2M", "20M", "all", "val_id", "val_ood_ads", "val_ood_cat", "val_ood_both", "rattled", "md")
+#: how a neighbour cap makes the radius graph symmetric (gnnpipe.atomic.neighbors' module docstring)
+NEIGHBOR_CONVENTIONS = ("project", "fairchem")
 
 
 @dataclass
@@ -239,6 +241,10 @@ class AtomsConfig:
         "read or generated (gnnpipe.atomic.checks); the shortest real bond, H2, is 0.74 Å"))
     cutoff: float = key(5.0, bound=_GT0, doc="Å, radius graph and the model's basis cutoff")
     max_neighbors: int = key(32, bound=_GE1, doc="nearest neighbours kept per atom")
+    neighbors: Literal[NEIGHBOR_CONVENTIONS] = key("project", doc=(  # type: ignore[valid-type]
+        "how the cap max_neighbors makes the graph symmetric (gnnpipe.atomic.neighbors): project, a pair if "
+        "either atom nominated the other; fairchem, fairchem's GemNet graph (radius_graph_pbc + "
+        "reorder_symmetric_edges: a pair {a < b} if b nominated a), for fairchem's models"))
     train_fraction: float = key(0.8, bound=_FRACTION)
     val_fraction: float = key(0.1, bound=_FRACTION)
     seed: int = key(0, bound=_SEED)

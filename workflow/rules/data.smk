@@ -57,9 +57,11 @@ rule atom_graphs:
     params:
         cutoff=lambda wildcards: WF.datasets[wildcards.dataset].atoms.cutoff,
         max_neighbors=lambda wildcards: WF.datasets[wildcards.dataset].atoms.max_neighbors,
+        neighbors=lambda wildcards: WF.datasets[wildcards.dataset].atoms.neighbors,
         format_version=GRAPHS_FORMAT,  # a new format rebuilds graphs.h5 (Snakemake's params trigger)
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
         "gnnpipe atom-graphs --systems {input.systems:q} --cutoff {params.cutoff:q}"
-        " --max-neighbors {params.max_neighbors:q} --out {output.graphs:q} --stats {output.stats:q} > {log:q} 2>&1"
+        " --max-neighbors {params.max_neighbors:q} --neighbors {params.neighbors:q}"
+        " --out {output.graphs:q} --stats {output.stats:q} > {log:q} 2>&1"

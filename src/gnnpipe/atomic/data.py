@@ -17,8 +17,10 @@ missing array, a truncated, bit-flipped or edited file, naming the rule that reb
   atom keeps its ``max_neighbors`` nearest and every edge its reverse, whose local id is
   ``id_swap``; triplets ``k -> j -> i`` as local edge ids ``idx_kj``/``idx_ji`` (all input
   edges of j except the one from i's own image); ``edge_ptr``/``triplet_ptr`` (S+1,); attrs
-  ``cutoff``, ``max_neighbors``, ``systems_hash``, ``symmetric_edges`` (true). Version 1 (a
-  per-target cut: asymmetric where the cap binds, no ``id_swap``) is refused, naming the rule.
+  ``cutoff``, ``max_neighbors``, ``neighbors`` (the cap's convention, ``atomic.neighbors``:
+  ``fairchem``; absent for ``project``, so such a file is what it was before the option),
+  ``systems_hash``, ``symmetric_edges`` (true). Version 1 (a per-target cut: asymmetric where the
+  cap binds, no ``id_swap``) is refused, naming the rule.
 
 Sources: ``generate`` (the embedded default: ASE fcc(111)/(100) slabs of Cu/Ag/Au/Ni/Pd/Pt/Al
 with a small adsorbate, rattled, bottom layer fixed, relaxed by BFGS under ASE's EMT calculator,
@@ -399,9 +401,11 @@ def has_forces(systems: dict) -> bool:
 
 
 # --------------------------------------------------------------------------- graphs
-def build_graphs(systems: dict, cutoff: float, max_neighbors: int, progress: bool = True) -> dict:
+def build_graphs(systems: dict, cutoff: float, max_neighbors: int, progress: bool = True,
+                 neighbors: str = "project") -> dict:
     """Symmetric radius graphs, reverse edges and triplets of every system (the module docstring;
-    ``atomic.neighbors.system_graph``: one neighbour code for every atomic dataset and model)."""
+    ``atomic.neighbors.system_graph``: one neighbour code for every atomic dataset and model), with
+    the neighbour convention ``neighbors`` (``project`` or ``fairchem``)."""
     from tqdm import tqdm
 
     if not cutoff > 0:
@@ -416,7 +420,7 @@ def build_graphs(systems: dict, cutoff: float, max_neighbors: int, progress: boo
         check_structure(systems["z"][ptr[s]:ptr[s + 1]], pos, systems["cell"][s], systems["pbc"][s],
                         min_distance=systems.get("min_distance", MIN_DISTANCE),
                         where=f"{systems.get('path', 'systems')}: system {s}")
-        g = system_graph(pos, systems["cell"][s], systems["pbc"][s], cutoff, max_neighbors)
+        g = system_graph(pos, systems["cell"][s], systems["pbc"][s], cutoff, max_neighbors, neighbors)
         if len(g["edge_src"]) == 0:
             raise GnnPipeError(f"system {s} ({len(pos)} atoms) has no pair of atoms within the cutoff "
                                f"{cutoff} Å: raise atoms.cutoff or remove it")
@@ -528,10 +532,13 @@ def read_systems(path) -> dict:
             "min_distance": float(attrs.get("min_distance", MIN_DISTANCE))}
 
 
-def write_graphs(path, graphs: dict, cutoff: float, max_neighbors: int, systems_hash: str) -> str:
+def write_graphs(path, graphs: dict, cutoff: float, max_neighbors: int, systems_hash: str,
+                 neighbors: str = "project") -> str:
+    # the default convention is not written: a project graphs.h5 stays the file (and hash) it was before the option
+    convention = {} if neighbors == "project" else {"neighbors": neighbors}
     return write_h5(path, {k: graphs[k] for k in GRAPH_ARRAYS},
                     {"cutoff": float(cutoff), "max_neighbors": int(max_neighbors), "systems_hash": systems_hash,
-                     "symmetric_edges": True}, "atom_graphs")
+                     "symmetric_edges": True, **convention}, "atom_graphs")
 
 
 def read_graphs(path, expect_systems_hash: str | None = None) -> dict:
@@ -540,6 +547,7 @@ def read_graphs(path, expect_systems_hash: str | None = None) -> dict:
         raise GnnPipeError(f"{path}: built from other structures than the systems.h5 beside it (stale); "
                            "delete it and rerun the workflow (rule atom_graphs rebuilds it)")
     return {**arrays, "cutoff": attrs["cutoff"], "max_neighbors": attrs["max_neighbors"],
+            "neighbors": attrs.get("neighbors", "project"),
             "symmetric_edges": bool(attrs["symmetric_edges"]), "content_hash": attrs["content_hash"]}
 
 

@@ -447,8 +447,8 @@ def run_data(cfg) -> tuple[dict, dict]:
 def model_graphs(graphs: dict, systems: dict, cutoff: Optional[float], path) -> dict:
     """The graphs a model with basis cutoff ``cutoff`` computes on (None: the file's). A larger one
     is refused (the file lacks the neighbours beyond its cutoff); a smaller one rebuilds the graphs
-    at that cutoff with the file's neighbour cap, in memory (the same edges a rebuild would write:
-    each atom's nearest within the smaller cutoff are the nearest it had)."""
+    at that cutoff with the file's neighbour cap and convention, in memory (the same edges a rebuild
+    would write: each atom's nearest within the smaller cutoff are the nearest it had)."""
     from .data import build_graphs
 
     if cutoff is None or cutoff == graphs["cutoff"]:
@@ -457,8 +457,8 @@ def model_graphs(graphs: dict, systems: dict, cutoff: Optional[float], path) -> 
         raise GnnPipeError(f"the model's cutoff {cutoff:g} Å is larger than the cutoff {graphs['cutoff']:g} Å "
                            f"of the graphs it trains on ({path}): they lack the neighbours between; raise the "
                            f"dataset's atoms.cutoff or lower the model's")
-    out = build_graphs(systems, cutoff, int(graphs["max_neighbors"]), progress=False)
-    return {**out, "cutoff": float(cutoff), "max_neighbors": graphs["max_neighbors"],
+    out = build_graphs(systems, cutoff, int(graphs["max_neighbors"]), progress=False, neighbors=graphs["neighbors"])
+    return {**out, "cutoff": float(cutoff), "max_neighbors": graphs["max_neighbors"], "neighbors": graphs["neighbors"],
             "symmetric_edges": graphs["symmetric_edges"], "content_hash": graphs["content_hash"]}
 
 

@@ -1,12 +1,14 @@
 """Inference with a trained atomic model: one structure's energy, forces and stress, in this process
 or graph-parallel across N persistent local worker processes.
 
-* :func:`structure_graph` builds one structure's graph with the *model's* settings (its cutoff and
-  neighbour cap, symmetric or not), so inference sees exactly the graphs of training:
+* :func:`structure_graph` builds one structure's graph with the *model's* settings (its cutoff,
+  neighbour cap and convention, symmetric or not), so inference sees exactly the graphs of training:
   ``atomic.neighbors.system_graph``, what ``graphs.h5`` (format 2) holds for every kind; a model
   file trained on format-1 graphs (``symmetric_edges`` false: a per-target cut) gets that cut,
-  from the same cell-list edges (``neighbors.radius_graph`` without a cap gives the old dense
-  search's edges in its order; the cut keeps each target's first ``max_neighbors``).
+  from the same cell-list edges (``neighbors.directed_graph``: ``radius_graph`` without a cap gives
+  the old dense search's edges in its order; the cut keeps each target's first ``max_neighbors``);
+  a model file of the ``fairchem`` convention gets fairchem's graph (symmetric: its GemNet's; not:
+  its DimeNet++'s, ``radius_graph_pbc``'s edges as they are).
 * :class:`Predictor` is what the ASE calculator and ``predict`` call:
   ``predict(numbers, positions, cell, pbc, stress) -> Prediction`` (eV, eV/Å, eV/Å³, float64).
   ``workers=1`` computes here; ``workers=N`` keeps a :class:`WorkerPool`.
@@ -122,20 +124,11 @@ class Prediction:
 def structure_graph(numbers, positions, cell, pbc, mf: ModelFile) -> dict:
     """One structure's batch arrays (``parallel.shard_graph``'s input) with the model's graph settings."""
     from . import neighbors
-    from .data import triplets
 
     pos = np.ascontiguousarray(positions, dtype=np.float64).reshape(-1, 3)
     cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
     pbc = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))
-    if mf.symmetric_edges:
-        g = neighbors.system_graph(pos, cell, pbc, mf.cutoff, mf.max_neighbors)
-    else:
-        src, dst, shift = neighbors.radius_graph(pos, cell, pbc, mf.cutoff)  # graphs.h5 v1's order
-        if mf.max_neighbors is not None:
-            keep = np.arange(len(dst)) - np.searchsorted(dst, dst) < mf.max_neighbors  # rank among the target's
-            src, dst, shift = src[keep], dst[keep], shift[keep]
-        kj, ji = triplets(src, dst, shift)
-        g = {"edge_src": src, "edge_dst": dst, "edge_shift": shift.reshape(-1, 3), "idx_kj": kj, "idx_ji": ji}
+    g = neighbors.system_graph(pos, cell, pbc, mf.cutoff, mf.max_neighbors, mf.neighbors, symmetric=mf.symmetric_edges)
     z = np.asarray(numbers, dtype=np.int64)
     return {**g, "z": z, "pos": pos, "system": np.zeros(len(z), dtype=np.int64), "num_systems": 1}
 

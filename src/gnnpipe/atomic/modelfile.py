@@ -5,12 +5,15 @@ energy normaliser, the cutoff and neighbour cap the graphs were built with and t
 seen in training go with the weights. The **payload** is a nested dict of plain types and
 tensors (``torch.load(weights_only=True)`` reads it)::
 
-    {"format": "gnnpipe-atomic-model", "format_version": 1,
+    {"format": "gnnpipe-atomic-model", "format_version": 2,
      "kind": "dimenetpp",                      # ATOMIC_MODELS[kind]
      "model_config": {...},                    # dataclasses.asdict of the kind's config
      "cutoff": 4.5, "max_neighbors": 12,       # the radius graph: Å, nearest per target (None: no cap)
      "symmetric_edges": False,                 # True: atomic.neighbors' symmetric graph + id_swap;
                                                # False: atomic.data's per-target cut (today's graphs.h5)
+     "neighbors": "project",                   # the cap's convention (atomic.neighbors): project or
+                                               # fairchem (fairchem's graph: its GemNet's, or symmetric_edges
+                                               # False, its DimeNet++'s); format 2 (format 1: project)
      "normalizer": {"e_ref": (95,) float64 tensor, "scale": float},   # E = scale·y + Σ e_ref[z]
      "elements": [1, 6, 29, ...],              # atomic numbers in the training split
      "dtype": "float32",                       # the dtype it was trained in
@@ -24,7 +27,8 @@ run directory (its ``model.pt``), a checkpoint holding the payload, or a bare mo
 refuses anything else in one line that says what to do: a missing path, a file that is not a
 checkpoint, a checkpoint of a node-level run, a partial (intermediate) checkpoint, a model.pt of
 an older gnnpipe (weights only: :func:`upgrade_run` rebuilds its payload from the run's data
-files), an unknown kind, a format version this gnnpipe does not read.
+files), an unknown kind, a format version this gnnpipe does not read. Format 1 (before
+``neighbors``) is read as ``neighbors: project``, the only convention there was.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ import torch
 from ..io import GnnPipeError, atomic_path, empty_file
 
 FORMAT = "gnnpipe-atomic-model"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: neighbors (the neighbour convention)
+OLDEST_VERSION = 1  # 1: neighbors absent, read as project
 PAYLOAD_KEY = "inference"  # where a checkpoint (model.pt) holds the payload
 MODEL_FILE = "model.pt"  # the finished model in a run directory
 RUN_FILE = "run.yaml"  # the run's config in a run directory (the workflow writes it)
@@ -67,6 +72,7 @@ class ModelFile:
     fingerprint: Optional[dict] = None
     run_id: Optional[str] = None
     source: str = ""  # where it was loaded from (error messages)
+    neighbors: str = "project"  # the neighbour cap's convention (atomic.neighbors)
 
     @property
     def spec(self):
@@ -97,7 +103,7 @@ class ModelFile:
 
     def payload(self) -> dict:
         return make_payload(kind=self.kind, model_config=self.model_config, state_dict=self.state_dict,
-                            cutoff=self.cutoff, max_neighbors=self.max_neighbors,
+                            cutoff=self.cutoff, max_neighbors=self.max_neighbors, neighbors=self.neighbors,
                             symmetric_edges=self.symmetric_edges, e_ref=self.e_ref, scale=self.scale,
                             elements=self.elements, dtype=self.dtype, fingerprint=self.fingerprint,
                             run_id=self.run_id)
@@ -106,11 +112,14 @@ class ModelFile:
 # --------------------------------------------------------------------------- writing
 def make_payload(*, kind: str, model_config, state_dict: dict, cutoff: float, max_neighbors: Optional[int],
                  symmetric_edges: bool, e_ref, scale: float, elements, dtype: str,
-                 fingerprint: Optional[dict] = None, run_id: Optional[str] = None) -> dict:
+                 fingerprint: Optional[dict] = None, run_id: Optional[str] = None, neighbors: str = "project") -> dict:
     """The payload dict (plain types + CPU tensors). ``model_config``: the kind's config dataclass
     or a dict of its fields."""
+    from ..config import NEIGHBOR_CONVENTIONS
     from .protocol import ATOMIC_MODELS
     ATOMIC_MODELS[kind]  # noqa: B018 - an unknown kind is an error here, not when loading
+    if neighbors not in NEIGHBOR_CONVENTIONS:
+        raise ValueError(f"neighbors must be one of {', '.join(NEIGHBOR_CONVENTIONS)}, got {neighbors!r}")
     if dataclasses.is_dataclass(model_config):
         model_config = dataclasses.asdict(model_config)
     e_ref = torch.as_tensor(np.asarray(e_ref, dtype=np.float64))
@@ -118,7 +127,7 @@ def make_payload(*, kind: str, model_config, state_dict: dict, cutoff: float, ma
         raise ValueError(f"e_ref must have {NUM_ELEMENTS} rows (Z = 0..94), got shape {tuple(e_ref.shape)}")
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind, "model_config": dict(model_config),
             "cutoff": float(cutoff), "max_neighbors": None if max_neighbors is None else int(max_neighbors),
-            "symmetric_edges": bool(symmetric_edges),
+            "symmetric_edges": bool(symmetric_edges), "neighbors": neighbors,
             "normalizer": {"e_ref": e_ref, "scale": float(scale)},
             "elements": sorted(int(z) for z in set(np.asarray(elements).ravel().tolist())),
             "dtype": str(dtype), "fingerprint": dict(fingerprint) if fingerprint else None, "run_id": run_id,
@@ -144,14 +153,15 @@ def payload_from_engine(engine, fingerprint: Optional[dict] = None, state_dict: 
     return make_payload(kind=kind_of(engine.model_cfg), model_config=engine.model_cfg,
                         state_dict=engine.full_state_dict() if state_dict is None else state_dict,
                         cutoff=float(graphs["cutoff"]),
-                        max_neighbors=int(graphs["max_neighbors"]),
+                        max_neighbors=int(graphs["max_neighbors"]), neighbors=graphs.get("neighbors", "project"),
                         symmetric_edges=bool(graphs.get("symmetric_edges", False)),
                         e_ref=engine.norm.e_ref, scale=engine.norm.scale, elements=elements,
                         dtype=engine.cfg.training.dtype, fingerprint=fingerprint, run_id=engine.cfg.run_id)
 
 
 def untrained_payload(kind: str, systems: dict, *, preset: str = "small", seed: int = 0, dtype: str = "float64",
-                      cutoff: float = 4.5, max_neighbors: Optional[int] = 12, **over) -> dict:
+                      cutoff: float = 4.5, max_neighbors: Optional[int] = 12, neighbors: str = "project",
+                      **over) -> dict:
     """The payload of a *fresh* model of ``kind`` with a normaliser fitted on the training split of
     ``systems`` (``atomic.data`` arrays), for tests, benchmarks and demos. Parameters that their
     initialisation leaves at zero (DimeNet++'s output layers) are drawn from N(0, 0.1²), so that
@@ -171,7 +181,7 @@ def untrained_payload(kind: str, systems: dict, *, preset: str = "small", seed: 
     norm = Normalizer.fit(systems["z"], systems["atom_ptr"], systems["energy"], train)
     return make_payload(kind=kind, model_config=cfg, state_dict=model.state_dict(), cutoff=cutoff,
                         max_neighbors=max_neighbors, symmetric_edges=True, e_ref=norm.e_ref,  # as graphs.h5 v2
-                        scale=norm.scale, elements=systems["z"], dtype=dtype)
+                        scale=norm.scale, elements=systems["z"], dtype=dtype, neighbors=neighbors)
 
 
 def save_model_file(path, payload: dict) -> Path:
@@ -270,6 +280,7 @@ def _legacy_message(state: dict, path: Path) -> str:
 
 def decode(payload: Any, where: str = "payload") -> ModelFile:
     """Check a payload and decode it (one-line errors naming ``where``)."""
+    from ..config import NEIGHBOR_CONVENTIONS
     from ..registry import UnknownKind
     from .protocol import ATOMIC_MODELS
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
@@ -279,10 +290,10 @@ def decode(payload: Any, where: str = "payload") -> ModelFile:
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise GnnPipeError(f"{where}: model file format version {version!r}, this gnnpipe reads up to "
                            f"{FORMAT_VERSION}: upgrade gnnpipe to use it")
-    if version < FORMAT_VERSION:  # no older version exists yet; a reader per version goes here
-        raise GnnPipeError(f"{where}: model file format version {version}, this gnnpipe reads {FORMAT_VERSION}: "
-                           "re-export it with the gnnpipe that wrote it, or retrain")
-    missing = [k for k in _REQUIRED if k not in payload]
+    if version < OLDEST_VERSION:
+        raise GnnPipeError(f"{where}: model file format version {version}, this gnnpipe reads {FORMAT_VERSION} "
+                           f"(and back to {OLDEST_VERSION}): re-export it with the gnnpipe that wrote it, or retrain")
+    missing = [k for k in _REQUIRED + (("neighbors",) if version >= 2 else ()) if k not in payload]
     if missing:
         raise GnnPipeError(f"{where}: incomplete model file (missing {', '.join(missing)}); it was cut short or "
                            "edited: write it again")
@@ -290,6 +301,10 @@ def decode(payload: Any, where: str = "payload") -> ModelFile:
         ATOMIC_MODELS[payload["kind"]]
     except UnknownKind as e:
         raise GnnPipeError(f"{where}: {e} (written by a newer gnnpipe, or a plugin not imported here)") from None
+    neighbors = payload.get("neighbors", "project")  # format 1: the only convention there was
+    if neighbors not in NEIGHBOR_CONVENTIONS:
+        raise GnnPipeError(f"{where}: neighbour convention {neighbors!r} is none of {', '.join(NEIGHBOR_CONVENTIONS)} "
+                           "(written by a newer gnnpipe?); upgrade gnnpipe")
     norm = payload["normalizer"]
     e_ref = np.asarray(torch.as_tensor(norm["e_ref"], dtype=torch.float64))
     if e_ref.shape != (NUM_ELEMENTS,):
@@ -300,7 +315,7 @@ def decode(payload: Any, where: str = "payload") -> ModelFile:
                      symmetric_edges=bool(payload["symmetric_edges"]), e_ref=e_ref, scale=float(norm["scale"]),
                      elements=tuple(int(z) for z in payload["elements"]), dtype=str(payload["dtype"]),
                      state_dict=dict(payload["state_dict"]), fingerprint=payload.get("fingerprint"),
-                     run_id=payload.get("run_id"), source=where)
+                     run_id=payload.get("run_id"), source=where, neighbors=neighbors)
 
 
 # --------------------------------------------------------------------------- older runs
