@@ -9,8 +9,8 @@ The trainer (``train.py``) and ``evaluate`` drive any run through its task and i
   at the top of the run record (``metrics``), the one the progress bar shows (``progress_metric``);
 * its record fields: what each epoch's row adds (``epoch_fields``), what the run record says of the
   model (``record_fields``);
-* its per-epoch check (``check_epoch``: the divergence guard of atomic runs), after the row's
-  evaluation and before it is recorded or checkpointed;
+* its per-epoch check (``check_epoch``: the divergence guard of the engine's habits,
+  ``gnnpipe.habits``), after the row's evaluation and before it is recorded or checkpointed;
 * its final payload: what the finished ``model.pt`` carries beside the weights (``final_payload``:
   an atomic run's model file, ``atomic.modelfile``);
 * its ``evaluate``: the metrics of a checkpoint, in one process whatever mode trained it.
@@ -56,7 +56,9 @@ class Task(abc.ABC):
         return {}
 
     def check_epoch(self, engine, epoch: int, row: dict, where: str) -> None:
-        """The per-epoch check on the epoch's row (raises a GnnPipeError to stop the run)."""
+        """The per-epoch check on the epoch's row (raises a GnnPipeError to stop the run): the divergence
+        guard of the engine's habits (``gnnpipe.habits.Guard``; a node run's is off by default)."""
+        engine.habits.check(epoch, row, where)
 
     def metric_fields(self, last_eval: dict) -> dict:
         return {k: last_eval.get(k) for k in self.metrics}
@@ -135,9 +137,6 @@ class S2EF(Task):
     def epoch_fields(self, engine, epoch: int, rank: int) -> dict:
         """Its own batches' closed form beside its ledger (each epoch draws other batches), rank 0."""
         return {"comm_bytes_predicted": int(engine.predicted_bytes(epoch))} if rank == 0 else {}
-
-    def check_epoch(self, engine, epoch: int, row: dict, where: str) -> None:
-        engine.check_epoch(epoch, row, where)  # the divergence guard (atomic/habits.py)
 
     def record_fields(self, cfg: RunConfig, engine) -> dict:
         """Interaction blocks and their width (the kind says which); the edge split's ways."""
