@@ -1,4 +1,4 @@
-"""The atomic trainer's habits (gnnpipe.atomic.habits): the schedule's values, clipping, the weights'
+"""The atomic trainer's habits (gnnpipe.habits): the schedule's values, clipping, the weights'
 moving average in evaluation and the finished model, the divergence guard (unit and end to end)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gnnpipe.atomic.habits import Diverged, Guard, lr_at
+from gnnpipe.habits import Diverged, Guard, lr_at
 from test_faults import _isolated_mlflow, mlflow_runs, one_error_line, setup_atomic_run  # noqa: F401 (a fixture)
 
 
@@ -42,7 +42,7 @@ def test_the_engine_steps_with_the_schedules_lr_and_clips_the_gradients_norm(tmp
     for epoch in range(3):
         eng.train_epoch(epoch)
     per, total = eng.steps_per_epoch, 3 * eng.steps_per_epoch
-    assert per == 4 and eng.warmup_steps == 6 and len(seen) == total  # 8 training systems, 2 a step; 1.5 epochs
+    assert per == 4 and eng.habits.warmup_steps == 6 and len(seen) == total  # 8 training systems, 2 a step; 1.5 epochs
     assert [lr for lr, _ in seen] == [lr_at(t, total, 1e-3, 6, "cosine", 0.1) for t in range(total)]
     assert seen[-1][0] == pytest.approx(1e-4)
     assert all(norm == pytest.approx(1e-3, rel=1e-4) for _, norm in seen)  # torch divides by norm + 1e-6
@@ -81,7 +81,7 @@ def test_evaluation_and_the_finished_model_use_the_weights_moving_average(tmp_pa
     loaded = AtomicEngine(eng.cfg, None, None, torch.device("cpu"))
     loaded.model.load_state_dict(final)
     assert loaded.evaluate() == with_avg  # evaluate.py's path: a loaded model, no average yet
-    eng.ema = None
+    eng.habits.ema = None
     assert eng.evaluate()["train_force_mae"] != with_avg["train_force_mae"]
 
 
@@ -182,6 +182,6 @@ def test_a_resume_state_from_before_the_habits_loads_with_a_fresh_guard_and_aver
     old = {k: v for k, v in eng.state_dict().items() if k in ("model", "optimizer")}
     other = _engine(tmp_path / "other")
     other.load_state_dict(old)
-    assert other.ema.updates == 0 and other.guard.best == math.inf
+    assert other.habits.ema.updates == 0 and other.habits.guard.best == math.inf
     final = other.full_state_dict()
     assert all(torch.equal(final[k], v) for k, v in eng.model.state_dict().items())

@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 
 from gnnpipe.config import load_workflow_config, resolve_runs
+from gnnpipe.tasks import TASKS
+from gnnpipe.train import row_metrics
+
+NODE = row_metrics(TASKS["node_classification"])  # what a node run logs per epoch
 
 
 def _cfg(tmp_path, seed):
@@ -34,7 +38,7 @@ def _log_one(tmp_path, seed):
     out = Path(cfg.out_dir)
     out.mkdir(parents=True)
     (out / "run.resolved.yaml").write_text("x: 1\n")
-    return log_training(cfg, _record(cfg), out)
+    return log_training(cfg, _record(cfg), out, metrics=NODE)
 
 
 @pytest.mark.slow
@@ -153,7 +157,7 @@ def test_epochs_are_logged_while_the_run_trains_and_once_each(tmp_path, monkeypa
     steps = lambda: sorted(m.step for m in client.get_metric_history(rid, "loss"))  # noqa: E731
     rows = _record(cfg)["history"]
 
-    log = tracking.EpochLog(cfg, rid, every_s=0.0)
+    log = tracking.EpochLog(cfg, rid, NODE, every_s=0.0)
     log.add(rows[0])
     assert steps() == [0] and not log.pending and client.get_run(rid).info.status == "RUNNING"
     with open(tmp_path / "results" / "mlflow.lock", "a") as held:  # another job's burst
@@ -166,13 +170,16 @@ def test_epochs_are_logged_while_the_run_trains_and_once_each(tmp_path, monkeypa
 
     log.every_s = 3600.0  # nothing due: epoch 3 waits, and goes with the failure
     log.add(rows[3])
-    assert tracking.mark_failed(cfg, rid, "rank 0: epoch 4: boom", log.pending)
+    assert tracking.mark_failed(cfg, rid, "rank 0: epoch 4: boom", log.pending, log.metrics)
     assert steps() == [0, 1, 2, 3] and client.get_run(rid).info.status == "FAILED"
 
     assert tracking.start_training(cfg, rid, resumed_at=2) == rid  # resumed after epoch 1: 2, 3 trained again
     record = _record(cfg)
-    assert tracking.log_training(cfg, record, out, rid) == rid
+    assert tracking.log_training(cfg, record, out, rid, metrics=NODE) == rid
     assert steps() == [0, 1, 2, 3, 4] and client.get_run(rid).info.status == "FINISHED"
+    # the task's epoch metrics beside the trainer's: train_acc every epoch, val_acc (None) never
+    assert sorted(m.step for m in client.get_metric_history(rid, "train_acc")) == [0, 1, 2, 3, 4]
+    assert not client.get_metric_history(rid, "val_acc")
     assert "warning" not in capsys.readouterr().err
 
 
@@ -183,9 +190,18 @@ def test_a_failing_store_stops_the_epoch_bursts_with_one_warning(tmp_path, monke
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
     cfg = _cfg(tmp_path, 0)
-    log = tracking.EpochLog(cfg, "0" * 32, every_s=0.0)
+    log = tracking.EpochLog(cfg, "0" * 32, NODE, every_s=0.0)
     for row in _record(cfg)["history"]:
         log.add(row)
     err = capsys.readouterr().err
     assert err.count("gnnpipe: warning: MLflow per-epoch logging stopped") == 1, err
     assert len(log.pending) == 5 and not log.on
+
+
+def test_a_run_logs_the_epoch_metrics_of_its_task():
+    """The per-epoch names come from the task (each declares its evaluation's fields), after the trainer's."""
+    node, s2ef, energy = (row_metrics(TASKS[k]) for k in ("node_classification", "s2ef", "energy_only"))
+    assert node == ("loss", "epoch_time_s", "compute_s", "comm_s", "bubble_s", "comm_bytes",
+                    "train_acc", "val_acc", "test_acc")
+    assert s2ef == energy == (*node[:6], *(f"{s}_{m}" for s in ("train", "val", "test")
+                                           for m in ("energy_mae", "force_mae", "force_cos", "efwt")))

@@ -284,28 +284,54 @@ NODE_KINDS = CONVS.names()
 MODEL_KINDS = NODE_KINDS + ATOMIC_MODELS.names()
 
 
+def _derived(name: str, base: type, fields: list, doc: str) -> type:
+    """``base`` with ``fields`` ((name, type, field) triples) added or redefined (a redefined field keeps
+    its place), a dataclass of this module."""
+    cls = dataclasses.make_dataclass(name, fields, bases=(base,))
+    cls.__module__, cls.__qualname__, cls.__doc__ = __name__, name, doc
+    return cls
+
+
 @dataclass
 class ScheduleConfig:
-    """The learning rate of an atomic model per optimizer step (gnnpipe.atomic.habits.lr_at): a linear
-    warmup to the model's lr over ``warmup_epochs``, then a cosine decay to ``min_lr_factor`` x lr
-    at the last step (``decay: none``: lr after the warmup)."""
+    """The learning rate per optimizer step (gnnpipe.habits.lr_at): a linear warmup to the run's lr over
+    ``warmup_epochs``, then a cosine decay to ``min_lr_factor`` x lr at the last step (``decay: none``:
+    lr after the warmup). An atomic model's (its section's ``schedule``; on by default)."""
 
     warmup_epochs: float = key(2.0, bound=_GE0, doc="epochs of linear warmup (fractions allowed: steps are counted)")
     decay: Literal["cosine", "none"] = "cosine"
     min_lr_factor: float = key(0.02, bound=_FRACTION, doc="the last step's lr, as a fraction of lr")
 
 
-@dataclass
-class GuardConfig:
-    """The divergence guard of an atomic run (gnnpipe.atomic.habits.Guard): a non-finite loss, the
-    loss above ``loss_factor`` x its best for ``patience`` epochs in a row, or a force cosine (val,
-    else train) below ``min_force_cos`` at an evaluation after the warmup where the loss no longer
-    falls (no new best) stops the run: one line, MLflow FAILED, exit non-zero, no model written.
-    ``null`` switches a test off."""
+#: A node run's schedule (``training.schedule``): the same keys, off by default (no warmup, no decay).
+#: A node model steps once an epoch, so its warmup and decay count epochs.
+NodeScheduleConfig = _derived("NodeScheduleConfig", ScheduleConfig, [
+    ("warmup_epochs", float, key(0.0, bound=_GE0, doc=(
+        "epochs of linear warmup of the lr (a node model steps once an epoch; not training.warmup_epochs, "
+        "the epochs left out of the timing median)"))),
+    ("decay", Literal["cosine", "none"], "none")],
+    "The learning rate of a node model per epoch (gnnpipe.habits.lr_at), as an atomic section's schedule; "
+    "off by default.")
 
-    loss_factor: Optional[float] = key(3.0, bound=Bound(1, lo_open=True))
+
+@dataclass
+class LossGuardConfig:
+    """The divergence guard of a node run (gnnpipe.habits.Guard) on its loss: a non-finite loss or the
+    loss above ``loss_factor`` x its best for ``patience`` epochs in a row stops the run: one line,
+    MLflow FAILED, exit non-zero, no model written. Off by default (``loss_factor: null``)."""
+
+    loss_factor: Optional[float] = key(None, bound=Bound(1, lo_open=True))
     patience: int = key(3, bound=_GE1)
-    min_force_cos: Optional[float] = key(-0.2, bound=Bound(-1, 1))
+
+
+#: An atomic run's guard: the loss guard on by default, and a floor on the force cosine.
+GuardConfig = _derived("GuardConfig", LossGuardConfig, [
+    ("loss_factor", Optional[float], key(3.0, bound=Bound(1, lo_open=True))),
+    ("min_force_cos", Optional[float], key(-0.2, bound=Bound(-1, 1)))],
+    "The divergence guard of an atomic run (gnnpipe.habits.Guard): a non-finite loss, the loss above "
+    "``loss_factor`` x its best for ``patience`` epochs in a row, or a force cosine (val, else train) below "
+    "``min_force_cos`` at an evaluation after the warmup where the loss no longer falls (no new best) stops the "
+    "run: one line, MLflow FAILED, exit non-zero, no model written. ``null`` switches a test off.")
 
 
 @dataclass
@@ -342,14 +368,6 @@ class AtomicSpec:
 def _size_bound(name: str) -> Bound:
     """A size of an atomic model: a count (``num_*``: blocks, basis functions, layers) or a width."""
     return _DEPTH if name.startswith("num_") else _WIDTH
-
-
-def _derived(name: str, base: type, fields: list, doc: str) -> type:
-    """``base`` with ``fields`` ((name, type, field) triples) added or redefined (a redefined field keeps
-    its place), a dataclass of this module."""
-    cls = dataclasses.make_dataclass(name, fields, bases=(base,))
-    cls.__module__, cls.__qualname__, cls.__doc__ = __name__, name, doc
-    return cls
 
 
 def atomic_spec(kind: str) -> type:
@@ -443,7 +461,9 @@ def refuse_other_kinds(kind: str, keys, path: str) -> None:
 
 @dataclass
 class TrainingConfig:
-    """Training settings every run shares (a run may override ``epochs`` and ``seed``)."""
+    """Training settings every run shares (a run may override ``epochs`` and ``seed``); ``lr`` and the
+    habits (``schedule``, ``clip_grad_norm``, ``ema_decay``, ``guard``) are the node models' (an atomic
+    model's section has its own)."""
 
     epochs: int = key(100, bound=_GE1)
     lr: float = key(0.01, bound=_GT0)
@@ -464,6 +484,16 @@ class TrainingConfig:
     max_restarts: int = key(0, bound=_GE0, doc=(
         "parallel runs of the workflow: torchrun --max-restarts (a crashed worker group is restarted and "
         "resumes from the last complete checkpoint); 0: a failure ends the job"))
+    # the training habits of node models (gnnpipe.habits), an atomic section's keys with the same meaning,
+    # all off by default; an atomic model reads its own section's (models.<name>.<kind>), as it does lr
+    schedule: NodeScheduleConfig = field(default_factory=NodeScheduleConfig)  # type: ignore[valid-type]
+    clip_grad_norm: Optional[float] = key(None, bound=_GT0, doc=(
+        "node models: the gradients' global 2-norm (over every stage's in a pipeline) is clipped to this "
+        "(null: off)"))
+    ema_decay: Optional[float] = key(None, bound=_BELOW1, doc=(
+        "node models: the weights evaluated and written as the model are their exponential moving average "
+        "with this decay (null: the last weights)"))
+    guard: LossGuardConfig = field(default_factory=LossGuardConfig)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .config import TrainingConfig
 from .graph import Graph
+from .habits import Habits
 from .io import GnnPipeError
 from .models.block import Block
 from .models.model import GNN
@@ -51,12 +52,15 @@ class Engine(Protocol):
     ``gnnpipe.tasks``; ``groups`` and ``comm`` None in one process)."""
 
     comm: Optional[object]  # gnnpipe.parallel.comm.Communicator, None for single
+    habits: Habits  # schedule, clipping, EMA, guard on its optimizer's steps (gnnpipe.habits; the task's check)
 
     def train_epoch(self, epoch: int) -> EpochStats: ...
 
     def named_parameters(self) -> dict[str, Tensor]: ...  # this rank's parameters, single-process names
 
-    def register_step_pre_hook(self, hook): ...  # on its optimizer (the trainer's non-finite gradient stop)
+    def register_step_pre_hook(self, hook): ...  # on its optimizer (the habits; the trainer's non-finite gradient stop)
+
+    def register_step_post_hook(self, hook): ...  # on its optimizer (the habits' moving average)
 
     def evaluate(self) -> dict[str, float]: ...
 
@@ -102,6 +106,14 @@ def retain_freed_memory() -> bool:
 def make_optimizer(params, cfg: TrainingConfig) -> torch.optim.Optimizer:
     """Adam with L2 weight decay, the optimizer of every mode (so modes are comparable)."""
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def node_habits(engine, cfg: TrainingConfig, global_norm=None) -> Habits:
+    """A node engine's habits, from ``training:`` (off by default), attached to its optimizer: one step an
+    epoch at ``training.lr``; ``global_norm`` where this rank holds a share of the parameters only."""
+    return Habits(cfg, lr=cfg.lr, steps_per_epoch=1, epochs=cfg.epochs, params=engine.named_parameters(),
+                  hint=f"lower training.lr (now {cfg.lr:g}) or see training.guard",
+                  global_norm=global_norm).attach(engine)
 
 
 def train_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:

@@ -7,10 +7,11 @@ The trainer (``train.py``) and ``evaluate`` drive any run through its task and i
   every engine), and what the process sets up first (``prepare``);
 * its loss and metrics: what ``EpochStats.loss`` is (``loss``, computed by its engine), the metrics
   at the top of the run record (``metrics``), the one the progress bar shows (``progress_metric``);
-* its record fields: what each epoch's row adds (``epoch_fields``), what the run record says of the
-  model (``record_fields``);
-* its per-epoch check (``check_epoch``: the divergence guard of atomic runs), after the row's
-  evaluation and before it is recorded or checkpointed;
+* its record fields: what each epoch's row adds (``epoch_fields``), the per-epoch metrics its
+  evaluation adds to a row, which MLflow logs beside the trainer's (``epoch_metrics``), what the run
+  record says of the model (``record_fields``);
+* its per-epoch check (``check_epoch``: the divergence guard of the engine's habits,
+  ``gnnpipe.habits``), after the row's evaluation and before it is recorded or checkpointed;
 * its final payload: what the finished ``model.pt`` carries beside the weights (``final_payload``:
   an atomic run's model file, ``atomic.modelfile``);
 * its ``evaluate``: the metrics of a checkpoint, in one process whatever mode trained it.
@@ -24,13 +25,14 @@ The tasks are entries of ``kinds.TASKS`` (the one registry mechanism, ``registry
 from __future__ import annotations
 
 import abc
+import itertools
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from .config import RunConfig
-from .engine import DTYPES, exact_metrics, graph_tensors, retain_freed_memory
+from .engine import DTYPES, SPLITS, exact_metrics, graph_tensors, retain_freed_memory
 from .io import GnnPipeError
 from .kinds import TASKS
 
@@ -43,6 +45,7 @@ class Task(abc.ABC):
     loss: str = ""  # what EpochStats.loss is for this task (docs, the record's "loss")
     metrics: tuple[str, ...] = ()  # the test split's metrics, at the top of the run record
     progress_metric: str = ""  # the evaluation's value the progress bar shows
+    epoch_metrics: tuple[str, ...] = ()  # what an evaluation adds to an epoch's row, logged per epoch
 
     def prepare(self) -> None:
         """Process-wide set-up before anything is allocated."""
@@ -56,7 +59,9 @@ class Task(abc.ABC):
         return {}
 
     def check_epoch(self, engine, epoch: int, row: dict, where: str) -> None:
-        """The per-epoch check on the epoch's row (raises a GnnPipeError to stop the run)."""
+        """The per-epoch check on the epoch's row (raises a GnnPipeError to stop the run): the divergence
+        guard of the engine's habits (``gnnpipe.habits.Guard``; a node run's is off by default)."""
+        engine.habits.check(epoch, row, where)
 
     def metric_fields(self, last_eval: dict) -> dict:
         return {k: last_eval.get(k) for k in self.metrics}
@@ -83,6 +88,7 @@ class NodeClassification(Task):
     name = "node_classification"
     loss = "the mean cross-entropy over all training nodes of the whole graph"
     progress_metric = "val_acc"
+    epoch_metrics = ("train_acc", "val_acc", "test_acc")
 
     def prepare(self) -> None:
         retain_freed_memory()  # the epochs' (N, hidden) tensors reuse their pages (docs/ARCHITECTURE.md)
@@ -122,6 +128,7 @@ class S2EF(Task):
             "(atomic.engine.step_loss)")
     metrics = ("energy_mae", "force_mae", "force_cos", "efwt")
     progress_metric = "val_energy_mae"
+    epoch_metrics = tuple(f"{s}_{m}" for s, m in itertools.product(SPLITS, metrics))  # OC20 S2EF, per split
     energy_only = False
 
     def build_engine(self, cfg: RunConfig, groups, comm, device):
@@ -135,9 +142,6 @@ class S2EF(Task):
     def epoch_fields(self, engine, epoch: int, rank: int) -> dict:
         """Its own batches' closed form beside its ledger (each epoch draws other batches), rank 0."""
         return {"comm_bytes_predicted": int(engine.predicted_bytes(epoch))} if rank == 0 else {}
-
-    def check_epoch(self, engine, epoch: int, row: dict, where: str) -> None:
-        engine.check_epoch(epoch, row, where)  # the divergence guard (atomic/habits.py)
 
     def record_fields(self, cfg: RunConfig, engine) -> dict:
         """Interaction blocks and their width (the kind says which); the edge split's ways."""

@@ -111,22 +111,15 @@ def _client(cfg: RunConfig, lock_wait: float | None = None):
         yield client, exp_id
 
 
-#: per-epoch metrics of atomic runs (OC20 S2EF, per split)
-ATOMIC_ROW_METRICS = tuple(f"{s}_{m}" for s in ("train", "val", "test")
-                           for m in ("energy_mae", "force_mae", "force_cos", "efwt"))
-#: what each epoch's row of the run record gives MLflow (step: the epoch)
-ROW_METRICS = ("loss", "epoch_time_s", "compute_s", "comm_s", "bubble_s", "comm_bytes", "train_acc", "val_acc",
-               "test_acc", *ATOMIC_ROW_METRICS)
-
-
-def _row_metrics(client, rid: str, rows: list[dict]) -> list:
-    """The metrics of the ``rows`` whose epoch the run does not have yet (``loss`` says which it has)."""
+def _row_metrics(client, rid: str, rows: list[dict], names) -> list:
+    """The metrics ``names`` of the ``rows`` whose epoch the run does not have yet (``loss`` says which it
+    has; step: the epoch). ``names``: what the trainer's rows log, its own and its task's (``train.py``)."""
     from mlflow.entities import Metric
 
     have = {m.step for m in client.get_metric_history(rid, "loss")} if rows else set()
     now = int(time.time() * 1000)
     return [Metric(key, float(row[key]), now, row["epoch"]) for row in rows if row["epoch"] not in have
-            for key in ROW_METRICS if row.get(key) is not None]
+            for key in names if row.get(key) is not None]
 
 
 def _log_metrics_batched(client, rid: str, metrics: list) -> None:
@@ -140,8 +133,8 @@ class EpochLog:
     loss curve). A busy store is not waited for (the rows go with the next burst); a failure is
     one warning and the end of the bursts (the end of the job logs every epoch), never an error."""
 
-    def __init__(self, cfg: RunConfig, run_id: str, every_s: float | None = None):
-        self.cfg, self.run_id, self.pending, self.on = cfg, run_id, [], True
+    def __init__(self, cfg: RunConfig, run_id: str, metrics, every_s: float | None = None):
+        self.cfg, self.run_id, self.metrics, self.pending, self.on = cfg, run_id, tuple(metrics), [], True
         self.every_s = float(os.environ.get("GNNPIPE_MLFLOW_EVERY_S", EVERY_S)) if every_s is None else every_s
         self.last = time.monotonic()
 
@@ -154,7 +147,8 @@ class EpochLog:
         self.last = time.monotonic()
         try:
             with _client(self.cfg, lock_wait=0.0) as (client, _):
-                _log_metrics_batched(client, self.run_id, _row_metrics(client, self.run_id, self.pending))
+                _log_metrics_batched(client, self.run_id, _row_metrics(client, self.run_id, self.pending,
+                                                                                 self.metrics))
             self.pending = []
         except TimeoutError:  # another job's burst holds the store: next time
             pass
@@ -229,15 +223,16 @@ def start_training(cfg: RunConfig, prior: str | None, *, resumed_at: int, supers
 FAIL_LOCK_WAIT_S = 10.0
 
 
-def mark_failed(cfg: RunConfig, run_id: str, error: str, rows: list[dict] = ()) -> bool:
+def mark_failed(cfg: RunConfig, run_id: str, error: str, rows: list[dict] = (), metrics=()) -> bool:
     """End ``run_id`` FAILED with ``error`` as its ``gnnpipe.error`` tag (any rank, on the way
-    out of a failed attempt), after the epochs' ``rows`` not yet logged (``EpochLog.pending``);
+    out of a failed attempt), after the epochs' ``rows`` not yet logged (``EpochLog.pending``, its
+    ``metrics``);
     never raises, waits at most ``FAIL_LOCK_WAIT_S`` for the lock.
     False: it could not (a warning is printed; the next attempt records the outcome)."""
     try:
         with _client(cfg, lock_wait=FAIL_LOCK_WAIT_S) as (client, _):
             with contextlib.suppress(Exception):  # the curve is a bonus; the outcome is not
-                _log_metrics_batched(client, run_id, _row_metrics(client, run_id, list(rows)))
+                _log_metrics_batched(client, run_id, _row_metrics(client, run_id, list(rows), metrics))
             client.set_tag(run_id, "gnnpipe.error", error[:5000])
             client.set_terminated(run_id, status="FAILED")
         return True
@@ -247,8 +242,9 @@ def mark_failed(cfg: RunConfig, run_id: str, error: str, rows: list[dict] = ()) 
         return False
 
 
-def log_training(cfg: RunConfig, record: dict, out_dir: Path, run_id: str | None = None) -> str | None:
-    """Log one finished training run (params, per-epoch metrics, artifacts); return its id.
+def log_training(cfg: RunConfig, record: dict, out_dir: Path, run_id: str | None = None, *,
+                 metrics) -> str | None:
+    """Log one finished training run (params, per-epoch ``metrics`` of its history, artifacts); return its id.
 
     ``run_id``: the run ``start_training`` opened (else one is created now).
     Writes ``out_dir/metrics.json`` (with ``mlflow_run_id`` set) before logging it. On any
@@ -256,7 +252,7 @@ def log_training(cfg: RunConfig, record: dict, out_dir: Path, run_id: str | None
     and None; never an exception (the training is done and must not be thrown away).
     """
     try:
-        return _log_training(cfg, record, out_dir, run_id)
+        return _log_training(cfg, record, out_dir, run_id, metrics)
     except Exception as e:
         record["mlflow_run_id"], record["mlflow_error"] = None, _one_line(e)
         write_json(out_dir / "metrics.json", record)
@@ -279,21 +275,21 @@ def _failing_run(client, rid: str):
         raise RuntimeError(f"MLflow run {rid} ended FAILED: {_one_line(e)}") from e
 
 
-def _log_training(cfg: RunConfig, record: dict, out_dir: Path, run_id: str | None) -> str:
+def _log_training(cfg: RunConfig, record: dict, out_dir: Path, run_id: str | None, metrics) -> str:
     with _client(cfg) as (client, exp_id):
         rid = run_id or client.create_run(exp_id, run_name=cfg.run_id, tags=_tags(cfg)).info.run_id
         with _failing_run(client, rid):
-            _log_run(client, rid, cfg, record, out_dir)
+            _log_run(client, rid, cfg, record, out_dir, metrics)
     return rid
 
 
-def _log_run(client, rid: str, cfg: RunConfig, record: dict, out_dir: Path) -> None:
+def _log_run(client, rid: str, cfg: RunConfig, record: dict, out_dir: Path, names) -> None:
     from mlflow.entities import Metric, Param, RunTag
     import time as _time
 
     params = [Param(k, str(v)[:6000]) for k, v in flatten(to_dict(cfg)).items()]
     now = int(_time.time() * 1000)
-    metrics = _row_metrics(client, rid, record["history"])  # the epochs no burst has logged
+    metrics = _row_metrics(client, rid, record["history"], names)  # the epochs no burst has logged
     for key in ("epoch_time_s", "comm_bytes_per_epoch", "comm_bytes_predicted", "peak_mem_bytes",
                 "train_acc", "val_acc", "test_acc", "final_loss", "energy_mae", "force_mae", "force_cos", "efwt"):
         if record.get(key) is not None:

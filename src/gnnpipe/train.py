@@ -227,8 +227,9 @@ def _failure(att: _Attempt, e: BaseException) -> BaseException:
     if att.mlflow_run_id:
         from .tracking import mark_failed
         line = line if line.startswith("rank") else f"rank {att.rank}: {line}"
-        rows = att.epoch_log.pending if att.epoch_log is not None else ()
-        if not mark_failed(att.cfg, att.mlflow_run_id, line, rows):
+        log = att.epoch_log
+        rows, names = (log.pending, log.metrics) if log is not None else ((), ())
+        if not mark_failed(att.cfg, att.mlflow_run_id, line, rows, names):
             ckpt.note_unrecorded_failure(att.cfg.out_dir, line)
     return out
 
@@ -353,7 +354,17 @@ def run(cfg: RunConfig, *, progress: bool = True, restart: bool = False) -> Opti
             lock.close()  # releases the flock
 
 
-def _open_mlflow(cfg: RunConfig, att: _Attempt, manifest: Optional[dict], fp: dict, superseded, start: int):
+#: what every epoch's row of the trainer gives MLflow per epoch, before its task's (``Task.epoch_metrics``)
+ROW_METRICS = ("loss", "epoch_time_s", "compute_s", "comm_s", "bubble_s", "comm_bytes")
+
+
+def row_metrics(task: Task) -> tuple[str, ...]:
+    """The per-epoch metrics a run of ``task`` logs: the trainer's and its task's."""
+    return (*ROW_METRICS, *task.epoch_metrics)
+
+
+def _open_mlflow(cfg: RunConfig, task: Task, att: _Attempt, manifest: Optional[dict], fp: dict, superseded,
+                 start: int):
     """Rank 0 opens (or reopens) the MLflow run; every rank learns its id (the failure path)."""
     rid = None
     if att.rank == 0:
@@ -366,7 +377,7 @@ def _open_mlflow(cfg: RunConfig, att: _Attempt, manifest: Optional[dict], fp: di
     att.mlflow_run_id = ckpt.World(att.rank, att.world).gather(rid)[0]
     if rid:
         from .tracking import EpochLog
-        att.epoch_log = EpochLog(cfg, rid)
+        att.epoch_log = EpochLog(cfg, rid, row_metrics(task))
 
 
 def _train(cfg: RunConfig, task: Task, engine, comm, att: _Attempt, device, progress: bool,
@@ -385,7 +396,7 @@ def _train(cfg: RunConfig, task: Task, engine, comm, att: _Attempt, device, prog
     if rank == 0 and manifest:
         print(f"gnnpipe: resuming {cfg.run_id} after epoch {start - 1} ({out_dir / ckpt.RESUME_DIR})",
               file=sys.stderr)
-    _open_mlflow(cfg, att, manifest, fp, superseded, start)
+    _open_mlflow(cfg, task, att, manifest, fp, superseded, start)
     engine.register_step_pre_hook(_finite_grads(engine, att))
     last_eval: dict[str, float] = {}
     bar = None
@@ -448,7 +459,8 @@ def _train(cfg: RunConfig, task: Task, engine, comm, att: _Attempt, device, prog
     write_text(out_dir / "run.resolved.yaml", dump_run_config(cfg))
     write_json(out_dir / "metrics.json", record)  # kept even if MLflow fails below
     from .tracking import log_training
-    log_training(cfg, record, out_dir, att.mlflow_run_id)  # sets record["mlflow_run_id"], rewrites metrics.json
+    # sets record["mlflow_run_id"], rewrites metrics.json
+    log_training(cfg, record, out_dir, att.mlflow_run_id, metrics=row_metrics(task))
     ckpt.finish(out_dir)  # complete: a later train of this run starts from epoch 0
     return record
 

@@ -34,17 +34,17 @@ runs once, on rank 0, on whole training batches in one process, before the first
 fitted buffers are broadcast (op ``control``) and live in the state dict, so checkpoints and
 resumed runs carry them and every layout computes with the same constants.
 
-How it trains beyond Adam (``habits.py``, keys in the model's section): the learning rate per step
-(warmup, cosine decay), the gradients' norm clipped after their reduction (the same on every rank),
-an exponential moving average of the weights that evaluation and the finished model use, and a
-divergence guard on each epoch's record (``check_epoch``); the average and the guard's record are in
-the engine's state, so a resumed run continues bit for bit.
+How it trains beyond Adam (``gnnpipe.habits``, keys in the model's section, on by default): the
+learning rate per step (warmup, cosine decay), the gradients' norm clipped after their reduction (the
+same on every rank), an exponential moving average of the weights that evaluation and the finished
+model use, and a divergence guard on each epoch's record (the task's check); the habits act from the
+optimizer's step hooks (``self.habits``), the average and the guard's record are in the engine's
+state, so a resumed run continues bit for bit.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,8 +53,8 @@ import torch
 from torch import Tensor
 
 from ..engine import DTYPES, EpochStats, load_train_state, make_optimizer, train_state
+from ..habits import Habits
 from ..io import GnnPipeError
-from .habits import EMA, Guard, lr_at
 from .atom_layouts import ATOM_LAYOUTS, EDGES, AtomLayout, choose_layout, layout_costs
 from .parallel import EdgeGroup, single_graph
 from .protocol import ATOMIC_MODELS
@@ -134,12 +134,6 @@ def step_loss(model, g, b: dict, norm: Normalizer, counts: StepCounts, force_wei
     return loss_e + force_weight * loss_f, energy.detach(), f.detach(), report
 
 
-def layout_view(b: dict, grp: Optional[EdgeGroup], dtype, device, layout: AtomLayout) -> tuple[dict, object]:
-    """``layout.view(b, grp, dtype, device)``: the call ``AtomicEngine.train_epoch`` makes (kept while its
-    training habits move into trainer hooks; then that call is ``self.layout.view``)."""
-    return layout.view(b, grp, dtype, device)
-
-
 # --------------------------------------------------------------------------- the engine
 SPLIT_NAMES = ("train", "val", "test")
 
@@ -184,11 +178,10 @@ class AtomicEngine:
         self.lr = spec.lr if spec.lr is not None else cfg.training.lr
         self.opt = make_optimizer(self.model.parameters(), dataclasses.replace(cfg.training, lr=self.lr))
         self.steps_per_epoch = -(-len(self.ids["train"]) // (self.batch_size * self.replicas))
-        self.warmup_steps = round(spec.schedule.warmup_epochs * self.steps_per_epoch)
-        self.ema = EMA(self.model, spec.ema_decay) if spec.ema_decay is not None else None
-        self.guard = Guard(spec.guard.loss_factor, spec.guard.patience, spec.guard.min_force_cos,
-                           after_epoch=math.ceil(spec.schedule.warmup_epochs),
-                           hint=f"lower models.<name>.{cfg.model.kind}.lr (now {self.lr:g}) or see its guard keys")
+        self.habits = Habits(spec, lr=self.lr, steps_per_epoch=self.steps_per_epoch, epochs=cfg.training.epochs,
+                             params=dict(self.model.named_parameters()),
+                             hint=f"lower models.<name>.{cfg.model.kind}.lr (now {self.lr:g}) or see its guard keys"
+                             ).attach(self)
         self._fitted = self.kind.fit is None  # loading a state (resume, evaluate) counts as fitted
 
     def fit_constants(self) -> dict:
@@ -255,29 +248,21 @@ class AtomicEngine:
         self.model.train()
         steps = self._steps(self.ids["train"], epoch)
         reports = []  # this rank's share of each step's loss
-        spec = self.cfg.model.spec
-        for i, step in enumerate(steps):
-            lr = lr_at(epoch * self.steps_per_epoch + i, self.cfg.training.epochs * self.steps_per_epoch, self.lr,
-                       self.warmup_steps, spec.schedule.decay, spec.schedule.min_lr_factor)
-            for group in self.opt.param_groups:
-                group["lr"] = lr
+        self.habits.begin_epoch(epoch)
+        for step in steps:
             mine = self._replica_batch(step, self.replica)
             self.opt.zero_grad(set_to_none=False)
             if len(mine):  # a short last step can leave a replica without systems: it adds zeros
                 b = self._batch(mine)
                 free = int(sum((~self.systems["fixed"][self.systems["atom_ptr"][s]:self.systems["atom_ptr"][s + 1]]).sum()
                                for s in step))
-                b, g = layout_view(b, self.grp, self.dtype, self.device, self.layout)
+                b, g = self.layout.view(b, self.grp, self.dtype, self.device)
                 loss, _, _, report = step_loss(self.model, g, b, self.norm, StepCounts(len(step), free),
                                                self.force_weight, forces=not self.energy_only)
                 loss.backward()
             reports.append(report if len(mine) else 0.0)
             self._reduce_grads()  # every rank holds the step's whole gradients: it clips the same ones
-            if spec.clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.clip_grad_norm)
-            self.opt.step()
-            if self.ema is not None:
-                self.ema.update(self.model)
+            self.opt.step()  # the habits' hooks: this step's lr and clip before, the moving average after
         losses = self._sum(reports) if reports else []  # the ranks' shares summed: each step's loss
         wall = time.perf_counter() - t0
         comm_s = (self.comm.epoch_comm_s(epoch) - comm0) if self.comm is not None else 0.0
@@ -307,7 +292,7 @@ class AtomicEngine:
         force cosine (per atom), EFwT (|ΔE| < 0.02 eV and max |ΔF| < 0.03 eV/Å); with the weights'
         moving average where the run keeps one. An energy-only run: the energy MAE alone (forward
         passes only), the force metrics and EFwT None."""
-        with self.ema.applied(self.model) if self.ema is not None else contextlib.nullcontext():
+        with self.habits.averaged():
             return self._evaluate()
 
     def _evaluate(self) -> dict:
@@ -366,35 +351,27 @@ class AtomicEngine:
             return ids
         return np.sort(np.random.default_rng([self.cfg.training.seed, 2**31 + 1]).choice(ids, cap, replace=False))
 
-    def check_epoch(self, epoch: int, row: dict, where: str) -> None:
-        """The divergence guard on the epoch's record row (its loss; its force cosine where evaluated)."""
-        self.guard.check(epoch, row, where)
-
     def named_parameters(self) -> dict:
         return dict(self.model.named_parameters())
 
     def register_step_pre_hook(self, hook):
         return self.opt.register_step_pre_hook(hook)
 
+    def register_step_post_hook(self, hook):
+        return self.opt.register_step_post_hook(hook)
+
     def full_state_dict(self):
         """The finished model: the weights' moving average where the run keeps one."""
-        return self.ema.model_state(self.model) if self.ema is not None else self.model.state_dict()
+        return self.habits.final_state(self.model.state_dict())
 
     def state_dict(self) -> dict:
-        return {**train_state(self.model, self.opt), "guard": self.guard.state_dict(),
-                **({"ema": self.ema.state_dict()} if self.ema is not None else {})}
+        return {**train_state(self.model, self.opt), **self.habits.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """A resume state; one of a gnnpipe before the habits (no ``guard``, ``ema``) resumes with a
-        fresh guard and the average started at the loaded weights."""
+        """A resume state (``Habits.load_state_dict``: one of a gnnpipe before the habits resumes with a
+        fresh guard and the average started at the loaded weights)."""
         load_train_state(self.model, self.opt, state)
-        if "guard" in state:
-            self.guard.load_state_dict(state["guard"])
-        if self.ema is not None:
-            if "ema" in state:
-                self.ema.load_state_dict(state["ema"])
-            else:
-                self.ema = EMA(self.model, self.ema.decay)
+        self.habits.load_state_dict(state)
         self._fitted = True  # the state carries the fitted buffers
 
     def graph_info(self) -> dict:

@@ -56,7 +56,7 @@ from torch import Tensor
 from .. import schedule
 from ..config import ConfigError, RunConfig
 from ..costmodel.bytes import first_input, hybrid_bytes
-from ..engine import DTYPES, SPLITS, EpochStats, ce_sum, correct_counts, make_optimizer
+from ..engine import DTYPES, SPLITS, EpochStats, ce_sum, correct_counts, make_optimizer, node_habits
 from ..io import GnnPipeError
 from ..layout import PIPELINED, check_layout
 from ..models.block import Block
@@ -205,6 +205,7 @@ class LayoutEngine:
         del gnn  # the other stages' convs are not ours to keep
         self.params = [p for _, m in self.stage.owned for p in m.parameters() if p.requires_grad]
         self.opt = make_optimizer(self.params, cfg.training)
+        self.habits = node_habits(self, cfg.training, self._stages_norm if self.S > 1 else None)
         self.warm_started = self.Cw > 1
         if self.warm_started:
             self._exact_pass(fill=True)
@@ -299,6 +300,7 @@ class LayoutEngine:
         st, comm = self.stage, self.comm
         st.train_mode(True)
         self.opt.zero_grad(set_to_none=True)
+        self.habits.begin_epoch(epoch)
         ep = st.begin_epoch(epoch, self.cfg.training.seed)
         recvs, ready, sends, direction = {}, {}, [], "forward"
         for a in schedule.gpipe(self.S, ep.order)[self.stage_index]:
@@ -344,6 +346,13 @@ class LayoutEngine:
             self.comm.all_reduce_coalesced_([p.grad for p in self.params], group=self.group, op="grad_allreduce")
             clock.comm_s += time.perf_counter() - t0
 
+    def _stages_norm(self, local: Tensor) -> Tensor:
+        """The 2-norm of the whole model's gradients from this stage's (``local``): the stages' squares
+        summed over the world (op ``control``), way 0's of each stage (its ways hold the same gradients)."""
+        sq = (local * local * float(self.way == 0)).reshape(1)
+        self.comm.all_reduce_(sq, op="control")
+        return sq.sqrt()[0]
+
     # ------------------------------------------------------------------ exact passes
     def _exact_pass(self, fill: bool) -> Optional[Tensor]:
         """The way's whole block through the stages (op ``control``); the logits of its rows on
@@ -365,7 +374,8 @@ class LayoutEngine:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Exact full-graph inference: accuracy per split and the training loss, on every rank."""
-        logits = self._exact_pass(fill=False)
+        with self.habits.averaged():  # the weights' moving average where the run keeps one
+            logits = self._exact_pass(fill=False)
         vals = torch.zeros(2 * len(SPLITS) + 1, dtype=torch.float64, device=self.device)
         if self.last:
             labels, masks = self.data.labels, self.data.masks
@@ -387,6 +397,9 @@ class LayoutEngine:
     def register_step_pre_hook(self, hook):
         return self.opt.register_step_pre_hook(hook)
 
+    def register_step_post_hook(self, hook):
+        return self.opt.register_step_post_hook(hook)
+
     def full_state_dict(self) -> Optional[dict[str, Tensor]]:
         """The whole model's weights under the single-process names on rank 0 (None elsewhere).
 
@@ -395,7 +408,7 @@ class LayoutEngine:
         shape from the model it built."""
         if self.way != 0:
             return None
-        local = self.stage.local_state_dict()
+        local = self.habits.final_state(self.stage.local_state_dict())
         if self.S == 1:
             return OrderedDict((k, local[k].cpu().clone()) for k, _, _ in self.full_keys)
         tag, root = schedule.tag("weights", self.Cw), self.groups.dims.rank_of(0, 0)
@@ -425,9 +438,10 @@ class LayoutEngine:
     def state_dict(self) -> dict:
         """This rank's training state: its weights and Adam's moments and, in the pipelined modes,
         the convs it owns and the history buffers (values, snapshot or moving average, gradients
-        waiting for the next epoch), which a resumed run must continue from exactly. (Graph
-        mode's shards hold the first two only: the keys its checkpoints always had.)"""
-        out = {"model": self.stage.local_state_dict(), "optimizer": self.opt.state_dict()}
+        waiting for the next epoch), which a resumed run must continue from exactly; the habits' guard
+        and moving average (``gnnpipe.habits``) in every mode."""
+        out = {"model": self.stage.local_state_dict(), "optimizer": self.opt.state_dict(),
+               **self.habits.state_dict()}
         if self.cfg.mode in PIPELINED:
             out.update(layers=list(self.layers), **self.stage.buffer_state())
         return out
@@ -443,6 +457,7 @@ class LayoutEngine:
         if len(model) != len(local):
             raise ValueError(f"the checkpoint holds {len(model)} weights, stage {self.stage_index} has {len(local)}")
         self.opt.load_state_dict(state["optimizer"])
+        self.habits.load_state_dict(state)
         if pipelined:
             self.stage.load_buffer_state(state)
 

@@ -15,7 +15,7 @@ import torch
 
 from ..config import RunConfig
 from ..engine import (DTYPES, EpochStats, NonFiniteError, ce_sum, exact_metrics, graph_tensors, load_train_state,
-                      make_optimizer, train_state)
+                      make_optimizer, node_habits, train_state)
 from ..graph import read_graph
 from ..models.block import Block
 from ..models.model import GNN
@@ -44,9 +44,11 @@ class SingleEngine:
         torch.manual_seed(cfg.training.seed)
         self.model = GNN(cfg.model, graph.num_features, graph.num_classes).to(device, dtype)
         self.opt = make_optimizer(self.model.parameters(), cfg.training)
+        self.habits = node_habits(self, cfg.training)
 
     def train_epoch(self, epoch: int) -> EpochStats:
         t0 = time.perf_counter()
+        self.habits.begin_epoch(epoch)
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
         logits = self.model(self.x, self.block)  # (N, C)
@@ -64,17 +66,22 @@ class SingleEngine:
     def register_step_pre_hook(self, hook):
         return self.opt.register_step_pre_hook(hook)
 
+    def register_step_post_hook(self, hook):
+        return self.opt.register_step_post_hook(hook)
+
     def evaluate(self) -> dict[str, float]:
-        return exact_metrics(self.model, self.block, self.x, self.y, self.masks)
+        with self.habits.averaged():
+            return exact_metrics(self.model, self.block, self.x, self.y, self.masks)
 
     def full_state_dict(self):
-        return self.model.state_dict()
+        return self.habits.final_state(self.model.state_dict())
 
     def state_dict(self) -> dict:
-        return train_state(self.model, self.opt)
+        return {**train_state(self.model, self.opt), **self.habits.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         load_train_state(self.model, self.opt, state)
+        self.habits.load_state_dict(state)
 
     def predicted_bytes(self) -> int:
         return 0
