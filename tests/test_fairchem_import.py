@@ -233,3 +233,24 @@ def test_an_old_model_file_still_loads_with_the_identity_mean_and_force_scale(tm
     mf = decode(payload)
     norm = mf.normalizer()
     assert (mf.mean, norm.mean, norm.force_scale, mf.origin) == (0.0, 0.0, 2.0, None)
+
+
+def test_fairchems_dimenetpp_detaches_the_angles_and_biases_lin_up():
+    """angle_gradient false: the same energy, forces through the distances only (fairchem's); output_up_bias:
+    one bias per output block."""
+    model, sd, _ = fairchem_model("dimenetpp")
+    assert sum(k.endswith("lin_up.bias") for k in sd) == DPP_SIZES["num_blocks"] + 1
+    cfg = dict(model.cfg.__dict__)
+    free = ATOMIC_MODELS["dimenetpp"].build(ATOMIC_MODELS["dimenetpp"].config(**{**cfg, "angle_gradient": True}))
+    free = free.double()
+    free.load_state_dict(sd)
+    payload = {"format": "gnnpipe-atomic-model", "format_version": 1, "kind": "dimenetpp", "cutoff": 5.0,
+               "max_neighbors": None, "symmetric_edges": False, "elements": [1, 6, 8, 29], "dtype": "float64",
+               "normalizer": {"e_ref": torch.zeros(95, dtype=torch.float64), "scale": 1.0}}
+    z, pos, cell, pbc = one_structure()
+    out = {}
+    for flag, m in ((False, model), (True, free)):
+        mf = decode({**payload, "model_config": {**cfg, "angle_gradient": flag}, "state_dict": m.state_dict()})
+        out[flag] = Predictor(mf).predict(z, pos, cell, pbc)
+    assert out[False].energy == pytest.approx(out[True].energy, rel=1e-13)
+    assert np.abs(out[False].forces - out[True].forces).max() > 1e-6 * np.abs(out[True].forces).max()

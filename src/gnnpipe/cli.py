@@ -488,7 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "a key that maps to no parameter, a parameter with no weights, a shape "
                                     "mismatch or a disallowed type refuses the import in one line. Energies are "
                                     "what the checkpoint was trained on (OC20 S2EF: adsorption energies).")
-    im.add_argument("--from", dest="source", required=True, choices=("fairchem",), help="the checkpoint's trainer")
+    im.add_argument("--from", dest="source", default="fairchem", choices=("fairchem",),
+                    help="the checkpoint's trainer (default %(default)s, the only one)")
     im.add_argument("checkpoint", help="the fairchem checkpoint (.pt)")
     im.add_argument("--config", help="fairchem training YAML whose model section replaces the checkpoint's config")
     im.add_argument("--scale-file", help="fairchem scale-factor file (.json or .pt) for GemNet, if the checkpoint "
