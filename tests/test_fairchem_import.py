@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from gnnpipe.atomic.fairchem import GEMNET_OFFSETS, import_checkpoint, trainable_keys
+from gnnpipe.atomic.fairchem import GEMNET_OFFSETS, gemnet_key, import_checkpoint, trainable_keys
 from gnnpipe.atomic.gemnet import count_parameters as gemnet_parameters
 from gnnpipe.atomic.gemnet import preset as gemnet_preset
 from gnnpipe.atomic.inference import Predictor
@@ -175,6 +175,16 @@ def test_the_xl_mapping_without_allocating_it(tmp_path):
     kind, cfg, _ = project_config("gp_gemnet_t", xl, "xl")
     assert cfg == gemnet_preset("xl", num_elements=84)
     assert gemnet_parameters(cfg) - cfg.emb_size_atom == 292_939_520
+    with torch.device("meta"):
+        names = list(ATOMIC_MODELS[kind].build(cfg).state_dict())
+    fairchem_names = set()
+    for name in names:  # every name of the XL model comes back from its fairchem name, none shared
+        key = name
+        for pattern, repl in INVERSE:
+            key = re.sub(pattern, repl, key)
+        assert gemnet_key(key) == name
+        fairchem_names.add(key)
+    assert len(fairchem_names) == len(names) == 308
 
 
 def _refused(fn, match):

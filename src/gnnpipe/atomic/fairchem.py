@@ -194,6 +194,7 @@ def project_config(name: str, attrs: dict, where: str):
             **{k: a[k] for k in GEMNET_SIZES}, envelope_exponent=int((a.get("envelope") or {}).get("exponent", 5)),
             num_elements=int(a["num_elements"]) + 1, force_head="direct" if a.get("direct_forces") else "gradient")
     else:
+        a["max_neighbors"] = 50  # DimeNetPlusPlusWrap fixes it, whatever its config says
         cfg = ATOMIC_MODELS[kind].config(**{k: a[k] for k in DIMENETPP_SIZES}, force_head="gradient",
                                          output_up_bias=True, angle_gradient=False)
     cfg.cutoff = float(cfg.cutoff)
