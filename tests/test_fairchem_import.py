@@ -112,6 +112,24 @@ def test_a_fairchem_checkpoint_round_trips_to_the_same_model(tmp_path, kind, dir
     np.testing.assert_allclose(got.forces, 2.5 * ref.forces, rtol=1e-12, atol=1e-14)
 
 
+def test_older_and_newer_config_and_normalizer_layouts(tmp_path):
+    """``model: name`` + ``model_attributes`` (older fairchem) and the newer normalizers (energy/forces,
+    mean/rmsd) with element references: E = rmsd·y + mean + Σ ref[z], F = rmsd_F·f."""
+    model, sd, section = fairchem_model("gemnet_t")
+    refs = torch.arange(84, dtype=torch.float64) * 0.01
+    ckpt = tmp_path / "new.pt"
+    torch.save({"state_dict": sd, "config": {"model": "gemnet_t", "model_attributes": {
+        k: v for k, v in section.items() if k != "name"}},
+        "normalizers": {"energy": {"mean": torch.tensor(1.5), "rmsd": torch.tensor(3.0)},
+                        "forces": {"mean": torch.tensor(0.0), "rmsd": torch.tensor(2.0)}},
+        "elementrefs": {"energy": {"element_references": refs}}}, ckpt)
+    mf = decode(import_checkpoint(ckpt)[0])
+    assert (mf.scale, mf.mean, mf.force_scale) == (3.0, 1.5, 2.0)
+    assert np.array_equal(mf.e_ref[:84], refs.numpy()) and not mf.e_ref[84:].any()
+    norm = mf.normalizer()
+    assert norm.baseline(np.array([1, 29]), np.array([0, 0]), 1)[0] == pytest.approx(1.5 + 0.01 + 0.29)
+
+
 def test_ema_shadow_weights_are_preferred_and_prefixes_are_any(tmp_path):
     model, sd, section = fairchem_model("gemnet_t")
     names = trainable_keys("gemnet_t", sd)
