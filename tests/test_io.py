@@ -302,10 +302,11 @@ def test_every_command_refuses_an_unwritable_output_before_its_work(tmp_path, ca
     (tmp_path / "a-file").write_text("")
     required = {a.dest: "1" if a.type in (int, float) else str(tmp_path / f"ok-{a.dest}") if a.dest in dests
                 else "/no/such/input" for a in parser._actions if a.required and a.option_strings}
+    positional = ["/no/such/input" for a in parser._actions if not a.option_strings]  # import-model's CKPT
     for dest in sorted(dests):
         bad = tmp_path / ("a-file" if dest in declared[1] else "a-dir")
         for value, message in ((str(bad), f"gnnpipe: error: {bad}: "), ("", f"gnnpipe: error: --{dest}: an empty path")):
             argv = [x for k, v in {**required, dest: value}.items() for x in (f"--{k.replace('_', '-')}", v)]
-            assert main([command, *argv]) == 2, (command, dest, value)
+            assert main([command, *positional, *argv]) == 2, (command, dest, value)
             err = capsys.readouterr().err
             assert err.startswith(message) and err.count("\n") == 1, (command, dest, err)

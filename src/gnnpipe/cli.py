@@ -11,6 +11,7 @@
     gnnpipe evaluate    --run-config results/runs/<run_id>/run.yaml
     gnnpipe relax       --run-config results/runs/<run_id>/run.yaml [--reference emt|none|module:Class]  (IS2RS)
     gnnpipe predict     --run results/runs/<run_id> --structures in.extxyz --out out.extxyz [--workers N]
+    gnnpipe import-model --from fairchem gemnet_t.pt [--config gemnet.yml] [--scale-file s.json] --out model.pt
     gnnpipe report      --runs-dir results/runs --out results/report.md
     gnnpipe runs        --config config/config.yaml   (list / resolve the configured runs)
     gnnpipe plan        --graph graph.h5 --hardware 8xgpu-pcie --workers 8 --layers 32
@@ -181,6 +182,15 @@ def _train_systems(text: str):
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"a positive number of systems or 'all', not {text!r}")
     return int(text)
+
+
+def _import_model(a):
+    from .atomic.fairchem import import_checkpoint, summary_line
+    from .atomic.modelfile import save_model_file
+
+    payload, summary = import_checkpoint(a.checkpoint, config=a.config, scale_file=a.scale_file)
+    save_model_file(a.out, payload)
+    print(summary_line(summary, a.out), file=sys.stderr)
 
 
 def _evaluate(a):
@@ -469,6 +479,23 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     pr.add_argument("--dtype", choices=("float32", "float64"), help="default: the model's own")
     pr.set_defaults(func=_predict, outputs=("out",))
+
+    im = sub.add_parser("import-model", help="a fairchem 1.x checkpoint (GemNet-T/-dT/-XL, DimeNet++) as a model file",
+                        description="Write the project's model file (what predict, the calculator and relax read) "
+                                    "from a fairchem 1.x checkpoint: its EMA weights when it has them, else its "
+                                    "state_dict (one or two 'module.' prefixes), its normalisers, its scale "
+                                    "factors. Loaded with torch.load(weights_only=True) and a fixed allow-list; "
+                                    "a key that maps to no parameter, a parameter with no weights, a shape "
+                                    "mismatch or a disallowed type refuses the import in one line. Energies are "
+                                    "what the checkpoint was trained on (OC20 S2EF: adsorption energies).")
+    im.add_argument("--from", dest="source", default="fairchem", choices=("fairchem",),
+                    help="the checkpoint's trainer (default %(default)s, the only one)")
+    im.add_argument("checkpoint", help="the fairchem checkpoint (.pt)")
+    im.add_argument("--config", help="fairchem training YAML whose model section replaces the checkpoint's config")
+    im.add_argument("--scale-file", help="fairchem scale-factor file (.json or .pt) for GemNet, if the checkpoint "
+                                         "lacks them")
+    im.add_argument("--out", required=True, help="model file to write (atomically)")
+    im.set_defaults(func=_import_model, outputs=("out",))
 
     r = sub.add_parser("report", help="table and plots over runs",
                        description="Write a Markdown table over all run records and PNG plots.")

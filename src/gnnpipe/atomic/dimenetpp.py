@@ -392,7 +392,7 @@ class OutputPPBlock(nn.Module):
     def __init__(self, c: DimeNetPPConfig, out_channels: int):
         super().__init__()
         self.lin_rbf = Linear(c.num_radial, c.hidden_channels, bias=False)
-        self.lin_up = Linear(c.hidden_channels, c.out_emb_channels, bias=False)
+        self.lin_up = Linear(c.hidden_channels, c.out_emb_channels, bias=c.output_up_bias)
         self.lins = nn.ModuleList([Linear(c.out_emb_channels, c.out_emb_channels)
                                    for _ in range(c.num_output_layers)])
         self.lin = Linear(c.out_emb_channels, out_channels, bias=False)
@@ -443,6 +443,8 @@ class DimeNetPP(nn.Module):
         d_kj = v_kj.norm(dim=-1)
         u_ji = (v / dist.unsqueeze(-1))[tb.row_edge]  # (G, Ro, 3): PyG's pos_ij, unit
         cos = torch.bmm(u_ji, (v_kj / d_kj.unsqueeze(-1)).transpose(1, 2))  # (G, Ro, Ki): cos of the angle
+        if not self.cfg.angle_gradient:  # fairchem's DimeNet++: angles of detached positions
+            cos = cos.detach()
         rad = self.sbf.radial(d_kj)  # (G, Ki, S, R)
         ang = (self.sbf.angular(cos) * tb.mask.unsqueeze(-1)).flatten(2)  # (G, Ro, Ki·S)
         x = self.emb(g.z, rbf, g.edge_dst, g.edge_src)

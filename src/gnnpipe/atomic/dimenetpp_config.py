@@ -36,5 +36,10 @@ class DimeNetPPConfig:
     num_before_skip: int = 1
     num_after_skip: int = 2
     num_output_layers: int = 3
+    #: fairchem's ``dimenetplusplus`` (atomic.fairchem imports it): a bias in each output block's
+    #: ``lin_up`` (PyG's has none), and the triplet angles computed from detached positions (its forces
+    #: flow through the distances only); PyG's DimeNet++ and the project's training: False, True
+    output_up_bias: bool = False
+    angle_gradient: bool = True
     force_head: Literal["gradient", "direct"] = field(default="gradient", metadata={
         "spec": "own", "doc": "gradient: F = -dE/dpos (energy-conserving); direct: an edge head"})

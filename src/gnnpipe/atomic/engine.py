@@ -65,10 +65,18 @@ FIT_BATCHES = 4
 
 @dataclass
 class Normalizer:
-    """``E = scale · y + Σ e_ref[z]``: per-element reference energies and one scale (eV)."""
+    """``E = scale · y + mean + Σ e_ref[z]``, ``F = force_scale · f``: per-element reference energies
+    and one scale (eV); ``mean`` (per structure) and a separate ``force_scale`` only for a model
+    imported from fairchem (its normalisers), else 0 and ``scale``."""
 
     e_ref: np.ndarray  # (95,) eV per atom of each element
     scale: float
+    mean: float = 0.0
+    force_scale: Optional[float] = None  # None: scale
+
+    def __post_init__(self):
+        if self.force_scale is None:
+            self.force_scale = self.scale
 
     @classmethod
     def fit(cls, z: np.ndarray, atom_ptr: np.ndarray, energy: np.ndarray, ids: np.ndarray) -> "Normalizer":
@@ -83,8 +91,8 @@ class Normalizer:
         return cls(e_ref, float(resid.std()) if len(ids) > 1 and resid.std() > 1e-8 else 1.0)
 
     def baseline(self, z: np.ndarray, system: np.ndarray, num_systems: int) -> np.ndarray:
-        """(B,) the reference energy of each system: what the per-element baseline predicts."""
-        return np.bincount(system, weights=self.e_ref[z], minlength=num_systems)
+        """(B,) the reference energy of each system: what the per-element baseline predicts (+ mean)."""
+        return np.bincount(system, weights=self.e_ref[z], minlength=num_systems) + self.mean
 
 
 @dataclass
@@ -125,11 +133,11 @@ def step_loss(model, g, b: dict, norm: Normalizer, counts: StepCounts, force_wei
     ways = getattr(getattr(g, "group", None), "size", 1) or 1
     if not forces:
         return loss_e, energy.detach(), None, float(loss_e.detach()) / ways
-    f = norm.scale * out["forces"]
+    f = norm.force_scale * out["forces"]
     own = slice(g.atom_lo, g.atom_hi)
     f_ref = torch.as_tensor(b["forces"][own], dtype=dtype, device=y.device)
     free = torch.as_tensor(~b["fixed"][own], device=y.device).unsqueeze(-1)
-    loss_f = (((f - f_ref) / norm.scale).pow(2) * free).sum() / max(3 * counts.free_atoms, 1)
+    loss_f = (((f - f_ref) / norm.force_scale).pow(2) * free).sum() / max(3 * counts.free_atoms, 1)
     report = float(loss_e.detach()) / ways + force_weight * float(loss_f.detach())
     return loss_e + force_weight * loss_f, energy.detach(), f.detach(), report
 

@@ -41,7 +41,8 @@ deformed by ``I + ε``; ``AtomGraph.strain``), symmetrised, in ASE's Voigt order
 difference; tests check both). For gradient-force models it comes from the forces' backward pass
 at no extra cost; direct-force models need one more backward pass (only when asked).
 
-Energies in eV are ``scale · y + Σ e_ref[z]`` (the model file's normaliser), forces ``scale · f``.
+Energies in eV are ``scale · y + mean + Σ e_ref[z]`` (the model file's normaliser), forces
+``force_scale · f`` (mean 0 and force_scale = scale but for a model imported from fairchem).
 """
 
 from __future__ import annotations
@@ -193,7 +194,6 @@ class Predictor:
                  threads: Optional[int] = None, timeout_s: float = 600.0, layout: str = "auto",
                  min_distance: Optional[float] = None):
         from ..engine import DTYPES
-        from .engine import Normalizer
 
         if not isinstance(workers, Integral) or workers < 1:
             raise GnnPipeError(f"workers must be an integer >= 1, got {workers!r}")
@@ -212,7 +212,7 @@ class Predictor:
         self.model_file, self.workers = model_file, int(workers)
         self.dtype = DTYPES[dtype or model_file.dtype]
         self.device = torch.device(device)
-        self.norm = Normalizer(model_file.e_ref, model_file.scale)
+        self.norm = model_file.normalizer()
         self.model = model_file.build(self.device, self.dtype) if workers == 1 else None
         self.pool = WorkerPool(model_file, workers, device=self.device, dtype=self.dtype, threads=self.threads,
                                timeout_s=timeout_s) if workers > 1 else None
@@ -243,7 +243,7 @@ class Predictor:
         self.calls += 1
         s = self.norm.scale
         energy = float(s * y[0] + self.norm.baseline(numbers, b["system"], 1)[0])
-        out = Prediction(energy, s * np.asarray(f, dtype=np.float64).reshape(-1, 3))
+        out = Prediction(energy, self.norm.force_scale * np.asarray(f, dtype=np.float64).reshape(-1, 3))
         if stress:
             sym = 0.5 * (dy + dy.T) * s / volume
             out.stress = np.array([sym[i, j] for i, j in VOIGT])

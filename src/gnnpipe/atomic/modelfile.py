@@ -14,12 +14,18 @@ tensors (``torch.load(weights_only=True)`` reads it)::
      "neighbors": "project",                   # the cap's convention (atomic.neighbors): project or
                                                # fairchem (fairchem's graph: its GemNet's, or symmetric_edges
                                                # False, its DimeNet++'s); format 2 (format 1: project)
-     "normalizer": {"e_ref": (95,) float64 tensor, "scale": float},   # E = scale·y + Σ e_ref[z]
+     "normalizer": {"e_ref": (95,) float64 tensor, "scale": float,    # E = scale·y + mean + Σ e_ref[z]
+                    "mean": float, "force_scale": float},              # F = force_scale·f
+                                               # (mean, force_scale: optional, default 0 and scale;
+                                               # fairchem's per-structure energy mean and force std)
      "elements": [1, 6, 29, ...],              # atomic numbers in the training split
      "dtype": "float32",                       # the dtype it was trained in
      "fingerprint": {...} or None,             # the run's fingerprint (what it was trained from)
      "run_id": "..." or None,
-     "state_dict": {name: tensor}}
+     "state_dict": {name: tensor},
+     "origin": {...} or None}                  # an imported model's provenance (atomic.fairchem):
+                                               # from, checkpoint, model, weights, energy (what its
+                                               # energies are), ignored/unfitted scale factors, ...
 
 It is stored either alone (``save_model_file``: a *bare* model file, with a digest) or under the
 key ``"inference"`` of the trainer's checkpoint (``model.pt``). :func:`load_model_file` accepts a
@@ -73,6 +79,14 @@ class ModelFile:
     run_id: Optional[str] = None
     source: str = ""  # where it was loaded from (error messages)
     neighbors: str = "project"  # the neighbour cap's convention (atomic.neighbors)
+    mean: float = 0.0  # eV per structure added to every energy (fairchem's energy normaliser mean)
+    force_scale: Optional[float] = None  # F = force_scale·f (None: scale)
+    origin: Optional[dict] = None  # provenance of an imported model (atomic.fairchem), else None
+
+    def normalizer(self):
+        """The ``atomic.engine.Normalizer`` of this model's outputs (energies and forces in eV, eV/Å)."""
+        from .engine import Normalizer
+        return Normalizer(self.e_ref, self.scale, self.mean, self.force_scale)
 
     @property
     def spec(self):
@@ -92,29 +106,32 @@ class ModelFile:
     def build(self, device="cpu", dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
         """The model with its weights, in eval mode, on ``device`` in ``dtype`` (default: its own)."""
         from ..engine import DTYPES
-        model = self.spec.build(self.config())
+        dtype = dtype or DTYPES[self.dtype]
+        model = self.spec.build(self.config()).to(dtype=dtype)  # before the weights: float64 ones stay exact
         try:
             model.load_state_dict(self.state_dict)
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise GnnPipeError(f"{self.source}: the weights do not fit a {self.kind} of its model_config ({first}); "
                                "the model file is damaged or was edited") from None
-        return model.to(device=device, dtype=dtype or DTYPES[self.dtype]).eval()
+        return model.to(device=device).eval()
 
     def payload(self) -> dict:
         return make_payload(kind=self.kind, model_config=self.model_config, state_dict=self.state_dict,
                             cutoff=self.cutoff, max_neighbors=self.max_neighbors, neighbors=self.neighbors,
                             symmetric_edges=self.symmetric_edges, e_ref=self.e_ref, scale=self.scale,
                             elements=self.elements, dtype=self.dtype, fingerprint=self.fingerprint,
-                            run_id=self.run_id)
+                            run_id=self.run_id, mean=self.mean, force_scale=self.force_scale, origin=self.origin)
 
 
 # --------------------------------------------------------------------------- writing
 def make_payload(*, kind: str, model_config, state_dict: dict, cutoff: float, max_neighbors: Optional[int],
                  symmetric_edges: bool, e_ref, scale: float, elements, dtype: str,
-                 fingerprint: Optional[dict] = None, run_id: Optional[str] = None, neighbors: str = "project") -> dict:
+                 fingerprint: Optional[dict] = None, run_id: Optional[str] = None, neighbors: str = "project",
+                 mean: float = 0.0, force_scale: Optional[float] = None, origin: Optional[dict] = None) -> dict:
     """The payload dict (plain types + CPU tensors). ``model_config``: the kind's config dataclass
-    or a dict of its fields."""
+    or a dict of its fields. ``mean``, ``force_scale`` and ``origin`` are written only when given
+    (not 0, None), so a native model's payload is what it was."""
     from ..config import NEIGHBOR_CONVENTIONS
     from .protocol import ATOMIC_MODELS
     ATOMIC_MODELS[kind]  # noqa: B018 - an unknown kind is an error here, not when loading
@@ -125,13 +142,20 @@ def make_payload(*, kind: str, model_config, state_dict: dict, cutoff: float, ma
     e_ref = torch.as_tensor(np.asarray(e_ref, dtype=np.float64))
     if e_ref.shape != (NUM_ELEMENTS,):
         raise ValueError(f"e_ref must have {NUM_ELEMENTS} rows (Z = 0..94), got shape {tuple(e_ref.shape)}")
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind, "model_config": dict(model_config),
-            "cutoff": float(cutoff), "max_neighbors": None if max_neighbors is None else int(max_neighbors),
-            "symmetric_edges": bool(symmetric_edges), "neighbors": neighbors,
-            "normalizer": {"e_ref": e_ref, "scale": float(scale)},
-            "elements": sorted(int(z) for z in set(np.asarray(elements).ravel().tolist())),
-            "dtype": str(dtype), "fingerprint": dict(fingerprint) if fingerprint else None, "run_id": run_id,
-            "state_dict": {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}}
+    norm = {"e_ref": e_ref, "scale": float(scale)}
+    if mean:
+        norm["mean"] = float(mean)
+    if force_scale is not None:
+        norm["force_scale"] = float(force_scale)
+    payload = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind, "model_config": dict(model_config),
+               "cutoff": float(cutoff), "max_neighbors": None if max_neighbors is None else int(max_neighbors),
+               "symmetric_edges": bool(symmetric_edges), "neighbors": neighbors, "normalizer": norm,
+               "elements": sorted(int(z) for z in set(np.asarray(elements).ravel().tolist())),
+               "dtype": str(dtype), "fingerprint": dict(fingerprint) if fingerprint else None, "run_id": run_id,
+               "state_dict": {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}}
+    if origin is not None:
+        payload["origin"] = dict(origin)
+    return payload
 
 
 def kind_of(model_config) -> str:
@@ -315,7 +339,10 @@ def decode(payload: Any, where: str = "payload") -> ModelFile:
                      symmetric_edges=bool(payload["symmetric_edges"]), e_ref=e_ref, scale=float(norm["scale"]),
                      elements=tuple(int(z) for z in payload["elements"]), dtype=str(payload["dtype"]),
                      state_dict=dict(payload["state_dict"]), fingerprint=payload.get("fingerprint"),
-                     run_id=payload.get("run_id"), source=where, neighbors=neighbors)
+                     run_id=payload.get("run_id"), source=where, neighbors=neighbors,
+                     mean=float(norm.get("mean", 0.0)),
+                     force_scale=None if norm.get("force_scale") is None else float(norm["force_scale"]),
+                     origin=payload.get("origin"))
 
 
 # --------------------------------------------------------------------------- older runs

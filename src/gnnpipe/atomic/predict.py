@@ -131,7 +131,7 @@ def split_predictions(predictor: Predictor, systems: dict, graphs: dict, ids, ba
         s = predictor.norm.scale
         energy.append(s * y.to(torch.float64).cpu().numpy() + predictor.norm.baseline(b["z"], b["system"],
                                                                                       b["num_systems"]))
-        forces.append(s * f.to(torch.float64).cpu().numpy())
+        forces.append(predictor.norm.force_scale * f.to(torch.float64).cpu().numpy())
     sizes = ptr[ids + 1] - ptr[ids]
     return {"system": ids, "atom_ptr": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
             "z": systems["z"][atoms], "pos": systems["pos"][atoms], "cell": systems["cell"][ids],
