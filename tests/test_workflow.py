@@ -422,6 +422,18 @@ def test_tiny_config_end_to_end(tmp_path):
     found = mlflow.search_runs(experiment_names=["gnnpipe"])
     assert sorted(found["run_id"]) == sorted(r["mlflow_run_id"] for r in records.values())
 
+    # every job's benchmark file (Snakemake's TSV), summed per rule in the report's stages table
+    bench = results / "benchmarks"
+    for rid in runs:
+        for rule in ("run_config", "train", "evaluate"):
+            assert (bench / rule / f"{rid}.tsv").is_file(), (rule, rid)
+    assert {p.name for p in bench.iterdir()} >= {"dataset_spec", "build_graph", "partition", "materialize",
+                                                   "plan_stats", "calibrate", "run_config", "train", "evaluate"}
+    assert (bench / "report" / "report.tsv").is_file()
+    stages = report[report.index("## Stages"):report.index("## All runs")]
+    assert f"| train | training | {len(runs)} |" in stages and "| build_graph | set-up | 1 |" in stages
+    assert re.search(r"Set-up [\d.]+ s ÷ training [\d.]+ s = \*\*[\d.]+×\*\*", stages), stages
+
     again = snakemake(tmp_path, TINY, "-n")
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
 

@@ -227,7 +227,8 @@ def _report(a):
         runs = [Path(a.runs_dir) / r for r in a.run]
     if not runs:
         raise GnnPipeError(f"{a.runs_dir}: no run records (*/metrics.json); train some runs first")
-    build_report(runs, Path(a.out), Path(a.plots), hardware=a.hardware, cost_model_dir=a.cost_model_dir)
+    build_report(runs, Path(a.out), Path(a.plots), hardware=a.hardware, cost_model_dir=a.cost_model_dir,
+                 benchmarks_dir=a.benchmarks)
 
 
 def _runs(a):
@@ -478,6 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "DIR/<dataset>/*.yaml profiles calibrated to a model (`gnnpipe calibrate`): "
                         "a run uses the one fitted to its model, else --hardware (default: "
                         "statistics cached next to each graph.h5, no calibration)")
+    r.add_argument("--benchmarks", metavar="DIR",
+                   help="the workflow's Snakemake benchmark files, DIR/<rule>/<job>.tsv: a table of each "
+                        "stage's wall time and peak memory, set-up against training (default: none)")
     r.set_defaults(func=_report, outputs=("out",), output_dirs=("plots",))
 
     s = sub.add_parser("runs", help="list the runs a workflow config defines",

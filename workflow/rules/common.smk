@@ -101,6 +101,15 @@ def relax_reference(wildcards) -> str:
 
 
 # ----------------------------------------------------------------------------- targets
+BENCHMARKS = f"{RESULTS}/benchmarks"
+
+
+def bench(rule: str, job: str) -> str:
+    """A rule's Snakemake benchmark file (wall time, peak RSS, ... of each job): what the report's
+    stages table sums per rule (gnnpipe.report.stages)."""
+    return f"{BENCHMARKS}/{rule}/{job}.tsv"
+
+
 def final_outputs():
     return ([f"{RESULTS}/report.md"] + [f"{RESULTS}/runs/{rid}/eval.json" for rid in RUNS]
             + [f"{RESULTS}/runs/{rid}/relax.json" for rid in RELAX_RUNS])

@@ -7,6 +7,8 @@ rule partition:
         stats=f"{RESULTS}/partitions/{{dataset}}/{{method}}-{{parts}}.json",
     log:
         "logs/partition/{dataset}/{method}-{parts}.log",
+    benchmark:
+        bench("partition", "{dataset}/{method}-{parts}"),
     params:
         seed=WF.partitioning.seed,
         balance="" if WF.partitioning.balance_edges else "--no-balance-edges",
@@ -27,6 +29,8 @@ rule materialize:
         store=store_path(RESULTS, "{dataset}", "{method}", "{parts}"),
     log:
         "logs/materialize/{dataset}/{method}-{parts}.log",
+    benchmark:
+        bench("materialize", "{dataset}/{method}-{parts}"),
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
