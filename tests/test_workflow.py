@@ -54,6 +54,8 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
         "all": 1, "dataset_spec": len(node) + len(atoms), "build_graph": len(node), "partition": len(stores),
         "materialize": len(stores), "build_systems": len(atoms), "atom_graphs": len(atoms),
         "run_config": len(runs), "train": len(runs), "report": 1, "plan_stats": len(node), "calibrate": len(fitted),
+        # the single engine's node order, once per graph (#36)
+        "locality": len({r.dataset_name for r in runs.values() if r.locality_path}),
         # atomic runs: eval.json and predictions.h5, then IS2RS (config relax:)
         "evaluate": sum(not r.atomic for r in runs.values()), "evaluate_atomic": sum(r.atomic for r in runs.values()),
         "relax": sum(r.atomic for r in runs.values()) if wf.relax.systems else 0}

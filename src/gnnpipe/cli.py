@@ -5,6 +5,7 @@
     gnnpipe plan-atomic --systems systems.h5 --graphs graphs.h5 --preset xl --device-gib 32
     gnnpipe partition   --graph graph.h5 --method metis --parts 4 --out metis-4.npy
     gnnpipe materialize --graph graph.h5 --assignment metis-4.npy --out metis-4.h5
+    gnnpipe locality    --graph graph.h5 --seed 0 --out locality.npz   (the single engine's node order, once)
     gnnpipe train       --run-config results/runs/<run_id>/run.yaml   (torchrun for P > 1)
     gnnpipe launch      --run-config run.yaml --mem-mb-per-worker 4096 [-- torchrun ...]
                                                       (the train rule: check the plan, start, report OOM)
@@ -153,6 +154,17 @@ def _materialize(a):
     assignment = read_partition(a.assignment, graph.num_nodes)
     materialize(graph, assignment, a.out, graph_hash=graph.content_hash(),
                 method=Path(a.assignment).stem, progress=True)
+
+
+def _locality(a):
+    from .graph import read_graph, read_graph_attrs
+    from .partition import write_locality
+
+    graph = read_graph(a.graph, features=False)  # METIS needs the structure only
+    done = write_locality(a.out, graph, seed=a.seed, graph_hash=str(read_graph_attrs(a.graph)["content_hash"]))
+    print(f"gnnpipe: locality order of {done['nodes']:,} nodes: "
+          + (f"{done['parts']} METIS parts in {done['seconds']:.2f} s" if done["parts"] else
+             f"the given ids kept ({done['skipped'] or 'fewer than two parts of nodes'})"), file=sys.stderr)
 
 
 def _train(a):
@@ -373,6 +385,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--assignment", required=True, help="assignment .npy from `gnnpipe partition`")
     m.add_argument("--out", required=True, help="chunk store to write (results/chunks/<d>/<method>-<k>.h5)")
     m.set_defaults(func=_materialize, outputs=("out",))
+
+    lo = sub.add_parser("locality", help="the single engine's locality node order of a graph, once",
+                        description="METIS into parts of ~1,024 nodes, the nodes numbered by part "
+                                    "(training.node_order locality): what every single-process run and "
+                                    "calibration on the graph read instead of running METIS each.")
+    lo.add_argument("--graph", required=True, help="graph.h5")
+    lo.add_argument("--seed", type=int, default=0, help="METIS's seed (partitioning.seed)")
+    lo.add_argument("--out", required=True, help="order file to write (results/partitions/<d>/locality.npz)")
+    lo.set_defaults(func=_locality, outputs=("out",))
 
     t = sub.add_parser("train", help="train one run (under torchrun for parallel modes)",
                        description="Train one run from its resolved config, resuming from its last "

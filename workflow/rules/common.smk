@@ -16,6 +16,7 @@ from gnnpipe.config import (
     ConfigError,
     dump_run_config,
     load_workflow_config,
+    locality_path,
     resolve_runs,
     run_id,
     store_path,
@@ -172,9 +173,13 @@ def plan_parts(wildcards) -> list[int]:
                    for k in (r.ways, r.chunks) if k > 1})
 
 
-def calibration_run_config(wildcards) -> str:
-    rid = CALIBRATION_RUNS[(wildcards.dataset, wildcards.model)]
-    return f"{RESULTS}/runs/{rid}/run.yaml"
+def calibration_inputs(wildcards) -> dict:
+    """The run.yaml calibration fits to and, when it numbers nodes for locality, the order (rule locality)."""
+    run = RUNS[CALIBRATION_RUNS[(wildcards.dataset, wildcards.model)]]
+    inputs = {"run_config": f"{RESULTS}/runs/{run.run_id}/run.yaml"}
+    if run.locality_path:
+        inputs["locality"] = run.locality_path
+    return inputs
 
 
 # ----------------------------------------------------------------------------- data
@@ -216,6 +221,8 @@ def run_inputs(wildcards) -> dict:
         inputs["systems"] = run.systems_path
     if run.store_path:
         inputs["store"] = run.store_path
+    if run.locality_path and run.mode == "single":  # the single engine's node order (rule locality)
+        inputs["locality"] = run.locality_path
     return inputs
 
 

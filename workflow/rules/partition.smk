@@ -36,3 +36,22 @@ rule materialize:
     shell:
         "gnnpipe materialize --graph {input.graph:q} --assignment {input.assignment:q}"
         " --out {output.store:q} > {log:q} 2>&1"
+
+
+rule locality:
+    """The single engine's node order (training.node_order locality: METIS parts of ~1,024 nodes),
+    once per graph: every single-process run and calibration on the graph reads it."""
+    input:
+        graph=f"{RESULTS}/data/{{dataset}}/graph.h5",
+    output:
+        order=locality_path(RESULTS, "{dataset}"),
+    log:
+        "logs/partition/{dataset}/locality.log",
+    benchmark:
+        bench("locality", "{dataset}"),
+    params:
+        seed=WF.partitioning.seed,
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        "gnnpipe locality --graph {input.graph:q} --seed {params.seed:q} --out {output.order:q} > {log:q} 2>&1"

@@ -51,8 +51,8 @@ rule calibrate:
     """The cost model's hardware profile with its compute rates fitted, on this machine, to
     a dataset's graph and a model (timed on the thread's CPU clock: other jobs may run)."""
     input:
+        unpack(calibration_inputs),
         graph=f"{RESULTS}/data/{{dataset}}/graph.h5",
-        run_config=calibration_run_config,
         hardware=HARDWARE_FILE,
     output:
         profile=f"{COST_DIR}/{{dataset}}/{{model}}.yaml",

@@ -209,7 +209,8 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> Hardware:
     # single-process epochs is the profile's single_worker_speedup.
     # ... and numbers its nodes for locality (training.node_order): the warm rates are timed on
     # the graph as the single engine holds it
-    how = node_order(graph, cfg.training.node_order, seed=cfg.training.seed)
+    how = node_order(graph, cfg.training.node_order, seed=cfg.partitioning.seed, path=cfg.locality_path,
+                     graph_hash=str(read_graph_attrs(cfg.graph_path)["content_hash"]))
     held = graph.renumbered(how.pop("order")) if how["parts"] else graph
     warm = calibrate(held, cfg.model, hw, threads=threads, dtype=cfg.training.dtype, clock=clock, evict=False)
     del held
