@@ -11,7 +11,8 @@ HEADER = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load
 
 def row(s: float, rss) -> str:
     rss = "NA" if rss is None else f"{rss:.2f}"
-    mem = "\t".join([rss, "NA" if rss == "NA" else "1200.00", rss, rss, "0.00", "1.25", "87.50", "3.10"])
+    cpu = "NA" if rss == "NA" else f"{s / 2:.2f}"  # CPU seconds: half the wall time, here
+    mem = "\t".join([rss, "NA" if rss == "NA" else "1200.00", rss, rss, "0.00", "1.25", "87.50", cpu])
     return f"{s:.4f}\t0:00:{int(s):02d}\t{mem}"
 
 
@@ -49,6 +50,7 @@ def test_stages_sum_per_rule(bench):
     assert (stages["partition"].jobs, stages["partition"].seconds, stages["partition"].max_rss_mb) == (2, 8.0, 250.5)
     assert (stages["train"].jobs, stages["train"].seconds, stages["train"].max_rss_mb) == (2, 50.0, 900.0)
     assert (stages["evaluate"].jobs, stages["evaluate"].seconds, stages["evaluate"].max_rss_mb) == (1, 7.0, 355.0)
+    assert (stages["partition"].cpu_s, stages["evaluate"].cpu_s) == (1.5, 3.5)  # NA: no CPU figure
     assert [stages[r].kind for r in ("build_graph", "train", "relax")] == ["set-up", "training", "after training"]
     # without the run list, every file counts
     assert {s.rule: s.seconds for s in collect(bench)}["train"] == 1050.0
@@ -57,10 +59,11 @@ def test_stages_sum_per_rule(bench):
 def test_section_states_the_ratio_and_the_bound(bench):
     text = stages_section(collect(bench, RUNS), "results/benchmarks")
     # set-up: build_graph 4 + partition 8 + evaluate 7 = 19; training 50; relax neither
-    assert "| partition | set-up | 2 | 8.0 | 250 |" in text  # 250.5 MB, rounded half to even
-    assert "| build_graph | set-up | 1 | 4.0 | 300 |" in text
-    assert "| relax | after training | 1 | 50.0 | 500 |" in text
-    assert "Set-up 19.0 s ÷ training 50.0 s = **0.38×** (within the bound of 0.5×)." in text
+    assert "| partition | set-up | 2 | 8.0 | 1.5 | 250 |" in text  # 250.5 MB, rounded half to even
+    assert "| build_graph | set-up | 1 | 4.0 | 2.0 | 300 |" in text
+    assert "| relax | after training | 1 | 50.0 | 25.0 | 500 |" in text
+    assert ("Set-up 19.0 s ÷ training 50.0 s = **0.38×** (within the bound of 0.5×). "
+            "In CPU seconds: 7.0 ÷ 25.0 = 0.28×.") in text
     write(bench, "calibrate/synth/gcn2.tsv", row(40.0, 700.0))
     text = stages_section(collect(bench, RUNS), "results/benchmarks")
     assert ("Set-up 59.0 s ÷ training 50.0 s = **1.18×** (**over the bound of 0.5×**; the largest set-up "
