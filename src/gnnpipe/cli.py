@@ -258,12 +258,16 @@ def _runs(a):
 
 def _plan(a):
     from .config import load_yaml
+    from .kinds import CONVS
     from .planning.plan import run_plan
 
     if a.run_config:  # one node run against its workers' memory (the launcher's check)
         return _fit_run(a)
     if not (a.hardware and a.workers):
         raise GnnPipeError("plan: give --hardware and --workers (or --run-config)")
+    if a.kind is not None and CONVS[a.kind].work is None:
+        raise GnnPipeError(f"plan: --kind {a.kind} has no graph layers, so no cost model; use one of "
+                           + ", ".join(k for k, kind in CONVS.items() if kind.work is not None))
     data = {}
     if a.model:
         data = load_yaml(a.model) or {}
@@ -533,8 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="scale every partition's mirrors so that G parts have R*N (e.g. 8:2.1, a "
                          "published figure for the graph the statistics stand in for)")
     pl.add_argument("--model", help="YAML of the model config (a models.<name> entry)")
-    pl.add_argument("--kind", choices=[k for k, kind in CONVS.items() if kind.work is not None],
-                    help="override model.kind (a kind with graph layers)")
+    # the names only: asking each entry for its work would import torch in every command's parser
+    pl.add_argument("--kind", choices=CONVS.names(), help="override model.kind (a kind with graph layers)")
     pl.add_argument("--layers", type=int, help="override model.layers")
     pl.add_argument("--hidden", type=int, help="override model.hidden")
     pl.add_argument("--hardware", help="a profile name under config/hardware (e.g. 8xgpu-pcie) or a YAML file")
