@@ -81,3 +81,21 @@ def test_no_files_and_bad_files(tmp_path):
     bad.write_text(HEADER + "\n" + row(1.0, 2.0).replace("1.0000", "soon") + "\n")
     with pytest.raises(GnnPipeError, match="not a number"):
         collect(tmp_path)
+
+
+def test_the_report_has_the_stages_section(tmp_path):
+    """``build_report(benchmarks_dir=...)`` puts the table after the datasets, over the reported runs'
+    files (without the directory, ``gnnpipe report`` outside the workflow, there is no section)."""
+    from gnnpipe.report import build_report
+    from test_report import record, write_run
+
+    dirs = [write_run(tmp_path / "runs", record("synth-gcn2-single-p1-seed0", "single", model="gcn", layers=2))]
+    bench = tmp_path / "benchmarks"
+    write(bench, "train/synth-gcn2-single-p1-seed0.tsv", row(20.0, 400.0))
+    write(bench, "evaluate/synth-gcn2-single-p1-seed0.tsv", row(6.0, 350.0))
+    out = tmp_path / "report.md"
+    build_report(dirs, out, tmp_path / "plots", predict=False, benchmarks_dir=bench)
+    text = out.read_text()
+    stages = text[text.index("## Stages"):text.index("## All runs")]
+    assert text.index("## Datasets") < text.index("## Stages")
+    assert "| train | training | 1 | 20.0 | 10.0 | 400 |" in stages and "= **0.30×** (within the bound" in stages
