@@ -54,6 +54,8 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
         "all": 1, "dataset_spec": len(node) + len(atoms), "build_graph": len(node), "partition": len(stores),
         "materialize": len(stores), "build_systems": len(atoms), "atom_graphs": len(atoms),
         "run_config": len(runs), "train": len(runs), "report": 1, "plan_stats": len(node), "calibrate": len(fitted),
+        # the single engine's node order, once per graph (#36)
+        "locality": len({r.dataset_name for r in runs.values() if r.locality_path}),
         # atomic runs: eval.json and predictions.h5, then IS2RS (config relax:)
         "evaluate": sum(not r.atomic for r in runs.values()), "evaluate_atomic": sum(r.atomic for r in runs.values()),
         "relax": sum(r.atomic for r in runs.values()) if wf.relax.systems else 0}
@@ -421,6 +423,18 @@ def test_tiny_config_end_to_end(tmp_path):
     mlflow.set_tracking_uri(f"sqlite:///{results / 'mlflow.db'}")
     found = mlflow.search_runs(experiment_names=["gnnpipe"])
     assert sorted(found["run_id"]) == sorted(r["mlflow_run_id"] for r in records.values())
+
+    # every job's benchmark file (Snakemake's TSV), summed per rule in the report's stages table
+    bench = results / "benchmarks"
+    for rid in runs:
+        for rule in ("run_config", "train", "evaluate"):
+            assert (bench / rule / f"{rid}.tsv").is_file(), (rule, rid)
+    assert {p.name for p in bench.iterdir()} >= {"dataset_spec", "build_graph", "partition", "materialize",
+                                                   "plan_stats", "calibrate", "run_config", "train", "evaluate"}
+    assert (bench / "report" / "report.tsv").is_file()
+    stages = report[report.index("## Stages"):report.index("## All runs")]
+    assert f"| train | training | {len(runs)} |" in stages and "| build_graph | set-up | 1 |" in stages
+    assert re.search(r"Set-up [\d.]+ s ÷ training [\d.]+ s = \*\*[\d.]+×\*\*", stages), stages
 
     again = snakemake(tmp_path, TINY, "-n")
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr

@@ -323,7 +323,7 @@ def load_checkpoint(path: str | Path) -> dict:
     return state
 
 
-_PATHS = ("graph_path", "store_path", "out_dir", "systems_path")  # where the run lies, not what it is
+_PATHS = ("graph_path", "store_path", "out_dir", "systems_path", "locality_path")  # where the run lies, not what it is
 # How a run is kept alive and how often its state is saved, not what it computes: left out of
 # the fingerprint, so changing them never refuses a checkpoint. Version 1 (gnnpipe before the
 # fingerprint named keys) left out only the first two; a version is never changed, only added.

@@ -5,6 +5,7 @@
     gnnpipe plan-atomic --systems systems.h5 --graphs graphs.h5 --preset xl --device-gib 32
     gnnpipe partition   --graph graph.h5 --method metis --parts 4 --out metis-4.npy
     gnnpipe materialize --graph graph.h5 --assignment metis-4.npy --out metis-4.h5
+    gnnpipe locality    --graph graph.h5 --seed 0 --out locality.npz   (the single engine's node order, once)
     gnnpipe train       --run-config results/runs/<run_id>/run.yaml   (torchrun for P > 1)
     gnnpipe launch      --run-config run.yaml --mem-mb-per-worker 4096 [-- torchrun ...]
                                                       (the train rule: check the plan, start, report OOM)
@@ -157,6 +158,17 @@ def _materialize(a):
                 method=Path(a.assignment).stem, progress=True)
 
 
+def _locality(a):
+    from .graph import read_graph, read_graph_attrs
+    from .partition import write_locality
+
+    graph = read_graph(a.graph, features=False)  # METIS needs the structure only
+    done = write_locality(a.out, graph, seed=a.seed, graph_hash=str(read_graph_attrs(a.graph)["content_hash"]))
+    print(f"gnnpipe: locality order of {done['nodes']:,} nodes: "
+          + (f"{done['parts']} METIS parts in {done['seconds']:.2f} s" if done["parts"] else
+             f"the given ids kept ({done['skipped'] or 'fewer than two parts of nodes'})"), file=sys.stderr)
+
+
 def _train(a):
     from .launch import join_worker_cap
 
@@ -238,7 +250,8 @@ def _report(a):
         runs = [Path(a.runs_dir) / r for r in a.run]
     if not runs:
         raise GnnPipeError(f"{a.runs_dir}: no run records (*/metrics.json); train some runs first")
-    build_report(runs, Path(a.out), Path(a.plots), hardware=a.hardware, cost_model_dir=a.cost_model_dir)
+    build_report(runs, Path(a.out), Path(a.plots), hardware=a.hardware, cost_model_dir=a.cost_model_dir,
+                 benchmarks_dir=a.benchmarks)
 
 
 def _runs(a):
@@ -256,12 +269,16 @@ def _runs(a):
 
 def _plan(a):
     from .config import load_yaml
+    from .kinds import CONVS
     from .planning.plan import run_plan
 
     if a.run_config:  # one node run against its workers' memory (the launcher's check)
         return _fit_run(a)
     if not (a.hardware and a.workers):
         raise GnnPipeError("plan: give --hardware and --workers (or --run-config)")
+    if a.kind is not None and CONVS[a.kind].work is None:
+        raise GnnPipeError(f"plan: --kind {a.kind} has no graph layers, so no cost model; use one of "
+                           + ", ".join(k for k, kind in CONVS.items() if kind.work is not None))
     data = {}
     if a.model:
         data = load_yaml(a.model) or {}
@@ -389,6 +406,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True, help="chunk store to write (results/chunks/<d>/<method>-<k>.h5)")
     m.set_defaults(func=_materialize, outputs=("out",))
 
+    lo = sub.add_parser("locality", help="the single engine's locality node order of a graph, once",
+                        description="METIS into parts of ~1,024 nodes, the nodes numbered by part "
+                                    "(training.node_order locality): what every single-process run and "
+                                    "calibration on the graph read instead of running METIS each.")
+    lo.add_argument("--graph", required=True, help="graph.h5")
+    lo.add_argument("--seed", type=int, default=0, help="METIS's seed (partitioning.seed)")
+    lo.add_argument("--out", required=True, help="order file to write (results/partitions/<d>/locality.npz)")
+    lo.set_defaults(func=_locality, outputs=("out",))
+
     t = sub.add_parser("train", help="train one run (under torchrun for parallel modes)",
                        description="Train one run from its resolved config, resuming from its last "
                                    "complete checkpoint if it has one. Modes graph, pipeline and "
@@ -511,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "DIR/<dataset>/*.yaml profiles calibrated to a model (`gnnpipe calibrate`): "
                         "a run uses the one fitted to its model, else --hardware (default: "
                         "statistics cached next to each graph.h5, no calibration)")
+    r.add_argument("--benchmarks", metavar="DIR",
+                   help="the workflow's Snakemake benchmark files, DIR/<rule>/<job>.tsv: a table of each "
+                        "stage's wall time and peak memory, set-up against training (default: none)")
     r.set_defaults(func=_report, outputs=("out",), output_dirs=("plots",))
 
     s = sub.add_parser("runs", help="list the runs a workflow config defines",
@@ -541,8 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="scale every partition's mirrors so that G parts have R*N (e.g. 8:2.1, a "
                          "published figure for the graph the statistics stand in for)")
     pl.add_argument("--model", help="YAML of the model config (a models.<name> entry)")
-    pl.add_argument("--kind", choices=[k for k, kind in CONVS.items() if kind.work is not None],
-                    help="override model.kind (a kind with graph layers)")
+    # the names only: asking each entry for its work would import torch in every command's parser
+    pl.add_argument("--kind", choices=CONVS.names(), help="override model.kind (a kind with graph layers)")
     pl.add_argument("--layers", type=int, help="override model.layers")
     pl.add_argument("--hidden", type=int, help="override model.hidden")
     pl.add_argument("--hardware", help="a profile name under config/hardware (e.g. 8xgpu-pcie) or a YAML file")

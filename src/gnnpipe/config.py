@@ -653,6 +653,9 @@ class RunConfig:
     data_parallel: int = key(1, bound=_WORKERS, doc="atomic models: replicas (workers = data_parallel * ways)")
     atom_layout: Literal["edges", "atoms"] = key("edges", doc="atomic graph mode: how the ways split a batch")
     systems_path: Optional[str] = key(None, doc="atomic models: results/data/<dataset>/systems.h5")
+    locality_path: Optional[str] = key(None, doc=(
+        "node runs with training.node_order locality: the order computed once per graph, "
+        "results/partitions/<dataset>/locality.npz (rule locality); without the file it is computed"))
 
     @property
     def atomic(self) -> bool:
@@ -676,7 +679,7 @@ PATHS: dict[type, tuple[str, ...]] = {
     FilesConfig: ("edges", "features", "labels", "train_mask", "val_mask", "test_mask"),
     AtomsConfig: ("file", "split_file"),
     CostModelConfig: ("hardware",),
-    RunConfig: ("graph_path", "store_path", "out_dir", "systems_path"),
+    RunConfig: ("graph_path", "store_path", "out_dir", "systems_path", "locality_path"),
 }
 # Outputs never go here (a typo or a `..` too many in `results:` must not write into the
 # system). Anything else, relative or absolute, is the user's choice (cluster scratch).
@@ -1120,6 +1123,10 @@ def store_path(results: str, dataset: str, method: str, parts: int) -> str:
     return f"{results}/chunks/{dataset}/{method}-{parts}.h5"
 
 
+def locality_path(results: str, dataset: str) -> str:
+    return f"{results}/partitions/{dataset}/locality.npz"
+
+
 def resolve_run(wf: WorkflowConfig, spec: RunSpec) -> RunConfig:
     p, s, g, c = run_layout(wf, spec)
     rid = run_id(wf, spec)
@@ -1138,6 +1145,7 @@ def resolve_run(wf: WorkflowConfig, spec: RunSpec) -> RunConfig:
         systems_path=f"{data}/systems.h5" if atomic else None,
         data_parallel=(spec.data_parallel or 1) if atomic else 1,
         atom_layout=spec.atom_layout or "edges",
+        locality_path=None if atomic or training.node_order != "locality" else locality_path(wf.results, spec.dataset),
         out_dir=f"{wf.results}/runs/{rid}", model=wf.models[spec.model], training=training,
         partitioning=wf.partitioning, pipeline=run_pipeline(wf, spec), graph_parallel=wf.graph_parallel,
         workers=p, stages=s, ways=g, chunks=c,

@@ -101,32 +101,86 @@ def locality_order(graph: Graph, *, part_nodes: int = LOCALITY_PART_NODES, seed:
     return np.argsort(_metis(graph, parts, seed, balance_edges=False), kind="stable")
 
 
-def node_order(graph: Graph, how: str, *, seed: int = 0) -> dict:
+def node_order(graph: Graph, how: str, *, seed: int = 0, path: Optional[str | os.PathLike] = None,
+               graph_hash: Optional[str] = None) -> dict:
     """How the single engine numbers the nodes (``training.node_order``; calibration times its
-    single-process rates on the same numbering): ``{"node_order",
-    "parts", "seconds"}`` and, when renumbering, ``"order"`` (``gnnpipe.partition.locality_order``).
+    single-process rates on the same numbering): ``{"node_order", "parts", "seconds"}``, ``"file"``
+    when read from one, and, when renumbering, ``"order"`` (``gnnpipe.partition.locality_order``).
 
     ``"locality"`` renumbers by METIS parts: every node's aggregation then adds the same numbers
     in the same order (rows keep their neighbours' order), the dense products and the loss see the
     rows permuted, so the run equals one on the given ids up to float rounding in the reductions
     over nodes (weight gradients, the loss), and a checkpoint is the same model either way. A
     graph too small to gain, or too large for METIS in the memory available, keeps its ids (the
-    latter says so on stderr)."""
+    latter says so on stderr).
+
+    ``path``: the order computed once per graph (``gnnpipe locality``, the workflow's rule locality;
+    :func:`write_locality`), read instead of running METIS when the file exists, and checked against
+    the graph (``graph_hash``, its content hash) and ``seed``: the same numbering, bit for bit.
+    ``"seconds"`` is METIS's time either way."""
     info = {"node_order": how, "parts": 0, "seconds": 0.0}
     if how != "locality":
         return info
+    if path is not None and Path(path).exists():
+        held = read_locality(path, graph.num_nodes, graph_hash if graph_hash is not None else graph.content_hash(),
+                             seed)
+        order, info["seconds"], skipped = held["order"], held["seconds"], held["skipped"]
+        info["file"] = str(path)
+    else:
+        order, info["seconds"], skipped = _timed_locality(graph, seed)
+    if skipped:
+        print(f"gnnpipe: warning: training.node_order 'locality' skipped, the given ids kept: {skipped}",
+              file=sys.stderr, flush=True)
+    if order is None:
+        return dict(info, node_order="given", seconds=0.0)
+    return dict(info, parts=graph.num_nodes // LOCALITY_PART_NODES, order=order)
+
+
+def _timed_locality(graph: Graph, seed: int) -> tuple[Optional[np.ndarray], float, str]:
+    """``(order or None, METIS seconds, why it was skipped or "")``."""
     t0 = time.perf_counter()
     try:
         order = locality_order(graph, part_nodes=LOCALITY_PART_NODES, seed=seed)
     except GnnPipeError as e:
-        print(f"gnnpipe: warning: training.node_order 'locality' skipped, the given ids kept: {e}",
-              file=sys.stderr, flush=True)
-        return dict(info, node_order="given")
-    if order is None:
-        return dict(info, node_order="given")
-    return dict(info, parts=graph.num_nodes // LOCALITY_PART_NODES, seconds=round(time.perf_counter() - t0, 3),
-                order=order)
+        return None, 0.0, str(e)
+    return order, round(time.perf_counter() - t0, 3), ""
 
+
+def write_locality(path: str | os.PathLike, graph: Graph, *, seed: int = 0,
+                   graph_hash: Optional[str] = None) -> dict:
+    """Compute the locality order of ``graph`` once and write it atomically (``.npz``): the order
+    (empty: the given ids are kept), the graph's content hash, the seed, the nodes per part,
+    METIS's seconds and why it was skipped (a graph too large for METIS here). Returns a summary."""
+    order, seconds, skipped = _timed_locality(graph, seed)
+    digest = graph_hash if graph_hash is not None else graph.content_hash()
+    with atomic_path(path, ".npz") as tmp, open(tmp, "wb") as f:
+        np.savez(f, order=np.zeros(0, np.int64) if order is None else order.astype(np.int64, copy=False),
+                 graph_hash=np.array(digest), seed=np.int64(seed), part_nodes=np.int64(LOCALITY_PART_NODES),
+                 seconds=np.float64(seconds), skipped=np.array(skipped))
+    return {"nodes": graph.num_nodes, "parts": 0 if order is None else graph.num_nodes // LOCALITY_PART_NODES,
+            "seconds": seconds, "skipped": skipped}
+
+
+def read_locality(path: str | os.PathLike, num_nodes: int, graph_hash: str, seed: int) -> dict:
+    """A file of :func:`write_locality`, checked against the graph and seed it must belong to:
+    ``{"order": (N,) int64 or None, "seconds", "skipped"}``."""
+    fix = "; delete it and rerun the workflow (rule locality) or `gnnpipe locality`"
+    try:
+        with np.load(Path(path), allow_pickle=False) as z:
+            held = {k: z[k] for k in ("order", "graph_hash", "seed", "part_nodes", "seconds", "skipped")}
+    except (OSError, ValueError, KeyError, EOFError) as e:
+        raise GnnPipeError(f"{path}: not a readable locality order ({' '.join(str(e).split())[:200]}){fix}") from None
+    if str(held["graph_hash"]) != graph_hash:
+        raise GnnPipeError(f"{path}: computed for another graph (content hash {str(held['graph_hash'])[:12]}, the "
+                           f"run's graph has {graph_hash[:12]}){fix}")
+    if int(held["seed"]) != seed or int(held["part_nodes"]) != LOCALITY_PART_NODES:
+        raise GnnPipeError(f"{path}: computed with seed {int(held['seed'])} and {int(held['part_nodes'])} nodes per "
+                           f"part, the run asks seed {seed} and {LOCALITY_PART_NODES}{fix}")
+    order = held["order"].astype(np.int64, copy=False)
+    if order.size and order.shape != (num_nodes,):
+        raise GnnPipeError(f"{path}: an order of {order.size} nodes, the graph has {num_nodes}{fix}")
+    return {"order": order if order.size else None, "seconds": float(held["seconds"]),
+            "skipped": str(held["skipped"])}
 
 
 def part_locality_key(graph: Graph, assignment: np.ndarray, parts: int, *,

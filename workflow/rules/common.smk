@@ -16,6 +16,7 @@ from gnnpipe.config import (
     ConfigError,
     dump_run_config,
     load_workflow_config,
+    locality_path,
     resolve_runs,
     run_id,
     store_path,
@@ -101,6 +102,15 @@ def relax_reference(wildcards) -> str:
 
 
 # ----------------------------------------------------------------------------- targets
+BENCHMARKS = f"{RESULTS}/benchmarks"
+
+
+def bench(rule: str, job: str) -> str:
+    """A rule's Snakemake benchmark file (wall time, peak RSS, ... of each job): what the report's
+    stages table sums per rule (gnnpipe.report.stages)."""
+    return f"{BENCHMARKS}/{rule}/{job}.tsv"
+
+
 def final_outputs():
     return ([f"{RESULTS}/report.md"] + [f"{RESULTS}/runs/{rid}/eval.json" for rid in RUNS]
             + [f"{RESULTS}/runs/{rid}/relax.json" for rid in RELAX_RUNS])
@@ -163,9 +173,13 @@ def plan_parts(wildcards) -> list[int]:
                    for k in (r.ways, r.chunks) if k > 1})
 
 
-def calibration_run_config(wildcards) -> str:
-    rid = CALIBRATION_RUNS[(wildcards.dataset, wildcards.model)]
-    return f"{RESULTS}/runs/{rid}/run.yaml"
+def calibration_inputs(wildcards) -> dict:
+    """The run.yaml calibration fits to and, when it numbers nodes for locality, the order (rule locality)."""
+    run = RUNS[CALIBRATION_RUNS[(wildcards.dataset, wildcards.model)]]
+    inputs = {"run_config": f"{RESULTS}/runs/{run.run_id}/run.yaml"}
+    if run.locality_path:
+        inputs["locality"] = run.locality_path
+    return inputs
 
 
 # ----------------------------------------------------------------------------- data
@@ -208,6 +222,8 @@ def run_inputs(wildcards) -> dict:
         inputs["systems"] = run.systems_path
     if run.store_path:
         inputs["store"] = run.store_path
+    if run.locality_path and run.mode == "single":  # the single engine's node order (rule locality)
+        inputs["locality"] = run.locality_path
     return inputs
 
 

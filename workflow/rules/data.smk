@@ -4,6 +4,8 @@ rule dataset_spec:
         spec=f"{RESULTS}/data/{{dataset}}/dataset.yaml",
     log:
         "logs/data/{dataset}.spec.log",
+    benchmark:
+        bench("dataset_spec", "{dataset}"),
     params:
         text=dataset_spec_text,
     conda:
@@ -21,6 +23,8 @@ rule build_graph:
         stats=f"{RESULTS}/data/{{dataset}}/stats.json",
     log:
         "logs/data/{dataset}.log",
+    benchmark:
+        bench("build_graph", "{dataset}"),
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
@@ -38,6 +42,8 @@ rule build_systems:
         stats=f"{RESULTS}/data/{{dataset}}/systems-stats.json",
     log:
         "logs/data/{dataset}.systems.log",
+    benchmark:
+        bench("build_systems", "{dataset}"),
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
@@ -54,6 +60,8 @@ rule atom_graphs:
         stats=f"{RESULTS}/data/{{dataset}}/graphs-stats.json",
     log:
         "logs/data/{dataset}.graphs.log",
+    benchmark:
+        bench("atom_graphs", "{dataset}"),
     params:
         cutoff=lambda wildcards: WF.datasets[wildcards.dataset].atoms.cutoff,
         max_neighbors=lambda wildcards: WF.datasets[wildcards.dataset].atoms.max_neighbors,

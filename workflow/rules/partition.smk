@@ -7,6 +7,8 @@ rule partition:
         stats=f"{RESULTS}/partitions/{{dataset}}/{{method}}-{{parts}}.json",
     log:
         "logs/partition/{dataset}/{method}-{parts}.log",
+    benchmark:
+        bench("partition", "{dataset}/{method}-{parts}"),
     params:
         seed=WF.partitioning.seed,
         balance="" if WF.partitioning.balance_edges else "--no-balance-edges",
@@ -27,8 +29,29 @@ rule materialize:
         store=store_path(RESULTS, "{dataset}", "{method}", "{parts}"),
     log:
         "logs/materialize/{dataset}/{method}-{parts}.log",
+    benchmark:
+        bench("materialize", "{dataset}/{method}-{parts}"),
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
         "gnnpipe materialize --graph {input.graph:q} --assignment {input.assignment:q}"
         " --out {output.store:q} > {log:q} 2>&1"
+
+
+rule locality:
+    """The single engine's node order (training.node_order locality: METIS parts of ~1,024 nodes),
+    once per graph: every single-process run and calibration on the graph reads it."""
+    input:
+        graph=f"{RESULTS}/data/{{dataset}}/graph.h5",
+    output:
+        order=locality_path(RESULTS, "{dataset}"),
+    log:
+        "logs/partition/{dataset}/locality.log",
+    benchmark:
+        bench("locality", "{dataset}"),
+    params:
+        seed=WF.partitioning.seed,
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        "gnnpipe locality --graph {input.graph:q} --seed {params.seed:q} --out {output.order:q} > {log:q} 2>&1"

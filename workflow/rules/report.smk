@@ -10,15 +10,18 @@ rule report:
                      caption="../report/plots.rst", category="Plots"),
     log:
         "logs/report.log",
+    benchmark:
+        bench("report", "report"),
     params:
         runs=report_run_args,
         runs_dir=lambda wildcards, input: os.path.dirname(os.path.dirname(input.metrics[0])),
         cost_dir=COST_DIR,
+        benchmarks=BENCHMARKS,  # every job upstream of this one has written its file
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
         "gnnpipe report --runs-dir {params.runs_dir:q} {params.runs:q}"
-        " --hardware {input.hardware:q} --cost-model-dir {params.cost_dir:q}"
+        " --hardware {input.hardware:q} --cost-model-dir {params.cost_dir:q} --benchmarks {params.benchmarks:q}"
         " --out {output.report:q} --plots {output.plots:q} > {log:q} 2>&1"
 
 
@@ -30,6 +33,8 @@ rule plan_stats:
         stats=f"{COST_DIR}/{{dataset}}/plan-stats.json",
     log:
         "logs/cost_model/{dataset}.plan-stats.log",
+    benchmark:
+        bench("plan_stats", "{dataset}"),
     params:
         parts=plan_parts,
         method=WF.partitioning.method,
@@ -46,13 +51,15 @@ rule calibrate:
     """The cost model's hardware profile with its compute rates fitted, on this machine, to
     a dataset's graph and a model (timed on the thread's CPU clock: other jobs may run)."""
     input:
+        unpack(calibration_inputs),
         graph=f"{RESULTS}/data/{{dataset}}/graph.h5",
-        run_config=calibration_run_config,
         hardware=HARDWARE_FILE,
     output:
         profile=f"{COST_DIR}/{{dataset}}/{{model}}.yaml",
     log:
         "logs/cost_model/{dataset}.{model}.calibrate.log",
+    benchmark:
+        bench("calibrate", "{dataset}/{model}"),
     # alone on the machine: a job beside it would share the caches and memory bandwidth
     # it is timing (it takes a few seconds)
     threads: whole_machine()

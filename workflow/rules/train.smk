@@ -4,6 +4,8 @@ rule run_config:
         run_config=f"{RESULTS}/runs/{{run_id}}/run.yaml",
     log:
         "logs/runs/{run_id}.run_config.log",
+    benchmark:
+        bench("run_config", "{run_id}"),
     params:
         text=run_config_text,
     conda:
@@ -22,6 +24,8 @@ rule train:
         model=f"{RESULTS}/runs/{{run_id}}/model.pt",
     log:
         "logs/train/{run_id}.log",
+    benchmark:
+        bench("train", "{run_id}"),
     threads: timed_threads
     resources:
         nodes=train_resource("nodes"),
@@ -56,6 +60,8 @@ rule evaluate:
         evaluation=f"{RESULTS}/runs/{{run_id}}/eval.json",
     log:
         "logs/evaluate/{run_id}.log",
+    benchmark:
+        bench("evaluate", "{run_id}"),
     threads: train_threads
     resources:
         mem_mb=train_resource("mem_mb"),
@@ -81,6 +87,8 @@ rule evaluate_atomic:
         predictions=f"{RESULTS}/runs/{{run_id}}/predictions.h5",
     log:
         "logs/evaluate/{run_id}.log",
+    benchmark:
+        bench("evaluate_atomic", "{run_id}"),
     threads: train_threads
     resources:
         mem_mb=train_resource("mem_mb"),
@@ -109,6 +117,8 @@ rule relax:
         trajectories=directory(f"{RESULTS}/runs/{{run_id}}/relax"),
     log:
         "logs/relax/{run_id}.log",
+    benchmark:
+        bench("relax", "{run_id}"),
     threads: 1
     resources:
         mem_mb=train_resource("mem_mb"),

@@ -16,7 +16,7 @@ import torch
 from ..config import RunConfig
 from ..engine import (DTYPES, EpochStats, NonFiniteError, ce_sum, exact_metrics, graph_tensors, load_train_state,
                       make_optimizer, node_habits, train_state)
-from ..graph import read_graph
+from ..graph import read_graph, read_graph_attrs
 from ..models.block import Block
 from ..models.model import GNN
 from ..partition import node_order
@@ -35,7 +35,8 @@ class SingleEngine:
         dtype = DTYPES[cfg.training.dtype]
         graph = read_graph(cfg.graph_path)
         self.num_nodes, self.num_edges, self.in_features = graph.num_nodes, graph.num_edges, graph.num_features
-        self.order = node_order(graph, cfg.training.node_order, seed=cfg.training.seed)
+        self.order = node_order(graph, cfg.training.node_order, seed=cfg.partitioning.seed, path=cfg.locality_path,
+                                graph_hash=str(read_graph_attrs(cfg.graph_path)["content_hash"]))
         if self.order["parts"]:
             graph = graph.renumbered(self.order.pop("order"))
         self.block = Block.full(graph.indptr, graph.indices, dtype).to(device)

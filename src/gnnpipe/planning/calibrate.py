@@ -20,7 +20,6 @@ from ..costmodel.work import Work, layer_cost, rowwise_work
 from ..graph import read_graph, read_graph_attrs
 from ..io import GnnPipeError, write_text
 from ..partition import node_order
-from .predict import predict_layout
 from .shape import DTYPE_BYTES, build_model, model_shape
 
 FLUSH_BYTES = 128 * 2**20
@@ -196,6 +195,8 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> Hardware:
     worker. The result is named ``<profile>+<dataset>`` and keeps the profile's links; its
     ``measured["calibration"]`` records the model config and the graph's content hash, so
     that a report can match it to the runs it stands for (:func:`find_calibration`)."""
+    from .predict import predict_layout  # torch (stage balancing): not at import, which every gnnpipe command pays
+
     cfg = run_config if isinstance(run_config, RunConfig) else load_run_config(run_config)
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
     threads = cfg.training.threads_per_worker
@@ -209,7 +210,8 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> Hardware:
     # single-process epochs is the profile's single_worker_speedup.
     # ... and numbers its nodes for locality (training.node_order): the warm rates are timed on
     # the graph as the single engine holds it
-    how = node_order(graph, cfg.training.node_order, seed=cfg.training.seed)
+    how = node_order(graph, cfg.training.node_order, seed=cfg.partitioning.seed, path=cfg.locality_path,
+                     graph_hash=str(read_graph_attrs(cfg.graph_path)["content_hash"]))
     held = graph.renumbered(how.pop("order")) if how["parts"] else graph
     warm = calibrate(held, cfg.model, hw, threads=threads, dtype=cfg.training.dtype, clock=clock, evict=False)
     del held

@@ -28,6 +28,8 @@ the record's). Output:
   (shuffle, grad correction, snapshot, momentum: an ablation), a table "Pipeline
   techniques": each run's settings from its run.yaml, test accuracy and Δ to the
   single-process reference (seeds pooled); left out when no model has such runs;
+* where the workflow's time went (:mod:`.stages`, with ``benchmarks_dir``): per rule, its jobs'
+  summed wall time and peak memory from Snakemake's benchmark files, set-up against training;
 * plots (matplotlib, Agg canvas, no pyplot state): loss and accuracy curves per
   dataset × model with a line per run, bytes per epoch, epoch-time split, and per
   dataset × model bytes vs P and epoch time vs P per mode (measured and predicted) and
@@ -35,7 +37,7 @@ the record's). Output:
 
 Every file is written atomically. The modules: :mod:`.records` (run records, seeds
 pooled), :mod:`.predictions` (the cost model's), :mod:`.timing` (time to accuracy,
-overlapping runs), :mod:`.tables` (the Markdown), :mod:`.plots`; atomic runs' section is :mod:`.atomic`.
+overlapping runs), :mod:`.tables` (the Markdown), :mod:`.stages` (the stages table), :mod:`.plots`; atomic runs' section is :mod:`.atomic`.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..io import GnnPipeError, write_text
-from . import atomic as atomic_report, timing
+from . import atomic as atomic_report, stages as stage_times, timing
 from .plots import plot_bytes, plot_curves, plot_mode_curves, plot_time_to_accuracy, plot_times, plot_vs_workers
 from .predictions import DEFAULT_HARDWARE, Prediction, Predictor
 from .records import Run, aggregate, load_runs
@@ -62,13 +64,15 @@ def count_line(runs: list[Run], atomic: int) -> str:
 
 
 def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
-                 hardware=DEFAULT_HARDWARE, predict: bool = True, cost_model_dir=None) -> None:
+                 hardware=DEFAULT_HARDWARE, predict: bool = True, cost_model_dir=None,
+                 benchmarks_dir=None) -> None:
     """Read the runs in ``run_dirs`` and write ``out_md`` and the PNGs in ``plots_dir``.
 
     ``hardware``: the profile (name, path or ``costmodel.Hardware``) the cost model
     predicts each run on; ``cost_model_dir``: the workflow's partition statistics and
     calibrated profiles (``Predictor``); ``predict=False`` leaves the predictions out
-    (marked so)."""
+    (marked so); ``benchmarks_dir``: the workflow's benchmark files (``results/benchmarks``), for the
+    stages table (:mod:`.stages`; left out without it)."""
     if not run_dirs:
         raise GnnPipeError("no runs to report on")
 
@@ -80,9 +84,13 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
     atomic_runs = [r for r in runs if atomic_report.is_atomic(r)]
     atomic = atomic_report.section(atomic_runs, plots_dir, rel)
     count = count_line(runs, len(atomic_runs))
+    stages = [] if benchmarks_dir is None else [
+        "## Stages", "",
+        stage_times.stages_section(stage_times.collect(Path(benchmarks_dir), [Path(d).name for d in run_dirs]),
+                                   str(benchmarks_dir)), ""]
     runs = [r for r in runs if not atomic_report.is_atomic(r)]
     if not runs:
-        write_text(out_md, "\n".join(["# GNNPipe report", "", count, "", atomic]))
+        write_text(out_md, "\n".join(["# GNNPipe report", "", count, "", *stages, atomic]))
         return
 
     if predict:
@@ -143,6 +151,7 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
         "",
         datasets_table(runs),
         "",
+        *stages,
         "## All runs",
         "",
         md_table(RUN_HEADER, [run_row(r) for r in runs]),

@@ -1,0 +1,148 @@
+"""Where a workflow's time went: the report's stages table, from Snakemake's benchmark files.
+
+Every rule of the workflow has a ``benchmark:`` file, ``results/benchmarks/<rule>/<job>.tsv``
+(``<job>``: the job's wildcards, e.g. ``synth-gcn2-single-p1-seed0`` or ``synth/metis-2``), which
+Snakemake writes when the job ends, in its own format: a header line, then one row per repeat
+(``benchmark: repeat(...)``), tab-separated::
+
+    s       h:m:s   max_rss max_vms max_uss max_pss io_in   io_out  mean_load       cpu_time
+    3.8123  0:00:03 251.02  1210.7  240.1   241.6   0.00    1.27    88.21   3.35
+
+``s`` is the job's wall time, ``max_rss`` its peak resident set in MB and ``cpu_time`` its CPU
+seconds (both summed over the job's processes, torchrun's workers included); a job faster than
+Snakemake's first sample has ``NA`` there. A job's figures are the mean over its repeats. On a
+loaded machine the CPU seconds move less than the wall time: the table gives both.
+
+The table: per rule, its jobs, their summed wall seconds and the largest peak RSS; then the
+set-up stages (every rule but ``train``, and ``relax``: IS2RS, a task of its own after training)
+summed against the training jobs', and their ratio against issue #36's bound (set-up ≤ 0.5×
+training). A train job's wall time includes its own start-up (imports, the launcher's plan check),
+so the ratio counts start-up as training: it is what a user waits for either way.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+from ..io import GnnPipeError
+
+#: Issue #36: the stages that are not training cost, summed, at most this many times the training.
+SETUP_BOUND = 0.5
+TRAINING = frozenset({"train"})
+#: Neither set-up nor training: relaxations with the trained model (IS2RS) are a task of their own.
+AFTER_TRAINING = frozenset({"relax"})
+#: Rules with one job per run, named by the run id: files of runs the report is not about are left out.
+PER_RUN = frozenset({"run_config", "train", "evaluate", "evaluate_atomic", "relax"})
+
+
+@dataclass
+class Stage:
+    rule: str
+    jobs: int = 0
+    seconds: float = 0.0
+    max_rss_mb: Optional[float] = None  # None: no job of the rule lived long enough to be sampled
+    cpu_s: float = 0.0  # the sampled jobs' CPU seconds
+
+    @property
+    def kind(self) -> str:
+        return ("training" if self.rule in TRAINING else "after training" if self.rule in AFTER_TRAINING
+                else "set-up")
+
+
+def _number(text: str) -> Optional[float]:
+    if text in ("NA", "-", ""):
+        return None
+    x = float(text)
+    return x if math.isfinite(x) else None
+
+
+def read_benchmark(path: Path) -> tuple[float, Optional[float], float]:
+    """One job's ``(wall seconds, peak RSS MB or None, CPU seconds)``: the mean over the file's repeats
+    (CPU 0 for a job ended before the first sample)."""
+    fix = "; delete it and rerun the workflow (Snakemake writes it again)"
+    try:
+        rows = list(csv.DictReader(path.read_text().splitlines(), delimiter="\t"))
+    except OSError as e:
+        raise GnnPipeError(f"{path}: unreadable benchmark file ({e.strerror or e})") from None
+    if not rows or any(c not in rows[0] for c in ("s", "max_rss", "cpu_time")):
+        raise GnnPipeError(f"{path}: not a Snakemake benchmark file (a header with s, max_rss and cpu_time, "
+                           f"then a row per repeat){fix}")
+    try:
+        wall = [_number(r["s"]) for r in rows]
+        rss = [x for x in (_number(r["max_rss"]) for r in rows) if x is not None]
+        cpu = [_number(r["cpu_time"]) or 0.0 for r in rows]
+    except (TypeError, ValueError):
+        raise GnnPipeError(f"{path}: a row's s, max_rss or cpu_time is not a number{fix}") from None
+    if any(w is None for w in wall):
+        raise GnnPipeError(f"{path}: a row without its wall time (s){fix}")
+    return sum(wall) / len(wall), (sum(rss) / len(rss) if rss else None), sum(cpu) / len(cpu)
+
+
+def collect(bench_dir: Path, run_ids: Optional[Iterable[str]] = None) -> list[Stage]:
+    """Per rule (the directory under ``bench_dir``), its jobs' summed wall time and largest peak RSS,
+    in the order of the rules' first appearance in a workflow (data, partitions, runs, report).
+    ``run_ids``: the runs reported on; a per-run rule's file of another run is left out."""
+    keep = None if run_ids is None else set(run_ids)
+    stages: dict[str, Stage] = {}
+    for path in sorted(Path(bench_dir).glob("*/**/*.tsv")):
+        rule = path.relative_to(bench_dir).parts[0]
+        if keep is not None and rule in PER_RUN and path.stem not in keep:
+            continue
+        wall, rss, cpu = read_benchmark(path)
+        st = stages.setdefault(rule, Stage(rule))
+        st.jobs += 1
+        st.seconds += wall
+        st.cpu_s += cpu
+        if rss is not None:
+            st.max_rss_mb = rss if st.max_rss_mb is None else max(st.max_rss_mb, rss)
+    order = {r: i for i, r in enumerate(RULE_ORDER)}
+    return sorted(stages.values(), key=lambda s: (order.get(s.rule, len(order)), s.rule))
+
+
+RULE_ORDER = ("dataset_spec", "build_graph", "build_systems", "atom_graphs", "partition", "materialize",
+              "locality", "run_config", "train", "evaluate", "evaluate_atomic", "relax", "plan_stats",
+              "calibrate", "report")
+
+
+def _s(x: float) -> str:
+    return f"{x:.1f}"
+
+
+def stages_section(stages: list[Stage], bench_dir: str) -> str:
+    """The report's "Stages" section: the table, the set-up ÷ training ratio and the bound."""
+    if not stages:
+        return (f"No benchmark files under `{bench_dir}` (the workflow's rules write them: "
+                "`results/benchmarks/<rule>/<job>.tsv`), so no stage times.")
+    rows = [f"| {s.rule} | {s.kind} | {s.jobs} | {_s(s.seconds)} | {_s(s.cpu_s)} | "
+            f"{'—' if s.max_rss_mb is None else f'{s.max_rss_mb:.0f}'} |" for s in stages]
+    setup = sum(s.seconds for s in stages if s.kind == "set-up")
+    training = sum(s.seconds for s in stages if s.kind == "training")
+    cpu = {k: sum(s.cpu_s for s in stages if s.kind == k) for k in ("set-up", "training")}
+    top = sorted((s for s in stages if s.kind == "set-up"), key=lambda s: -s.seconds)[:3]
+    if training <= 0:
+        verdict = "No training job was measured: no ratio."
+    else:
+        r = setup / training
+        verdict = (f"Set-up {_s(setup)} s ÷ training {_s(training)} s = **{r:.2f}×** "
+                   + (f"(within the bound of {SETUP_BOUND}×)." if r <= SETUP_BOUND else
+                      f"(**over the bound of {SETUP_BOUND}×**; the largest set-up stages: "
+                      + ", ".join(f"{s.rule} {_s(s.seconds)} s" for s in top) + ")."))
+        if cpu["training"] > 0:
+            verdict += f" In CPU seconds: {_s(cpu['set-up'])} ÷ {_s(cpu['training'])} = {cpu['set-up'] / cpu['training']:.2f}×."
+    return "\n".join([
+        f"Wall time, CPU time and peak resident memory of every job, from Snakemake's benchmark files (`{bench_dir}`; "
+        "a job's processes summed, MB; — where a job ended before the first sample). *Set-up* is every "
+        "stage but training (and IS2RS relaxations after it); a train job's time includes its own start-up. "
+        "The report's own row, if any, is its previous run's. Issue #36 asks set-up ≤ "
+        f"{SETUP_BOUND}× training.",
+        "",
+        "| rule | stage | jobs | wall s (sum) | CPU s (sum) | peak RSS MB (max) |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *rows,
+        "",
+        verdict,
+    ])

@@ -1,0 +1,101 @@
+"""The report's stages table (gnnpipe.report.stages) from benchmark files in Snakemake's format."""
+
+import pytest
+
+from gnnpipe.io import GnnPipeError
+from gnnpipe.report.stages import collect, read_benchmark, stages_section
+
+# Snakemake's header (snakemake.benchmark.BenchmarkRecord.get_header), tab-separated, as it writes it
+HEADER = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time"
+
+
+def row(s: float, rss) -> str:
+    rss = "NA" if rss is None else f"{rss:.2f}"
+    cpu = "NA" if rss == "NA" else f"{s / 2:.2f}"  # CPU seconds: half the wall time, here
+    mem = "\t".join([rss, "NA" if rss == "NA" else "1200.00", rss, rss, "0.00", "1.25", "87.50", cpu])
+    return f"{s:.4f}\t0:00:{int(s):02d}\t{mem}"
+
+
+def write(root, rel: str, *rows: str) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join([HEADER, *rows]) + "\n")
+
+
+def test_header_is_snakemakes():
+    from snakemake.benchmark import BenchmarkRecord
+
+    assert HEADER.split("\t") == BenchmarkRecord.get_header()
+
+
+@pytest.fixture
+def bench(tmp_path):
+    write(tmp_path, "build_graph/synth.tsv", row(4.0, 300.0))
+    write(tmp_path, "partition/synth/metis-2.tsv", row(3.0, 250.5))
+    write(tmp_path, "partition/synth/metis-8.tsv", row(5.0, None))  # ended before the first sample
+    write(tmp_path, "train/synth-gcn2-single-p1-seed0.tsv", row(20.0, 400.0))
+    write(tmp_path, "train/synth-gcn2-graph-p2-seed0.tsv", row(30.0, 900.0))
+    write(tmp_path, "train/gone-run.tsv", row(1000.0, 1.0))  # a run no longer in the config
+    write(tmp_path, "evaluate/synth-gcn2-single-p1-seed0.tsv", row(6.0, 350.0), row(8.0, 360.0))  # 2 repeats
+    write(tmp_path, "relax/slabs-gemnet-single-p1-seed0.tsv", row(50.0, 500.0))
+    return tmp_path
+
+
+RUNS = ["synth-gcn2-single-p1-seed0", "synth-gcn2-graph-p2-seed0", "slabs-gemnet-single-p1-seed0"]
+
+
+def test_stages_sum_per_rule(bench):
+    stages = {s.rule: s for s in collect(bench, RUNS)}
+    assert [s for s in stages] == ["build_graph", "partition", "train", "evaluate", "relax"]
+    assert (stages["partition"].jobs, stages["partition"].seconds, stages["partition"].max_rss_mb) == (2, 8.0, 250.5)
+    assert (stages["train"].jobs, stages["train"].seconds, stages["train"].max_rss_mb) == (2, 50.0, 900.0)
+    assert (stages["evaluate"].jobs, stages["evaluate"].seconds, stages["evaluate"].max_rss_mb) == (1, 7.0, 355.0)
+    assert (stages["partition"].cpu_s, stages["evaluate"].cpu_s) == (1.5, 3.5)  # NA: no CPU figure
+    assert [stages[r].kind for r in ("build_graph", "train", "relax")] == ["set-up", "training", "after training"]
+    # without the run list, every file counts
+    assert {s.rule: s.seconds for s in collect(bench)}["train"] == 1050.0
+
+
+def test_section_states_the_ratio_and_the_bound(bench):
+    text = stages_section(collect(bench, RUNS), "results/benchmarks")
+    # set-up: build_graph 4 + partition 8 + evaluate 7 = 19; training 50; relax neither
+    assert "| partition | set-up | 2 | 8.0 | 1.5 | 250 |" in text  # 250.5 MB, rounded half to even
+    assert "| build_graph | set-up | 1 | 4.0 | 2.0 | 300 |" in text
+    assert "| relax | after training | 1 | 50.0 | 25.0 | 500 |" in text
+    assert ("Set-up 19.0 s ÷ training 50.0 s = **0.38×** (within the bound of 0.5×). "
+            "In CPU seconds: 7.0 ÷ 25.0 = 0.28×.") in text
+    write(bench, "calibrate/synth/gcn2.tsv", row(40.0, 700.0))
+    text = stages_section(collect(bench, RUNS), "results/benchmarks")
+    assert ("Set-up 59.0 s ÷ training 50.0 s = **1.18×** (**over the bound of 0.5×**; the largest set-up "
+            "stages: calibrate 40.0 s, partition 8.0 s, evaluate 7.0 s).") in text
+
+
+def test_no_files_and_bad_files(tmp_path):
+    assert "No benchmark files under `x`" in stages_section(collect(tmp_path), "x")
+    (tmp_path / "train").mkdir()
+    bad = tmp_path / "train" / "r.tsv"
+    bad.write_text("wall\tmem\n1\t2\n")
+    with pytest.raises(GnnPipeError, match=r"r\.tsv: not a Snakemake benchmark file .*delete it") as e:
+        read_benchmark(bad)
+    assert "\n" not in str(e.value)
+    bad.write_text(HEADER + "\n" + row(1.0, 2.0).replace("1.0000", "soon") + "\n")
+    with pytest.raises(GnnPipeError, match="not a number"):
+        collect(tmp_path)
+
+
+def test_the_report_has_the_stages_section(tmp_path):
+    """``build_report(benchmarks_dir=...)`` puts the table after the datasets, over the reported runs'
+    files (without the directory, ``gnnpipe report`` outside the workflow, there is no section)."""
+    from gnnpipe.report import build_report
+    from test_report import record, write_run
+
+    dirs = [write_run(tmp_path / "runs", record("synth-gcn2-single-p1-seed0", "single", model="gcn", layers=2))]
+    bench = tmp_path / "benchmarks"
+    write(bench, "train/synth-gcn2-single-p1-seed0.tsv", row(20.0, 400.0))
+    write(bench, "evaluate/synth-gcn2-single-p1-seed0.tsv", row(6.0, 350.0))
+    out = tmp_path / "report.md"
+    build_report(dirs, out, tmp_path / "plots", predict=False, benchmarks_dir=bench)
+    text = out.read_text()
+    stages = text[text.index("## Stages"):text.index("## All runs")]
+    assert text.index("## Datasets") < text.index("## Stages")
+    assert "| train | training | 1 | 20.0 | 10.0 | 400 |" in stages and "= **0.30×** (within the bound" in stages
