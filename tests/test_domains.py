@@ -1,0 +1,93 @@
+"""The distributed graph build's first steps (gnnpipe.atomic.domains, #35): spatial domains balanced
+by atom count, and each rank's region graph against the whole structure's ``radius_graph``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ase.build import bulk, fcc111, molecule
+
+from gnnpipe.atomic import domains
+from gnnpipe.atomic import neighbors as nb
+from gnnpipe.io import GnnPipeError
+
+SKEWED = np.array([[7.6, 0, 0], [2.1, 6.4, 0], [0.9, 1.2, 8.1]])
+
+
+def _random(n=200, seed=0):
+    return np.random.default_rng(seed).random((n, 3)) @ SKEWED
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 5, 7])
+def test_domains_are_balanced_by_atom_count(parts):
+    owner = domains.spatial_partition(_random(203), SKEWED, True, parts)
+    count = np.bincount(owner, minlength=parts)
+    assert len(count) == parts and count.max() - count.min() <= 1
+
+
+def test_domains_are_deterministic_and_blind_to_periodic_images_and_numbering():
+    pos = _random()
+    owner = domains.spatial_partition(pos, SKEWED, True, 4)
+    assert np.array_equal(owner, domains.spatial_partition(pos.copy(), SKEWED, True, 4))
+    images = np.random.default_rng(1).integers(-3, 4, size=(len(pos), 3))
+    assert np.array_equal(owner, domains.spatial_partition(pos + images @ SKEWED, SKEWED, True, 4))
+    perm = np.random.default_rng(2).permutation(len(pos))
+    assert np.array_equal(owner[perm], domains.spatial_partition(pos[perm], SKEWED, True, 4))
+
+
+def test_domains_are_compact_slabs_across_the_longest_axis():
+    # a long box along z: two parts cut it across z, each half's z range apart from the other's
+    cell = np.diag([4.0, 4.0, 40.0])
+    pos = np.random.default_rng(3).random((100, 3)) @ cell
+    owner = domains.spatial_partition(pos, cell, True, 2)
+    assert pos[owner == 0, 2].max() <= pos[owner == 1, 2].min()
+
+
+def test_domains_refuse_more_parts_than_atoms_in_one_line():
+    with pytest.raises(GnnPipeError, match="between 1 and 3 workers") as e:
+        domains.spatial_partition(_random(3), SKEWED, True, 4)
+    assert "\n" not in str(e.value)
+
+
+def _structures():
+    cu = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((3, 3, 3))
+    cu.rattle(0.05, seed=1)
+    slab = fcc111("Cu", size=(3, 3, 4), vacuum=6.0)  # periodic in x, y, vacuum along z
+    slab.rattle(0.05, seed=2)
+    small = bulk("Cu", "fcc", a=3.6, cubic=True)  # 3.6 Å: thinner than 2 skins (2 × 4 Å) on every axis
+    small.rattle(0.05, seed=3)
+    mol = molecule("C6H6")  # no cell at all
+    mol.rattle(0.02, seed=4)
+    return {"bulk": (cu, 4.0), "slab": (slab, 4.0), "small cell": (small, 4.0), "molecule": (mol, 2.0)}
+
+
+@pytest.mark.parametrize("name", ["bulk", "slab", "small cell", "molecule"])
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_region_graphs_equal_the_whole_structures_edges(name, parts):
+    atoms, cutoff = _structures()[name]
+    pos, cell, pbc = atoms.positions, atoms.cell.array, atoms.pbc
+    src, dst, shift = nb.radius_graph(pos, cell, pbc, cutoff)
+    owner = domains.spatial_partition(pos, cell, pbc, parts)
+    seen = 0
+    for r in range(parts):
+        own = np.flatnonzero(owner == r)
+        g = domains.region_graph(pos, cell, pbc, own, cutoff, hops=2)
+        mine = np.isin(dst, own)
+        ring = np.setdiff1d(src[mine], own)
+        assert np.array_equal(g.own, own) and np.array_equal(g.ring, ring)
+        into_ring = np.isin(dst, ring)
+        want = np.concatenate([np.flatnonzero(mine), np.flatnonzero(into_ring)])  # the same edges, same order
+        assert g.own_edges == int(mine.sum())
+        assert np.array_equal(g.src, src[want]) and np.array_equal(g.dst, dst[want])
+        np.testing.assert_allclose(g.shift, shift[want], atol=1e-9)
+        one = domains.region_graph(pos, cell, pbc, own, cutoff, hops=1)
+        assert np.array_equal(one.src, src[mine]) and len(one.ring) == 0
+        seen += g.own_edges
+    assert seen == len(src)  # every edge has exactly one owner: its target's
+
+
+def test_region_graph_refuses_a_neighbour_cap_in_one_line():
+    atoms, cutoff = _structures()["bulk"]
+    with pytest.raises(GnnPipeError, match="max_neighbors") as e:
+        domains.region_graph(atoms.positions, atoms.cell.array, True, [0, 1], cutoff, max_neighbors=12)
+    assert "\n" not in str(e.value)
