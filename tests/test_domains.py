@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ase import Atoms
 from ase.build import bulk, fcc111, molecule
 
 from gnnpipe.atomic import domains
@@ -58,10 +59,12 @@ def _structures():
     small.rattle(0.05, seed=3)
     mol = molecule("C6H6")  # no cell at all
     mol.rattle(0.02, seed=4)
-    return {"bulk": (cu, 4.0), "slab": (slab, 4.0), "small cell": (small, 4.0), "molecule": (mol, 2.0)}
+    dimers = Atoms("H4", positions=[[0, 0, 0], [0.74, 0, 0], [10, 0, 0], [10.74, 0, 0]])  # parts without triplets
+    return {"bulk": (cu, 4.0), "slab": (slab, 4.0), "small cell": (small, 4.0), "molecule": (mol, 2.0),
+            "dimers": (dimers, 2.0)}
 
 
-@pytest.mark.parametrize("name", ["bulk", "slab", "small cell", "molecule"])
+@pytest.mark.parametrize("name", ["bulk", "slab", "small cell", "molecule", "dimers"])
 @pytest.mark.parametrize("parts", [2, 3, 4])
 def test_region_graphs_equal_the_whole_structures_edges(name, parts):
     atoms, cutoff = _structures()[name]
@@ -91,3 +94,38 @@ def test_region_graph_refuses_a_neighbour_cap_in_one_line():
     with pytest.raises(GnnPipeError, match="max_neighbors") as e:
         domains.region_graph(atoms.positions, atoms.cell.array, True, [0, 1], cutoff, max_neighbors=12)
     assert "\n" not in str(e.value)
+
+
+def _views_equal(a, b):
+    """Every field of two HaloAtomGraphs equal (tensors, plans, counts)."""
+    import dataclasses
+
+    import torch
+
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if dataclasses.is_dataclass(x):
+            _views_equal(x, y)
+        elif isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+@pytest.mark.parametrize("name", ["bulk", "slab", "small cell", "molecule", "dimers"])
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_region_views_equal_the_atoms_layouts_views_of_the_whole_structure(name, parts):
+    from gnnpipe.atomic import halo
+
+    atoms, cutoff = _structures()[name]
+    pos, cell, pbc, z = atoms.positions, atoms.cell.array, atoms.pbc, atoms.numbers
+    owner = domains.spatial_partition(pos, cell, pbc, parts)
+    whole = {**nb.system_graph(pos, cell, pbc, cutoff), "z": z, "pos": pos, "system": np.zeros(len(z), np.int64),
+             "num_systems": 1}
+    arranged = halo.group_by_part(whole, owner, parts)
+    graphs = [domains.region_graph(pos, cell, pbc, np.flatnonzero(owner == r), cutoff) for r in range(parts)]
+    degrees = sum(domains.in_degrees(g, len(z)) for g in graphs)  # a run's all-reduce
+    regions = [domains.region_needs(g, r, owner, degrees) for r, g in enumerate(graphs)]
+    needs = [reg.needs for reg in regions]  # a run's all-gather
+    for r, reg in enumerate(regions):
+        _views_equal(domains.region_view(reg, needs, z, pos), halo.shard_atoms(arranged, r, None))

@@ -26,8 +26,16 @@ as many images of an atom as fall in the region, and an edge reached through two
 target is one key, kept once. Without a neighbour cap only: a capped graph's edge depends on both
 atoms' whole neighbourhoods (refused in one line).
 
-Left for the next steps (#35): deriving the halo plans (``halo.HaloPlan``) from the region graphs
-(an exchange of the needed edge keys with their owners), the layout object, the predictor's path.
+3. :func:`region_needs` and :func:`region_view` turn a rank's region graph into its view in the
+   atoms layout (``halo.HaloAtomGraph``), equal tensor for tensor to ``halo.shard_atoms`` of the whole
+   structure grouped by the same owners (``halo.group_by_part``): the same numbering (atoms by
+   (owner, id), edges by their target's), the same halo plans. What a rank needs of the others
+   besides its region: the owners and every atom's in-degree (O(N) integers: an edge's global id is
+   its target's first edge id plus its place among the target's edges), and every rank's
+   :class:`halo.Needs` (the ids it reads; what the others must send it), in a run one all-gather.
+
+Left for the next steps (#35): the collectives of a run (the degrees' all-reduce, the needs'
+all-gather), the layout object, the predictor's path; O(N) positions, owners and degrees per rank.
 """
 
 from __future__ import annotations
@@ -36,8 +44,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import torch
+
 from ..io import GnnPipeError
-from .neighbors import radius_graph
+from .halo import HaloAtomGraph, Needs, edge_rows, halo_view
+from .neighbors import radius_graph, triplet_rank, triplets
+from .parallel import EdgeGroup, _t
 
 
 # --------------------------------------------------------------------------- the frame
@@ -203,4 +215,117 @@ def _ordered(pos, cell, src, dst, image) -> tuple[np.ndarray, np.ndarray, np.nda
     return src[order], dst[order], image[order]
 
 
-__all__ = ["spatial_partition", "fractional", "region_graph", "RegionGraph"]
+# --------------------------------------------------------------------------- 3. one rank's view
+@dataclass
+class Region:
+    """A rank's region graph numbered as the atoms layout numbers the whole structure.
+
+    ``new`` (N,) each atom's id grouped by owner (``halo.group_by_part``), ``ab`` / ``eb`` the ranks'
+    atom and edge id bounds, ``eid`` the global id of each region edge, ``kj, ji`` the own triplets
+    (region edge indices), ``swap`` the region index of each own edge's reverse, ``needs`` what the
+    rank reads from the others."""
+
+    graph: RegionGraph
+    rank: int
+    new: np.ndarray
+    order: np.ndarray
+    ab: np.ndarray
+    eb: np.ndarray
+    eid: np.ndarray
+    kj: np.ndarray
+    ji: np.ndarray
+    swap: np.ndarray
+    needs: Needs
+
+
+def in_degrees(g: RegionGraph, n: int) -> np.ndarray:
+    """(N,) the in-degree of a rank's own atoms (0 elsewhere): summed over the ranks, every atom's."""
+    return np.bincount(g.dst[:g.own_edges], minlength=n).astype(np.int64)
+
+
+def _place(dst: np.ndarray) -> np.ndarray:
+    """Each edge's place among its target's edges (``dst`` sorted)."""
+    return np.arange(len(dst)) - np.searchsorted(dst, dst)
+
+
+def _reverse_in(g: RegionGraph) -> np.ndarray:
+    """The region index of the reverse ``i -> j`` (image ``-n``) of every own edge ``j -> i``: an edge
+    into ``j``, so in the region (``hops`` = 2)."""
+    own = slice(0, g.own_edges)
+    rows = np.concatenate([np.column_stack([g.src, g.dst, g.image]),
+                           np.column_stack([g.dst[own], g.src[own], -g.image[own]])])
+    _, key = np.unique(rows, axis=0, return_inverse=True)
+    key = key.ravel()
+    at = np.full(int(key.max(initial=-1)) + 1, -1, dtype=np.int64)
+    at[key[:len(g.src)]] = np.arange(len(g.src))
+    swap = at[key[len(g.src):]]
+    if (swap < 0).any():
+        raise GnnPipeError("domains: an own edge has no reverse in its region: build the region with hops=2")
+    return swap
+
+
+def region_needs(g: RegionGraph, rank: int, owner: np.ndarray, degrees: np.ndarray) -> Region:
+    """Rank ``rank``'s :class:`Region` from its region graph (``hops`` = 2), every atom's ``owner`` and
+    in-degree ``degrees`` (the sum over the ranks of :func:`in_degrees`)."""
+    owner = np.asarray(owner, dtype=np.int64)
+    parts = int(owner.max()) + 1
+    order = np.argsort(owner, kind="stable")
+    new = np.empty_like(order)
+    new[order] = np.arange(len(order))
+    ab = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=parts))]).astype(np.int64)
+    eb = np.concatenate([[0], np.cumsum(np.bincount(owner, weights=degrees, minlength=parts))]).astype(np.int64)
+    first = np.empty(len(owner), dtype=np.int64)  # each atom's first edge id
+    first[order] = np.cumsum(degrees[order]) - degrees[order]
+    o = g.own_edges
+    place = np.concatenate([_place(g.dst[:o]), _place(g.dst[o:])])
+    eid = first[g.dst] + place
+    ring_deg = np.bincount(g.dst[o:], minlength=len(owner))[g.ring]
+    if not np.array_equal(ring_deg, degrees[g.ring]) or not np.array_equal(eid[:o] - eb[rank], np.arange(o)):
+        raise GnnPipeError("domains: a region's edges disagree with the atoms' degrees: build every rank's region "
+                           "from the same positions, cutoff and owners")
+    ids, local = np.unique(np.concatenate([g.src, g.dst]), return_inverse=True)
+    local = local.ravel()
+    kj, ji = triplets(local[:len(g.src)], local[len(g.src):], g.shift) if len(g.src) else (np.zeros(0, np.int64),) * 2
+    keep = ji < o
+    kj, ji = kj[keep], ji[keep]
+    swap = _reverse_in(g)
+    mine = owner == rank
+
+    def foreign(a):
+        return np.unique(a[~mine[a]])
+    atom_ids = np.concatenate([g.src[:o], g.src[kj], g.dst[kj]])
+    needs = Needs(kj=np.unique(eid[kj][~mine[g.dst[kj]]]), swap=np.unique(eid[swap][~mine[g.dst[swap]]]),
+                  atoms=np.sort(new[foreign(g.src[:o])]), ghosts=np.sort(new[foreign(atom_ids)]))
+    return Region(g, rank, new, order, ab, eb, eid, kj, ji, swap, needs)
+
+
+def region_view(reg: Region, needs: list, z, pos, group: EdgeGroup | None = None, dtype=torch.float64,
+                device=None) -> HaloAtomGraph:
+    """Rank ``reg.rank``'s view in the atoms layout, from its region and every rank's ``needs``
+    (``needs[q]``: rank q's ``Region.needs``): equal to ``halo.shard_atoms`` of the structure grouped by
+    the same owners. ``z``, ``pos``: the structure's (read at the view's atoms only)."""
+    g, r, new = reg.graph, reg.rank, reg.new
+    me, o = reg.needs, g.own_edges
+    a0, a1, e0, e1 = int(reg.ab[r]), int(reg.ab[r + 1]), int(reg.eb[r]), int(reg.eb[r + 1])
+    atoms = np.concatenate([np.arange(a0, a1), me.atoms, np.setdiff1d(me.ghosts, me.atoms, assume_unique=True)])
+    sorter = np.argsort(atoms)
+
+    def loc(ids):  # the view's row of atoms given by their structure ids
+        return sorter[np.searchsorted(atoms, new[ids], sorter=sorter)]
+    orig = reg.order[atoms]
+    kw = dict(
+        z=_t(np.asarray(z)[orig], torch.long), pos=_t(np.asarray(pos)[orig], dtype),
+        system=torch.zeros(len(atoms), dtype=torch.long), num_systems=1,
+        edge_src=_t(loc(g.src[:o]), torch.long), edge_dst=_t(loc(g.dst[:o]), torch.long),
+        edge_shift=_t(g.shift[:o], dtype),
+        idx_kj=_t(edge_rows(reg.eid[reg.kj], me.kj, e0, e1), torch.long), idx_ji=_t(reg.ji, torch.long),
+        kj_src=_t(loc(g.src[reg.kj]), torch.long), kj_dst=_t(loc(g.dst[reg.kj]), torch.long),
+        kj_shift=_t(g.shift[reg.kj], dtype), num_edges=(e1 - e0) + len(me.kj), atom_lo=a0, atom_hi=a1,
+        triplet_rank=_t(triplet_rank(reg.ji, o), torch.long),
+        id_swap=_t(edge_rows(reg.eid[reg.swap], me.swap, e0, e1), torch.long))
+    ghosts = sorter[np.searchsorted(atoms, me.ghosts, sorter=sorter)]
+    return halo_view(kw, needs, reg.ab, reg.eb, r, ghosts, len(atoms), group, device)
+
+
+__all__ = ["spatial_partition", "fractional", "region_graph", "RegionGraph", "Region", "in_degrees", "region_needs",
+           "region_view"]
