@@ -129,3 +129,54 @@ def test_region_views_equal_the_atoms_layouts_views_of_the_whole_structure(name,
     needs = [reg.needs for reg in regions]  # a run's all-gather
     for r, reg in enumerate(regions):
         _views_equal(domains.region_view(reg, needs, z, pos), halo.shard_atoms(arranged, r, None))
+
+
+@pytest.fixture(scope="module")
+def slab_systems():
+    from gnnpipe.atomic import data
+
+    return data.generate(4, seed=2, progress=False)
+
+
+def _tiny_uncapped(systems, kind):
+    import dataclasses
+
+    from helpers import tiny_atomic_model
+
+    return dataclasses.replace(tiny_atomic_model(systems, kind, max_neighbors=None), symmetric_edges=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dimenetpp", "gemnet_t"])
+def test_two_workers_in_the_domains_layout_equal_one_process(slab_systems, kind, one_thread):
+    """The predictor's distributed build (each worker its domain's graph) against one process, float64:
+    energy, forces in the structure's order, stress (1e-10), on a bulk cell and a slab with vacuum."""
+    from gnnpipe.atomic.inference import Predictor
+
+    mf = _tiny_uncapped(slab_systems, kind)
+    metal = next(z for z in mf.elements if z > 10)
+    cell = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((3, 3, 2))
+    cell.set_atomic_numbers([metal] * len(cell))
+    cell.rattle(0.05, seed=5)
+    slab = fcc111("Cu", size=(2, 2, 3), vacuum=5.0)
+    slab.set_atomic_numbers([metal] * len(slab))
+    one = Predictor(mf)
+    with Predictor(mf, workers=2, layout="domains") as two:
+        for atoms, stress in ((cell, True), (slab, False)):
+            args = (atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc, stress)
+            want, got = one.predict(*args), two.predict(*args)
+            assert two.last_layout.name == "domains"
+            assert got.energy == pytest.approx(want.energy, abs=1e-10 * max(1.0, abs(want.energy)))
+            np.testing.assert_allclose(got.forces, want.forces, atol=1e-10 * max(1.0, np.abs(want.forces).max()))
+            if stress:
+                np.testing.assert_allclose(got.stress, want.stress, atol=1e-10 * max(1.0, np.abs(want.stress).max()))
+
+
+def test_the_domains_layout_refuses_a_capped_model_in_one_line(slab_systems):
+    from helpers import tiny_atomic_model
+
+    from gnnpipe.atomic.inference import Predictor
+
+    with pytest.raises(GnnPipeError, match="layout domains: the distributed build takes .* use layout atoms") as e:
+        Predictor(tiny_atomic_model(slab_systems, "dimenetpp", max_neighbors=12), workers=2, layout="domains")
+    assert "\n" not in str(e.value)

@@ -327,5 +327,23 @@ def region_view(reg: Region, needs: list, z, pos, group: EdgeGroup | None = None
     return halo_view(kw, needs, reg.ab, reg.eb, r, ghosts, len(atoms), group, device)
 
 
-__all__ = ["spatial_partition", "fractional", "region_graph", "RegionGraph", "Region", "in_degrees", "region_needs",
+def build_view(b: dict, grp: EdgeGroup, dtype=torch.float64, device=None) -> HaloAtomGraph:
+    """Worker ``grp.rank``'s view of structure ``b`` (``z, pos, cell, pbc, cutoff, owner``: every
+    position, no graph), built from its region alone with two collectives of the group (the atoms'
+    in-degrees summed, every rank's needs gathered; not counted in the ledger: they happen once per
+    build, not per step). Symmetric, uncapped graphs of the ``project`` convention (``region_graph``)."""
+    import torch.distributed as dist
+
+    owner, n = np.asarray(b["owner"]), len(b["z"])
+    g = region_graph(b["pos"], b["cell"], b["pbc"], np.flatnonzero(owner == grp.rank), float(b["cutoff"]), 2,
+                     b.get("max_neighbors"), b.get("convention", "project"))
+    degrees = torch.from_numpy(in_degrees(g, n))
+    dist.all_reduce(degrees, group=grp.group)
+    reg = region_needs(g, grp.rank, owner, degrees.numpy())
+    needs = [None] * grp.size
+    dist.all_gather_object(needs, reg.needs, group=grp.group)
+    return region_view(reg, needs, b["z"], b["pos"], grp, dtype, device)
+
+
+__all__ = ["build_view", "spatial_partition", "fractional", "region_graph", "RegionGraph", "Region", "in_degrees", "region_needs",
            "region_view"]
