@@ -167,7 +167,7 @@ def region_graph(pos, cell, pbc, own, cutoff: float, hops: int = 2, max_neighbor
     pos = np.asarray(pos, dtype=np.float64).reshape(-1, 3)
     own = np.unique(np.asarray(own, dtype=np.int64))
     frac, basis, heights = fractional(pos, cell, pbc)
-    _, _, pbcv = _frame(cell, pbc)
+    pbcv = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))
     cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
     skin = cutoff * hops / heights * (1 + 1e-9)  # fractional margin holding every point within cutoff × hops (Å)
     lo, hi = frac[own].min(axis=0) - skin, frac[own].max(axis=0) + skin
