@@ -180,3 +180,33 @@ def test_the_domains_layout_refuses_a_capped_model_in_one_line(slab_systems):
     with pytest.raises(GnnPipeError, match="layout domains: the distributed build takes .* use layout atoms") as e:
         Predictor(tiny_atomic_model(slab_systems, "dimenetpp", max_neighbors=12), workers=2, layout="domains")
     assert "\n" not in str(e.value)
+
+
+def _build_rank(rank, world, structure, arranged):
+    """A rank of a gloo group: its view by the distributed build (real collectives) equals
+    ``halo.shard_atoms`` of the whole structure grouped by the same owners."""
+    import torch
+
+    from gnnpipe.atomic import halo
+    from gnnpipe.atomic.parallel import EdgeGroup
+    from gnnpipe.parallel.comm import Communicator
+
+    grp = EdgeGroup(Communicator(None, torch.device("cpu")), None, world, rank)
+    _views_equal(domains.build_view(structure, grp), halo.shard_atoms(arranged, rank, grp))
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parts", [3, 4])
+def test_build_view_over_a_group_equals_the_atoms_layouts_view(parts):
+    from gnnpipe.atomic import halo
+    from gnnpipe.parallel.testing import spawn_multi_process
+
+    atoms, cutoff = _structures()["slab"]
+    pos, cell, pbc, z = atoms.positions, atoms.cell.array, atoms.pbc, atoms.numbers
+    owner = domains.spatial_partition(pos, cell, pbc, parts)
+    structure = {"z": z, "pos": pos, "cell": cell, "pbc": pbc, "cutoff": cutoff, "owner": owner}
+    whole = {**nb.system_graph(pos, cell, pbc, cutoff), "z": z, "pos": pos, "system": np.zeros(len(z), np.int64),
+             "num_systems": 1}
+    assert spawn_multi_process(_build_rank, parts, structure, halo.group_by_part(whole, owner, parts),
+                               timeout=120) == [True] * parts
