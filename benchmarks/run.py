@@ -29,6 +29,7 @@ QUICK = {
     "convergence": [],
     "dgl": ["--nodes", "20000", "--epochs", "5"],
     "dimenet_pyg": ["--quick"],
+    "domains": ["--repeat", "8"],
     "foundation": ["--nodes", "100000"],
     "layers": ["--quick"],
     "locality": ["--nodes", "20000"],

@@ -20,8 +20,8 @@ BENCH = ROOT / "benchmarks"
 #: DGL environment exists)
 HELPERS = {"machine.py", "run.py", "tables.py", "smoke.py", "dgl_epoch.py"}
 #: multi-process (spawned ranks, torchrun, Snakemake): seconds each, not a fraction of one
-SLOW = {"atom_layout", "atomic", "atomic_training", "calculator", "calibrate", "compare", "convergence", "locality",
-        "memory_cap", "modes", "narrow", "netem", "scale"}
+SLOW = {"atom_layout", "atomic", "atomic_training", "calculator", "calibrate", "compare", "convergence", "domains",
+        "locality", "memory_cap", "modes", "narrow", "netem", "scale"}
 NAMES = sorted(p.stem.removeprefix("bench_") for p in BENCH.glob("bench_*.py"))
 
 

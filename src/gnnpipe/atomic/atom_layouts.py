@@ -24,7 +24,14 @@ question            asked by                             edges / atoms
 
 At one way both are the whole batch in one process (the same view, bytes and memory), so a run
 with ``atom_layout: atoms`` and ``data_parallel`` replicas of one way each computes as the edges
-layout. A third layout (#35, the distributed build) is a third class and one registration here.
+layout.
+
+* **domains** (``domains.py``, #35, inference only for now): the atoms layout's views of one
+  structure built by each worker from its own region: spatial domains balanced by atom count
+  (``arrange`` adds the owners to a structure *without* a graph), each worker's edges and triplets
+  from the images within 2 cutoffs of its atoms (``shard``: ``domains.build_view``, with the
+  group's collectives). Not in :data:`ATOM_LAYOUTS` (no training view, no closed form yet): the
+  predictor's :data:`PREDICT_LAYOUTS` holds it.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..io import GnnPipeError
 from ..registry import Registry
 from . import halo
 from .parallel import EdgeGroup, shard_graph, single_graph
@@ -44,6 +52,7 @@ class AtomLayout(ABC):
 
     name: str
     in_words: str  # what the plan's answer says of the layout ("... at P = 4{in_words}")
+    distributed_build = False  # True: ``arrange`` takes a structure without a graph, each worker builds its own
 
     def view(self, b: dict, grp: Optional[EdgeGroup], dtype, device) -> tuple[dict, object]:
         """This rank's view of batch ``b`` (the whole batch without a group, or with one way), and the
@@ -160,12 +169,47 @@ class AtomsLayout(AtomLayout):
                 "memory": mem, "halo": halos}
 
 
-EDGES, ATOMS = EdgesLayout(), AtomsLayout()
+class DomainsLayout(AtomsLayout):
+    """The atoms layout of one structure, built per worker (``domains.py``); ``b`` is a structure
+    without a graph: ``z, pos, cell, pbc, cutoff`` (``distributed_build``)."""
+
+    name = "domains"
+    in_words = " in the domains layout"
+    distributed_build = True
+
+    def view(self, b: dict, grp: Optional[EdgeGroup], dtype, device):
+        raise GnnPipeError("atom_layout domains: training in the distributed build is not there yet (#35 item 3); "
+                           "use the atoms layout")
+
+    def arrange(self, b: dict, ways: int) -> dict:
+        """Structure ``b`` with ``owner`` (its spatial domains) and ``atom_order`` (the atoms by owner)."""
+        from .domains import spatial_partition
+
+        owner = spatial_partition(b["pos"], b["cell"], b["pbc"], ways)
+        return {**b, "owner": owner, "atom_order": np.argsort(owner, kind="stable")}
+
+    def shard(self, b: dict, grp: EdgeGroup, dtype, device=None):
+        from .domains import build_view
+
+        return build_view(b, grp, dtype, device)
+
+    def step_bytes(self, *args, **kw) -> int:
+        raise GnnPipeError("the domains layout has no closed form of its bytes yet (#35 item 4)")
+
+    def costs(self, *args, **kw) -> dict:
+        raise GnnPipeError("the domains layout has no memory estimate yet (#35 item 4)")
+
+
+EDGES, ATOMS, DOMAINS = EdgesLayout(), AtomsLayout(), DomainsLayout()
 
 #: name -> layout; the names are the config's ``atom_layout`` values (a test keeps them equal)
 ATOM_LAYOUTS: Registry[AtomLayout] = Registry("atom layout")
 for _layout in (EDGES, ATOMS):  # the order breaks ties in choose_layout
     ATOM_LAYOUTS.register(_layout.name, _layout)
+#: the layouts a ``Predictor`` takes: the config's and the distributed build
+PREDICT_LAYOUTS: Registry[AtomLayout] = Registry("atom layout")
+for _layout in (EDGES, ATOMS, DOMAINS):
+    PREDICT_LAYOUTS.register(_layout.name, _layout)
 
 
 def layout_costs(kind, cfg, b: dict, ways: int, dtype_bytes: int) -> dict:
@@ -184,4 +228,5 @@ def choose_layout(costs: dict, cap: Optional[int] = None) -> AtomLayout:
     return min(fits, key=lambda layout: costs[layout.name]["bytes"])  # min keeps the first of equals
 
 
-__all__ = ["AtomLayout", "EdgesLayout", "AtomsLayout", "EDGES", "ATOMS", "ATOM_LAYOUTS", "layout_costs", "choose_layout"]
+__all__ = ["AtomLayout", "EdgesLayout", "AtomsLayout", "DomainsLayout", "EDGES", "ATOMS", "DOMAINS", "ATOM_LAYOUTS",
+           "PREDICT_LAYOUTS", "layout_costs", "choose_layout"]

@@ -340,6 +340,12 @@ class HaloAtomGraph(ShardedAtomGraph):
         return g
 
 
+def edge_rows(ids: np.ndarray, halo: np.ndarray, e0: int, e1: int) -> np.ndarray:
+    """The view's row of each edge id ``ids``: own edges ``[e0, e1)`` first, then ``halo`` (sorted ids)."""
+    own = (ids >= e0) & (ids < e1)
+    return np.where(own, ids - e0, (e1 - e0) + np.searchsorted(halo, ids))
+
+
 def shard_atoms(b: dict, rank: int, group: Optional[EdgeGroup], dtype=torch.float64, device=None) -> AtomGraph:
     """Rank ``rank``'s view of a ``group_by_part`` batch ``b`` (``order_by_part``) in the atoms layout."""
     parts = len(b["atom_parts"])
@@ -354,7 +360,7 @@ def shard_atoms(b: dict, rank: int, group: Optional[EdgeGroup], dtype=torch.floa
     needs = [rank_needs(b, r) for r in range(parts)]
     me = needs[rank]
     a0, a1, e0, e1 = int(ab[rank]), int(ab[rank + 1]), int(eb[rank]), int(eb[rank + 1])
-    n_own, e_own = a1 - a0, e1 - e0
+    e_own = e1 - e0
     # atom rows: own, embedding ghosts, position-only ghosts
     extra = np.setdiff1d(me.ghosts, me.atoms, assume_unique=True)
     atoms = np.concatenate([np.arange(a0, a1), me.atoms, extra])
@@ -364,32 +370,40 @@ def shard_atoms(b: dict, rank: int, group: Optional[EdgeGroup], dtype=torch.floa
     idx_ji, idx_kj = np.asarray(b["idx_ji"]), np.asarray(b["idx_kj"])
     keep = (idx_ji >= e0) & (idx_ji < e1)
     kj = idx_kj[keep]
-
-    def edge_rows(ids, halo):
-        own = (ids >= e0) & (ids < e1)
-        return np.where(own, ids - e0, e_own + np.searchsorted(halo, ids))
     kw = dict(
         z=_t(np.asarray(b["z"])[atoms], torch.long), pos=_t(np.asarray(b["pos"])[atoms], dtype),
         system=_t(np.asarray(b["system"])[atoms], torch.long), num_systems=int(b["num_systems"]),
         edge_src=_t(loc[src[e0:e1]], torch.long), edge_dst=_t(loc[dst[e0:e1]], torch.long),
         edge_shift=_t(shift[e0:e1], dtype),
-        idx_kj=_t(edge_rows(kj, me.kj), torch.long), idx_ji=_t(idx_ji[keep] - e0, torch.long),
+        idx_kj=_t(edge_rows(kj, me.kj, e0, e1), torch.long), idx_ji=_t(idx_ji[keep] - e0, torch.long),
         kj_src=_t(loc[src[kj]], torch.long), kj_dst=_t(loc[dst[kj]], torch.long), kj_shift=_t(shift[kj], dtype),
         num_edges=e_own + len(me.kj), atom_lo=a0, atom_hi=a1,
         triplet_rank=_t(triplet_rank(idx_ji, e)[keep], torch.long))
-    swap_plan = None
     if b.get("id_swap") is not None:
-        kw["id_swap"] = _t(edge_rows(np.asarray(b["id_swap"])[e0:e1], me.swap), torch.long)
+        kw["id_swap"] = _t(edge_rows(np.asarray(b["id_swap"])[e0:e1], me.swap, e0, e1), torch.long)
+    return halo_view(kw, needs, ab, eb, rank, loc[me.ghosts], len(atoms), group, device)
+
+
+def halo_view(kw: dict, needs: list, ab: np.ndarray, eb: np.ndarray, rank: int, ghost_rows: np.ndarray,
+              n_atoms: int, group: Optional[EdgeGroup], device=None) -> "HaloAtomGraph":
+    """The ``HaloAtomGraph`` of rank ``rank`` from its view's tensors ``kw`` (``AtomGraph``'s fields;
+    ``id_swap`` present or not) and every rank's ``Needs`` (``needs[rank]`` its own): ``ab``, ``eb`` the
+    ranks' atom and edge id bounds, ``ghost_rows`` the view's row of each of its ghosts, ``n_atoms`` its
+    rows. Shared by ``shard_atoms`` (from a whole batch) and ``domains`` (from a rank's region)."""
+    me = needs[rank]
+    n_own, e_own = int(ab[rank + 1] - ab[rank]), int(eb[rank + 1] - eb[rank])
+    swap_plan = None
+    if kw.get("id_swap") is not None:
         swap_plan = _plan([nd.swap for nd in needs], eb, rank, e_own + np.arange(len(me.swap)), e_own + len(me.swap))
     g = HaloAtomGraph(
         **kw, edge_sizes=[], atom_sizes=[], group=group,
         kj_plan=_plan([nd.kj for nd in needs], eb, rank, e_own + np.arange(len(me.kj)), e_own + len(me.kj)),
         swap_plan=swap_plan,
         atom_plan=_plan([nd.atoms for nd in needs], ab, rank, n_own + np.arange(len(me.atoms)), n_own + len(me.atoms)),
-        ghost_plan=_plan([nd.ghosts for nd in needs], ab, rank, loc[me.ghosts], len(atoms)),
-        counts={k: len(getattr(me, k)) for k in ("kj", "swap", "atoms", "ghosts")})
+        ghost_plan=_plan([nd.ghosts for nd in needs], ab, rank, ghost_rows, n_atoms),
+        counts={k: len(getattr(me, k)) for k in HALO_KEYS})
     return g.to(device) if device is not None else g
 
 
 __all__ = ["partition_atoms", "group_by_part", "order_by_part", "rank_needs", "rank_sizes", "halo_counts",
-           "step_bytes", "shard_atoms", "HaloAtomGraph", "HaloPlan"]
+           "step_bytes", "shard_atoms", "halo_view", "HaloAtomGraph", "HaloPlan", "Needs", "HALO_KEYS"]

@@ -18,7 +18,10 @@ or graph-parallel across N persistent local worker processes.
   r computes its ``parallel.shard_graph`` view (edge block r, the triplets of its edges, atom
   block r) with ``ShardedAtomGraph`` exactly as training's graph mode — or, in the atoms layout
   (``Predictor(layout=...)``; ``auto`` takes it when its closed-form bytes are fewer, as for one large
-  system), its ``halo.shard_atoms`` view (METIS part r, receiving only its halo) — and returns the energy
+  system), its ``halo.shard_atoms`` view (METIS part r, receiving only its halo), or in the domains
+  layout (``layout="domains"``, #35: the client sends the structure without a graph, worker r builds
+  its spatial domain's edges and triplets itself, ``domains.build_view``) the same view of its domain
+  — and returns the energy
   (replicated), the forces of its own atoms and its part of ``dE/dε``. A worker that dies is
   found from its process sentinel within ~0.2 s (one error naming it, the others are stopped,
   nothing hangs); ``close()``, a ``with`` block, garbage collection or interpreter exit shut the
@@ -68,7 +71,7 @@ import torch
 from torch import Tensor
 
 from ..io import GnnPipeError
-from .atom_layouts import ATOM_LAYOUTS, EDGES, AtomLayout, choose_layout
+from .atom_layouts import ATOM_LAYOUTS, EDGES, PREDICT_LAYOUTS, AtomLayout, choose_layout
 from .modelfile import ModelFile
 
 VOIGT = ((0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1))  # ASE's order: xx yy zz yz xz xy
@@ -132,6 +135,16 @@ def structure_graph(numbers, positions, cell, pbc, mf: ModelFile) -> dict:
     g = neighbors.system_graph(pos, cell, pbc, mf.cutoff, mf.max_neighbors, mf.neighbors, symmetric=mf.symmetric_edges)
     z = np.asarray(numbers, dtype=np.int64)
     return {**g, "z": z, "pos": pos, "system": np.zeros(len(z), dtype=np.int64), "num_systems": 1}
+
+
+def structure_only(numbers, positions, cell, pbc, mf: ModelFile) -> dict:
+    """One structure without a graph, for a layout whose workers build their own (``distributed_build``):
+    ``z, pos, system, num_systems, cell, pbc`` and the model's ``cutoff``."""
+    z = np.asarray(numbers, dtype=np.int64)
+    return {"z": z, "pos": np.ascontiguousarray(positions, dtype=np.float64).reshape(-1, 3),
+            "system": np.zeros(len(z), dtype=np.int64), "num_systems": 1,
+            "cell": np.asarray(cell, dtype=np.float64).reshape(3, 3),
+            "pbc": np.broadcast_to(np.asarray(pbc, dtype=bool), (3,)).copy(), "cutoff": float(mf.cutoff)}
 
 
 # --------------------------------------------------------------------------- one view
@@ -202,10 +215,15 @@ class Predictor:
                                f"use at most {cpu_cores()} (each worker is a process)")
         self.threads = threads_per_worker(workers, threads)
         self.min_distance = min_distance
-        if layout != "auto" and layout not in ATOM_LAYOUTS:
-            raise GnnPipeError(f"layout {layout!r}: one of auto, {', '.join(ATOM_LAYOUTS.names())}")
+        if layout != "auto" and layout not in PREDICT_LAYOUTS:
+            raise GnnPipeError(f"layout {layout!r}: one of auto, {', '.join(PREDICT_LAYOUTS.names())}")
         # the workers' layout (atom_layouts), None: chosen per structure (auto); the last call's
-        self.layout = None if layout == "auto" else ATOM_LAYOUTS[layout]
+        self.layout = None if layout == "auto" else PREDICT_LAYOUTS[layout]
+        if self.layout is not None and self.layout.distributed_build and not (
+                model_file.max_neighbors is None and model_file.neighbors == "project" and model_file.symmetric_edges):
+            raise GnnPipeError(f"layout {layout}: the distributed build takes symmetric, uncapped graphs of the project "
+                               f"convention; this model file has max_neighbors {model_file.max_neighbors}, neighbors "
+                               f"{model_file.neighbors}: use layout atoms")
         self.last_layout: Optional[AtomLayout] = None
         if (dtype or model_file.dtype) not in DTYPES:
             raise GnnPipeError(f"dtype {dtype or model_file.dtype!r}: one of {', '.join(DTYPES)}")
@@ -231,7 +249,10 @@ class Predictor:
         if stress and not (np.all(pbc) and volume > 1e-12):
             raise GnnPipeError(f"{where}stress needs a 3-D periodic cell of non-zero volume "
                                f"(pbc {list(map(bool, np.broadcast_to(pbc, 3)))}, volume {volume:.3g} Å³)")
-        b = structure_graph(numbers, positions, cell, pbc, self.model_file)
+        if self.pool is not None and self.layout is not None and self.layout.distributed_build:
+            b = structure_only(numbers, positions, cell, pbc, self.model_file)  # each worker builds its region's graph
+        else:
+            b = structure_graph(numbers, positions, cell, pbc, self.model_file)
         if self.pool is not None:
             self.last_layout = self.choose_layout(b)
             y, f, dy = self.pool.compute(b, stress, where, self.last_layout)
@@ -360,7 +381,7 @@ class WorkerPool:
         if self._broken:
             raise GnnPipeError(f"the inference workers stopped after an error ({self._broken}); create a new "
                                "calculator")
-        edges = len(b["edge_src"])
+        edges = len(b["edge_src"]) if "edge_src" in b else self.workers  # a distributed build: the workers' graphs
         if edges < self.workers:
             raise GnnPipeError(f"{where}graph-parallel inference over {self.workers} workers needs at least "
                                f"{self.workers} edges, this structure has {edges} within the cutoff; use fewer workers")
@@ -499,7 +520,7 @@ def _worker_main(rank: int, world: int, port: int, device: str, dtype, threads: 
             if (rank, calls) == (kill_rank, kill_call):
                 os.kill(os.getpid(), signal.SIGKILL)
             b, stress, layout = msg
-            g = ATOM_LAYOUTS[layout].shard(b, grp, dtype, dev)
+            g = PREDICT_LAYOUTS[layout].shard(b, grp, dtype, dev)
             y, f, dy = view_outputs(model, g, stress)
             conn.send(("ok", _numpy(y), _numpy(f), _numpy(dy)))
             calls += 1

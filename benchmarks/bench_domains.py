@@ -1,0 +1,169 @@
+"""Peak memory of a worker for one large structure: the distributed build (domains layout, #35)
+against one process and the atoms layout (every worker builds the whole graph).
+
+    python benchmarks/bench_domains.py --out results/bench/domains.json [--repeat 17] [--cutoff 3.0]
+                                       [--kind dimenetpp] [--dtype float32] [--smoke]
+
+The structure: a rattled fcc cell (an fcc metal the stand-in model knows, as bench_calculator) of ``--repeat``³ conventional cells (4 atoms each; 17: 19,652
+atoms), a fresh ``small`` model of ``--kind`` without a neighbour cap (symmetric graph, as the
+distributed build needs), energy + forces once. Each configuration runs in a fresh process: P = 1
+(that process computes: its peak RSS), P = 2 in the atoms layout and in the domains layout (each
+worker's peak RSS, ``VmHWM`` of ``/proc/<pid>/status``, read after the call; and ``VmRSS`` before it:
+the P = 1 process also holds the client's imports, some 60 MB more than a worker at any size). Every worker is given
+every position (O(N), 24 bytes an atom); the graph and the activations are what the build splits.
+Then the graph build alone (no model; Cu, ``--build-cutoff`` 4.5 Å, where triplets dominate): the peak
+RSS of building rank 0's view at P = 2 and 4 from the whole graph (the atoms layout's worker) and
+from its region (the domains layout's), each in a fresh process above its RSS before the build.
+``--smoke``: 2³ cells (32 atoms), the figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def _status_mb(pid, key: str = "VmHWM") -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
+
+
+def one(args) -> dict:
+    """One configuration in this (fresh) process: ``--workers`` and ``--layout``."""
+    import dataclasses
+
+    import numpy as np
+    from ase.build import bulk
+
+    from gnnpipe.atomic import data
+    from gnnpipe.atomic.inference import Predictor
+    from gnnpipe.atomic.modelfile import decode, untrained_payload
+
+    systems = data.generate(4, seed=0, progress=False)
+    mf = decode(untrained_payload(args.kind, systems, dtype=args.dtype, cutoff=args.cutoff, max_neighbors=None),
+                f"untrained {args.kind}")
+    mf = dataclasses.replace(mf, symmetric_edges=True)
+    from ase.data import atomic_numbers, reference_states
+
+    metal = next(m for m in data.SLAB_METALS if atomic_numbers[m] in mf.elements)  # an fcc metal the model knows
+    atoms = bulk(metal, "fcc", a=reference_states[atomic_numbers[metal]]["a"], cubic=True).repeat((args.repeat,) * 3)
+    atoms.rattle(0.05, seed=1)
+    with Predictor(mf, workers=args.workers, layout=args.layout, threads=1) as p:
+        pids = p.pool.pids if p.pool is not None else ["self"]
+        before = [_status_mb(pid, "VmRSS") for pid in pids]
+        t0 = time.perf_counter()
+        out = p.predict(atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc)
+        seconds = time.perf_counter() - t0
+        peaks = [_status_mb(pid) for pid in pids]
+    return {"workers": args.workers, "layout": args.layout if args.workers > 1 else "one process",
+            "atoms": len(atoms), "energy_eV": out.energy, "max_abs_force": float(np.abs(out.forces).max()),
+            "peak_rss_mb_per_worker": peaks, "peak_rss_mb_max": max(peaks),
+            "rss_mb_before_call": before, "peak_above_before_mb_max": max(p - b for p, b in zip(peaks, before)),
+            "s_per_call": seconds}
+
+
+def build(args) -> dict:
+    """The graph build alone of rank 0's atoms-layout view at ``--parts`` P, in this (fresh) process:
+    ``--build whole`` (the atoms layout's worker: the whole graph, grouped, sharded) or ``region`` (the
+    distributed build; its collectives' results, every atom's in-degree and every rank's needs, read
+    from the file ``--build prep`` wrote)."""
+    import pickle
+    import resource
+
+    import numpy as np
+    from ase.build import bulk
+
+    from gnnpipe.atomic import domains, halo
+    from gnnpipe.atomic import neighbors as nb
+
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((args.repeat,) * 3)
+    atoms.rattle(0.05, seed=1)
+    pos, cell, pbc, z, cut = atoms.positions, atoms.cell.array, atoms.pbc, atoms.numbers, args.build_cutoff
+    owner = domains.spatial_partition(pos, cell, pbc, args.parts)
+    side = f"{args.out}.{args.parts}.needs.pkl"
+    if args.build == "prep":
+        graphs = [domains.region_graph(pos, cell, pbc, np.flatnonzero(owner == r), cut) for r in range(args.parts)]
+        degrees = sum(domains.in_degrees(g, len(z)) for g in graphs)
+        with open(side, "wb") as f:
+            pickle.dump((degrees, [domains.region_needs(g, r, owner, degrees).needs for r, g in enumerate(graphs)]), f)
+        return {}
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.build == "whole":
+        b = {**nb.system_graph(pos, cell, pbc, cut), "z": z, "pos": pos, "system": np.zeros(len(z), np.int64),
+             "num_systems": 1}
+        view = halo.shard_atoms(halo.group_by_part(b, owner, args.parts), 0, None)
+    else:
+        with open(side, "rb") as f:
+            degrees, needs = pickle.load(f)
+        os.remove(side)
+        g = domains.region_graph(pos, cell, pbc, np.flatnonzero(owner == 0), cut)
+        view = domains.region_view(domains.region_needs(g, 0, owner, degrees), needs, z, pos)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"build": args.build, "workers": args.parts, "atoms": len(z), "cutoff": cut,
+            "rank0_edges": len(view.edge_src), "rank0_triplets": len(view.idx_kj), "peak_above_before_mb": peak - before}
+
+
+def main(argv=None) -> None:
+    from gnnpipe.io import write_json
+    from machine import machine_record
+    from smoke import parse_args
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results/bench/domains.json")
+    ap.add_argument("--repeat", type=int, default=17, help="conventional fcc cells per axis (4 atoms each)")
+    ap.add_argument("--cutoff", type=float, default=3.0)
+    ap.add_argument("--kind", default="dimenetpp")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--workers", type=int, default=0, help=argparse.SUPPRESS)  # one configuration (internal)
+    ap.add_argument("--layout", default="domains", help=argparse.SUPPRESS)
+    ap.add_argument("--build-cutoff", type=float, default=4.5, help="the graph-build comparison's cutoff (Å)")
+    ap.add_argument("--build", help=argparse.SUPPRESS)  # prep / whole / region (internal)
+    ap.add_argument("--parts", type=int, default=2, help=argparse.SUPPRESS)
+    args = parse_args(ap, argv, repeat=2)
+    if args.workers or args.build:
+        print(json.dumps(one(args) if args.workers else build(args)))
+        return
+    load0 = os.getloadavg()
+    here = os.path.dirname(os.path.abspath(__file__))
+    runs = []
+    for workers, layout in ((1, "auto"), (2, "atoms"), (2, "domains")):
+        cmd = [sys.executable, os.path.join(here, "bench_domains.py"), "--repeat", str(args.repeat), "--cutoff",
+               str(args.cutoff), "--kind", args.kind, "--dtype", args.dtype, "--workers", str(workers),
+               "--layout", layout]
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=here)
+        if done.returncode:
+            raise SystemExit(f"bench_domains: {' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        r = runs[-1]
+        print(f"{r['atoms']} atoms, P={workers} {r['layout']}: peak RSS per worker {r['peak_rss_mb_per_worker']} MB, "
+              f"{r['s_per_call']:.1f} s, E {r['energy_eV']:.6f} eV", file=sys.stderr, flush=True)
+    builds = []
+    for parts in (2,) if args.smoke else (2, 4):
+        for what in ("prep", "whole", "region"):
+            cmd = [sys.executable, os.path.join(here, "bench_domains.py"), "--repeat", str(args.repeat),
+                   "--build-cutoff", str(args.build_cutoff), "--out", os.path.abspath(args.out), "--build", what,
+                   "--parts", str(parts)]
+            done = subprocess.run(cmd, capture_output=True, text=True, cwd=here)
+            if done.returncode:
+                raise SystemExit(f"bench_domains: {' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+            if what != "prep":
+                builds.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                r = builds[-1]
+                print(f"graph build of rank 0 of P={parts}, {r['build']}: {r['rank0_edges']} edges, {r['rank0_triplets']} "
+                      f"triplets, peak {r['peak_above_before_mb']:.0f} MB above the process before it", file=sys.stderr)
+    base = runs[0]["peak_rss_mb_max"]
+    grown = runs[0]["peak_above_before_mb_max"]
+    out = {"kind": args.kind, "dtype": args.dtype, "cutoff": args.cutoff, "runs": runs,
+           "peak_ratio_P2_over_P1": {r["layout"]: r["peak_rss_mb_max"] / base for r in runs[1:]},
+           "peak_above_before_ratio_P2_over_P1": {r["layout"]: r["peak_above_before_mb_max"] / grown for r in runs[1:]},
+           "graph_build": builds,
+           "machine": machine_record(load0)}
+    write_json(args.out, out)
+
+
+if __name__ == "__main__":
+    main()

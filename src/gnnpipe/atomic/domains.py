@@ -1,0 +1,349 @@
+"""A distributed graph build for the atoms layout (#35): spatial domains and each rank's own region.
+
+Today every rank of the atoms layout (``halo.py``) builds its view from the whole batch: the whole
+neighbour list and every triplet live on every worker. This module is the first part of a build
+whose memory per worker is ∝ N/P:
+
+1. :func:`spatial_partition` chooses an owner for every atom of one structure from its positions
+   alone (O(N) memory, no neighbour list): recursive bisection of the cell into P domains balanced
+   by atom count, each cut across the domain's longest extent (measured in Å, across the lattice
+   planes) at the atom-count quantile, in fractional coordinates wrapped into the cell on periodic
+   axes (so an atom's periodic images all have the same owner).
+2. :func:`region_graph` builds, on one rank, only the edges that rank needs: the edges into its own
+   atoms and, with ``hops`` = 2, the edges into their neighbours (the input edges ``k -> j`` of the
+   triplets ``k -> j -> i`` of an own ``i``, and GemNet's reverse edges ``i -> j``, which are among
+   them). It takes the images of the atoms within ``cutoff × hops`` of its own atoms' fractional
+   bounding box (a *cluster*, open boundaries), runs the neighbour search already used
+   (``neighbors.radius_graph``, vesin) on that cluster, and names each edge by its global key
+   ``(source, target, image)``, the same edges in the same order as the whole structure's
+   ``radius_graph`` restricted to those targets.
+
+   For now each rank is given every position (12–24 bytes an atom); the neighbour list and the
+   triplets, which dominate, are built for its region only.
+
+A periodic cell thinner than twice the skin along an axis needs no special case: the cluster holds
+as many images of an atom as fall in the region, and an edge reached through two images of its
+target is one key, kept once. Without a neighbour cap only: a capped graph's edge depends on both
+atoms' whole neighbourhoods (refused in one line).
+
+3. :func:`region_needs` and :func:`region_view` turn a rank's region graph into its view in the
+   atoms layout (``halo.HaloAtomGraph``), equal tensor for tensor to ``halo.shard_atoms`` of the whole
+   structure grouped by the same owners (``halo.group_by_part``): the same numbering (atoms by
+   (owner, id), edges by their target's), the same halo plans. What a rank needs of the others
+   besides its region: the owners and every atom's in-degree (O(N) integers: an edge's global id is
+   its target's first edge id plus its place among the target's edges), and every rank's
+   :class:`halo.Needs` (the ids it reads; what the others must send it), in a run one all-gather.
+
+Left for the next steps (#35): the collectives of a run (the degrees' all-reduce, the needs'
+all-gather), the layout object, the predictor's path; O(N) positions, owners and degrees per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import torch
+
+from ..io import GnnPipeError
+from .halo import HaloAtomGraph, Needs, edge_rows, halo_view
+from .neighbors import radius_graph, triplet_rank, triplets
+from .parallel import EdgeGroup, _t
+
+
+# --------------------------------------------------------------------------- the frame
+def _frame(cell, pbc) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(basis, heights, pbc)``: a non-singular basis (the cell's vectors; on an open axis whose vector
+    is missing or dependent, a unit vector orthogonal to the others), the distance between its lattice
+    planes along each axis (Å per unit of fractional coordinate) and ``pbc`` (3,) bool."""
+    basis = np.array(cell, dtype=np.float64).reshape(3, 3)
+    pbc = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,)).copy()
+    scale = max(1.0, float(np.abs(basis).max(initial=0.0)))
+    if abs(np.linalg.det(basis)) < 1e-9 * scale ** 3:
+        if np.linalg.matrix_rank(basis[pbc], tol=1e-9 * scale) < int(pbc.sum()):
+            raise GnnPipeError(f"domains: the periodic cell vectors are not independent (cell {basis.tolist()}, "
+                               f"pbc {pbc.tolist()}): give the structure a proper cell")
+        # complete the periodic vectors with an orthonormal basis of their complement
+        q, _ = np.linalg.qr(np.concatenate([basis[pbc].T, np.eye(3)], axis=1))
+        rest = iter(q[:, int(pbc.sum()):].T)
+        for k in np.flatnonzero(~pbc):
+            basis[k] = next(rest)
+    inv = np.linalg.inv(basis)
+    heights = 1.0 / np.linalg.norm(inv, axis=0)  # plane spacing: 1 / |column k of the inverse|
+    return basis, heights, pbc
+
+
+def fractional(pos, cell, pbc) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(frac, basis, heights)``: every atom's coordinates in ``_frame``'s basis, wrapped into
+    ``[0, 1)`` on periodic axes (``pos = frac @ basis`` up to whole cell vectors)."""
+    basis, heights, pbc = _frame(cell, pbc)
+    frac = np.asarray(pos, dtype=np.float64).reshape(-1, 3) @ np.linalg.inv(basis)
+    frac[:, pbc] -= np.floor(frac[:, pbc])
+    frac[:, pbc] = np.where(frac[:, pbc] >= 1.0, 0.0, frac[:, pbc])  # -1e-17 wraps to 1.0 in floating point
+    return frac, basis, heights
+
+
+# --------------------------------------------------------------------------- 1. the partition
+def spatial_partition(pos, cell, pbc, parts: int) -> np.ndarray:
+    """(N,) int64 owner of every atom: ``parts`` spatial domains balanced by atom count.
+
+    Recursive bisection: a domain of ``p`` parts is cut in two of ``p // 2`` and ``p - p // 2`` parts,
+    across the axis along which its atoms spread furthest (fractional extent × plane spacing, Å),
+    the first ``n · (p // 2) / p`` atoms in order of that coordinate (ties by atom id) going to the
+    first half. Every domain holds ``floor`` or ``ceil`` of ``N / parts`` atoms (within one atom of
+    the balanced count at each level). Deterministic: positions alone decide, so every rank computes
+    the same owners without a broadcast; an atom's owner does not change when it is moved by a
+    whole cell vector."""
+    frac, _, heights = fractional(pos, cell, pbc)
+    n = len(frac)
+    if parts < 1 or parts > n:
+        raise GnnPipeError(f"domains: {parts} parts of a structure of {n} atoms: use between 1 and {n} workers")
+    owner = np.zeros(n, dtype=np.int64)
+    stack = [(np.arange(n), 0, parts)]  # (atoms, first part, parts)
+    while stack:
+        atoms, first, p = stack.pop()
+        if p == 1:
+            owner[atoms] = first
+            continue
+        f = frac[atoms]
+        axis = int(np.argmax((f.max(axis=0) - f.min(axis=0)) * heights))
+        order = atoms[np.lexsort((atoms, f[:, axis]))]
+        cut = len(atoms) * (p // 2) // p
+        stack += [(order[:cut], first, p // 2), (order[cut:], first + p // 2, p - p // 2)]
+    return owner
+
+
+# --------------------------------------------------------------------------- 2. one rank's region
+@dataclass
+class RegionGraph:
+    """One rank's edges, global keys: edge ``src -> dst`` with image ``n`` (``shift = n @ cell``).
+
+    ``own`` (sorted) the rank's atoms; ``src, dst, image, shift`` the edges into ``own`` in
+    ``radius_graph``'s order (target, distance, source, image), then (``hops`` = 2) the edges into
+    ``ring`` (sorted), the other atoms with an edge into an own atom, in the same order;
+    ``own_edges`` how many of the edges are the first kind."""
+
+    own: np.ndarray
+    ring: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    image: np.ndarray
+    shift: np.ndarray
+    own_edges: int
+
+
+def _cluster(frac: np.ndarray, lo: np.ndarray, hi: np.ndarray, pbc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(atom, n)``: every image ``frac[atom] + n`` inside the box ``[lo, hi]`` (fractional; ``n`` 0 on
+    open axes), built axis by axis so no more than the box's images are held at a time."""
+    atom = np.arange(len(frac))
+    n = np.zeros((len(frac), 3), dtype=np.int64)
+    for k in range(3):
+        f = frac[atom, k] + n[:, k]
+        if not pbc[k]:
+            keep = (f >= lo[k]) & (f <= hi[k])
+            atom, n = atom[keep], n[keep]
+            continue
+        shifts = np.arange(int(np.floor(lo[k])) - 1, int(np.ceil(hi[k])) + 1)
+        g = f[:, None] + shifts[None, :]
+        row, col = np.nonzero((g >= lo[k]) & (g <= hi[k]))
+        atom, n = atom[row], n[row].copy()
+        n[:, k] += shifts[col]
+    return atom, n
+
+
+def region_graph(pos, cell, pbc, own, cutoff: float, hops: int = 2, max_neighbors: int | None = None,
+                 convention: str = "project") -> RegionGraph:
+    """The edges one rank needs (:class:`RegionGraph`) for its atoms ``own`` (global ids) of the
+    structure ``pos, cell, pbc``, from the images within ``cutoff × hops`` of them alone.
+
+    ``hops`` 1: the edges into ``own`` (a model without triplets or reverse edges); 2: also the edges
+    into their neighbours (triplets ``k -> j -> i`` and GemNet's ``id_swap``)."""
+    if max_neighbors is not None or convention != "project":
+        raise GnnPipeError("domains: the distributed graph build takes no neighbour cap yet (a capped edge depends "
+                           "on both atoms' whole neighbourhoods): set max_neighbors to null or use the atoms layout")
+    if hops not in (1, 2):
+        raise GnnPipeError(f"domains: hops must be 1 or 2, got {hops}")
+    pos = np.asarray(pos, dtype=np.float64).reshape(-1, 3)
+    own = np.unique(np.asarray(own, dtype=np.int64))
+    frac, basis, heights = fractional(pos, cell, pbc)
+    pbcv = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))
+    cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
+    skin = cutoff * hops / heights * (1 + 1e-9)  # fractional margin holding every point within cutoff × hops (Å)
+    lo, hi = frac[own].min(axis=0) - skin, frac[own].max(axis=0) + skin
+    atom, n = _cluster(frac, lo, hi, pbcv)
+    # the cluster's positions: the atom's wrapped image (frac @ basis) + n; its image relative to pos
+    wrap = np.zeros_like(n)
+    if pbcv.any():
+        raw = pos[atom] @ np.linalg.inv(basis)
+        wrap[:, pbcv] = np.rint(frac[atom][:, pbcv] - raw[:, pbcv]).astype(np.int64)
+    img = n + wrap  # the cluster point is pos[atom] + img @ cell (img 0 on open axes)
+    points = pos[atom] + img @ cell
+    c_src, c_dst, _ = radius_graph(points, np.zeros((3, 3)), False, cutoff)
+    # the own atoms' home points: their image inside their own bounding box, n == 0 (wrapped frac)
+    is_own = np.zeros(len(pos), dtype=bool)
+    is_own[own] = True
+    home = is_own[atom] & np.all(n == 0, axis=1)
+    into_own = home[c_dst]
+    keys = [(atom[c_src[into_own]], atom[c_dst[into_own]], img[c_src[into_own]] - img[c_dst[into_own]])]
+    ring = np.zeros(0, dtype=np.int64)
+    if hops == 2:
+        first = np.zeros(len(points), dtype=bool)
+        first[c_src[into_own]] = True  # every point with an edge into a home point: its edges are complete
+        first &= ~home
+        ring = np.unique(atom[first])
+        into_ring = first[c_dst]
+        keys.append((atom[c_src[into_ring]], atom[c_dst[into_ring]], img[c_src[into_ring]] - img[c_dst[into_ring]]))
+        ring = ring[~is_own[ring]]
+    parts = [_ordered(pos, cell, *k) for k in keys]
+    if hops == 2:  # own atoms reached through another image are ring points too: keep the ring's edges
+        s, d, m = parts[1]
+        keep = ~is_own[d]
+        parts[1] = (s[keep], d[keep], m[keep])
+    src, dst, image = (np.concatenate(c) for c in zip(*parts))
+    return RegionGraph(own=own, ring=ring, src=src, dst=dst, image=image, shift=image @ cell,
+                       own_edges=len(parts[0][0]))
+
+
+def _ordered(pos, cell, src, dst, image) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The edges ``src -> dst`` (image ``image``) each once, in ``radius_graph``'s order (target,
+    distance as it computes it from the global positions, source, image)."""
+    key = np.unique(np.concatenate([dst[:, None], src[:, None], image], axis=1), axis=0)
+    dst, src, image = key[:, 0], key[:, 1], key[:, 2:]
+    d = np.linalg.norm(pos[dst] - pos[src] - image @ cell, axis=1)
+    order = np.lexsort((image[:, 2], image[:, 1], image[:, 0], src, d, dst))
+    return src[order], dst[order], image[order]
+
+
+# --------------------------------------------------------------------------- 3. one rank's view
+@dataclass
+class Region:
+    """A rank's region graph numbered as the atoms layout numbers the whole structure.
+
+    ``new`` (N,) each atom's id grouped by owner (``halo.group_by_part``), ``ab`` / ``eb`` the ranks'
+    atom and edge id bounds, ``eid`` the global id of each region edge, ``kj, ji`` the own triplets
+    (region edge indices), ``swap`` the region index of each own edge's reverse, ``needs`` what the
+    rank reads from the others."""
+
+    graph: RegionGraph
+    rank: int
+    new: np.ndarray
+    order: np.ndarray
+    ab: np.ndarray
+    eb: np.ndarray
+    eid: np.ndarray
+    kj: np.ndarray
+    ji: np.ndarray
+    swap: np.ndarray
+    needs: Needs
+
+
+def in_degrees(g: RegionGraph, n: int) -> np.ndarray:
+    """(N,) the in-degree of a rank's own atoms (0 elsewhere): summed over the ranks, every atom's."""
+    return np.bincount(g.dst[:g.own_edges], minlength=n).astype(np.int64)
+
+
+def _place(dst: np.ndarray) -> np.ndarray:
+    """Each edge's place among its target's edges (``dst`` sorted)."""
+    return np.arange(len(dst)) - np.searchsorted(dst, dst)
+
+
+def _reverse_in(g: RegionGraph) -> np.ndarray:
+    """The region index of the reverse ``i -> j`` (image ``-n``) of every own edge ``j -> i``: an edge
+    into ``j``, so in the region (``hops`` = 2)."""
+    own = slice(0, g.own_edges)
+    rows = np.concatenate([np.column_stack([g.src, g.dst, g.image]),
+                           np.column_stack([g.dst[own], g.src[own], -g.image[own]])])
+    _, key = np.unique(rows, axis=0, return_inverse=True)
+    key = key.ravel()
+    at = np.full(int(key.max(initial=-1)) + 1, -1, dtype=np.int64)
+    at[key[:len(g.src)]] = np.arange(len(g.src))
+    swap = at[key[len(g.src):]]
+    if (swap < 0).any():
+        raise GnnPipeError("domains: an own edge has no reverse in its region: build the region with hops=2")
+    return swap
+
+
+def region_needs(g: RegionGraph, rank: int, owner: np.ndarray, degrees: np.ndarray) -> Region:
+    """Rank ``rank``'s :class:`Region` from its region graph (``hops`` = 2), every atom's ``owner`` and
+    in-degree ``degrees`` (the sum over the ranks of :func:`in_degrees`)."""
+    owner = np.asarray(owner, dtype=np.int64)
+    parts = int(owner.max()) + 1
+    order = np.argsort(owner, kind="stable")
+    new = np.empty_like(order)
+    new[order] = np.arange(len(order))
+    ab = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=parts))]).astype(np.int64)
+    eb = np.concatenate([[0], np.cumsum(np.bincount(owner, weights=degrees, minlength=parts))]).astype(np.int64)
+    first = np.empty(len(owner), dtype=np.int64)  # each atom's first edge id
+    first[order] = np.cumsum(degrees[order]) - degrees[order]
+    o = g.own_edges
+    place = np.concatenate([_place(g.dst[:o]), _place(g.dst[o:])])
+    eid = first[g.dst] + place
+    ring_deg = np.bincount(g.dst[o:], minlength=len(owner))[g.ring]
+    if not np.array_equal(ring_deg, degrees[g.ring]) or not np.array_equal(eid[:o] - eb[rank], np.arange(o)):
+        raise GnnPipeError("domains: a region's edges disagree with the atoms' degrees: build every rank's region "
+                           "from the same positions, cutoff and owners")
+    ids, local = np.unique(np.concatenate([g.src, g.dst]), return_inverse=True)
+    local = local.ravel()
+    kj, ji = triplets(local[:len(g.src)], local[len(g.src):], g.shift) if len(g.src) else (np.zeros(0, np.int64),) * 2
+    keep = ji < o
+    kj, ji = kj[keep], ji[keep]
+    swap = _reverse_in(g)
+    mine = owner == rank
+
+    def foreign(a):
+        return np.unique(a[~mine[a]])
+    atom_ids = np.concatenate([g.src[:o], g.src[kj], g.dst[kj]])
+    needs = Needs(kj=np.unique(eid[kj][~mine[g.dst[kj]]]), swap=np.unique(eid[swap][~mine[g.dst[swap]]]),
+                  atoms=np.sort(new[foreign(g.src[:o])]), ghosts=np.sort(new[foreign(atom_ids)]))
+    return Region(g, rank, new, order, ab, eb, eid, kj, ji, swap, needs)
+
+
+def region_view(reg: Region, needs: list, z, pos, group: EdgeGroup | None = None, dtype=torch.float64,
+                device=None) -> HaloAtomGraph:
+    """Rank ``reg.rank``'s view in the atoms layout, from its region and every rank's ``needs``
+    (``needs[q]``: rank q's ``Region.needs``): equal to ``halo.shard_atoms`` of the structure grouped by
+    the same owners. ``z``, ``pos``: the structure's (read at the view's atoms only)."""
+    g, r, new = reg.graph, reg.rank, reg.new
+    me, o = reg.needs, g.own_edges
+    a0, a1, e0, e1 = int(reg.ab[r]), int(reg.ab[r + 1]), int(reg.eb[r]), int(reg.eb[r + 1])
+    atoms = np.concatenate([np.arange(a0, a1), me.atoms, np.setdiff1d(me.ghosts, me.atoms, assume_unique=True)])
+    sorter = np.argsort(atoms)
+
+    def loc(ids):  # the view's row of atoms given by their structure ids
+        return sorter[np.searchsorted(atoms, new[ids], sorter=sorter)]
+    orig = reg.order[atoms]
+    kw = dict(
+        z=_t(np.asarray(z)[orig], torch.long), pos=_t(np.asarray(pos)[orig], dtype),
+        system=torch.zeros(len(atoms), dtype=torch.long), num_systems=1,
+        edge_src=_t(loc(g.src[:o]), torch.long), edge_dst=_t(loc(g.dst[:o]), torch.long),
+        edge_shift=_t(g.shift[:o], dtype),
+        idx_kj=_t(edge_rows(reg.eid[reg.kj], me.kj, e0, e1), torch.long), idx_ji=_t(reg.ji, torch.long),
+        kj_src=_t(loc(g.src[reg.kj]), torch.long), kj_dst=_t(loc(g.dst[reg.kj]), torch.long),
+        kj_shift=_t(g.shift[reg.kj], dtype), num_edges=(e1 - e0) + len(me.kj), atom_lo=a0, atom_hi=a1,
+        triplet_rank=_t(triplet_rank(reg.ji, o), torch.long),
+        id_swap=_t(edge_rows(reg.eid[reg.swap], me.swap, e0, e1), torch.long))
+    ghosts = sorter[np.searchsorted(atoms, me.ghosts, sorter=sorter)]
+    return halo_view(kw, needs, reg.ab, reg.eb, r, ghosts, len(atoms), group, device)
+
+
+def build_view(b: dict, grp: EdgeGroup, dtype=torch.float64, device=None) -> HaloAtomGraph:
+    """Worker ``grp.rank``'s view of structure ``b`` (``z, pos, cell, pbc, cutoff, owner``: every
+    position, no graph), built from its region alone with two collectives of the group (the atoms'
+    in-degrees summed, every rank's needs gathered; not counted in the ledger: they happen once per
+    build, not per step). Symmetric, uncapped graphs of the ``project`` convention (``region_graph``)."""
+    import torch.distributed as dist
+
+    owner, n = np.asarray(b["owner"]), len(b["z"])
+    g = region_graph(b["pos"], b["cell"], b["pbc"], np.flatnonzero(owner == grp.rank), float(b["cutoff"]), 2,
+                     b.get("max_neighbors"), b.get("convention", "project"))
+    degrees = torch.from_numpy(in_degrees(g, n))
+    dist.all_reduce(degrees, group=grp.group)
+    reg = region_needs(g, grp.rank, owner, degrees.numpy())
+    needs = [None] * grp.size
+    dist.all_gather_object(needs, reg.needs, group=grp.group)
+    return region_view(reg, needs, b["z"], b["pos"], grp, dtype, device)
+
+
+__all__ = ["build_view", "spatial_partition", "fractional", "region_graph", "RegionGraph", "Region", "in_degrees", "region_needs",
+           "region_view"]

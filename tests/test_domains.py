@@ -1,0 +1,212 @@
+"""The distributed graph build's first steps (gnnpipe.atomic.domains, #35): spatial domains balanced
+by atom count, and each rank's region graph against the whole structure's ``radius_graph``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ase import Atoms
+from ase.build import bulk, fcc111, molecule
+
+from gnnpipe.atomic import domains
+from gnnpipe.atomic import neighbors as nb
+from gnnpipe.io import GnnPipeError
+
+SKEWED = np.array([[7.6, 0, 0], [2.1, 6.4, 0], [0.9, 1.2, 8.1]])
+
+
+def _random(n=200, seed=0):
+    return np.random.default_rng(seed).random((n, 3)) @ SKEWED
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 5, 7])
+def test_domains_are_balanced_by_atom_count(parts):
+    owner = domains.spatial_partition(_random(203), SKEWED, True, parts)
+    count = np.bincount(owner, minlength=parts)
+    assert len(count) == parts and count.max() - count.min() <= 1
+
+
+def test_domains_are_deterministic_and_blind_to_periodic_images_and_numbering():
+    pos = _random()
+    owner = domains.spatial_partition(pos, SKEWED, True, 4)
+    assert np.array_equal(owner, domains.spatial_partition(pos.copy(), SKEWED, True, 4))
+    images = np.random.default_rng(1).integers(-3, 4, size=(len(pos), 3))
+    assert np.array_equal(owner, domains.spatial_partition(pos + images @ SKEWED, SKEWED, True, 4))
+    perm = np.random.default_rng(2).permutation(len(pos))
+    assert np.array_equal(owner[perm], domains.spatial_partition(pos[perm], SKEWED, True, 4))
+
+
+def test_domains_are_compact_slabs_across_the_longest_axis():
+    # a long box along z: two parts cut it across z, each half's z range apart from the other's
+    cell = np.diag([4.0, 4.0, 40.0])
+    pos = np.random.default_rng(3).random((100, 3)) @ cell
+    owner = domains.spatial_partition(pos, cell, True, 2)
+    assert pos[owner == 0, 2].max() <= pos[owner == 1, 2].min()
+
+
+def test_domains_refuse_more_parts_than_atoms_in_one_line():
+    with pytest.raises(GnnPipeError, match="between 1 and 3 workers") as e:
+        domains.spatial_partition(_random(3), SKEWED, True, 4)
+    assert "\n" not in str(e.value)
+
+
+def _structures():
+    cu = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((3, 3, 3))
+    cu.rattle(0.05, seed=1)
+    slab = fcc111("Cu", size=(3, 3, 4), vacuum=6.0)  # periodic in x, y, vacuum along z
+    slab.rattle(0.05, seed=2)
+    small = bulk("Cu", "fcc", a=3.6, cubic=True)  # 3.6 Å: thinner than 2 skins (2 × 4 Å) on every axis
+    small.rattle(0.05, seed=3)
+    mol = molecule("C6H6")  # no cell at all
+    mol.rattle(0.02, seed=4)
+    dimers = Atoms("H4", positions=[[0, 0, 0], [0.74, 0, 0], [10, 0, 0], [10.74, 0, 0]])  # parts without triplets
+    return {"bulk": (cu, 4.0), "slab": (slab, 4.0), "small cell": (small, 4.0), "molecule": (mol, 2.0),
+            "dimers": (dimers, 2.0)}
+
+
+@pytest.mark.parametrize("name", ["bulk", "slab", "small cell", "molecule", "dimers"])
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_region_graphs_equal_the_whole_structures_edges(name, parts):
+    atoms, cutoff = _structures()[name]
+    pos, cell, pbc = atoms.positions, atoms.cell.array, atoms.pbc
+    src, dst, shift = nb.radius_graph(pos, cell, pbc, cutoff)
+    owner = domains.spatial_partition(pos, cell, pbc, parts)
+    seen = 0
+    for r in range(parts):
+        own = np.flatnonzero(owner == r)
+        g = domains.region_graph(pos, cell, pbc, own, cutoff, hops=2)
+        mine = np.isin(dst, own)
+        ring = np.setdiff1d(src[mine], own)
+        assert np.array_equal(g.own, own) and np.array_equal(g.ring, ring)
+        into_ring = np.isin(dst, ring)
+        want = np.concatenate([np.flatnonzero(mine), np.flatnonzero(into_ring)])  # the same edges, same order
+        assert g.own_edges == int(mine.sum())
+        assert np.array_equal(g.src, src[want]) and np.array_equal(g.dst, dst[want])
+        np.testing.assert_allclose(g.shift, shift[want], atol=1e-9)
+        one = domains.region_graph(pos, cell, pbc, own, cutoff, hops=1)
+        assert np.array_equal(one.src, src[mine]) and len(one.ring) == 0
+        seen += g.own_edges
+    assert seen == len(src)  # every edge has exactly one owner: its target's
+
+
+def test_region_graph_refuses_a_neighbour_cap_in_one_line():
+    atoms, cutoff = _structures()["bulk"]
+    with pytest.raises(GnnPipeError, match="max_neighbors") as e:
+        domains.region_graph(atoms.positions, atoms.cell.array, True, [0, 1], cutoff, max_neighbors=12)
+    assert "\n" not in str(e.value)
+
+
+def _views_equal(a, b):
+    """Every field of two HaloAtomGraphs equal (tensors, plans, counts)."""
+    import dataclasses
+
+    import torch
+
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if dataclasses.is_dataclass(x):
+            _views_equal(x, y)
+        elif isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+@pytest.mark.parametrize("name", ["bulk", "slab", "small cell", "molecule", "dimers"])
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_region_views_equal_the_atoms_layouts_views_of_the_whole_structure(name, parts):
+    from gnnpipe.atomic import halo
+
+    atoms, cutoff = _structures()[name]
+    pos, cell, pbc, z = atoms.positions, atoms.cell.array, atoms.pbc, atoms.numbers
+    owner = domains.spatial_partition(pos, cell, pbc, parts)
+    whole = {**nb.system_graph(pos, cell, pbc, cutoff), "z": z, "pos": pos, "system": np.zeros(len(z), np.int64),
+             "num_systems": 1}
+    arranged = halo.group_by_part(whole, owner, parts)
+    graphs = [domains.region_graph(pos, cell, pbc, np.flatnonzero(owner == r), cutoff) for r in range(parts)]
+    degrees = sum(domains.in_degrees(g, len(z)) for g in graphs)  # a run's all-reduce
+    regions = [domains.region_needs(g, r, owner, degrees) for r, g in enumerate(graphs)]
+    needs = [reg.needs for reg in regions]  # a run's all-gather
+    for r, reg in enumerate(regions):
+        _views_equal(domains.region_view(reg, needs, z, pos), halo.shard_atoms(arranged, r, None))
+
+
+@pytest.fixture(scope="module")
+def slab_systems():
+    from gnnpipe.atomic import data
+
+    return data.generate(4, seed=2, progress=False)
+
+
+def _tiny_uncapped(systems, kind):
+    import dataclasses
+
+    from helpers import tiny_atomic_model
+
+    return dataclasses.replace(tiny_atomic_model(systems, kind, max_neighbors=None), symmetric_edges=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dimenetpp", "gemnet_t"])
+def test_two_workers_in_the_domains_layout_equal_one_process(slab_systems, kind, one_thread):
+    """The predictor's distributed build (each worker its domain's graph) against one process, float64:
+    energy, forces in the structure's order, stress (1e-10), on a bulk cell and a slab with vacuum."""
+    from gnnpipe.atomic.inference import Predictor
+
+    mf = _tiny_uncapped(slab_systems, kind)
+    metal = next(z for z in mf.elements if z > 10)
+    cell = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((3, 3, 2))
+    cell.set_atomic_numbers([metal] * len(cell))
+    cell.rattle(0.05, seed=5)
+    slab = fcc111("Cu", size=(2, 2, 3), vacuum=5.0)
+    slab.set_atomic_numbers([metal] * len(slab))
+    one = Predictor(mf)
+    with Predictor(mf, workers=2, layout="domains") as two:
+        for atoms, stress in ((cell, True), (slab, False)):
+            args = (atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc, stress)
+            want, got = one.predict(*args), two.predict(*args)
+            assert two.last_layout.name == "domains"
+            assert got.energy == pytest.approx(want.energy, abs=1e-10 * max(1.0, abs(want.energy)))
+            np.testing.assert_allclose(got.forces, want.forces, atol=1e-10 * max(1.0, np.abs(want.forces).max()))
+            if stress:
+                np.testing.assert_allclose(got.stress, want.stress, atol=1e-10 * max(1.0, np.abs(want.stress).max()))
+
+
+def test_the_domains_layout_refuses_a_capped_model_in_one_line(slab_systems):
+    from helpers import tiny_atomic_model
+
+    from gnnpipe.atomic.inference import Predictor
+
+    with pytest.raises(GnnPipeError, match="layout domains: the distributed build takes .* use layout atoms") as e:
+        Predictor(tiny_atomic_model(slab_systems, "dimenetpp", max_neighbors=12), workers=2, layout="domains")
+    assert "\n" not in str(e.value)
+
+
+def _build_rank(rank, world, structure, arranged):
+    """A rank of a gloo group: its view by the distributed build (real collectives) equals
+    ``halo.shard_atoms`` of the whole structure grouped by the same owners."""
+    import torch
+
+    from gnnpipe.atomic import halo
+    from gnnpipe.atomic.parallel import EdgeGroup
+    from gnnpipe.parallel.comm import Communicator
+
+    grp = EdgeGroup(Communicator(None, torch.device("cpu")), None, world, rank)
+    _views_equal(domains.build_view(structure, grp), halo.shard_atoms(arranged, rank, grp))
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parts", [3, 4])
+def test_build_view_over_a_group_equals_the_atoms_layouts_view(parts):
+    from gnnpipe.atomic import halo
+    from gnnpipe.parallel.testing import spawn_multi_process
+
+    atoms, cutoff = _structures()["slab"]
+    pos, cell, pbc, z = atoms.positions, atoms.cell.array, atoms.pbc, atoms.numbers
+    owner = domains.spatial_partition(pos, cell, pbc, parts)
+    structure = {"z": z, "pos": pos, "cell": cell, "pbc": pbc, "cutoff": cutoff, "owner": owner}
+    whole = {**nb.system_graph(pos, cell, pbc, cutoff), "z": z, "pos": pos, "system": np.zeros(len(z), np.int64),
+             "num_systems": 1}
+    assert spawn_multi_process(_build_rank, parts, structure, halo.group_by_part(whole, owner, parts),
+                               timeout=120) == [True] * parts
