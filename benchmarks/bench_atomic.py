@@ -53,7 +53,7 @@ def _work(rank: int, world: int, b: dict, kind: str, cfg_kw: dict, steps: int) -
     import torch.distributed as dist
 
     from gnnpipe.atomic.atom_layouts import EDGES
-    from gnnpipe.atomic.engine import Normalizer, StepCounts, step_loss
+    from gnnpipe.atomic.atomic_engine import Normalizer, StepCounts, step_loss
     from gnnpipe.atomic.parallel import EdgeGroup
     from gnnpipe.atomic.protocol import ATOMIC_MODELS
     from gnnpipe.parallel.comm import Communicator

@@ -248,7 +248,7 @@ def process_rss_gib() -> float:
     (torch, h5py, the engines): what its ru_maxrss holds before the run's first tensor."""
     import subprocess
 
-    code = ("import resource, torch, torch.distributed, h5py, gnnpipe.train, gnnpipe.parallel.engine; "
+    code = ("import resource, torch, torch.distributed, h5py, gnnpipe.train, gnnpipe.parallel.layout_engine; "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)

@@ -133,7 +133,7 @@ def summarise(out: dict) -> dict:
 
 
 def bench_kind(kind: str, root: Path, cap_mib: int, epochs: int, smoke: bool = False) -> dict:
-    from gnnpipe.atomic.engine import plan_run
+    from gnnpipe.atomic.atomic_engine import plan_run
     from gnnpipe.config import dump_run_config, load_workflow_config, resolve_runs
 
     runs = resolve_runs(load_workflow_config(workflow(root, kind, epochs, smoke)))

@@ -81,7 +81,7 @@ def _worker(rank: int, world: int, cfg_dict: dict, epochs: int, warmup: int) -> 
     from gnnpipe.parallel.comm import Communicator
     from gnnpipe.layout import ParallelDims
     from gnnpipe.parallel.groups import build_groups
-    from gnnpipe.parallel.engine import peak_memory
+    from gnnpipe.parallel.layout_engine import peak_memory
     from gnnpipe.tasks import task_for
     from gnnpipe.train import build_engine
 

@@ -64,7 +64,7 @@ def sar_per_layer(dims: list[tuple[int, int]]) -> list[int]:
 def _train(rank: int, world: int, cfg: RunConfig, epochs: int) -> dict:
     from gnnpipe.layout import ParallelDims
     from gnnpipe.parallel.comm import Communicator
-    from gnnpipe.parallel.engine import LayoutEngine
+    from gnnpipe.parallel.layout_engine import LayoutEngine
     from gnnpipe.parallel.groups import build_groups
 
     groups = build_groups(ParallelDims("graph", world, 1, world), rank)

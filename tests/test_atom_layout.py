@@ -273,7 +273,7 @@ def test_the_plan_prices_both_layouts_and_chooses_by_bytes_then_memory():
     """On a 500-atom cell the atoms layout sends fewer bytes (its closed form on its own halo counts);
     a memory cap that only the edges layout fits chooses edges; at P = 1 both are the same."""
     from gnnpipe.atomic.atom_layouts import ATOMS, EDGES, choose_layout, layout_costs
-    from gnnpipe.atomic.engine import batch_plan
+    from gnnpipe.atomic.atomic_engine import batch_plan
 
     b = _bulk(reps=5)
     kind = ATOMIC_MODELS["gemnet_t"]
@@ -293,7 +293,7 @@ def test_the_plan_prices_both_layouts_and_chooses_by_bytes_then_memory():
     assert [r["layout"] for r in rows] == ["edges", "atoms", "atoms"]
     assert rows[2]["layouts"]["atoms"] == costs["atoms"]
     # a run in the atoms layout is sized by its layout's memory (gnnpipe launch's check)
-    from gnnpipe.atomic.engine import RunPlan
+    from gnnpipe.atomic.atomic_engine import RunPlan
     need = costs["atoms"]["memory"] + 100
     plan = RunPlan(kind, cfg, b, 4, need, 100, rows, ATOMS, 4)
     assert plan.need(4) == need and plan.fits and "at P = 4 in the atoms layout" in plan.answer("r", "cap")
@@ -330,7 +330,7 @@ def test_the_plan_sizes_a_run_in_its_layout_at_its_dtype():
     """``RunPlan.need`` (gnnpipe plan-atomic --check, launch) is the plan row's memory in the run's layout at
     the run's dtype: a float64 run in the edges layout was sized at 4 bytes a value (below its own rows)."""
     from gnnpipe.atomic.atom_layouts import ATOMS, EDGES
-    from gnnpipe.atomic.engine import RunPlan, batch_plan
+    from gnnpipe.atomic.atomic_engine import RunPlan, batch_plan
 
     b = _batch(4)
     kind = ATOMIC_MODELS["dimenetpp"]
@@ -350,7 +350,7 @@ def test_an_atoms_layout_replica_without_systems_is_priced_not_a_crash(tmp_path)
     it as the halo closed form with no halo rows."""
     from gnnpipe.atomic import data
     from gnnpipe.atomic.atom_layouts import ATOMS
-    from gnnpipe.atomic.engine import AtomicEngine
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
     from test_faults import setup_atomic_run
 
     cfg = setup_atomic_run(tmp_path, "graph", 6, epochs=1, spec={"batch_size": 2},
@@ -433,7 +433,7 @@ def _halo_epoch_bytes(run, kind: str) -> int:
 
 @pytest.mark.slow
 def test_gnnpipe_train_in_the_atoms_layout_trains_as_single(tmp_path):
-    """``gnnpipe train`` under a real torchrun (atomic/engine.py, every training habit on, float64), GemNet-T
+    """``gnnpipe train`` under a real torchrun (atomic/atomic_engine.py, every training habit on, float64), GemNet-T
     (edge, reverse-edge and atom halos) with ``atom_layout: atoms`` at P = 2 trains the model single-process
     training does: every optimizer step's loss (energy + force terms) and the finished weights to 1e-10,
     the test split's energy and force errors. The epoch's ledger equals the engine's prediction and the
@@ -465,7 +465,7 @@ def _engine_epoch(rank: int, world: int, cfg, epochs: int = 1) -> dict:
     """``epochs`` training epochs of ``AtomicEngine`` on rank ``rank`` of the run's world (what ``gnnpipe
     train`` builds: ``build_groups``, a ``Communicator``): the first's step losses, the finished weights, the
     first's bytes sent and predicted, and every epoch's (``ledger``: bytes sent, predicted for that epoch)."""
-    from gnnpipe.atomic.engine import AtomicEngine
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
     from gnnpipe.layout import ParallelDims
     from gnnpipe.parallel.comm import Communicator
     from gnnpipe.parallel.groups import build_groups
@@ -507,11 +507,11 @@ def test_each_epoch_in_the_atoms_layout_is_predicted_from_its_own_batches(tmp_pa
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dimenetpp", "gemnet_t"])
 def test_the_atomic_engine_in_the_atoms_layout_with_data_parallelism_trains_as_single(tmp_path, kind):
-    """The training engine (atomic/engine.py, as ``gnnpipe train`` builds it, on spawned gloo workers) at
+    """The training engine (atomic/atomic_engine.py, as ``gnnpipe train`` builds it, on spawned gloo workers) at
     2 ways × 2 replicas in the atoms layout, float64, every habit on: every step's loss and the finished
     weights equal single-process training on the union batches to 1e-10; the epoch's ledger equals the
     prediction and the brute-force halo closed form."""
-    from gnnpipe.atomic.engine import AtomicEngine
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
 
     single, graph = _atomic_runs(tmp_path, kind, 2, 2)
     threads = torch.get_num_threads()

@@ -126,7 +126,7 @@ def test_graphs_h5_records_the_neighbour_convention(tmp_path, systems):
     """atom-graphs --neighbors fairchem writes fairchem's graphs (atomic.neighbors) and records it; a
     project file carries no such attribute (the file it was before the option) and reads as project;
     a model's smaller cutoff rebuilds the graphs in the file's convention."""
-    from gnnpipe.atomic.engine import model_graphs
+    from gnnpipe.atomic.atomic_engine import model_graphs
     from gnnpipe.cli import main
 
     sp, gp = tmp_path / "systems.h5", tmp_path / "graphs.h5"

@@ -24,7 +24,7 @@ def test_schedule_warms_up_then_decays_by_a_cosine_to_its_floor():
 
 
 def _engine(tmp_path, **spec):
-    from gnnpipe.atomic.engine import AtomicEngine
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
     cfg = setup_atomic_run(tmp_path, "single", 1, epochs=3, spec=spec, dtype="float64")
     return AtomicEngine(cfg, None, None, torch.device("cpu"))
 
@@ -57,7 +57,7 @@ def test_evaluation_and_the_finished_model_use_the_weights_moving_average(tmp_pa
     """The average is d·avg + (1 - d)·w after each step with d = min(decay, (1 + n)/(10 + n)); evaluate()
     computes with it (an engine loaded with the finished model gives the same metrics), the live weights
     give others, and training goes on from the live weights."""
-    from gnnpipe.atomic.engine import AtomicEngine
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
 
     eng = _engine(tmp_path, ema_decay=0.9)
     avg = {n: p.detach().clone() for n, p in eng.model.named_parameters()}

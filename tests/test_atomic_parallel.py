@@ -218,12 +218,12 @@ def _dimenet(head: str):
 
 
 def _norm():
-    from gnnpipe.atomic.engine import Normalizer
+    from gnnpipe.atomic.atomic_engine import Normalizer
     return Normalizer(np.linspace(-1, 1, 95), 0.7)
 
 
 def _dimenet_step(model, g, b, counts, reduce_grads=None):
-    from gnnpipe.atomic.engine import step_loss
+    from gnnpipe.atomic.atomic_engine import step_loss
     loss, energy, forces, _ = step_loss(model, g, b, _norm(), counts, force_weight=10.0)
     model.zero_grad(set_to_none=False)
     loss.backward()
@@ -237,7 +237,7 @@ def _dimenet_sharded(rank: int, world: int, batches: list, ways: int, head: str)
     import torch.distributed as dist
 
     from gnnpipe.atomic.atom_layouts import EDGES
-    from gnnpipe.atomic.engine import StepCounts
+    from gnnpipe.atomic.atomic_engine import StepCounts
     from gnnpipe.parallel.comm import Communicator
 
     torch.set_default_dtype(torch.float64)
@@ -269,7 +269,7 @@ def _dimenet_sharded(rank: int, world: int, batches: list, ways: int, head: str)
 def test_dimenetpp_sharded_matches_unsharded(ways, replicas, head, periodic):
     """Energies, forces and every parameter gradient of DimeNet++ on P ways × D replicas equal
     single-process training on the union of the replicas' batches (float64, 1e-10)."""
-    from gnnpipe.atomic.engine import StepCounts
+    from gnnpipe.atomic.atomic_engine import StepCounts
 
     batches = [_batch(10 + d, n_sys=2, quiet_tail=40, periodic=periodic) for d in range(replicas)]
     union = _concat(batches)
@@ -306,7 +306,7 @@ def test_memory_estimate_is_within_15_percent_of_a_measured_step(head):
     from gnnpipe.atomic import data
     from gnnpipe.atomic.dimenetpp import DimeNetPPConfig, DimeNetPPModel
     from gnnpipe.atomic.dimenetpp_costs import block_counts, memory_per_worker, saved_bytes_by_rows
-    from gnnpipe.atomic.engine import Normalizer, StepCounts, step_loss
+    from gnnpipe.atomic.atomic_engine import Normalizer, StepCounts, step_loss
 
     from helpers import dense_radius_graph
 

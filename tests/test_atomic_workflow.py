@@ -127,7 +127,7 @@ def _run_config(d: Path, epochs: int, kind: str = "dimenetpp", **spec):
 
 @pytest.mark.parametrize("kind", ["dimenetpp", "gemnet_t"])
 def test_more_ways_than_a_systems_edges_is_refused(small_data, kind):
-    from gnnpipe.atomic.engine import AtomicEngine
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
     from gnnpipe.io import GnnPipeError
     cfg = dataclasses.replace(_run_config(small_data, 1, kind), mode="graph", workers=10_000, ways=10_000)
     with pytest.raises(GnnPipeError, match="graph parallelism over 10000 ways: system .* has only"):
@@ -138,7 +138,7 @@ def test_a_model_cutoff_above_the_graphs_is_refused_and_below_rebuilds_them(smal
     """The graphs.h5 of 4.5 Å: a GemNet of 5 Å is refused naming the file (a hand-made run.yaml; the
     workflow refuses it at config time); one of 3.5 Å trains on the graphs a rebuild at 3.5 Å gives."""
     from gnnpipe.atomic import data
-    from gnnpipe.atomic.engine import AtomicEngine
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
     from gnnpipe.io import GnnPipeError
     with pytest.raises(GnnPipeError, match=r"the model's cutoff 5 Å is larger than the cutoff 4.5 Å of the graphs it "
                                            r"trains on \(.*graphs.h5\): they lack the neighbours between"):
@@ -329,7 +329,7 @@ def test_a_users_extxyz_and_ase_db_train_gemnet_through_snakemake(tmp_path):
 
 
 def test_plan_atomic_sizes_xl_and_finds_the_smallest_p(small_data, capsys):
-    from gnnpipe.atomic.engine import plan_ways
+    from gnnpipe.atomic.atomic_engine import plan_ways
     from gnnpipe.atomic.protocol import ATOMIC_MODELS
     from gnnpipe.cli import main
     kind = ATOMIC_MODELS["dimenetpp"]

@@ -63,7 +63,7 @@ def test_energy_only_training_runs_no_force_pass_and_has_no_force_metric(tmp_pat
     """The engine decides energy-only once (``engine.energy_only``) and then never computes forces: an epoch
     and an evaluation run with ``torch.autograd.grad`` (every gradient force's) made to fail, the direct head
     gets no gradient; the force metrics, EFwT and the zero-force baseline are None, the record says why."""
-    from gnnpipe.atomic.engine import AtomicEngine, StepCounts, step_loss
+    from gnnpipe.atomic.atomic_engine import AtomicEngine, StepCounts, step_loss
 
     cfg = _run(tmp_path, kind=kind, forces=forces, spec={"force_head": head, **spec})
     eng = AtomicEngine(cfg, None, None, torch.device("cpu"))
@@ -90,7 +90,7 @@ def test_energy_only_training_runs_no_force_pass_and_has_no_force_metric(tmp_pat
 def test_the_energy_only_step_is_the_force_steps_energy_term_exactly(tmp_path):
     """Without the force pass the loss and every parameter gradient are those of the full step with force
     weight 0 (float64, to rounding): dropping the force pass changes the cost, not the training."""
-    from gnnpipe.atomic.engine import AtomicEngine, StepCounts, step_loss
+    from gnnpipe.atomic.atomic_engine import AtomicEngine, StepCounts, step_loss
 
     eng = AtomicEngine(_run(tmp_path, forces=True), None, None, torch.device("cpu"))
     b, g = eng.layout.view(eng._batch(eng.ids["train"][:3]), None, eng.dtype, eng.device)
@@ -113,7 +113,7 @@ def test_the_energy_only_step_is_the_force_steps_energy_term_exactly(tmp_path):
 def _epochs(rank: int, world: int, cfgs: list) -> list[dict]:
     """One epoch and an evaluation of ``AtomicEngine`` on rank ``rank`` for each run of ``cfgs``, as
     ``gnnpipe train`` builds it: step losses, finished weights, bytes sent and predicted, metrics."""
-    from gnnpipe.atomic.engine import AtomicEngine
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
     from gnnpipe.layout import ParallelDims
     from gnnpipe.parallel.comm import Communicator
     from gnnpipe.parallel.groups import build_groups
@@ -137,7 +137,7 @@ def test_energy_only_graph_parallel_training_equals_single(tmp_path):
     trains as one process does: every step's loss and the finished weights to 1e-10 (float64), the same
     energy MAE, no force metric; the bytes sent are the closed form of two passes without forces
     (``collective_passes(..., forces=False)``)."""
-    from gnnpipe.atomic.engine import AtomicEngine
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
 
     cases = [("dimenetpp", "edges"), ("gemnet_t", "atoms")]
     graphs = [_run(tmp_path / f"graph-{kind}", "graph", 2, kind=kind, run={"atom_layout": layout})

@@ -28,7 +28,7 @@ from gnnpipe.parallel.comm import Communicator
 from gnnpipe.layout import ParallelDims
 from gnnpipe.parallel.groups import build_groups
 from gnnpipe.costmodel.bytes import graph_parallel_bytes
-from gnnpipe.parallel.engine import LayoutEngine
+from gnnpipe.parallel.layout_engine import LayoutEngine
 from gnnpipe.parallel.stage import split_block
 from gnnpipe.parallel.testing import spawn_multi_process
 from gnnpipe.partition import partition_graph

@@ -95,7 +95,7 @@ def test_defaults_off_train_a_node_model_as_plain_adam(graph):
 
 def _worker(rank, world, cfgs):
     from gnnpipe.parallel.comm import Communicator
-    from gnnpipe.parallel.engine import LayoutEngine
+    from gnnpipe.parallel.layout_engine import LayoutEngine
     from gnnpipe.parallel.groups import build_groups
 
     out = []

@@ -1,4 +1,4 @@
-"""Hybrid S x G (the layout engine, ``gnnpipe.parallel.engine``) against single-process training and the
+"""Hybrid S x G (the layout engine, ``gnnpipe.parallel.layout_engine``) against single-process training and the
 other modes.
 
 * ``C = G`` (one chunk per way), techniques off: hybrid *is* single-process training
@@ -33,7 +33,7 @@ from gnnpipe.engine import ce_sum, make_optimizer
 from gnnpipe.io import GnnPipeError
 from gnnpipe.layout import ParallelDims
 from gnnpipe.models.model import GNN
-from gnnpipe.parallel.engine import LayoutEngine, check_config
+from gnnpipe.parallel.layout_engine import LayoutEngine, check_config
 from gnnpipe.parallel.testing import spawn_multi_process
 from gnnpipe.partition import partition_graph
 from gnnpipe.store import ChunkStore, materialize

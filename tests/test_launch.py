@@ -26,7 +26,7 @@ def _cgroup_v1_root() -> bool:
 def test_plan_of_a_run_answers_in_one_line_which_p_fits(tmp_path):
     """RunPlan on a run's own model and largest step batch: the answer at the run's P, and the
     smallest P (of 1, 2, 4, ...) under a cap between the needs at P = 1 and P = 4."""
-    from gnnpipe.atomic.engine import plan_run
+    from gnnpipe.atomic.atomic_engine import plan_run
 
     cfg = setup_atomic_run(tmp_path, "single", 1, kind="gemnet_t")
     free = plan_run(cfg, 2**40)

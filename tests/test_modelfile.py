@@ -189,7 +189,7 @@ def test_payload_from_the_engine_and_upgrade_of_an_older_run(tmp_path, monkeypat
     from its run.yaml and data files, and then its run dir loads (model-v1.pt beside model.pt)."""
     import dataclasses
 
-    from gnnpipe.atomic.engine import AtomicEngine
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
     from gnnpipe.atomic.inference import Predictor
     from gnnpipe.config import dump_run_config, load_workflow_config, resolve_runs, to_dict
     from gnnpipe.checkpoint import run_fingerprint

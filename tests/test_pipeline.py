@@ -1,4 +1,4 @@
-"""GNNPipe (the layout engine with one way, ``gnnpipe.parallel.engine``) against single-process references.
+"""GNNPipe (the layout engine with one way, ``gnnpipe.parallel.layout_engine``) against single-process references.
 
 * ``C = 1``: pipeline training *is* single-process training (losses, weights), every
   model kind, ``S`` in 2, 3, 4, float64 to 1e-10;
@@ -33,7 +33,7 @@ from gnnpipe.models.model import GNN
 from gnnpipe.parallel.balance import (StageAssignment, assign_stages, balanced_bounds, profile_costs,
                                       stage_costs, uniform_bounds)
 from gnnpipe.costmodel.bytes import pipeline_bytes
-from gnnpipe.parallel.engine import LayoutEngine, check_config
+from gnnpipe.parallel.layout_engine import LayoutEngine, check_config
 from gnnpipe.parallel.stage import (NO_HALO, Cached, Chunk, Exchanged, ExchangedIntoHistory, FromHistory, Given,
                                     History, Stage, WayData, chunk_order)
 from gnnpipe.parallel.testing import spawn_multi_process

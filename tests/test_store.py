@@ -303,7 +303,7 @@ def test_engines_refuse_a_store_cut_from_another_graph(tmp_path, directed):
     from gnnpipe.config import (GraphParallelConfig, ModelConfig, PartitionConfig, PipelineConfig,
                                 RunConfig, TrainingConfig)
     from gnnpipe.graph import write_graph
-    from gnnpipe.parallel.engine import LayoutEngine
+    from gnnpipe.parallel.layout_engine import LayoutEngine
 
     other = random_graph(n=200, avg_degree=6, seed=6, symmetrize=False)
     graph_path, store_path = tmp_path / "graph.h5", tmp_path / "metis-2.h5"

@@ -70,8 +70,8 @@ def test_the_trainer_and_evaluate_have_no_branch_on_the_kind_of_run():
 
 
 def test_every_engine_has_the_one_constructor_order():
-    from gnnpipe.atomic.engine import AtomicEngine
-    from gnnpipe.parallel.engine import LayoutEngine
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
+    from gnnpipe.parallel.layout_engine import LayoutEngine
     from gnnpipe.parallel.single import SingleEngine
 
     for cls in (SingleEngine, LayoutEngine, AtomicEngine):

@@ -201,7 +201,7 @@ def test_evaluate_scores_the_training_split_on_a_bounded_seeded_sample_and_says_
     (here ``--train-systems 2`` of 7), the same every time, val and test whole; eval.json records how many and
     the command says so; ``--train-systems all`` (or a split no larger than the bound: the default 500 here)
     scores every one."""
-    from gnnpipe.atomic.engine import AtomicEngine
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
 
     cfg, _ = run
     with open(f"{cfg.out_dir}/eval.json") as f:

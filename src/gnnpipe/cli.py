@@ -77,7 +77,7 @@ def _atom_graphs(a):
 def _plan_atomic(a):
     import resource
 
-    from .atomic.engine import batch_plan, largest_batch, plan_run
+    from .atomic.atomic_engine import batch_plan, largest_batch, plan_run
     from .atomic.protocol import ATOMIC_MODELS
 
     if a.run_config:  # one run's model and batch, against the workers' memory

@@ -108,6 +108,19 @@ def make_optimizer(params, cfg: TrainingConfig) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
+class OptimizerHooks:
+    """The Engine protocol's step hooks on the engine's optimizer ``self.opt`` (every engine's: the
+    habits act from them)."""
+
+    opt: torch.optim.Optimizer
+
+    def register_step_pre_hook(self, hook):
+        return self.opt.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook):
+        return self.opt.register_step_post_hook(hook)
+
+
 def node_habits(engine, cfg: TrainingConfig, global_norm=None) -> Habits:
     """A node engine's habits, from ``training:`` (off by default), attached to its optimizer: one step an
     epoch at ``training.lr``; ``global_norm`` where this rank holds a share of the parameters only."""

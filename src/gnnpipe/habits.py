@@ -1,6 +1,6 @@
 """How every engine trains beyond the optimizer: what fairchem users expect of a trainer.
 
-Each engine (node: ``parallel.single``, ``parallel.engine``; atomic: ``atomic.engine``) builds one
+Each engine (node: ``parallel.single``, ``parallel.layout_engine``; atomic: ``atomic.atomic_engine``) builds one
 :class:`Habits` from its config section (a node run's ``training:``, an atomic model's
 ``models.<name>.<kind>``: the same keys, the same meaning) and attaches it to its optimizer through
 the ``engine.Engine`` protocol's step hooks (``register_step_pre_hook``, ``register_step_post_hook``),

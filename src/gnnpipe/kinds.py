@@ -1,7 +1,7 @@
 """Every model kind's name and where its entry is defined: the registries of kinds.
 
 * ``CONVS``: the node model kinds (a stack of graph layers; ``mlp`` the no-graph baseline),
-  each entry a :class:`~gnnpipe.models.kinds.ConvKind` defined beside its layer's ``forward``
+  each entry a :class:`~gnnpipe.models.conv_kind.ConvKind` defined beside its layer's ``forward``
   (``gnnpipe.models.<kind>.KIND``);
 * ``ATOMIC_MODELS``: the atomic model kinds, each entry a
   :class:`~gnnpipe.atomic.protocol.AtomicModelKind` (``gnnpipe.atomic.protocol``);

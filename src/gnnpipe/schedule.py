@@ -9,7 +9,7 @@ chunk index ``0 .. c-1`` (every way of a stage runs the same list, in lockstep):
   of their gradients from the next one (waited for by the ``F`` / ``B`` that needs them);
 * ``SEND_F`` / ``SEND_B``: send the chunk's output rows on / its input gradients back.
 
-The engine's executor (``gnnpipe.parallel.engine``) runs its stage's list in order, the cost
+The engine's executor (``gnnpipe.parallel.layout_engine``) runs its stage's list in order, the cost
 model (``gnnpipe.costmodel.estimate``) prices the same list with :func:`simulate` and
 :func:`in_flight`: the engine and the prediction cannot disagree on the schedule. Message tags
 come from the action (:func:`tag`), never from hand-written offsets.

@@ -98,7 +98,7 @@ class NodeClassification(Task):
         if cfg.mode == "single":
             from .parallel.single import SingleEngine as cls
         else:
-            from .parallel.engine import LayoutEngine as cls
+            from .parallel.layout_engine import LayoutEngine as cls
         return cls(cfg, groups, comm, device)
 
     def evaluate(self, cfg: RunConfig, state: dict, checkpoint: Path, *, predictions=None,
@@ -121,18 +121,18 @@ class NodeClassification(Task):
 
 
 class S2EF(Task):
-    """Atomistic structures to energies and forces (OC20's S2EF): ``atomic.engine.AtomicEngine``."""
+    """Atomistic structures to energies and forces (OC20's S2EF): ``atomic.atomic_engine.AtomicEngine``."""
 
     name = "s2ef"
     loss = ("the mean over the epoch's optimizer steps of the normalised energy and force loss "
-            "(atomic.engine.step_loss)")
+            "(atomic.atomic_engine.step_loss)")
     metrics = ("energy_mae", "force_mae", "force_cos", "efwt")
     progress_metric = "val_energy_mae"
     epoch_metrics = tuple(f"{s}_{m}" for s, m in itertools.product(SPLITS, metrics))  # OC20 S2EF, per split
     energy_only = False
 
     def build_engine(self, cfg: RunConfig, groups, comm, device):
-        from .atomic.engine import AtomicEngine
+        from .atomic.atomic_engine import AtomicEngine
         engine = AtomicEngine(cfg, groups, comm, device)
         if bool(engine.energy_only) != self.energy_only:  # the same rule on the same file: never
             raise GnnPipeError(f"run {cfg.run_id}: task {self.name} but the engine says energy-only "
@@ -190,7 +190,7 @@ class EnergyOnly(S2EF):
     pass; the force metrics keep their names in the record, None."""
 
     name = "energy_only"
-    loss = "the mean over the epoch's optimizer steps of the normalised energy loss (atomic.engine.step_loss)"
+    loss = "the mean over the epoch's optimizer steps of the normalised energy loss (atomic.atomic_engine.step_loss)"
     energy_only = True
 
 
@@ -199,11 +199,11 @@ NODE_CLASSIFICATION, S2EF_TASK, ENERGY_ONLY = NodeClassification(), S2EF(), Ener
 
 def task_for(cfg: RunConfig) -> Task:
     """The run's task, decided once: its dataset's kind (a graph: node classification; atoms: S2EF) and,
-    for atoms, whether it fits forces (``atomic.engine.energy_only``, on the systems' forces alone)."""
+    for atoms, whether it fits forces (``atomic.atomic_engine.energy_only``, on the systems' forces alone)."""
     if not cfg.atomic:
         return TASKS["node_classification"]
     from .atomic.data import read_forces
-    from .atomic.engine import energy_only
+    from .atomic.atomic_engine import energy_only
 
     forces = read_forces(cfg.systems_path)  # None where unreadable: the engine's read says why
     if forces is None:

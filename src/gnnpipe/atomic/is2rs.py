@@ -320,7 +320,7 @@ def relax_run(cfg, *, systems: int = 4, optimizer: str = "lbfgs", fmax: float = 
     from ..io import write_json
     from .calculator import GNNPipeCalculator
     from .data import read_systems
-    from .engine import SPLIT_NAMES
+    from .atomic_engine import SPLIT_NAMES
 
     for name, value, low in (("systems", systems, 1), ("steps", steps, 1), ("fmax", fmax, 0), ("rattle", rattle_stdev, 0)):
         if not value >= low or (name == "fmax" and value == 0):

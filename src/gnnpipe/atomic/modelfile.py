@@ -84,8 +84,8 @@ class ModelFile:
     origin: Optional[dict] = None  # provenance of an imported model (atomic.fairchem), else None
 
     def normalizer(self):
-        """The ``atomic.engine.Normalizer`` of this model's outputs (energies and forces in eV, eV/Å)."""
-        from .engine import Normalizer
+        """The ``atomic.atomic_engine.Normalizer`` of this model's outputs (energies and forces in eV, eV/Å)."""
+        from .atomic_engine import Normalizer
         return Normalizer(self.e_ref, self.scale, self.mean, self.force_scale)
 
     @property
@@ -168,7 +168,7 @@ def kind_of(model_config) -> str:
 
 
 def payload_from_engine(engine, fingerprint: Optional[dict] = None, state_dict: Optional[dict] = None) -> dict:
-    """The payload of an ``atomic.engine.AtomicEngine``'s model as trained (the trainer calls it
+    """The payload of an ``atomic.atomic_engine.AtomicEngine``'s model as trained (the trainer calls it
     on rank 0 after the last epoch and stores it under ``"inference"`` in ``model.pt``, with the
     weights it saves there as ``state_dict``; default: the engine's ``full_state_dict()``)."""
     systems, graphs = engine.systems, engine.graphs
@@ -190,7 +190,7 @@ def untrained_payload(kind: str, systems: dict, *, preset: str = "small", seed: 
     ``systems`` (``atomic.data`` arrays), for tests, benchmarks and demos. Parameters that their
     initialisation leaves at zero (DimeNet++'s output layers) are drawn from N(0, 0.1²), so that
     energies and forces are not trivially the reference energies and zero."""
-    from .engine import Normalizer
+    from .atomic_engine import Normalizer
     from .protocol import ATOMIC_MODELS
 
     spec = ATOMIC_MODELS[kind]
@@ -353,7 +353,7 @@ def upgrade_run(run_dir, out=None) -> Path:
     reads) and returns its path."""
     from ..checkpoint import check_checkpoint
     from ..config import load_run_config
-    from .engine import AtomicEngine
+    from .atomic_engine import AtomicEngine
 
     run_dir = Path(run_dir)
     if not (run_dir / RUN_FILE).is_file() or not (run_dir / MODEL_FILE).is_file():

@@ -14,7 +14,7 @@ conv's own declaration):
   ``N``), the halo term of the G ways (way ``g`` = chunks ``g·C/G ..``) for every conv (whichever stage owns it),
   and per stage the all-reduce of that stage's parameters across its ``G`` ways.
   ``G = P`` is graph parallelism, ``G = 1`` GNNPipe (tested identities): the one engine
-  (``gnnpipe.parallel.engine``) predicts every layout with :func:`hybrid_bytes`.
+  (``gnnpipe.parallel.layout_engine``) predicts every layout with :func:`hybrid_bytes`.
 """
 
 from __future__ import annotations

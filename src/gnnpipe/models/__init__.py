@@ -10,7 +10,7 @@ from .block import Block
 from .gat import GATConv
 from .gcn import GCNConv
 from .gcnii import GCNIIConv
-from .kinds import ConvKind
+from .conv_kind import ConvKind
 from .layer import GraphLayer
 from .model import GNN, KINDS
 from .resgcn import ResGCNLayer

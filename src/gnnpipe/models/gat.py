@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from ..costmodel.work import LayerCost, LayerSpec, Work, finish
 from .block import Block
-from .kinds import ConvKind, narrow_width
+from .conv_kind import ConvKind, narrow_width
 from .layer import plain_stack
 from .ops import edge_softmax, edge_spmm, linear, self_loop_csr
 

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from ..costmodel.work import LayerCost, LayerSpec, aggregate_first, finish, linear_aggregate, memoised_linear
 from .block import Block
-from .kinds import ConvKind, narrow_width
+from .conv_kind import ConvKind, narrow_width
 from .layer import plain_stack
 from .ops import gcn_aggregate, linear, static_aggregate
 

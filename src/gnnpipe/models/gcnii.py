@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ..costmodel.work import LayerCost, LayerSpec, Work, finish
 from .block import Block
-from .kinds import ConvKind, Stack
+from .conv_kind import ConvKind, Stack
 from .ops import gcn_aggregate
 
 

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ..costmodel.work import LayerSpec
 from .block import Block
-from .kinds import Stack
+from .conv_kind import Stack
 
 
 class GraphLayer(nn.Module):

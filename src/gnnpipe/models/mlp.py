@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .kinds import ConvKind, Stack
+from .conv_kind import ConvKind, Stack
 
 
 def mlp_encoder(in_features: int, hidden: int, num_classes: int, layers: int,

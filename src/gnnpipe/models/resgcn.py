@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from ..costmodel.work import LayerCost, LayerSpec, finish, linear_aggregate
 from .block import Block
 from .gcn import GCNConv
-from .kinds import ConvKind, Stack
+from .conv_kind import ConvKind, Stack
 from .ops import compact
 
 

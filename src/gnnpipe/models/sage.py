@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from ..costmodel.work import LayerCost, LayerSpec, aggregate_first, finish, linear_aggregate, memoised_linear
 from .block import Block
 from .gcn import matmul_spmm_flops
-from .kinds import ConvKind, narrow_width
+from .conv_kind import ConvKind, narrow_width
 from .layer import plain_stack
 from .ops import linear, mean_aggregate, static_aggregate
 

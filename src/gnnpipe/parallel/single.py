@@ -14,15 +14,15 @@ import time
 import torch
 
 from ..config import RunConfig
-from ..engine import (DTYPES, EpochStats, NonFiniteError, ce_sum, exact_metrics, graph_tensors, load_train_state,
-                      make_optimizer, node_habits, train_state)
+from ..engine import (DTYPES, EpochStats, NonFiniteError, OptimizerHooks, ce_sum, exact_metrics, graph_tensors,
+                      load_train_state, make_optimizer, node_habits, train_state)
 from ..graph import read_graph, read_graph_attrs
 from ..models.block import Block
 from ..models.model import GNN
 from ..partition import node_order
 
 
-class SingleEngine:
+class SingleEngine(OptimizerHooks):
     """The whole graph and the whole model in one process: the accuracy reference."""
 
     comm = None
@@ -64,11 +64,6 @@ class SingleEngine:
     def named_parameters(self) -> dict:
         return dict(self.model.named_parameters())
 
-    def register_step_pre_hook(self, hook):
-        return self.opt.register_step_pre_hook(hook)
-
-    def register_step_post_hook(self, hook):
-        return self.opt.register_step_post_hook(hook)
 
     def evaluate(self) -> dict[str, float]:
         with self.habits.averaged():

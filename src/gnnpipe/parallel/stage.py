@@ -1,5 +1,5 @@
 r"""One worker's piece of an ``S × G × C`` layout: stage ``s`` of way ``g``, what it owns and how it
-runs one chunk (``gnnpipe.parallel.engine`` runs the schedule; ``gnnpipe.schedule`` is the order).
+runs one chunk (``gnnpipe.parallel.layout_engine`` runs the schedule; ``gnnpipe.schedule`` is the order).
 
 **What a stage owns.** A contiguous block of convs (``balance.py``; stage 0 also the encoder, the
 last stage the decoder and the loss), and, for its way ``g``, the way's block of ``c = C / G``

@@ -56,7 +56,7 @@ from torch import Tensor
 from .. import schedule
 from ..config import ConfigError, RunConfig
 from ..costmodel.bytes import first_input, hybrid_bytes
-from ..engine import DTYPES, SPLITS, EpochStats, ce_sum, correct_counts, make_optimizer, node_habits
+from ..engine import DTYPES, SPLITS, EpochStats, OptimizerHooks, ce_sum, correct_counts, make_optimizer, node_habits
 from ..io import GnnPipeError
 from ..layout import PIPELINED, check_layout
 from ..models.block import Block
@@ -143,7 +143,7 @@ def peak_memory() -> tuple[int, str]:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "ru_maxrss (whole process, KiB*1024)"
 
 
-class LayoutEngine:
+class LayoutEngine(OptimizerHooks):
     """One worker (stage ``s``, way ``g``) of an ``S × G`` layout: the ``Engine`` protocol of
     ``gnnpipe.engine`` for modes graph, pipeline and hybrid."""
 
@@ -394,11 +394,6 @@ class LayoutEngine:
         """This stage's parameters under their single-process names."""
         return {f"{prefix}.{k}": p for prefix, m in self.stage.owned for k, p in m.named_parameters()}
 
-    def register_step_pre_hook(self, hook):
-        return self.opt.register_step_pre_hook(hook)
-
-    def register_step_post_hook(self, hook):
-        return self.opt.register_step_post_hook(hook)
 
     def full_state_dict(self) -> Optional[dict[str, Tensor]]:
         """The whole model's weights under the single-process names on rank 0 (None elsewhere).

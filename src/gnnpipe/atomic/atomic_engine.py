@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..engine import DTYPES, EpochStats, load_train_state, make_optimizer, train_state
+from ..engine import DTYPES, EpochStats, OptimizerHooks, load_train_state, make_optimizer, train_state
 from ..habits import Habits
 from ..io import GnnPipeError
 from .atom_layouts import ATOM_LAYOUTS, EDGES, AtomLayout, choose_layout, layout_costs
@@ -146,7 +146,7 @@ def step_loss(model, g, b: dict, norm: Normalizer, counts: StepCounts, force_wei
 SPLIT_NAMES = ("train", "val", "test")
 
 
-class AtomicEngine:
+class AtomicEngine(OptimizerHooks):
     """Modes ``single`` and ``graph`` (P ways × D replicas) for atomic models (see the module docstring)."""
 
     def __init__(self, cfg, groups, comm, device):
@@ -362,11 +362,6 @@ class AtomicEngine:
     def named_parameters(self) -> dict:
         return dict(self.model.named_parameters())
 
-    def register_step_pre_hook(self, hook):
-        return self.opt.register_step_pre_hook(hook)
-
-    def register_step_post_hook(self, hook):
-        return self.opt.register_step_post_hook(hook)
 
     def full_state_dict(self):
         """The finished model: the weights' moving average where the run keeps one."""
