@@ -319,7 +319,7 @@ def test_a_fairchem_model_on_two_workers_equals_one_process_in_both_layouts(slab
             a = cell.copy()
             a.calc = calc
             got = a.get_potential_energy(), a.get_forces()
-            assert calc.predictor.last_layout == layout
+            assert calc.predictor.last_layout.name == layout
         assert got[0] == pytest.approx(want[0], abs=1e-10 * max(1.0, abs(want[0])))
         np.testing.assert_allclose(got[1], want[1], atol=1e-10 * max(1.0, np.abs(want[1]).max()))
 

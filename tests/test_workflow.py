@@ -78,7 +78,7 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c["training"].update(epochz=3),
-     "config.training: unknown key 'epochz' (known: checkpoint_every, dist_timeout_s, dtype, epochs,"),
+     "config.training: unknown key 'epochz' (known: checkpoint_every, clip_grad_norm, dist_timeout_s, dtype,"),
     (lambda c: c["runs"][0].update(mode="sharded"),
      "config.runs[0].mode: 'sharded' is not one of 'single', 'graph', 'pipeline', 'hybrid'"),
     (lambda c: c["models"]["gcn2"].update(layers=0), "config.models.gcn2.layers: 0 must be in [1, 4096]"),
