@@ -22,12 +22,15 @@ HELPERS = {"machine.py", "run.py", "tables.py", "smoke.py", "dgl_epoch.py"}
 #: multi-process (spawned ranks, torchrun, Snakemake): seconds each, not a fraction of one
 SLOW = {"atom_layout", "atomic", "atomic_training", "calculator", "calibrate", "compare", "convergence", "domains",
         "locality", "memory_cap", "modes", "narrow", "netem", "scale"}
+#: a minute or more of their own (Snakemake chains, a whole-worker memory run): in ``make test-long``, which CI
+#: runs too; the code they drive is covered in ``make test`` by test_atomic_workflow and test_domains
+LONG = {"atomic_training", "domains"}
 NAMES = sorted(p.stem.removeprefix("bench_") for p in BENCH.glob("bench_*.py"))
 
 
 def test_every_script_is_a_benchmark_or_a_named_helper():
     assert {p.name for p in BENCH.glob("*.py") if not p.name.startswith("bench_")} == HELPERS
-    assert SLOW <= set(NAMES)
+    assert SLOW <= set(NAMES) and LONG <= SLOW
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,8 @@ def work(tmp_path_factory):
     return tmp_path_factory.mktemp("bench")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in NAMES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long) if n in LONG else
+                                  pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in NAMES])
 def test_benchmark_runs_in_its_smoke_mode(name, work, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     monkeypatch.chdir(work)  # what a benchmark writes under its default paths lands here
