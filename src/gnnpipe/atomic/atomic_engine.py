@@ -362,7 +362,6 @@ class AtomicEngine(OptimizerHooks):
     def named_parameters(self) -> dict:
         return dict(self.model.named_parameters())
 
-
     def full_state_dict(self):
         """The finished model: the weights' moving average where the run keeps one."""
         return self.habits.final_state(self.model.state_dict())

@@ -394,7 +394,6 @@ class LayoutEngine(OptimizerHooks):
         """This stage's parameters under their single-process names."""
         return {f"{prefix}.{k}": p for prefix, m in self.stage.owned for k, p in m.named_parameters()}
 
-
     def full_state_dict(self) -> Optional[dict[str, Tensor]]:
         """The whole model's weights under the single-process names on rank 0 (None elsewhere).
 

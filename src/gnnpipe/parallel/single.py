@@ -64,7 +64,6 @@ class SingleEngine(OptimizerHooks):
     def named_parameters(self) -> dict:
         return dict(self.model.named_parameters())
 
-
     def evaluate(self) -> dict[str, float]:
         with self.habits.averaged():
             return exact_metrics(self.model, self.block, self.x, self.y, self.masks)
