@@ -232,7 +232,9 @@ def test_refusals_are_one_line(tmp_path):
     _refused(lambda: import_checkpoint(tmp_path / "evil.pt"),
              r"needs (builtins\.)?print, which is not on the allow-list")
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    _refused(lambda: import_checkpoint(tmp_path / "junk.pt"), "not a torch checkpoint")
+    _refused(lambda: import_checkpoint(tmp_path / "junk.pt"), r"not a torch checkpoint \(not a torch file\)")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    _refused(lambda: import_checkpoint(tmp_path / "empty.pt"), r"empty \(0 bytes")
     torch.save({"model": 1}, tmp_path / "other.pt")
     _refused(lambda: import_checkpoint(tmp_path / "other.pt"), r"not a fairchem checkpoint \(no 'state_dict'")
     _refused(lambda: import_checkpoint(save_fairchem(tmp_path / "e.pt", sd, {**section, "name": "painn"})),

@@ -56,7 +56,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..io import GnnPipeError
+from ..io import GnnPipeError, empty_file
 from . import modelfile
 
 #: fairchem's registered model names -> the project's kind
@@ -122,9 +122,12 @@ def _safe_globals() -> list:
 
 def safe_load(path, what: str = "checkpoint"):
     """``torch.load(weights_only=True)`` with the allow-list, scoped to this load (one-line refusals)."""
+    from ..checkpoint import unreadable
     path = Path(path)
     if not path.is_file():
         raise GnnPipeError(f"{path}: no such {what} file")
+    if empty_file(path):
+        raise GnnPipeError(f"{path}: empty (0 bytes: a download or copy cut short?), not a torch {what}")
     try:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -136,8 +139,7 @@ def safe_load(path, what: str = "checkpoint"):
                                "safe types (tensors, plain Python, numpy scalars and arrays); it is not loaded "
                                "(loading it could run code): save its state_dict and config as plain "
                                "types") from None
-        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-        raise GnnPipeError(f"{path}: not a torch {what} ({first[:200]})") from None
+        raise GnnPipeError(f"{path}: not a torch {what} ({unreadable(path, e)})") from None
 
 
 def read_checkpoint(path) -> dict:
