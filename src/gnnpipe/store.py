@@ -38,16 +38,20 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
 import scipy.sparse as sp
-import torch
 
 from .graph import Graph, read_graph_attrs, row_entries
 from .io import GnnPipeError, atomic_path, hash_arrays
-from .models.block import Block
 from .partition import check_assignment, halo_sets, part_locality_key
+
+if TYPE_CHECKING:  # torch is imported by the readers that build blocks, not by materialize
+    import torch
+
+    from .models.block import Block
 
 FORMAT_VERSION = 2  # 2: attrs_hash (the attributes are hashed too)
 NODE_ARRAYS = ("features", "labels", "train_mask", "val_mask", "test_mask")
@@ -374,7 +378,7 @@ class ChunkStore:
     def n_inner(self, p: int) -> int:
         return int(self._part_attrs(p)["n_inner"])
 
-    def local_block(self, p: int, dtype=torch.float32) -> Block:
+    def local_block(self, p: int, dtype: torch.dtype | None = None) -> Block:
         """Part ``p`` against its own rows then its halo rows (graph parallelism).
 
         Source positions: own node ``v`` -> ``v - start``; halo node -> ``n_p + i`` where
@@ -388,22 +392,21 @@ class ChunkStore:
         own = (indices >= start) & (indices < end)
         local = np.where(own, indices - start, n_p + np.searchsorted(halo, indices))
         deg_src = np.concatenate([self.read_part(p, "deg_out"), self.read_part(p, "halo_deg_out")])
-        return Block.from_numpy(indptr, local, n_p + len(halo), 0, self.read_part(p, "deg_in"),
-                                deg_src, dtype)
+        return _block(indptr, local, n_p + len(halo), 0, self.read_part(p, "deg_in"), deg_src, dtype)
 
-    def chunk_block(self, c: int, dtype=torch.float32) -> Block:
+    def chunk_block(self, c: int, dtype: torch.dtype | None = None) -> Block:
         """Chunk ``c`` against the whole graph (GNNPipe): sources are global new ids."""
         start = int(self.offsets[self._part_index(c)])
-        return Block.from_numpy(self.read_part(c, "indptr"), self.read_part(c, "indices"), self.num_nodes,
-                                start, self.read_part(c, "deg_in"), self.deg_out(), dtype)
+        return _block(self.read_part(c, "indptr"), self.read_part(c, "indices"), self.num_nodes,
+                      start, self.read_part(c, "deg_in"), self.deg_out(), dtype)
 
-    def full_block(self, dtype=torch.float32) -> Block:
+    def full_block(self, dtype: torch.dtype | None = None) -> Block:
         """The whole graph in new ids (single process, exact inference)."""
         ptrs = [self.read_part(p, "indptr") for p in range(self.num_parts)]
         base = np.cumsum([0] + [int(q[-1]) for q in ptrs[:-1]])
         indptr = np.concatenate([[0]] + [q[1:] + b for q, b in zip(ptrs, base)])
         indices = np.concatenate([self.read_part(p, "indices") for p in range(self.num_parts)])
-        return Block.from_numpy(indptr, indices, self.num_nodes, 0, self.deg_in(), self.deg_out(), dtype)
+        return _block(indptr, indices, self.num_nodes, 0, self.deg_in(), self.deg_out(), dtype)
 
     def send_index(self, p: int) -> list[np.ndarray]:
         """Per receiver q: the local rows of p that q's halo lists, in q's halo order."""
@@ -431,3 +434,14 @@ class ChunkStore:
         self._file().visititems(visit)
         if _combine(hashes, self.attrs_hash) != self.content_hash:
             raise self._refuse("content hash does not match the store's datasets (damaged or edited)")
+
+
+def _block(indptr, indices, num_src, start, deg_dst, deg_src, dtype) -> Block:
+    """:meth:`Block.from_numpy`, importing torch only here: ``materialize`` (a set-up job) never
+    builds a block, and torch's import is seconds of its time."""
+    import torch
+
+    from .models.block import Block
+
+    return Block.from_numpy(indptr, indices, num_src, start, deg_dst, deg_src,
+                            torch.float32 if dtype is None else dtype)
