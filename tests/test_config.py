@@ -389,7 +389,8 @@ def test_atomic_sections_derived_from_the_kinds_configs_keep_their_keys_order_an
     d = to_dict(ModelConfig())
     for kind in ATOMIC_SPECS:  # spawned workers receive configs by pickle: the derived classes are found by name
         assert pickle.loads(pickle.dumps(ModelConfig(kind=kind))) == ModelConfig(kind=kind)
-    assert list(d) == ["kind", "layers", "hidden", "dropout", "heads", "alpha", "lambda", "norm", *ATOMIC_SPECS]
+    assert list(d) == ["kind", "layers", "hidden", "dropout", "heads", "alpha", "lambda", "norm", "init_from",
+                       *ATOMIC_SPECS]
     for kind, names in sizes.items():
         want = {**shared, **({"force_head": "gradient"} if kind == "dimenetpp" else {}), **dict.fromkeys(names)}
         assert list(d[kind].items()) == list(want.items()), kind

@@ -219,27 +219,31 @@ def _evaluate(a):
 
 def _relax(a):
     from .atomic.is2rs import relax_run
+    from .atomic.modelfile import energy_words
     from .config import load_run_config
 
     res = relax_run(load_run_config(a.run_config), systems=a.systems, optimizer=a.optimizer, fmax=a.fmax,
                     steps=a.steps, rattle_stdev=a.rattle, seed=a.seed,
                     reference=a.reference, out=a.out,
                     trajectories=a.trajectories, progress=True)
-    print(" ".join(f"{k}={v:.4f}" for k, v in res.items() if isinstance(v, float)), file=sys.stderr)
+    print(" ".join(f"{k}={v:.4f}" for k, v in res.items() if isinstance(v, float))
+          + f" energies={energy_words(res['energy_reference'])}", file=sys.stderr)
 
 
 def _predict(a):
     import time
 
     from .atomic.inference import threads_per_worker
+    from .atomic.modelfile import load_model_file
     from .atomic.predict import predict
 
     start = time.perf_counter()
-    n = predict(a.run, a.structures, a.out, workers=a.workers, device=a.device, dtype=a.dtype, threads=a.threads,
+    mf = load_model_file(a.run)
+    n = predict(mf, a.structures, a.out, workers=a.workers, device=a.device, dtype=a.dtype, threads=a.threads,
                 progress=True)
     print(f"gnnpipe: {n} structures predicted into {a.out} ({a.workers} worker(s) x "
           f"{threads_per_worker(a.workers, a.threads)} torch thread(s), {n / (time.perf_counter() - start):.2f} "
-          "structures/s)", file=sys.stderr)
+          f"structures/s; energies: {mf.energies})", file=sys.stderr)
 
 
 def _report(a):

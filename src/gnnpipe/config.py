@@ -416,6 +416,11 @@ class _ModelConfig:
     lambda_: float = key(0.5, bound=_GT0, kinds=("gcnii",), doc="identity-mapping strength (YAML key: lambda)")
     norm: Literal["none", "layer"] = key("none", kinds=("gcn", "sage", "gat"), doc=(
         "normalisation after each hidden layer of the plain stacks (resgcn: always layer)"))
+    init_from: str = key("", kinds=tuple(ATOMIC_SPECS), doc=(
+        "atomic models: start from this model file's weights (gnnpipe import-model's, or a finished run's "
+        "model.pt; relative to the workflow's directory): it fixes the kind's sizes, force head, cutoff, "
+        "neighbour cap and convention and normaliser (the section sets how it trains; the dataset's graphs "
+        "must be the file's)"))
 
     @property
     def atomic(self) -> bool:
@@ -678,6 +683,7 @@ PATHS: dict[type, tuple[str, ...]] = {
     OgbConfig: ("root",),
     FilesConfig: ("edges", "features", "labels", "train_mask", "val_mask", "test_mask"),
     AtomsConfig: ("file", "split_file"),
+    ModelConfig: ("init_from",),
     CostModelConfig: ("hardware",),
     RunConfig: ("graph_path", "store_path", "out_dir", "systems_path", "locality_path"),
 }
@@ -995,6 +1001,7 @@ def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
     wf = from_dict(WorkflowConfig, data)
     for name, model in wf.models.items():  # a key of another kind, given at all (the default too)
         refuse_other_kinds(model.kind, data["models"][name] or {}, f"config.models.{name}")
+        _check_init_from(model, data["models"][name] or {}, f"config.models.{name}")
     for i, run in enumerate(wf.runs):
         where = f"config.runs[{i}]"
         if run.dataset not in wf.datasets:
@@ -1022,6 +1029,22 @@ def load_workflow_config(data: dict | str | Path) -> WorkflowConfig:
                           "(give the runs distinct seeds or names)")
     check_schema(data)
     return wf
+
+
+def _check_init_from(model: ModelConfig, raw: dict, where: str) -> None:
+    """``init_from``: the model file exists, and the section leaves what the file fixes unset (its
+    preset, sizes, force head, cutoff: the file's are taken, gnnpipe.atomic.modelfile.load_init)."""
+    if not model.init_from:
+        return
+    section = raw.get(model.kind) or {}
+    fixed = ["preset", *(f.name for f in dataclasses.fields(ATOMIC_CONFIGS[model.kind]))]
+    given = next((k for k in section if k in fixed), None)
+    if given is not None:
+        raise ConfigError(f"{where}.{model.kind}.{given}: init_from takes the architecture (preset, sizes, force "
+                          f"head, cutoff) from the model file {model.init_from}; remove the key")
+    if not Path(model.init_from).is_file():
+        raise ConfigError(f"{where}.init_from: {model.init_from}: no such file; name a model file (gnnpipe "
+                          "import-model's, or a finished run's model.pt)")
 
 
 def _check_workers(wf: WorkflowConfig, run: RunSpec, where: str) -> None:

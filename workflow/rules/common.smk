@@ -227,6 +227,13 @@ def run_inputs(wildcards) -> dict:
     return inputs
 
 
+def init_from_input(wildcards) -> list:
+    """The model file an atomic run starts from (models.<name>.init_from): an input of its train job, so
+    that a changed file retrains it (load_workflow_config refuses a missing one)."""
+    path = RUNS[wildcards.run_id].model.init_from
+    return [path] if path else []
+
+
 def train_threads(wildcards) -> int:
     return LAYOUT[wildcards.run_id]["resources"]["cpus_per_task"]
 

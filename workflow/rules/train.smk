@@ -19,6 +19,7 @@ rule train:
     `gnnpipe launch` (a run whose layout does not fit a worker's memory is refused first)."""
     input:
         unpack(run_inputs),
+        init=init_from_input,
     output:
         metrics=f"{RESULTS}/runs/{{run_id}}/metrics.json",
         model=f"{RESULTS}/runs/{{run_id}}/model.pt",

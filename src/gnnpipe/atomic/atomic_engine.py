@@ -34,6 +34,11 @@ runs once, on rank 0, on whole training batches in one process, before the first
 fitted buffers are broadcast (op ``control``) and live in the state dict, so checkpoints and
 resumed runs carry them and every layout computes with the same constants.
 
+**Fine-tuning** (``models.<name>.init_from``, ``modelfile.load_init``): the run starts from a model
+file's weights, config, normaliser and fitted constants (none refitted), on graphs checked to be the
+file's (its convention and cap, cut to its cutoff); every layout starts from the same file, so the
+exactness above holds from the first step.
+
 How it trains beyond Adam (``gnnpipe.habits``, keys in the model's section, on by default): the
 learning rate per step (warmup, cosine decay), the gradients' norm clipped after their reduction (the
 same on every rank), an exponential moving average of the weights that evaluation and the finished
@@ -56,6 +61,7 @@ from ..engine import DTYPES, EpochStats, OptimizerHooks, load_train_state, make_
 from ..habits import Habits
 from ..io import GnnPipeError
 from .atom_layouts import ATOM_LAYOUTS, EDGES, AtomLayout, choose_layout, layout_costs
+from .modelfile import check_init_cap, check_init_graphs, load_init
 from .parallel import EdgeGroup, single_graph
 from .protocol import ATOMIC_MODELS
 
@@ -156,7 +162,8 @@ class AtomicEngine(OptimizerHooks):
         self.dtype = DTYPES[cfg.training.dtype]
         self.kind = ATOMIC_MODELS[cfg.model.kind]
         spec = cfg.model.spec
-        self.systems, self.graphs = run_data(cfg)
+        self.init = load_init(cfg)  # the model file it starts from (models.<name>.init_from), or None
+        self.systems, self.graphs = run_data(cfg, self.init)
         self.ways, self.replicas = (cfg.ways, cfg.data_parallel) if cfg.mode == "graph" else (1, 1)
         self.layout = ATOM_LAYOUTS[cfg.atom_layout]  # how the ways split a batch (atom_layouts)
         self.replica, self.way = divmod(groups.rank if groups is not None else 0, self.ways)
@@ -164,7 +171,7 @@ class AtomicEngine(OptimizerHooks):
         self.energy_only = energy_only(self.systems, spec.force_weight)
         self.batch_size, self.force_weight = spec.batch_size, 0.0 if self.energy_only else spec.force_weight
         self.eval_train_systems = spec.eval_train_systems  # gnnpipe evaluate --train-systems overrides it
-        self.model_cfg = model_config(cfg.model, float(self.graphs["cutoff"]))
+        self.model_cfg = model_config(cfg.model, float(self.graphs["cutoff"]), self.init)
         edges = np.diff(self.graphs["edge_ptr"])
         if self.ways > int(edges.min()):
             s = int(edges.argmin())
@@ -176,10 +183,16 @@ class AtomicEngine(OptimizerHooks):
         self.dp_group = groups.data if groups is not None and self.replicas > 1 else None
         self.grp = EdgeGroup(comm, self.graph_pg, self.ways, self.way) if self.ways > 1 else None
         self.ids = {name: np.nonzero(self.systems["split"] == i)[0] for i, name in enumerate(SPLIT_NAMES)}
-        self.norm = Normalizer.fit(self.systems["z"], self.systems["atom_ptr"], self.systems["energy"],
-                                   self.ids["train"])
-        torch.manual_seed(cfg.training.seed)
-        self.model = self.kind.build(self.model_cfg).to(device, self.dtype)
+        if self.init is not None:  # its normaliser and weights: the first evaluation is the file's prediction
+            self.norm = self.init.normalizer()
+            self.model = self.init.build(device, self.dtype).train()
+            if groups is None or groups.rank == 0:
+                warn_energy_reference(self.init, self.systems, cfg)
+        else:
+            self.norm = Normalizer.fit(self.systems["z"], self.systems["atom_ptr"], self.systems["energy"],
+                                       self.ids["train"])
+            torch.manual_seed(cfg.training.seed)
+            self.model = self.kind.build(self.model_cfg).to(device, self.dtype)
         self.num_params = self.kind.count_parameters(self.model_cfg)
         # the kind's own (its section's default), not the node models' training.lr; None: a run.yaml of
         # gnnpipe before #37 item 13, whose atomic runs trained at training.lr
@@ -190,7 +203,8 @@ class AtomicEngine(OptimizerHooks):
                              params=dict(self.model.named_parameters()),
                              hint=f"lower models.<name>.{cfg.model.kind}.lr (now {self.lr:g}) or see its guard keys"
                              ).attach(self)
-        self._fitted = self.kind.fit is None  # loading a state (resume, evaluate) counts as fitted
+        # loading a state (resume, evaluate) or a model file (init_from: its fitted buffers) counts as fitted
+        self._fitted = self.kind.fit is None or self.init is not None
 
     def fit_constants(self) -> dict:
         """Fit what the kind fits before training (GemNet's scale factors) on rank 0, on the first
@@ -406,21 +420,46 @@ class AtomicEngine(OptimizerHooks):
                 "energy_only": self.energy_only, **self.baselines()}
 
 
-def model_config(model, cutoff: float):
+def model_config(model, cutoff: float, init=None):
     """The config of a run's atomic model (``ModelConfig``): its kind's preset, the section's sizes
-    and force head where set, and the graphs' cutoff (``model_graphs``)."""
+    and force head where set, and the graphs' cutoff (``model_graphs``); a run that starts from a model
+    file (``init``: ``modelfile.load_init``), the file's."""
+    if init is not None:
+        return init.config()
     kind, spec = ATOMIC_MODELS[model.kind], model.spec
     over = {f: getattr(spec, f) for f in kind.config_fields() if hasattr(spec, f) and f != "cutoff"}
     return kind.preset(spec.preset, **over, cutoff=cutoff)
 
 
-def run_data(cfg) -> tuple[dict, dict]:
-    """The systems and the model's graphs (``model_graphs``) of atomic run ``cfg`` (its ``run.yaml``)."""
+def run_data(cfg, init=None) -> tuple[dict, dict]:
+    """The systems and the model's graphs (``model_graphs``) of atomic run ``cfg`` (its ``run.yaml``); of
+    a run that starts from a model file (``init``), at the file's cutoff, checked to be the graphs it
+    computes on (``modelfile.check_init_graphs``)."""
     from .data import read_graphs, read_systems
 
     systems = read_systems(cfg.systems_path)
     graphs = read_graphs(cfg.graph_path, expect_systems_hash=systems["content_hash"])
-    return systems, model_graphs(graphs, systems, cfg.model.spec.cutoff, cfg.graph_path)
+    if init is None:
+        return systems, model_graphs(graphs, systems, cfg.model.spec.cutoff, cfg.graph_path)
+    check_init_graphs(init, graphs, cfg)
+    graphs = model_graphs(graphs, systems, init.cutoff, cfg.graph_path)
+    check_init_cap(init, graphs, systems, cfg)
+    return systems, graphs
+
+
+def warn_energy_reference(init, systems: dict, cfg) -> None:
+    """One line on stderr where the run fine-tunes a model on energies of another origin (say an OC20
+    adsorption-energy model on total energies): its normaliser's offsets are the file's, so the first
+    errors are the difference of the references; training goes on (the user may mean it)."""
+    import sys
+
+    from .modelfile import data_energy_reference, energy_words
+
+    data = data_energy_reference(str(systems.get("source", "")))
+    if init.energy_reference and data and data != init.energy_reference:
+        print(f"gnnpipe: warning: run {cfg.run_id}: init_from {init.source} predicts "
+              f"{energy_words(init.energy_reference)} energies and dataset {cfg.dataset_name} holds {data} "
+              "energies: its normaliser's offsets do not fit them (expect large first errors)", file=sys.stderr)
 
 
 def model_graphs(graphs: dict, systems: dict, cutoff: Optional[float], path) -> dict:
@@ -543,9 +582,10 @@ def plan_run(cfg, cap_bytes: int, overhead: int = 0, max_ways: int = 64) -> RunP
     """The plan of an atomic run (its ``run.yaml``): its model on its graphs' largest step batch, in its layout."""
     from .data import batch_arrays
 
-    systems, graphs = run_data(cfg)
+    init = load_init(cfg)
+    systems, graphs = run_data(cfg, init)
     kind, dtype_bytes = ATOMIC_MODELS[cfg.model.kind], DTYPES[cfg.training.dtype].itemsize
-    model_cfg = model_config(cfg.model, float(graphs["cutoff"]))
+    model_cfg = model_config(cfg.model, float(graphs["cutoff"]), init)
     b = batch_arrays(systems, graphs, largest_batch(systems, graphs, cfg.model.spec.batch_size))
     rows = batch_plan(kind, model_cfg, b, cap_bytes, dtype_bytes, overhead, max_ways)
     return RunPlan(kind, model_cfg, b, cfg.ways, cap_bytes, overhead, rows, ATOM_LAYOUTS[cfg.atom_layout],

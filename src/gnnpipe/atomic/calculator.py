@@ -83,6 +83,12 @@ class GNNPipeCalculator(Calculator):
                                    layout=layout, min_distance=min_distance)
 
     @property
+    def energy_reference(self) -> Optional[str]:
+        """What its energies are (``modelfile.ENERGY_REFERENCES``: ``"oc20-adsorption"``, ``"total"``), or
+        None: unknown (the model file's ``energy_reference``)."""
+        return self.model_file.energy_reference
+
+    @property
     def threads(self) -> int:
         """Torch threads each worker computes on (``workers=1``: this process, during a call)."""
         return self.predictor.threads
@@ -124,4 +130,5 @@ class GNNPipeCalculator(Calculator):
     def __repr__(self) -> str:
         mf = self.model_file
         return (f"GNNPipeCalculator({mf.kind}, cutoff={mf.cutoff} Å, max_neighbors={mf.max_neighbors}, "
+                f"energies={mf.energies}, "
                 f"workers={self.predictor.workers}, threads={self.threads}, dtype={str(self.predictor.dtype).removeprefix('torch.')})")

@@ -66,6 +66,21 @@ MODELS = {"gemnet_t": "gemnet_t", "gp_gemnet_t": "gemnet_t", "dimenetplusplus": 
 ENERGY_MEANING = ("as the checkpoint was trained (OC20 S2EF checkpoints: adsorption energies, referenced to "
                   "the clean slab and gas-phase references, eV)")
 
+
+def energy_reference(config: dict) -> str:
+    """What a fairchem checkpoint's energies are (``modelfile.ENERGY_REFERENCES``), from its config:
+    ``total`` where it names OC22 (whose S2EF targets are total energies) or sets a ``*total_energies``
+    key true (fairchem's ``train_on_oc20_total_energies``), else ``oc20-adsorption`` (what fairchem 1.x's
+    GemNet-T/-dT/-XL and DimeNet++ checkpoints of OC20 S2EF predict)."""
+    def total(node) -> bool:
+        if isinstance(node, dict):
+            return any((str(k).endswith("total_energies") and v is True) or total(v) for k, v in node.items())
+        if isinstance(node, (list, tuple)):
+            return any(total(v) for v in node)
+        return isinstance(node, str) and "oc22" in node.lower()
+    return "total" if total(config) else "oc20-adsorption"
+
+
 #: GemNet: fairchem key (prefixes stripped) -> the project's, rule by rule (first match)
 GEMNET_RENAMES = [
     (r"^atom_emb\.embeddings\.weight$", "atom_emb.weight"),
@@ -451,10 +466,11 @@ def import_checkpoint(path, config: Optional[str] = None, scale_file: Optional[s
         symmetric_edges=spec.symmetric_edges, e_ref=norm["e_ref"], scale=norm["scale"], mean=norm["mean"],
         force_scale=norm["force_scale"], elements=list(range(1, num_elements + 1)),
         dtype="float64" if next(iter(weights.values())).dtype == torch.float64 else "float32", origin=origin,
-        neighbors="fairchem")  # the graphs fairchem builds (atomic.neighbors)
+        neighbors="fairchem", energy_reference=energy_reference(full))  # the graphs fairchem builds (atomic.neighbors)
     summary = {"kind": kind, "model": name, "weights": origin["weights"],
                "parameters": sum(v.numel() for k, v in weights.items() if not k.endswith("scale_factor")),
-               "ignored": ignored, "unfitted": unfitted, "scale": norm["scale"], "mean": norm["mean"]}
+               "ignored": ignored, "unfitted": unfitted, "scale": norm["scale"], "mean": norm["mean"],
+               "energy_reference": payload["energy_reference"]}
     return payload, summary
 
 
@@ -462,7 +478,8 @@ def summary_line(summary: dict, out) -> str:
     """The command's one line: what was written, from which weights, and what was left out."""
     line = (f"{out}: {summary['kind']} from fairchem {summary['model']} ({summary['parameters']:,} parameters, "
             f"{'EMA shadow weights' if summary['weights'] == 'ema' else 'state_dict weights (no EMA)'}; energy = "
-            f"{summary['scale']:g}·y {summary['mean']:+g} eV; energies {ENERGY_MEANING})")
+            f"{summary['scale']:g}·y {summary['mean']:+g} eV; energies: {summary['energy_reference']}, "
+            f"{ENERGY_MEANING})")
     if summary["ignored"]:
         line += f"; scale factors ignored (not in the model): {', '.join(summary['ignored'])}"
     if summary["unfitted"]:

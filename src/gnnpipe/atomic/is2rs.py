@@ -345,6 +345,7 @@ def relax_run(cfg, *, systems: int = 4, optimizer: str = "lbfgs", fmax: float = 
                                steps=steps, rattle_stdev=rattle_stdev, seed=seed, trajectories=trajectories,
                                names=[str(int(s)) for s in test], progress=progress)
     result = {"run_id": cfg.run_id, "mode": cfg.mode, "dataset": cfg.dataset_name, "model": cfg.model.kind,
+              "energy_reference": calc.energy_reference,  # what its energies are (None: unknown)
               "split": "test", "sample": f"{len(test)} test systems drawn across compositions and trajectories "
                                         f"(seed {seed})", **result, "reference": reference,  # its name, or None
               **({} if reference is not None else {"note": NO_REFERENCE}), "trajectories": trajectories.name,

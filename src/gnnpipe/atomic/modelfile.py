@@ -23,9 +23,11 @@ tensors (``torch.load(weights_only=True)`` reads it)::
      "fingerprint": {...} or None,             # the run's fingerprint (what it was trained from)
      "run_id": "..." or None,
      "state_dict": {name: tensor},
-     "origin": {...} or None}                  # an imported model's provenance (atomic.fairchem):
+     "origin": {...} or None,                  # an imported model's provenance (atomic.fairchem):
                                                # from, checkpoint, model, weights, energy (what its
                                                # energies are), ignored/unfitted scale factors, ...
+     "energy_reference": "total" or ...}       # what its energies are (ENERGY_REFERENCES); optional:
+                                               # absent (files before it, data of unknown kind): unknown
 
 It is stored either alone (``save_model_file``: a *bare* model file, with a digest) or under the
 key ``"inference"`` of the trainer's checkpoint (``model.pt``). :func:`load_model_file` accepts a
@@ -57,6 +59,8 @@ MODEL_FILE = "model.pt"  # the finished model in a run directory
 RUN_FILE = "run.yaml"  # the run's config in a run directory (the workflow writes it)
 UPGRADED_FILE = "model-v1.pt"  # upgrade_run's model file beside an older run's model.pt
 NUM_ELEMENTS = 95  # rows of e_ref: Z = 0..94 (atomic.data.MAX_Z)
+#: what a model file's energies can be (``energy_reference``; None: unknown)
+ENERGY_REFERENCES = ("oc20-adsorption", "total")
 _REQUIRED = ("kind", "model_config", "cutoff", "max_neighbors", "symmetric_edges", "normalizer", "elements",
              "dtype", "state_dict")
 
@@ -82,6 +86,12 @@ class ModelFile:
     mean: float = 0.0  # eV per structure added to every energy (fairchem's energy normaliser mean)
     force_scale: Optional[float] = None  # F = force_scale·f (None: scale)
     origin: Optional[dict] = None  # provenance of an imported model (atomic.fairchem), else None
+    energy_reference: Optional[str] = None  # ENERGY_REFERENCES, None: unknown
+
+    @property
+    def energies(self) -> str:
+        """What its energies are, in words for a summary line (``energy_reference``, or unknown)."""
+        return energy_words(self.energy_reference)
 
     def normalizer(self):
         """The ``atomic.atomic_engine.Normalizer`` of this model's outputs (energies and forces in eV, eV/Å)."""
@@ -121,22 +131,27 @@ class ModelFile:
                             cutoff=self.cutoff, max_neighbors=self.max_neighbors, neighbors=self.neighbors,
                             symmetric_edges=self.symmetric_edges, e_ref=self.e_ref, scale=self.scale,
                             elements=self.elements, dtype=self.dtype, fingerprint=self.fingerprint,
-                            run_id=self.run_id, mean=self.mean, force_scale=self.force_scale, origin=self.origin)
+                            run_id=self.run_id, mean=self.mean, force_scale=self.force_scale, origin=self.origin,
+                            energy_reference=self.energy_reference)
 
 
 # --------------------------------------------------------------------------- writing
 def make_payload(*, kind: str, model_config, state_dict: dict, cutoff: float, max_neighbors: Optional[int],
                  symmetric_edges: bool, e_ref, scale: float, elements, dtype: str,
                  fingerprint: Optional[dict] = None, run_id: Optional[str] = None, neighbors: str = "project",
-                 mean: float = 0.0, force_scale: Optional[float] = None, origin: Optional[dict] = None) -> dict:
+                 mean: float = 0.0, force_scale: Optional[float] = None, origin: Optional[dict] = None,
+                 energy_reference: Optional[str] = None) -> dict:
     """The payload dict (plain types + CPU tensors). ``model_config``: the kind's config dataclass
-    or a dict of its fields. ``mean``, ``force_scale`` and ``origin`` are written only when given
-    (not 0, None), so a native model's payload is what it was."""
+    or a dict of its fields. ``mean``, ``force_scale``, ``origin`` and ``energy_reference`` are
+    written only when given (not 0, None), so a payload without them is what it was."""
     from ..config import NEIGHBOR_CONVENTIONS
     from .protocol import ATOMIC_MODELS
     ATOMIC_MODELS[kind]  # noqa: B018 - an unknown kind is an error here, not when loading
     if neighbors not in NEIGHBOR_CONVENTIONS:
         raise ValueError(f"neighbors must be one of {', '.join(NEIGHBOR_CONVENTIONS)}, got {neighbors!r}")
+    if energy_reference is not None and energy_reference not in ENERGY_REFERENCES:
+        raise ValueError(f"energy_reference must be one of {', '.join(ENERGY_REFERENCES)} or None, got "
+                         f"{energy_reference!r}")
     if dataclasses.is_dataclass(model_config):
         model_config = dataclasses.asdict(model_config)
     e_ref = torch.as_tensor(np.asarray(e_ref, dtype=np.float64))
@@ -155,7 +170,27 @@ def make_payload(*, kind: str, model_config, state_dict: dict, cutoff: float, ma
                "state_dict": {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}}
     if origin is not None:
         payload["origin"] = dict(origin)
+    if energy_reference is not None:
+        payload["energy_reference"] = energy_reference
     return payload
+
+
+def energy_words(reference: Optional[str]) -> str:
+    """``energy_reference`` for a summary line: the name, or ``unknown``."""
+    return reference or "unknown"
+
+
+def data_energy_reference(source: str) -> Optional[str]:
+    """What the energies of ``systems.h5`` are, from its ``source`` (``atomic.data``): generated data,
+    ASE's EMT totals; an OC20 S2EF folder, as read (``s2ef energy=referenced``: adsorption energies);
+    a user's file (extxyz, ASE db, ASE-LMDB): None, unknown."""
+    if source.startswith("generated:ase-emt"):
+        return "total"
+    if "(s2ef energy=referenced)" in source:
+        return "oc20-adsorption"
+    if "(s2ef energy=total)" in source:
+        return "total"
+    return None
 
 
 def kind_of(model_config) -> str:
@@ -171,16 +206,24 @@ def payload_from_engine(engine, fingerprint: Optional[dict] = None, state_dict: 
     """The payload of an ``atomic.atomic_engine.AtomicEngine``'s model as trained (the trainer calls it
     on rank 0 after the last epoch and stores it under ``"inference"`` in ``model.pt``, with the
     weights it saves there as ``state_dict``; default: the engine's ``full_state_dict()``)."""
-    systems, graphs = engine.systems, engine.graphs
+    systems, graphs, init = engine.systems, engine.graphs, engine.init
     ptr, train = systems["atom_ptr"], engine.ids["train"]
     elements = np.unique(np.concatenate([systems["z"][ptr[s]:ptr[s + 1]] for s in train])) if len(train) else []
+    if init is not None:  # fine-tuned: the graphs are the model file's (check_init_graphs), its elements stay known
+        elements = np.union1d(elements, init.elements)
+        graph = {"cutoff": init.cutoff, "max_neighbors": init.max_neighbors, "neighbors": init.neighbors,
+                 "symmetric_edges": init.symmetric_edges}
+    else:
+        graph = {"cutoff": float(graphs["cutoff"]), "max_neighbors": int(graphs["max_neighbors"]),
+                 "neighbors": graphs.get("neighbors", "project"),
+                 "symmetric_edges": bool(graphs.get("symmetric_edges", False))}
+    norm = engine.norm
     return make_payload(kind=kind_of(engine.model_cfg), model_config=engine.model_cfg,
-                        state_dict=engine.full_state_dict() if state_dict is None else state_dict,
-                        cutoff=float(graphs["cutoff"]),
-                        max_neighbors=int(graphs["max_neighbors"]), neighbors=graphs.get("neighbors", "project"),
-                        symmetric_edges=bool(graphs.get("symmetric_edges", False)),
-                        e_ref=engine.norm.e_ref, scale=engine.norm.scale, elements=elements,
-                        dtype=engine.cfg.training.dtype, fingerprint=fingerprint, run_id=engine.cfg.run_id)
+                        state_dict=engine.full_state_dict() if state_dict is None else state_dict, **graph,
+                        e_ref=norm.e_ref, scale=norm.scale, elements=elements,
+                        dtype=engine.cfg.training.dtype, fingerprint=fingerprint, run_id=engine.cfg.run_id,
+                        mean=norm.mean, force_scale=norm.force_scale if norm.force_scale != norm.scale else None,
+                        energy_reference=data_energy_reference(str(systems.get("source", ""))))
 
 
 def untrained_payload(kind: str, systems: dict, *, preset: str = "small", seed: int = 0, dtype: str = "float64",
@@ -342,7 +385,77 @@ def decode(payload: Any, where: str = "payload") -> ModelFile:
                      run_id=payload.get("run_id"), source=where, neighbors=neighbors,
                      mean=float(norm.get("mean", 0.0)),
                      force_scale=None if norm.get("force_scale") is None else float(norm["force_scale"]),
-                     origin=payload.get("origin"))
+                     origin=payload.get("origin"), energy_reference=_energy_reference(payload, where))
+
+
+def _energy_reference(payload: dict, where: str) -> Optional[str]:
+    reference = payload.get("energy_reference")
+    if reference is not None and reference not in ENERGY_REFERENCES:
+        raise GnnPipeError(f"{where}: energy_reference {reference!r} is none of {', '.join(ENERGY_REFERENCES)} "
+                           "(written by a newer gnnpipe?); upgrade gnnpipe")
+    return reference
+
+
+# --------------------------------------------------------------------------- fine-tuning (models.<name>.init_from)
+def load_init(cfg) -> Optional[ModelFile]:
+    """The model file an atomic run starts from (``models.<name>.init_from``), checked against the run
+    (:func:`check_init`), or None. The file is authoritative for what it fixes: the kind, every size,
+    the force head, the cutoff, the neighbour cap and convention, the normaliser; the run's config
+    sets how it trains (lr, epochs, batch size, force weight, the habits, the dtype)."""
+    path = getattr(cfg.model, "init_from", "")
+    if not path:
+        return None
+    mf = load_model_file(path)
+    check_init(mf, cfg)
+    return mf
+
+
+def check_init(mf: ModelFile, cfg) -> None:
+    """Refuse, in one line naming the key and both values, a run whose model section contradicts the
+    model file it starts from (a run.yaml written by hand: the workflow config refuses the keys at all)."""
+    kind, spec = cfg.model.kind, cfg.model.spec
+    where = f"run {cfg.run_id}: init_from {mf.source}"
+    if kind != mf.kind:
+        raise GnnPipeError(f"{where} holds a {mf.kind} model, the run's kind is {kind}; set kind: {mf.kind}")
+    own = mf.config()
+    for name in mf.spec.config_fields():
+        given = getattr(spec, name, None)
+        if name != "force_head" and given is not None and given != getattr(own, name):
+            raise GnnPipeError(f"{where}: {kind}.{name} is {given!r} in the config and {getattr(own, name)!r} in the "
+                               "model file, which fixes the architecture; remove the key")
+
+
+def check_init_graphs(mf: ModelFile, graphs: dict, cfg) -> None:
+    """The run's graphs (``graphs.h5``) must be the ones the model file computes on: its neighbour
+    convention and cap, a cutoff at least its own (``atomic_engine.model_graphs`` cuts them to it). One
+    line naming the dataset's key and both values."""
+    key, where = f"datasets.{cfg.dataset_name}.atoms", f"init_from {mf.source}"
+    if graphs["neighbors"] != mf.neighbors:
+        raise GnnPipeError(f"{key}.neighbors is {graphs['neighbors']} and {where} was trained on {mf.neighbors} "
+                           f"graphs; set neighbors: {mf.neighbors}")
+    if mf.max_neighbors is not None and int(graphs["max_neighbors"]) != mf.max_neighbors:
+        raise GnnPipeError(f"{key}.max_neighbors is {int(graphs['max_neighbors'])} and {where} was trained with "
+                           f"{mf.max_neighbors}; set max_neighbors: {mf.max_neighbors}")
+    if float(graphs["cutoff"]) < mf.cutoff:
+        raise GnnPipeError(f"{key}.cutoff is {float(graphs['cutoff']):g} Å and {where} has {mf.cutoff:g} Å: the "
+                           f"graphs lack the neighbours between; set cutoff: {mf.cutoff:g}")
+
+
+def check_init_cap(mf: ModelFile, graphs: dict, systems: dict, cfg) -> None:
+    """An uncapped or per-target-cut model file (fairchem's DimeNet++) trains on the run's symmetric
+    capped graphs (at its cutoff) only where the cap never binds: then they are its own graphs."""
+    key, where = f"datasets.{cfg.dataset_name}.atoms", f"init_from {mf.source}"
+    if mf.max_neighbors is None or not mf.symmetric_edges:
+        cap = int(graphs["max_neighbors"])
+        ends = graphs["edge_dst"] + np.repeat(systems["atom_ptr"][:-1], np.diff(graphs["edge_ptr"]))
+        most = int(np.bincount(ends).max(initial=0))
+        if most >= cap:
+            what = "no neighbour cap" if mf.max_neighbors is None else \
+                f"a per-target cut of {mf.max_neighbors} (not the workflow's symmetric graphs)"
+            raise GnnPipeError(f"{where} was trained with {what}, which the run's graphs equal only where "
+                               f"{key}.max_neighbors ({cap}) never binds, and an atom has {most} neighbours; "
+                               + ("raise max_neighbors above it" if mf.max_neighbors is None else
+                                  "fine-tune it on structures with fewer neighbours within the cutoff"))
 
 
 # --------------------------------------------------------------------------- older runs

@@ -5,7 +5,8 @@ system of a split of the training data (what ``evaluate`` writes, to check any c
   forces, and stress for 3-D periodic cells) in one process or across ``workers``, and writes
   an extended XYZ whose frames carry the results as ASE writes a calculator's
   (``SinglePointCalculator``: ``ase.io.read(out, ":")[i].get_forces()`` gives them back),
-  atomically. Every row is checked before any is computed (``inference.check_input``: what
+  each with ``info["energy_reference"]``, what its energy is (the model file's: ``oc20-adsorption``,
+  ``total`` or ``unknown``), atomically. Every row is checked before any is computed (``inference.check_input``: what
   ``gnnpipe data`` refuses, and elements the model never saw); errors name the file and the row
   (``frame 3``, ``row id 7``).
 * :func:`split_predictions` computes systems of ``systems.h5`` in batches over their
@@ -26,7 +27,7 @@ import numpy as np
 
 from ..io import GnnPipeError, atomic_path, check_destination
 from .inference import Predictor, check_input
-from .modelfile import ModelFile, load_model_file
+from .modelfile import ModelFile, energy_words, load_model_file
 
 PREDICTIONS_FILE = "predictions.h5"
 PREDICTION_ARRAYS = ("system", "atom_ptr", "z", "pos", "cell", "pbc", "fixed", "energy", "forces", "energy_ref",
@@ -96,6 +97,7 @@ def predict(model: Union[str, os.PathLike, ModelFile, Predictor], structures, ou
             if p.stress is not None:
                 results["stress"] = p.stress
             atoms = atoms.copy()
+            atoms.info["energy_reference"] = energy_words(predictor.model_file.energy_reference)
             atoms.calc = SinglePointCalculator(atoms, **results)
             frames.append(atoms)
     finally:
