@@ -113,10 +113,10 @@ def _first_epoch(rank: int, world: int, cfg) -> list:
     return _engine_epoch(rank, world, cfg)["steps"]
 
 
-@pytest.mark.parametrize("layout,workers,spec,run", [  # make test runs 2 × 2 (both groups), make test-long all
+@pytest.mark.parametrize("layout,workers,spec,run", [  # multi-process, 30–70 s each: make test-long
     pytest.param("edges", 2, {}, {}, marks=pytest.mark.long),
     pytest.param("atoms", 2, {}, {"atom_layout": "atoms"}, marks=pytest.mark.long),
-    pytest.param("2x2", 4, {"batch_size": 1}, {"data_parallel": 2}, marks=pytest.mark.slow)])
+    pytest.param("2x2", 4, {"batch_size": 1}, {"data_parallel": 2}, marks=pytest.mark.long)])
 def test_graph_parallel_fine_tuning_trains_the_first_epoch_as_single(tmp_path, imported, slabs, layout, workers, spec,
                                                                      run):
     """From the imported model, float64, every habit on: the first epoch's step losses of graph P = 2 (edges
