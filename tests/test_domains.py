@@ -202,6 +202,30 @@ def test_a_region_of_a_large_cell_is_its_domain_and_a_skin_not_the_structure():
         assert 256 < len(d.ids) <= bound < len(atoms)
 
 
+def test_the_domains_layout_keeps_its_build_while_the_skin_rule_holds_and_sends_regions_only():
+    """The client's side of the layout: a structure's first arrangement builds; the same positions, or
+    every atom moved less than half the skin, keep the build (its workers are sent their region's
+    positions only); a larger move or another cell builds again (the workers get their new Domain)."""
+    from gnnpipe.atomic.atom_layouts import DOMAINS
+
+    atoms, cutoff = _bar()
+    pos, cell = atoms.positions, atoms.cell.array
+    b = {"z": atoms.numbers, "pos": pos, "cell": cell, "pbc": atoms.pbc.copy(), "cutoff": cutoff, "skin": 0.4}
+    first = DOMAINS.arrange(b, 3)
+    assert first["rebuilt"] and np.array_equal(np.sort(first["atom_order"]), np.arange(len(pos)))
+    sent = DOMAINS.messages(first, 3)
+    assert all(m["hold"]["domain"] is d for m, d in zip(sent, first["domains"].domains))
+    for moved, rebuilt in ((pos, False), (pos + [0.19, 0, 0], False), (pos + [0.21, 0, 0], True)):
+        again = DOMAINS.arrange({**b, "pos": moved, "domains": first["domains"]}, 3)
+        assert again["rebuilt"] == rebuilt and (again["domains"] is first["domains"]) != rebuilt
+        sent = DOMAINS.messages(again, 3)
+        assert ("hold" in sent[0]) == rebuilt and set(sent[0]) <= {"pos", "hold"}
+        for m, d in zip(sent, again["domains"].domains):
+            np.testing.assert_array_equal(m["pos"], moved[again["atom_order"][d.ids]])
+            assert len(m["pos"]) < len(pos)  # a region, not the structure
+    assert DOMAINS.arrange({**b, "cell": 1.001 * cell, "domains": first["domains"]}, 3)["rebuilt"]
+
+
 @pytest.fixture(scope="module")
 def slab_systems():
     from gnnpipe.atomic import data
