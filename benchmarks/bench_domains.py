@@ -3,14 +3,16 @@ against one process and the atoms layout (every worker builds the whole graph).
 
     python benchmarks/bench_domains.py --out results/bench/domains.json [--repeat 17] [--cutoff 3.0]
                                        [--kind dimenetpp] [--dtype float32] [--smoke]
+    python benchmarks/bench_domains.py --weak 4000 --out results/bench/domains_weak.json   # weak scaling
 
 The structure: a rattled fcc cell (an fcc metal the stand-in model knows, as bench_calculator) of ``--repeat``³ conventional cells (4 atoms each; 17: 19,652
 atoms), a fresh ``small`` model of ``--kind`` without a neighbour cap (symmetric graph, as the
 distributed build needs), energy + forces once. Each configuration runs in a fresh process: P = 1
 (that process computes: its peak RSS), P = 2 in the atoms layout and in the domains layout (each
 worker's peak RSS, ``VmHWM`` of ``/proc/<pid>/status``, read after the call; and ``VmRSS`` before it:
-the P = 1 process also holds the client's imports, some 60 MB more than a worker at any size). Every worker is given
-every position (O(N), 24 bytes an atom); the graph and the activations are what the build splits.
+the P = 1 process also holds the client's imports, some 60 MB more than a worker at any size). A
+domains worker is given only its region's positions (its domain and a shell of 2 cutoffs and the
+skin); an atoms-layout worker the whole graph.
 Then the graph build alone (no model; Cu, ``--build-cutoff`` 4.5 Å, where triplets dominate): the peak
 RSS of building rank 0's view at P = 2 and 4 from the whole graph (the atoms layout's worker) and
 from its region (the domains layout's), each in a fresh process above its RSS before the build.
@@ -50,7 +52,8 @@ def one(args) -> dict:
     from ase.data import atomic_numbers, reference_states
 
     metal = next(m for m in data.SLAB_METALS if atomic_numbers[m] in mf.elements)  # an fcc metal the model knows
-    atoms = bulk(metal, "fcc", a=reference_states[atomic_numbers[metal]]["a"], cubic=True).repeat((args.repeat,) * 3)
+    shape = tuple(int(k) for k in args.shape.split(",")) if args.shape else (args.repeat,) * 3
+    atoms = bulk(metal, "fcc", a=reference_states[atomic_numbers[metal]]["a"], cubic=True).repeat(shape)
     atoms.rattle(0.05, seed=1)
     with Predictor(mf, workers=args.workers, layout=args.layout, threads=1) as p:
         pids = p.pool.pids if p.pool is not None else ["self"]
@@ -69,8 +72,8 @@ def one(args) -> dict:
 def build(args) -> dict:
     """The graph build alone of rank 0's atoms-layout view at ``--parts`` P, in this (fresh) process:
     ``--build whole`` (the atoms layout's worker: the whole graph, grouped, sharded) or ``region`` (the
-    distributed build; its collectives' results, every atom's in-degree and every rank's needs, read
-    from the file ``--build prep`` wrote)."""
+    distributed build: worker 0's domain and region positions, and its collectives' results, every
+    rank's boundary and needs, read from the file ``--build prep`` wrote)."""
     import pickle
     import resource
 
@@ -85,26 +88,61 @@ def build(args) -> dict:
     pos, cell, pbc, z, cut = atoms.positions, atoms.cell.array, atoms.pbc, atoms.numbers, args.build_cutoff
     owner = domains.spatial_partition(pos, cell, pbc, args.parts)
     side = f"{args.out}.{args.parts}.needs.pkl"
-    if args.build == "prep":
-        graphs = [domains.region_graph(pos, cell, pbc, np.flatnonzero(owner == r), cut) for r in range(args.parts)]
-        degrees = sum(domains.in_degrees(g, len(z)) for g in graphs)
+    if args.build == "prep":  # the client's decomposition and the collectives' results, for rank 0
+        dec = domains.decompose(z, pos, cell, pbc, args.parts, cut)
+        regions = dec.positions(pos)
+        graphs = [domains.domain_graph(d, p) for d, p in zip(dec.domains, regions)]
+        bounds = [domains.boundary(g, r, dec.ab) for r, g in enumerate(graphs)]
+        needs = [domains.region_needs(g, r, dec.ab, bounds).needs for r, g in enumerate(graphs)]
         with open(side, "wb") as f:
-            pickle.dump((degrees, [domains.region_needs(g, r, owner, degrees).needs for r, g in enumerate(graphs)]), f)
+            pickle.dump((dec.domains[0], regions[0], bounds, needs), f)
         return {}
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.build == "whole":
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         b = {**nb.system_graph(pos, cell, pbc, cut), "z": z, "pos": pos, "system": np.zeros(len(z), np.int64),
              "num_systems": 1}
         view = halo.shard_atoms(halo.group_by_part(b, owner, args.parts), 0, None)
-    else:
+    else:  # what worker 0 holds and computes: its domain, its region's positions, the gathered surfaces
+        del atoms, pos, z
         with open(side, "rb") as f:
-            degrees, needs = pickle.load(f)
+            dom, region_pos, bounds, needs = pickle.load(f)
         os.remove(side)
-        g = domains.region_graph(pos, cell, pbc, np.flatnonzero(owner == 0), cut)
-        view = domains.region_view(domains.region_needs(g, 0, owner, degrees), needs, z, pos)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        g = domains.domain_graph(dom, region_pos)
+        view = domains.region_view(domains.region_needs(g, 0, dom.ab, bounds), needs, dom.z, region_pos, dom.ids)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"build": args.build, "workers": args.parts, "atoms": len(z), "cutoff": cut,
+    return {"build": args.build, "workers": args.parts, "atoms": len(owner), "cutoff": cut,
             "rank0_edges": len(view.edge_src), "rank0_triplets": len(view.idx_kj), "peak_above_before_mb": peak - before}
+
+
+def _run(cmd: list, cwd: str) -> dict:
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+    if done.returncode:
+        raise SystemExit(f"bench_domains: {' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def weak(args, here: str, load0) -> None:
+    """Weak scaling of a worker's memory: k × k × (k·P) conventional cells (4 k³ ≈ ``--weak`` atoms per
+    worker) at P = 1 (one process), 2 and 4 (``--weak-workers``) (the domains layout: slabs of k³ cells), each in a fresh
+    process; the ratio of the largest worker's peak RSS at P = 4 to P = 1's (target ≤ 1.15)."""
+    from gnnpipe.io import write_json
+    from machine import machine_record
+
+    k = max(1, round((args.weak / 4) ** (1 / 3)))
+    runs = []
+    for workers in (int(p) for p in args.weak_workers.split(",")):
+        cmd = [sys.executable, os.path.join(here, "bench_domains.py"), "--shape", f"{k},{k},{k * workers}",
+               "--cutoff", str(args.cutoff), "--kind", args.kind, "--dtype", args.dtype, "--workers", str(workers),
+               "--layout", "domains" if workers > 1 else "auto"]
+        runs.append(_run(cmd, here))
+        r = runs[-1]
+        print(f"weak: {r['atoms']} atoms, P={workers} {r['layout']}: peak RSS per worker {r['peak_rss_mb_per_worker']} MB, "
+              f"{r['s_per_call']:.1f} s", file=sys.stderr, flush=True)
+    base = runs[0]["peak_rss_mb_max"]  # P = 1 first
+    write_json(args.out, {"kind": args.kind, "dtype": args.dtype, "cutoff": args.cutoff, "atoms_per_worker": 4 * k ** 3,
+                          "runs": runs, "peak_ratio_over_P1": {r["workers"]: r["peak_rss_mb_max"] / base for r in runs},
+                          "machine": machine_record(load0)})
 
 
 def main(argv=None) -> None:
@@ -123,12 +161,18 @@ def main(argv=None) -> None:
     ap.add_argument("--build-cutoff", type=float, default=4.5, help="the graph-build comparison's cutoff (Å)")
     ap.add_argument("--build", help=argparse.SUPPRESS)  # prep / whole / region (internal)
     ap.add_argument("--parts", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)  # conventional cells along x,y,z (internal)
+    ap.add_argument("--weak", type=int, default=0,
+                    help="weak scaling instead: about this many atoms per worker at P = 1, 2, 4 (domains layout)")
+    ap.add_argument("--weak-workers", default="1,2,4", help="the P of --weak (at most the CPU cores here)")
     args = parse_args(ap, argv, repeat=2)
     if args.workers or args.build:
         print(json.dumps(one(args) if args.workers else build(args)))
         return
     load0 = os.getloadavg()
     here = os.path.dirname(os.path.abspath(__file__))
+    if args.weak:
+        return weak(args, here, load0)
     runs = []
     for workers, layout in ((1, "auto"), (2, "atoms"), (2, "domains")):
         cmd = [sys.executable, os.path.join(here, "bench_domains.py"), "--repeat", str(args.repeat), "--cutoff",

@@ -123,12 +123,107 @@ def test_region_views_equal_the_atoms_layouts_views_of_the_whole_structure(name,
     whole = {**nb.system_graph(pos, cell, pbc, cutoff), "z": z, "pos": pos, "system": np.zeros(len(z), np.int64),
              "num_systems": 1}
     arranged = halo.group_by_part(whole, owner, parts)
-    graphs = [domains.region_graph(pos, cell, pbc, np.flatnonzero(owner == r), cutoff) for r in range(parts)]
-    degrees = sum(domains.in_degrees(g, len(z)) for g in graphs)  # a run's all-reduce
-    regions = [domains.region_needs(g, r, owner, degrees) for r, g in enumerate(graphs)]
+    ab = np.concatenate([[0], np.cumsum(arranged["atom_parts"])])
+    ids = np.arange(len(z))
+    graphs = [domains.region_graph(arranged["pos"], cell, pbc, np.arange(ab[r], ab[r + 1]), cutoff)
+              for r in range(parts)]
+    bounds = [domains.boundary(g, r, ab) for r, g in enumerate(graphs)]  # a run's all-gather
+    regions = [domains.region_needs(g, r, ab, bounds) for r, g in enumerate(graphs)]
     needs = [reg.needs for reg in regions]  # a run's all-gather
     for r, reg in enumerate(regions):
-        _views_equal(domains.region_view(reg, needs, z, pos), halo.shard_atoms(arranged, r, None))
+        _views_equal(domains.region_view(reg, needs, arranged["z"], arranged["pos"], ids),
+                     halo.shard_atoms(arranged, r, None))
+
+
+def _client_views(dec, pos):
+    """Every rank's view from the client's decomposition and ``pos`` alone, as the workers compute it
+    (``domains.domain_view`` without a group: its two all-gathers are the lists here); each rank
+    reads only its region's positions."""
+    regions = dec.positions(pos)
+    graphs = [domains.domain_graph(d, p) for d, p in zip(dec.domains, regions)]
+    bounds = [domains.boundary(g, r, dec.ab) for r, g in enumerate(graphs)]
+    regs = [domains.region_needs(g, r, dec.ab, bounds) for r, g in enumerate(graphs)]
+    needs = [reg.needs for reg in regs]
+    return [domains.region_view(reg, needs, d.z, p, d.ids) for reg, d, p in zip(regs, dec.domains, regions)]
+
+
+def _whole_views(atoms, pos, owner, parts, cutoff):
+    from gnnpipe.atomic import halo
+
+    cell, pbc, z = atoms.cell.array, atoms.pbc, atoms.numbers
+    whole = {**nb.system_graph(pos, cell, pbc, cutoff), "z": z, "pos": pos, "system": np.zeros(len(z), np.int64),
+             "num_systems": 1}
+    arranged = halo.group_by_part(whole, owner, parts)
+    return [halo.shard_atoms(arranged, r, None) for r in range(parts)]
+
+
+def _bar():
+    bar = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((10, 2, 2))  # 36 Å along x: regions smaller than the cell
+    bar.rattle(0.05, seed=6)
+    return bar, 3.5  # 2 cutoffs 0.2 Å short of a lattice plane: a move of half a skin brings it in
+
+
+@pytest.mark.parametrize("name", ["bar", "bulk", "slab", "small cell"])
+@pytest.mark.parametrize("parts", [2, 3])
+def test_regions_from_the_client_keep_the_whole_structures_views_while_atoms_move_within_half_the_skin(name, parts):
+    """Each worker given only its region's positions (owned atoms and a skin) builds the atoms layout's
+    view of the whole structure; after every atom moved up to ``skin / 2`` (the bulk: some across the
+    periodic boundary) the regions and owners of the build still give the moved structure's views,
+    and the rule holds; a larger move breaks it."""
+    atoms, cutoff = _bar() if name == "bar" else _structures()[name]
+    skin = 1.0
+    pos, cell, pbc, z = atoms.positions, atoms.cell.array, atoms.pbc, atoms.numbers
+    dec = domains.decompose(z, pos, cell, pbc, parts, cutoff, skin=skin)
+    owner = np.empty(len(z), dtype=np.int64)
+    owner[dec.order] = np.searchsorted(dec.ab, np.arange(len(z)), side="right") - 1
+    assert np.array_equal(owner, domains.spatial_partition(pos, cell, pbc, parts))
+    for got, want in zip(_client_views(dec, pos), _whole_views(atoms, pos, owner, parts, cutoff)):
+        _views_equal(got, want)
+    step = np.random.default_rng(7).normal(size=pos.shape)  # (the bar at skin 0 fails: a region misses atoms)
+    moved = pos + 0.499 * skin * step / np.linalg.norm(step, axis=1, keepdims=True)  # some atoms leave the cell
+    if name in ("bar", "bulk"):
+        assert (moved[:, 0] < 0).any()
+    if name == "bar":
+        assert max(len(d.ids) for d in dec.domains) < len(z)  # no worker holds every atom
+    assert dec.holds(z, moved, cell, pbc)
+    for got, want in zip(_client_views(dec, moved), _whole_views(atoms, moved, owner, parts, cutoff)):
+        _views_equal(got, want)
+    assert not dec.holds(z, pos + [0.51 * skin, 0, 0], cell, pbc) and not dec.holds(z, pos, 1.01 * cell, pbc)
+
+
+def test_a_region_of_a_large_cell_is_its_domain_and_a_skin_not_the_structure():
+    """8 domains of 2048 atoms: each worker holds its 256 atoms and the images within 2 cutoffs and a
+    skin of them (the bound of a box around them), not O(N)."""
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((8, 8, 8))
+    dec = domains.decompose(atoms.numbers, atoms.positions, atoms.cell.array, True, 8, 3.0, skin=1.0)
+    side = 8 * 3.6 / 2  # each domain a 14.4 Å cube; the region: 14.4 + 2 × (2 × 3.0 + 1.0) Å on a side
+    bound = 4 / 3.6 ** 3 * (side + 2 * 7.0 + 0.1) ** 3
+    for d in dec.domains:
+        assert 256 < len(d.ids) <= bound < len(atoms)
+
+
+def test_the_domains_layout_keeps_its_build_while_the_skin_rule_holds_and_sends_regions_only():
+    """The client's side of the layout: a structure's first arrangement builds; the same positions, or
+    every atom moved less than half the skin, keep the build (its workers are sent their region's
+    positions only); a larger move or another cell builds again (the workers get their new Domain)."""
+    from gnnpipe.atomic.atom_layouts import DOMAINS
+
+    atoms, cutoff = _bar()
+    pos, cell = atoms.positions, atoms.cell.array
+    b = {"z": atoms.numbers, "pos": pos, "cell": cell, "pbc": atoms.pbc.copy(), "cutoff": cutoff, "skin": 0.4}
+    first = DOMAINS.arrange(b, 3)
+    assert first["rebuilt"] and np.array_equal(np.sort(first["atom_order"]), np.arange(len(pos)))
+    sent = DOMAINS.messages(first, 3)
+    assert all(m["hold"]["domain"] is d for m, d in zip(sent, first["domains"].domains))
+    for moved, rebuilt in ((pos, False), (pos + [0.19, 0, 0], False), (pos + [0.21, 0, 0], True)):
+        again = DOMAINS.arrange({**b, "pos": moved, "domains": first["domains"]}, 3)
+        assert again["rebuilt"] == rebuilt and (again["domains"] is first["domains"]) != rebuilt
+        sent = DOMAINS.messages(again, 3)
+        assert ("hold" in sent[0]) == rebuilt and set(sent[0]) <= {"pos", "hold"}
+        for m, d in zip(sent, again["domains"].domains):
+            np.testing.assert_array_equal(m["pos"], moved[again["atom_order"][d.ids]])
+            assert len(m["pos"]) < len(pos)  # a region, not the structure
+    assert DOMAINS.arrange({**b, "cell": 1.001 * cell, "domains": first["domains"]}, 3)["rebuilt"]
 
 
 @pytest.fixture(scope="module")
@@ -182,9 +277,10 @@ def test_the_domains_layout_refuses_a_capped_model_in_one_line(slab_systems):
     assert "\n" not in str(e.value)
 
 
-def _build_rank(rank, world, structure, arranged):
-    """A rank of a gloo group: its view by the distributed build (real collectives) equals
-    ``halo.shard_atoms`` of the whole structure grouped by the same owners."""
+def _build_rank(rank, world, domain, pos, arranged):
+    """A rank of a gloo group: its view by the distributed build from its domain and its region's
+    positions (real collectives) equals ``halo.shard_atoms`` of the whole structure grouped by the
+    same owners."""
     import torch
 
     from gnnpipe.atomic import halo
@@ -192,21 +288,53 @@ def _build_rank(rank, world, structure, arranged):
     from gnnpipe.parallel.comm import Communicator
 
     grp = EdgeGroup(Communicator(None, torch.device("cpu")), None, world, rank)
-    _views_equal(domains.build_view(structure, grp), halo.shard_atoms(arranged, rank, grp))
+    _views_equal(domains.domain_view(domain[rank], pos[rank], grp), halo.shard_atoms(arranged, rank, grp))
     return True
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parts", [3, 4])
-def test_build_view_over_a_group_equals_the_atoms_layouts_view(parts):
+def test_domain_view_over_a_group_equals_the_atoms_layouts_view(parts):
     from gnnpipe.atomic import halo
     from gnnpipe.parallel.testing import spawn_multi_process
 
     atoms, cutoff = _structures()["slab"]
     pos, cell, pbc, z = atoms.positions, atoms.cell.array, atoms.pbc, atoms.numbers
+    dec = domains.decompose(z, pos, cell, pbc, parts, cutoff, skin=0.5)
     owner = domains.spatial_partition(pos, cell, pbc, parts)
-    structure = {"z": z, "pos": pos, "cell": cell, "pbc": pbc, "cutoff": cutoff, "owner": owner}
     whole = {**nb.system_graph(pos, cell, pbc, cutoff), "z": z, "pos": pos, "system": np.zeros(len(z), np.int64),
              "num_systems": 1}
-    assert spawn_multi_process(_build_rank, parts, structure, halo.group_by_part(whole, owner, parts),
-                               timeout=120) == [True] * parts
+    assert spawn_multi_process(_build_rank, parts, dec.domains, dec.positions(pos),
+                               halo.group_by_part(whole, owner, parts), timeout=120) == [True] * parts
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~65 s on the shared 2 cores: the skin rule's exactness is also the fast in-process test above
+def test_velocity_verlet_in_the_domains_layout_follows_one_process_through_skin_rebuilds(slab_systems, one_thread):
+    """50 steps of NVE (ASE VelocityVerlet, float64 DimeNet++) on 2 workers in the domains layout: the
+    same trajectory as one process to float64 rounding; a skin of 0.1 Å rebuilds the regions several
+    times, and keeps them between (fewer rebuilds than calls)."""
+    from ase import units
+    from ase.md.velocitydistribution import thermalize_momenta
+    from ase.md.verlet import VelocityVerlet
+
+    from gnnpipe.atomic.calculator import GNNPipeCalculator
+
+    mf = _tiny_uncapped(slab_systems, "dimenetpp")
+    metal = next(z for z in mf.elements if z > 10)
+    paths, rebuilds = [], []
+    for workers in (1, 2):
+        atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 2, 2))
+        atoms.set_atomic_numbers([metal] * len(atoms))
+        atoms.rattle(0.05, seed=5)
+        thermalize_momenta(atoms, 300, rng=np.random.default_rng(1))
+        with GNNPipeCalculator(mf, workers=workers, layout="domains" if workers > 1 else "auto", skin=0.1) as calc:
+            atoms.calc = calc
+            frames = []
+            dyn = VelocityVerlet(atoms, timestep=2.0 * units.fs, logfile=None)
+            dyn.attach(lambda: frames.append(atoms.positions.copy()), interval=1)
+            dyn.run(50)
+            rebuilds.append((calc.rebuilds, calc.predictor.calls))
+        paths.append(np.array(frames))
+    np.testing.assert_allclose(paths[1], paths[0], atol=1e-10, rtol=0)
+    assert rebuilds[0][0] == 0 and 2 <= rebuilds[1][0] < rebuilds[1][1]

@@ -8,8 +8,10 @@ the name:
 question            asked by                             edges / atoms
 ==================  ===================================  ===========================================
 ``view``            ``AtomicEngine`` (training, eval)    this rank's ``AtomGraph`` of a batch
-``arrange``         ``WorkerPool.compute`` (the client)  the batch as the ways number it: itself /
+``arrange``         ``Predictor.arrange`` (the client)   the batch as the ways number it: itself /
                                                          reordered by METIS part (``halo.order_by_part``)
+``messages``        ``WorkerPool.compute``               what each worker is sent: the arranged batch
+                                                         (domains: its region's positions)
 ``shard``           the inference workers                a rank's view of an arranged batch
 ``restore_order``   ``WorkerPool.compute``               per-atom rows back in the batch's order
 ``step_bytes``      ``predicted_bytes``, ``Predictor``   the closed form of a step's bytes
@@ -28,10 +30,11 @@ layout.
 
 * **domains** (``domains.py``, #35, inference only for now): the atoms layout's views of one
   structure built by each worker from its own region: spatial domains balanced by atom count
-  (``arrange`` adds the owners to a structure *without* a graph), each worker's edges and triplets
-  from the images within 2 cutoffs of its atoms (``shard``: ``domains.build_view``, with the
-  group's collectives). Not in :data:`ATOM_LAYOUTS` (no training view, no closed form yet): the
-  predictor's :data:`PREDICT_LAYOUTS` holds it.
+  (``arrange`` adds the client's ``domains.Decomposition`` to a structure *without* a graph, kept
+  while the Verlet-skin rule holds), each worker sent only its region's positions (``messages``;
+  its ``Domain`` after a rebuild) and building its edges and triplets from them (``shard``:
+  ``domains.domain_view``, with the group's collectives). Not in :data:`ATOM_LAYOUTS` (no training
+  view): the predictor's :data:`PREDICT_LAYOUTS` holds it.
 """
 
 from __future__ import annotations
@@ -66,6 +69,11 @@ class AtomLayout(ABC):
     @abstractmethod
     def arrange(self, b: dict, ways: int) -> dict:
         """Batch ``b`` as ``ways`` > 1 ways number it (what ``shard`` takes)."""
+
+    def messages(self, b: dict, ways: int) -> list:
+        """What the client sends each of ``ways`` inference workers of arranged batch ``b`` (``shard``
+        takes it; a ``"hold"`` dict in it is kept by the worker and merged into later messages)."""
+        return [b] * ways
 
     @abstractmethod
     def shard(self, b: dict, grp: EdgeGroup, dtype, device=None):
@@ -182,16 +190,27 @@ class DomainsLayout(AtomsLayout):
                            "use the atoms layout")
 
     def arrange(self, b: dict, ways: int) -> dict:
-        """Structure ``b`` with ``owner`` (its spatial domains) and ``atom_order`` (the atoms by owner)."""
-        from .domains import spatial_partition
+        """Structure ``b`` with ``domains`` (a ``domains.Decomposition``: the build ``b["domains"]`` given
+        while its Verlet-skin rule holds, else a new one of skin ``b["skin"]``), ``rebuilt`` (whether it
+        is new) and ``atom_order`` (the atoms by owner)."""
+        from .domains import decompose
 
-        owner = spatial_partition(b["pos"], b["cell"], b["pbc"], ways)
-        return {**b, "owner": owner, "atom_order": np.argsort(owner, kind="stable")}
+        dec = b.get("domains")
+        rebuilt = dec is None or len(dec.domains) != ways or not dec.holds(b["z"], b["pos"], b["cell"], b["pbc"])
+        if rebuilt:
+            dec = decompose(b["z"], b["pos"], b["cell"], b["pbc"], ways, b["cutoff"], b.get("skin", 0.0))
+        return {**b, "domains": dec, "rebuilt": rebuilt, "atom_order": dec.order}
+
+    def messages(self, b: dict, ways: int) -> list:
+        """Each worker its region's positions, and after a rebuild its ``Domain`` (held until the next)."""
+        dec = b["domains"]
+        return [{"pos": p, **({"hold": {"domain": d}} if b["rebuilt"] else {})}
+                for d, p in zip(dec.domains, dec.positions(b["pos"]))]
 
     def shard(self, b: dict, grp: EdgeGroup, dtype, device=None):
-        from .domains import build_view
+        from .domains import domain_view
 
-        return build_view(b, grp, dtype, device)
+        return domain_view(b["domain"], b["pos"], grp, dtype, device)
 
     def step_bytes(self, *args, **kw) -> int:
         raise GnnPipeError("the domains layout has no closed form of its bytes yet (#35 item 4)")

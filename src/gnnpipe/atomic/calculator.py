@@ -49,7 +49,7 @@ from ase.calculators.calculator import (CalculationFailed, Calculator, InputErro
                                         all_changes)
 
 from ..io import GnnPipeError
-from .inference import Predictor, StructureError
+from .inference import DEFAULT_SKIN, Predictor, StructureError
 from .modelfile import ModelFile, load_model_file
 
 
@@ -69,18 +69,21 @@ class GNNPipeCalculator(Calculator):
 
     def __init__(self, model: Union[str, Path, ModelFile], *, device: str = "cpu", workers: int = 1,
                  dtype: Optional[str] = None, threads: Optional[int] = None, layout: str = "auto",
-                 min_distance: Optional[float] = None, run=None, **kwargs):
+                 min_distance: Optional[float] = None, skin: float = DEFAULT_SKIN, run=None, **kwargs):
         """``model``: a run directory, a model file (or checkpoint holding one), or a ``ModelFile``.
         ``dtype``: ``"float32"``/``"float64"`` (default: the model's own); ``threads``: torch
         threads per worker (default: ``OMP_NUM_THREADS``, else the cores shared out); ``layout``: how
-        the workers split a structure, ``"edges"``, ``"atoms"`` or ``"auto"`` (per structure, the one
-        whose closed-form bytes are fewer: ``atomic.inference.Predictor``); ``min_distance``: Å, two
+        the workers split a structure, ``"edges"``, ``"atoms"``, ``"domains"`` (each worker builds its own
+        spatial domain's graph from its region's positions: ``atomic.domains``) or ``"auto"`` (per
+        structure, the one whose closed-form bytes are fewer: ``atomic.inference.Predictor``); ``skin``: Å,
+        the domains layout's Verlet skin (its regions are kept until an atom moved ``skin / 2``;
+        ``rebuilds`` counts the decompositions); ``min_distance``: Å, two
         atoms closer are refused (default 0.5, ``atoms.min_distance``'s); ``run``: the ``RunConfig``
         the model must belong to (default: a run directory's ``run.yaml``)."""
         super().__init__(**kwargs)
         self.model_file = model if isinstance(model, ModelFile) else load_model_file(model, run)
         self.predictor = Predictor(self.model_file, device=device, workers=workers, dtype=dtype, threads=threads,
-                                   layout=layout, min_distance=min_distance)
+                                   layout=layout, min_distance=min_distance, skin=skin)
 
     @property
     def energy_reference(self) -> Optional[str]:
@@ -92,6 +95,12 @@ class GNNPipeCalculator(Calculator):
     def threads(self) -> int:
         """Torch threads each worker computes on (``workers=1``: this process, during a call)."""
         return self.predictor.threads
+
+    @property
+    def rebuilds(self) -> int:
+        """How many times the domains layout decomposed a structure (its first call's included; 0 in
+        another layout): the Verlet-skin rule's rebuilds."""
+        return self.predictor.rebuilds
 
     @classmethod
     def from_run(cls, path: Union[str, Path], device: str = "cpu", workers: int = 1, **kwargs) -> "GNNPipeCalculator":

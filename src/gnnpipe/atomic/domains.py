@@ -18,24 +18,28 @@ whose memory per worker is ∝ N/P:
    ``(source, target, image)``, the same edges in the same order as the whole structure's
    ``radius_graph`` restricted to those targets.
 
-   For now each rank is given every position (12–24 bytes an atom); the neighbour list and the
-   triplets, which dominate, are built for its region only.
+A periodic cell thinner than twice the skin needs no special case: the cluster holds as many
+images of an atom as fall in the region, and an edge reached through two images of its target is
+one key, kept once. Without a neighbour cap only: a capped graph's edge depends on both atoms'
+whole neighbourhoods (refused in one line).
 
-A periodic cell thinner than twice the skin along an axis needs no special case: the cluster holds
-as many images of an atom as fall in the region, and an edge reached through two images of its
-target is one key, kept once. Without a neighbour cap only: a capped graph's edge depends on both
-atoms' whole neighbourhoods (refused in one line).
-
-3. :func:`region_needs` and :func:`region_view` turn a rank's region graph into its view in the
-   atoms layout (``halo.HaloAtomGraph``), equal tensor for tensor to ``halo.shard_atoms`` of the whole
-   structure grouped by the same owners (``halo.group_by_part``): the same numbering (atoms by
-   (owner, id), edges by their target's), the same halo plans. What a rank needs of the others
-   besides its region: the owners and every atom's in-degree (O(N) integers: an edge's global id is
-   its target's first edge id plus its place among the target's edges), and every rank's
-   :class:`halo.Needs` (the ids it reads; what the others must send it), in a run one all-gather.
-
-Left for the next steps (#35): the collectives of a run (the degrees' all-reduce, the needs'
-all-gather), the layout object, the predictor's path; O(N) positions, owners and degrees per rank.
+3. :func:`boundary`, :func:`region_needs` and :func:`region_view` turn a rank's region graph into its
+   view in the atoms layout (``halo.HaloAtomGraph``), equal tensor for tensor to ``halo.shard_atoms``
+   of the whole structure grouped by the same owners (``halo.group_by_part``): the same numbering
+   (atoms by (owner, id), edges by their target's), the same halo plans. What a rank needs of the
+   others besides its region: their own edges' counts and, for the atoms of its ring, their first
+   edge id and in-degree (each rank's :class:`Boundary`: its surface), and every rank's
+   :class:`halo.Needs` (the ids it reads; what the others must send it): in a run, two all-gathers.
+4. The client and a worker (the predictor's ``layout="domains"``): the client (rank 0, the only
+   process holding the whole structure: O(N)) :func:`decompose` divides it — owners, and each rank's
+   *region*: its atoms and every atom with an image within ``cutoff × hops + skin`` of them — and
+   sends worker r its :class:`Domain` (region ids, numbers, frames) once per build and the region's
+   positions every call; :func:`domain_view` rebuilds the region graph from them each call. A worker
+   holds no O(N) array: its region (O(N/P) atoms and a shell of ``2 cutoffs + skin``), the ranks'
+   bounds (P + 1), the others' boundaries and needs (surfaces). The build is kept while no atom moved
+   more than ``skin / 2`` (:meth:`Decomposition.holds`, the Verlet-skin rule: every image within
+   ``cutoff × hops`` of a rank's atoms now was within ``cutoff × hops + skin`` of them at the build),
+   so the model's graph, rebuilt from the positions, stays the whole structure's exactly.
 """
 
 from __future__ import annotations
@@ -96,6 +100,11 @@ def spatial_partition(pos, cell, pbc, parts: int) -> np.ndarray:
     the same owners without a broadcast; an atom's owner does not change when it is moved by a
     whole cell vector."""
     frac, _, heights = fractional(pos, cell, pbc)
+    return _bisect(frac, heights, parts)
+
+
+def _bisect(frac: np.ndarray, heights: np.ndarray, parts: int) -> np.ndarray:
+    """:func:`spatial_partition` of wrapped fractional coordinates ``frac`` (plane spacings ``heights``)."""
     n = len(frac)
     if parts < 1 or parts > n:
         raise GnnPipeError(f"domains: {parts} parts of a structure of {n} atoms: use between 1 and {n} workers")
@@ -153,12 +162,16 @@ def _cluster(frac: np.ndarray, lo: np.ndarray, hi: np.ndarray, pbc: np.ndarray) 
 
 
 def region_graph(pos, cell, pbc, own, cutoff: float, hops: int = 2, max_neighbors: int | None = None,
-                 convention: str = "project") -> RegionGraph:
-    """The edges one rank needs (:class:`RegionGraph`) for its atoms ``own`` (global ids) of the
+                 convention: str = "project", images=None) -> RegionGraph:
+    """The edges one rank needs (:class:`RegionGraph`) for its atoms ``own`` (indices of ``pos``) of the
     structure ``pos, cell, pbc``, from the images within ``cutoff × hops`` of them alone.
 
     ``hops`` 1: the edges into ``own`` (a model without triplets or reverse edges); 2: also the edges
-    into their neighbours (triplets ``k -> j -> i`` and GemNet's ``id_swap``)."""
+    into their neighbours (triplets ``k -> j -> i`` and GemNet's ``id_swap``). ``pos`` may be a
+    region's atoms only (every image within ``cutoff × hops`` of ``own`` among them; the ids are then
+    indices of the region, in the order of the whole structure's ids); ``images`` (len(pos), 3) int,
+    the whole-cell shift of each atom's frame (``frac = pos / cell + images``; default: each atom
+    wrapped into the cell), so that a region keeps its frame while its atoms move (:class:`Domain`)."""
     if max_neighbors is not None or convention != "project":
         raise GnnPipeError("domains: the distributed graph build takes no neighbour cap yet (a capped edge depends "
                            "on both atoms' whole neighbourhoods): set max_neighbors to null or use the atoms layout")
@@ -166,13 +179,18 @@ def region_graph(pos, cell, pbc, own, cutoff: float, hops: int = 2, max_neighbor
         raise GnnPipeError(f"domains: hops must be 1 or 2, got {hops}")
     pos = np.asarray(pos, dtype=np.float64).reshape(-1, 3)
     own = np.unique(np.asarray(own, dtype=np.int64))
-    frac, basis, heights = fractional(pos, cell, pbc)
     pbcv = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))
+    if images is None:
+        frac, basis, heights = fractional(pos, cell, pbc)
+    else:
+        basis, heights, _ = _frame(cell, pbc)
+        frac = pos @ np.linalg.inv(basis)
+        frac[:, pbcv] += np.asarray(images)[:, pbcv]
     cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
     skin = cutoff * hops / heights * (1 + 1e-9)  # fractional margin holding every point within cutoff × hops (Å)
     lo, hi = frac[own].min(axis=0) - skin, frac[own].max(axis=0) + skin
     atom, n = _cluster(frac, lo, hi, pbcv)
-    # the cluster's positions: the atom's wrapped image (frac @ basis) + n; its image relative to pos
+    # the cluster's positions: the atom's framed image (frac @ basis) + n; its image relative to pos
     wrap = np.zeros_like(n)
     if pbcv.any():
         raw = pos[atom] @ np.linalg.inv(basis)
@@ -180,7 +198,7 @@ def region_graph(pos, cell, pbc, own, cutoff: float, hops: int = 2, max_neighbor
     img = n + wrap  # the cluster point is pos[atom] + img @ cell (img 0 on open axes)
     points = pos[atom] + img @ cell
     c_src, c_dst, _ = radius_graph(points, np.zeros((3, 3)), False, cutoff)
-    # the own atoms' home points: their image inside their own bounding box, n == 0 (wrapped frac)
+    # the own atoms' home points: their image inside their own bounding box, n == 0 (framed frac)
     is_own = np.zeros(len(pos), dtype=bool)
     is_own[own] = True
     home = is_own[atom] & np.all(n == 0, axis=1)
@@ -205,6 +223,13 @@ def region_graph(pos, cell, pbc, own, cutoff: float, hops: int = 2, max_neighbor
                        own_edges=len(parts[0][0]))
 
 
+def renumber(g: RegionGraph, ids: np.ndarray) -> RegionGraph:
+    """Region graph ``g`` of a region's atoms with their structure ids ``ids`` (sorted, so the order
+    of the edges is the same)."""
+    return RegionGraph(own=ids[g.own], ring=ids[g.ring], src=ids[g.src], dst=ids[g.dst], image=g.image,
+                       shift=g.shift, own_edges=g.own_edges)
+
+
 def _ordered(pos, cell, src, dst, image) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The edges ``src -> dst`` (image ``image``) each once, in ``radius_graph``'s order (target,
     distance as it computes it from the global positions, source, image)."""
@@ -216,19 +241,41 @@ def _ordered(pos, cell, src, dst, image) -> tuple[np.ndarray, np.ndarray, np.nda
 
 
 # --------------------------------------------------------------------------- 3. one rank's view
+# From here on the atoms are numbered as the atoms layout numbers them ("arranged" ids: by owner, then
+# by structure id, ``halo.group_by_part``), so rank r's atoms are the block ``[ab[r], ab[r + 1])``.
+@dataclass
+class Boundary:
+    """What rank ``q`` tells the others of its atoms in their rings (every atom of ``q`` with an edge
+    from another rank's atom: in a symmetric graph, exactly the atoms of ``q`` in other ranks' rings):
+    ``edges`` its own edges, ``ids`` those atoms (arranged, sorted), ``offset`` their first edge id
+    within ``q``'s block, ``degree`` their in-degree. Its surface, not O(N)."""
+
+    edges: int
+    ids: np.ndarray
+    offset: np.ndarray
+    degree: np.ndarray
+
+
+def boundary(g: RegionGraph, rank: int, ab: np.ndarray) -> Boundary:
+    """Rank ``rank``'s :class:`Boundary` from its region graph (arranged ids)."""
+    o, a0, a1 = g.own_edges, int(ab[rank]), int(ab[rank + 1])
+    degree = np.bincount(g.dst[:o] - a0, minlength=a1 - a0).astype(np.int64)
+    offset = np.cumsum(degree) - degree
+    src = g.src[:o]
+    ids = np.unique(g.dst[:o][(src < a0) | (src >= a1)])
+    return Boundary(o, ids, offset[ids - a0], degree[ids - a0])
+
+
 @dataclass
 class Region:
     """A rank's region graph numbered as the atoms layout numbers the whole structure.
 
-    ``new`` (N,) each atom's id grouped by owner (``halo.group_by_part``), ``ab`` / ``eb`` the ranks'
-    atom and edge id bounds, ``eid`` the global id of each region edge, ``kj, ji`` the own triplets
-    (region edge indices), ``swap`` the region index of each own edge's reverse, ``needs`` what the
-    rank reads from the others."""
+    ``ab`` / ``eb`` the ranks' atom and edge id bounds, ``eid`` the global id of each region edge,
+    ``kj, ji`` the own triplets (region edge indices), ``swap`` the region index of each own edge's
+    reverse, ``needs`` what the rank reads from the others."""
 
     graph: RegionGraph
     rank: int
-    new: np.ndarray
-    order: np.ndarray
     ab: np.ndarray
     eb: np.ndarray
     eid: np.ndarray
@@ -236,11 +283,6 @@ class Region:
     ji: np.ndarray
     swap: np.ndarray
     needs: Needs
-
-
-def in_degrees(g: RegionGraph, n: int) -> np.ndarray:
-    """(N,) the in-degree of a rank's own atoms (0 elsewhere): summed over the ranks, every atom's."""
-    return np.bincount(g.dst[:g.own_edges], minlength=n).astype(np.int64)
 
 
 def _place(dst: np.ndarray) -> np.ndarray:
@@ -264,57 +306,71 @@ def _reverse_in(g: RegionGraph) -> np.ndarray:
     return swap
 
 
-def region_needs(g: RegionGraph, rank: int, owner: np.ndarray, degrees: np.ndarray) -> Region:
-    """Rank ``rank``'s :class:`Region` from its region graph (``hops`` = 2), every atom's ``owner`` and
-    in-degree ``degrees`` (the sum over the ranks of :func:`in_degrees`)."""
-    owner = np.asarray(owner, dtype=np.int64)
-    parts = int(owner.max()) + 1
-    order = np.argsort(owner, kind="stable")
-    new = np.empty_like(order)
-    new[order] = np.arange(len(order))
-    ab = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=parts))]).astype(np.int64)
-    eb = np.concatenate([[0], np.cumsum(np.bincount(owner, weights=degrees, minlength=parts))]).astype(np.int64)
-    first = np.empty(len(owner), dtype=np.int64)  # each atom's first edge id
-    first[order] = np.cumsum(degrees[order]) - degrees[order]
-    o = g.own_edges
+def _disagree() -> GnnPipeError:
+    return GnnPipeError("domains: a region's edges disagree with its neighbours' boundaries: build every rank's "
+                        "region from the same positions, cutoff and owners")
+
+
+def region_needs(g: RegionGraph, rank: int, ab: np.ndarray, bounds: list) -> Region:
+    """Rank ``rank``'s :class:`Region` from its region graph (``hops`` = 2, arranged ids), the ranks'
+    atom bounds ``ab`` and every rank's :class:`Boundary` (``bounds[q]``; in a run, one all-gather):
+    an edge's global id is its target's first edge id plus its place among the target's edges."""
+    ab = np.asarray(ab, dtype=np.int64)
+    a0, a1, o = int(ab[rank]), int(ab[rank + 1]), g.own_edges
+    eb = np.concatenate([[0], np.cumsum([b.edges for b in bounds])]).astype(np.int64)
+    degree = np.bincount(g.dst[:o] - a0, minlength=a1 - a0)
+    first_own = eb[rank] + np.cumsum(degree) - degree
+    # the ring atoms' first edge ids and in-degrees, from their owners' boundaries
+    t_ids = np.concatenate([b.ids for b in bounds])
+    t_first = np.concatenate([eb[q] + b.offset for q, b in enumerate(bounds)])
+    t_degree = np.concatenate([b.degree for b in bounds])
+    sorter = np.argsort(t_ids)
+    at = sorter[np.minimum(np.searchsorted(t_ids, g.ring, sorter=sorter), max(len(t_ids) - 1, 0))] \
+        if len(t_ids) else np.zeros(0, dtype=np.int64)
+    ring_deg = np.bincount(np.searchsorted(g.ring, g.dst[o:]), minlength=len(g.ring))
+    if len(g.ring) and (len(t_ids) == 0 or not np.array_equal(t_ids[at], g.ring)
+                        or not np.array_equal(t_degree[at], ring_deg)):
+        raise _disagree()
     place = np.concatenate([_place(g.dst[:o]), _place(g.dst[o:])])
-    eid = first[g.dst] + place
-    ring_deg = np.bincount(g.dst[o:], minlength=len(owner))[g.ring]
-    if not np.array_equal(ring_deg, degrees[g.ring]) or not np.array_equal(eid[:o] - eb[rank], np.arange(o)):
-        raise GnnPipeError("domains: a region's edges disagree with the atoms' degrees: build every rank's region "
-                           "from the same positions, cutoff and owners")
+    first = np.concatenate([first_own[g.dst[:o] - a0], t_first[at][np.searchsorted(g.ring, g.dst[o:])]])
+    eid = first + place
+    if not np.array_equal(eid[:o] - eb[rank], np.arange(o)):
+        raise _disagree()
     ids, local = np.unique(np.concatenate([g.src, g.dst]), return_inverse=True)
     local = local.ravel()
     kj, ji = triplets(local[:len(g.src)], local[len(g.src):], g.shift) if len(g.src) else (np.zeros(0, np.int64),) * 2
     keep = ji < o
     kj, ji = kj[keep], ji[keep]
     swap = _reverse_in(g)
-    mine = owner == rank
+
+    def theirs(a):
+        return (a < a0) | (a >= a1)
 
     def foreign(a):
-        return np.unique(a[~mine[a]])
+        return np.unique(a[theirs(a)])
     atom_ids = np.concatenate([g.src[:o], g.src[kj], g.dst[kj]])
-    needs = Needs(kj=np.unique(eid[kj][~mine[g.dst[kj]]]), swap=np.unique(eid[swap][~mine[g.dst[swap]]]),
-                  atoms=np.sort(new[foreign(g.src[:o])]), ghosts=np.sort(new[foreign(atom_ids)]))
-    return Region(g, rank, new, order, ab, eb, eid, kj, ji, swap, needs)
+    needs = Needs(kj=np.unique(eid[kj][theirs(g.dst[kj])]), swap=np.unique(eid[swap][theirs(g.dst[swap])]),
+                  atoms=foreign(g.src[:o]), ghosts=foreign(atom_ids))
+    return Region(g, rank, ab, eb, eid, kj, ji, swap, needs)
 
 
-def region_view(reg: Region, needs: list, z, pos, group: EdgeGroup | None = None, dtype=torch.float64,
+def region_view(reg: Region, needs: list, z, pos, ids, group: EdgeGroup | None = None, dtype=torch.float64,
                 device=None) -> HaloAtomGraph:
     """Rank ``reg.rank``'s view in the atoms layout, from its region and every rank's ``needs``
     (``needs[q]``: rank q's ``Region.needs``): equal to ``halo.shard_atoms`` of the structure grouped by
-    the same owners. ``z``, ``pos``: the structure's (read at the view's atoms only)."""
-    g, r, new = reg.graph, reg.rank, reg.new
+    the same owners. ``z``, ``pos``: the region's atoms' (arranged ids ``ids``, sorted; read at the
+    view's atoms only)."""
+    g, r = reg.graph, reg.rank
     me, o = reg.needs, g.own_edges
     a0, a1, e0, e1 = int(reg.ab[r]), int(reg.ab[r + 1]), int(reg.eb[r]), int(reg.eb[r + 1])
     atoms = np.concatenate([np.arange(a0, a1), me.atoms, np.setdiff1d(me.ghosts, me.atoms, assume_unique=True)])
     sorter = np.argsort(atoms)
 
-    def loc(ids):  # the view's row of atoms given by their structure ids
-        return sorter[np.searchsorted(atoms, new[ids], sorter=sorter)]
-    orig = reg.order[atoms]
+    def loc(a):  # the view's row of atoms given by their arranged ids
+        return sorter[np.searchsorted(atoms, a, sorter=sorter)]
+    rows = np.searchsorted(ids, atoms)  # the region's row of each view atom
     kw = dict(
-        z=_t(np.asarray(z)[orig], torch.long), pos=_t(np.asarray(pos)[orig], dtype),
+        z=_t(np.asarray(z)[rows], torch.long), pos=_t(np.asarray(pos)[rows], dtype),
         system=torch.zeros(len(atoms), dtype=torch.long), num_systems=1,
         edge_src=_t(loc(g.src[:o]), torch.long), edge_dst=_t(loc(g.dst[:o]), torch.long),
         edge_shift=_t(g.shift[:o], dtype),
@@ -323,27 +379,112 @@ def region_view(reg: Region, needs: list, z, pos, group: EdgeGroup | None = None
         kj_shift=_t(g.shift[reg.kj], dtype), num_edges=(e1 - e0) + len(me.kj), atom_lo=a0, atom_hi=a1,
         triplet_rank=_t(triplet_rank(reg.ji, o), torch.long),
         id_swap=_t(edge_rows(reg.eid[reg.swap], me.swap, e0, e1), torch.long))
-    ghosts = sorter[np.searchsorted(atoms, me.ghosts, sorter=sorter)]
-    return halo_view(kw, needs, reg.ab, reg.eb, r, ghosts, len(atoms), group, device)
+    return halo_view(kw, needs, reg.ab, reg.eb, r, loc(me.ghosts), len(atoms), group, device)
 
 
-def build_view(b: dict, grp: EdgeGroup, dtype=torch.float64, device=None) -> HaloAtomGraph:
-    """Worker ``grp.rank``'s view of structure ``b`` (``z, pos, cell, pbc, cutoff, owner``: every
-    position, no graph), built from its region alone with two collectives of the group (the atoms'
-    in-degrees summed, every rank's needs gathered; not counted in the ledger: they happen once per
-    build, not per step). Symmetric, uncapped graphs of the ``project`` convention (``region_graph``)."""
+# --------------------------------------------------------------------------- 4. the client and a worker
+@dataclass
+class Domain:
+    """What worker ``rank`` holds from one build to the next: its region's atoms (arranged ids
+    ``ids``, sorted: its own block and every atom with an image within ``cutoff × hops + skin`` of
+    them at the build), their numbers ``z`` and frames ``images`` (each atom's whole-cell shift at the
+    build, kept while it moves), the ranks' atom bounds ``ab`` and the structure's ``cell, pbc`` and
+    the model's ``cutoff``. O(N/P + surface); each call then brings the region's positions only."""
+
+    rank: int
+    ids: np.ndarray
+    z: np.ndarray
+    images: np.ndarray
+    ab: np.ndarray
+    cell: np.ndarray
+    pbc: np.ndarray
+    cutoff: float
+
+
+@dataclass
+class Decomposition:
+    """The client's build of one structure (rank 0 of a run: O(N), 12 bytes an atom of positions and
+    a few integers): ``order`` the structure's atom of each arranged id, ``ab`` the ranks' bounds,
+    ``domains`` each rank's :class:`Domain`, and what the Verlet-skin rule compares against: the
+    numbers, positions, cell and pbc at the build and ``skin`` (Å)."""
+
+    order: np.ndarray
+    ab: np.ndarray
+    domains: list
+    z: np.ndarray
+    pos: np.ndarray
+    cell: np.ndarray
+    pbc: np.ndarray
+    skin: float
+
+    def holds(self, z, pos, cell, pbc) -> bool:
+        """The Verlet-skin rule: the build serves this structure as long as its atoms, cell and pbc are
+        the build's and no atom moved more than ``skin / 2`` since (then every image within
+        ``cutoff × hops`` of a rank's atoms is still in its region, and each region's graph, rebuilt
+        from its positions every call, is the whole structure's)."""
+        pos = np.asarray(pos, dtype=np.float64).reshape(-1, 3)
+        if len(pos) != len(self.pos) or not np.array_equal(z, self.z) or not np.array_equal(cell, self.cell) \
+                or not np.array_equal(np.broadcast_to(pbc, (3,)), self.pbc):
+            return False
+        moved = np.einsum("ij,ij->i", pos - self.pos, pos - self.pos)
+        return float(moved.max(initial=0.0)) <= (0.5 * self.skin) ** 2
+
+    def positions(self, pos) -> list:
+        """Each rank's region positions (a call's whole message to a worker)."""
+        pos = np.asarray(pos, dtype=np.float64).reshape(-1, 3)
+        return [pos[self.order[d.ids]] for d in self.domains]
+
+
+def decompose(z, pos, cell, pbc, parts: int, cutoff: float, skin: float = 0.0, hops: int = 2) -> Decomposition:
+    """The client's build: owners by :func:`spatial_partition` and, for each rank, the atoms with an
+    image within ``cutoff × hops + skin`` (Å) of its atoms' fractional bounding box (its region)."""
+    if skin < 0:
+        raise GnnPipeError(f"domains: skin must be >= 0 Å, got {skin}")
+    z = np.asarray(z, dtype=np.int64)
+    pos = np.asarray(pos, dtype=np.float64).reshape(-1, 3)
+    cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
+    pbcv = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,)).copy()
+    frac, basis, heights = fractional(pos, cell, pbcv)
+    images = np.zeros((len(pos), 3), dtype=np.int64)
+    images[:, pbcv] = np.rint(frac[:, pbcv] - (pos @ np.linalg.inv(basis))[:, pbcv]).astype(np.int64)
+    owner = _bisect(frac, heights, parts)
+    order = np.argsort(owner, kind="stable")
+    new = np.empty_like(order)
+    new[order] = np.arange(len(order))
+    ab = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=parts))]).astype(np.int64)
+    margin = (cutoff * hops + skin) / heights * (1 + 1e-9)
+    domains = []
+    for r in range(parts):
+        f = frac[order[ab[r]:ab[r + 1]]]
+        atom, _ = _cluster(frac, f.min(axis=0) - margin, f.max(axis=0) + margin, pbcv)
+        ids = np.unique(new[atom])
+        domains.append(Domain(r, ids, z[order[ids]], images[order[ids]], ab, cell, pbcv, float(cutoff)))
+    return Decomposition(order, ab, domains, z, pos.copy(), cell, pbcv, float(skin))
+
+
+def domain_graph(dom: Domain, pos) -> RegionGraph:
+    """Worker ``dom.rank``'s region graph (arranged ids) from its region's positions ``pos``."""
+    own = np.searchsorted(dom.ids, np.arange(dom.ab[dom.rank], dom.ab[dom.rank + 1]))
+    return renumber(region_graph(pos, dom.cell, dom.pbc, own, dom.cutoff, 2, images=dom.images), dom.ids)
+
+
+def domain_view(dom: Domain, pos, grp: EdgeGroup, dtype=torch.float64, device=None) -> HaloAtomGraph:
+    """Worker ``grp.rank``'s view from its :class:`Domain` and its region's positions ``pos`` (this
+    call's): the region graph rebuilt from them, then two all-gathers of the group (every rank's
+    :class:`Boundary`, every rank's needs; not counted in the ledger: per call, not per layer).
+    Symmetric, uncapped graphs of the ``project`` convention (``region_graph``)."""
     import torch.distributed as dist
 
-    owner, n = np.asarray(b["owner"]), len(b["z"])
-    g = region_graph(b["pos"], b["cell"], b["pbc"], np.flatnonzero(owner == grp.rank), float(b["cutoff"]), 2,
-                     b.get("max_neighbors"), b.get("convention", "project"))
-    degrees = torch.from_numpy(in_degrees(g, n))
-    dist.all_reduce(degrees, group=grp.group)
-    reg = region_needs(g, grp.rank, owner, degrees.numpy())
+    r, ab = dom.rank, dom.ab
+    g = domain_graph(dom, pos)
+    bounds = [None] * grp.size
+    dist.all_gather_object(bounds, boundary(g, r, ab), group=grp.group)
+    reg = region_needs(g, r, ab, bounds)
     needs = [None] * grp.size
     dist.all_gather_object(needs, reg.needs, group=grp.group)
-    return region_view(reg, needs, b["z"], b["pos"], grp, dtype, device)
+    return region_view(reg, needs, dom.z, pos, dom.ids, grp, dtype, device)
 
 
-__all__ = ["build_view", "spatial_partition", "fractional", "region_graph", "RegionGraph", "Region", "in_degrees", "region_needs",
-           "region_view"]
+__all__ = ["spatial_partition", "fractional", "region_graph", "renumber", "RegionGraph", "Boundary", "boundary",
+           "Region", "region_needs", "region_view", "Domain", "Decomposition", "decompose", "domain_graph",
+           "domain_view"]

@@ -19,8 +19,10 @@ or graph-parallel across N persistent local worker processes.
   block r) with ``ShardedAtomGraph`` exactly as training's graph mode — or, in the atoms layout
   (``Predictor(layout=...)``; ``auto`` takes it when its closed-form bytes are fewer, as for one large
   system), its ``halo.shard_atoms`` view (METIS part r, receiving only its halo), or in the domains
-  layout (``layout="domains"``, #35: the client sends the structure without a graph, worker r builds
-  its spatial domain's edges and triplets itself, ``domains.build_view``) the same view of its domain
+  layout (``layout="domains"``, #35: the client decomposes the structure into spatial domains, sends
+  worker r only its region's positions, and worker r builds its domain's edges and triplets
+  itself, ``domains.domain_view``; the decomposition is kept until an atom moved ``skin / 2``,
+  ``rebuilds`` counts them) the same view of its domain
   — and returns the energy
   (replicated), the forces of its own atoms and its part of ``dE/dε``. A worker that dies is
   found from its process sentinel within ~0.2 s (one error naming it, the others are stopped,
@@ -77,6 +79,7 @@ from .modelfile import ModelFile
 VOIGT = ((0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1))  # ASE's order: xx yy zz yz xz xy
 POLL_S = 0.2  # how often a waiting client looks at its workers' liveness
 NO_MAIN_GUARD = 87  # a worker's exit code: it re-imported a script that starts workers at import
+DEFAULT_SKIN = 1.0  # Å: the distributed build's Verlet skin (regions rebuilt once an atom moved half of it)
 
 
 class StructureError(GnnPipeError):
@@ -205,7 +208,7 @@ class Predictor:
 
     def __init__(self, model_file: ModelFile, device="cpu", workers: int = 1, dtype: Optional[str] = None,
                  threads: Optional[int] = None, timeout_s: float = 600.0, layout: str = "auto",
-                 min_distance: Optional[float] = None):
+                 min_distance: Optional[float] = None, skin: float = DEFAULT_SKIN):
         from ..engine import DTYPES
 
         if not isinstance(workers, Integral) or workers < 1:
@@ -225,6 +228,11 @@ class Predictor:
                                f"convention; this model file has max_neighbors {model_file.max_neighbors}, neighbors "
                                f"{model_file.neighbors}: use layout atoms")
         self.last_layout: Optional[AtomLayout] = None
+        if not isinstance(skin, (int, float)) or not np.isfinite(skin) or skin < 0:
+            raise GnnPipeError(f"skin must be a number of Å >= 0 (the distributed build's Verlet skin), got {skin!r}")
+        self.skin = float(skin)
+        self.domains = None  # the distributed build's last decomposition (domains.Decomposition), kept by the skin rule
+        self.rebuilds = 0  # how many times the distributed build decomposed a structure (the first call's included)
         if (dtype or model_file.dtype) not in DTYPES:
             raise GnnPipeError(f"dtype {dtype or model_file.dtype!r}: one of {', '.join(DTYPES)}")
         self.model_file, self.workers = model_file, int(workers)
@@ -251,10 +259,12 @@ class Predictor:
                                f"(pbc {list(map(bool, np.broadcast_to(pbc, 3)))}, volume {volume:.3g} Å³)")
         if self.pool is not None and self.layout is not None and self.layout.distributed_build:
             b = structure_only(numbers, positions, cell, pbc, self.model_file)  # each worker builds its region's graph
+            b.update(skin=self.skin, domains=self.domains)
         else:
             b = structure_graph(numbers, positions, cell, pbc, self.model_file)
         if self.pool is not None:
             self.last_layout = self.choose_layout(b)
+            b = self.arrange(b, where)
             y, f, dy = self.pool.compute(b, stress, where, self.last_layout)
         else:
             from .parallel import single_graph
@@ -269,6 +279,20 @@ class Predictor:
             sym = 0.5 * (dy + dy.T) * s / volume
             out.stress = np.array([sym[i, j] for i, j in VOIGT])
         return out
+
+    def arrange(self, b: dict, where: str = "") -> dict:
+        """Structure ``b`` as the workers of ``last_layout`` number it (once, here: the workers' own atoms
+        are consecutive blocks of it); the distributed build's decomposition is kept while the
+        Verlet-skin rule holds (``rebuilds`` counts the new ones)."""
+        edges = len(b["edge_src"]) if "edge_src" in b else self.workers  # a distributed build: the workers' graphs
+        if edges < self.workers:
+            raise GnnPipeError(f"{where}graph-parallel inference over {self.workers} workers needs at least "
+                               f"{self.workers} edges, this structure has {edges} within the cutoff; use fewer workers")
+        b = self.last_layout.arrange(b, self.workers)
+        if self.last_layout.distributed_build:
+            self.domains = b["domains"]
+            self.rebuilds += bool(b["rebuilt"])
+        return b
 
     def choose_layout(self, b: dict) -> AtomLayout:
         """The workers' layout for structure ``b``: the one given, or (``auto``) the one whose closed-form
@@ -375,21 +399,19 @@ class WorkerPool:
     def compute(self, b: dict, stress: bool, where: str = "",
                 layout: AtomLayout = EDGES) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
         """Model-unit energies (1,), every atom's forces (N, 3) and ``dy/dε`` summed over the workers,
-        the structure split as ``layout`` says (``atom_layouts``: by edges, or by METIS atom parts)."""
+        of structure ``b`` arranged by ``layout`` (``Predictor.arrange``; ``atom_layouts``: by edges, by
+        METIS atom parts, or by spatial domains), each worker sent its ``layout.messages``."""
         if not self._finalizer.alive:
             raise GnnPipeError("the inference workers were shut down (close()); create a new calculator")
         if self._broken:
             raise GnnPipeError(f"the inference workers stopped after an error ({self._broken}); create a new "
                                "calculator")
-        edges = len(b["edge_src"]) if "edge_src" in b else self.workers  # a distributed build: the workers' graphs
-        if edges < self.workers:
-            raise GnnPipeError(f"{where}graph-parallel inference over {self.workers} workers needs at least "
-                               f"{self.workers} edges, this structure has {edges} within the cutoff; use fewer workers")
-        b = layout.arrange(b, self.workers)  # here, once: the workers' own atoms are consecutive blocks of it
-        msg = pickle.dumps((b, bool(stress), layout.name))
+        msgs, blobs = layout.messages(b, self.workers), {}
         for r, c in enumerate(self._conns):
+            if id(msgs[r]) not in blobs:  # one pickle of a message every worker gets
+                blobs[id(msgs[r])] = pickle.dumps((msgs[r], bool(stress), layout.name))
             try:
-                c.send_bytes(msg)
+                c.send_bytes(blobs[id(msgs[r])])
             except (BrokenPipeError, ConnectionError, OSError):
                 self._fail(self._dead_message(r, "before a call"))
         try:
@@ -512,7 +534,7 @@ def _worker_main(rank: int, world: int, port: int, device: str, dtype, threads: 
         model = decode(pickle.loads(blob), "inference payload").build(dev, dtype)
         kill_rank, kill_call = (int(v) for v in kill.split(":")) if kill else (-1, -1)
         conn.send(("ready", os.getpid()))
-        calls = 0
+        calls, held = 0, {}  # held: what the client's messages asked to keep ("hold"), e.g. a worker's domain
         while True:
             msg = pickle.loads(conn.recv_bytes())
             if msg is None:
@@ -520,7 +542,8 @@ def _worker_main(rank: int, world: int, port: int, device: str, dtype, threads: 
             if (rank, calls) == (kill_rank, kill_call):
                 os.kill(os.getpid(), signal.SIGKILL)
             b, stress, layout = msg
-            g = PREDICT_LAYOUTS[layout].shard(b, grp, dtype, dev)
+            held.update(b.pop("hold", {}))
+            g = PREDICT_LAYOUTS[layout].shard({**held, **b}, grp, dtype, dev)
             y, f, dy = view_outputs(model, g, stress)
             conn.send(("ok", _numpy(y), _numpy(f), _numpy(dy)))
             calls += 1
