@@ -338,3 +338,20 @@ def test_velocity_verlet_in_the_domains_layout_follows_one_process_through_skin_
         paths.append(np.array(frames))
     np.testing.assert_allclose(paths[1], paths[0], atol=1e-10, rtol=0)
     assert rebuilds[0][0] == 0 and 2 <= rebuilds[1][0] < rebuilds[1][1]
+
+
+def test_more_workers_than_cores_are_refused_unless_oversubscribed_for_measurements(monkeypatch):
+    """P = 4 and 8 on 2 cores (#35's memory scaling): refused in one line naming the option by default,
+    allowed with oversubscribe=True up to 4 per core (the check only: no worker starts)."""
+    from gnnpipe.atomic import inference
+
+    monkeypatch.setattr(inference, "cpu_cores", lambda: 2)
+    with pytest.raises(GnnPipeError, match=r"workers 4: more than the 2 CPU cores .* or oversubscribe=True") as e:
+        inference.check_workers(4)
+    assert "\n" not in str(e.value)
+    assert inference.check_workers(2) == 2
+    assert inference.check_workers(4, oversubscribe=True) == 4 and inference.check_workers(8, oversubscribe=True) == 8
+    with pytest.raises(GnnPipeError, match=r"workers 9: more than 4 per CPU core \(2 cores\) even with oversubscribe"):
+        inference.check_workers(9, oversubscribe=True)
+    with pytest.raises(GnnPipeError, match="workers must be an integer >= 1"):
+        inference.check_workers(0, oversubscribe=True)

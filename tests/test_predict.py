@@ -175,7 +175,8 @@ def test_more_workers_than_cores_are_refused_before_any_starts(model_path, tmp_p
                      "--out", str(tmp_path / "out.extxyz"), "--workers", "100000"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (f"gnnpipe: error: workers 100000: more than the {cpu_cores()} CPU cores this process may use; "
-                   f"use at most {cpu_cores()} (each worker is a process)")
+                   f"use at most {cpu_cores()} (each worker is a process), or oversubscribe=True (Predictor, "
+                   f"GNNPipeCalculator) to time-share them, up to 4 per core")
     with pytest.raises(GnnPipeError, match="more than the"):
         GNNPipeCalculator(model_path, workers=cpu_cores() + 1)
 

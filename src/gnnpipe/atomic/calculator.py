@@ -25,8 +25,8 @@ large system when it sends fewer bytes, its atoms (METIS parts, each worker rece
 ``atomic.halo``; ``layout="auto"``, the default, chooses per structure); the energies, forces and stress equal ``workers=1`` to
 rounding (1e-10 in float64; float32: see docs/ARCHITECTURE.md). A dead worker is one
 ``GnnPipeError`` naming it, raised within a fraction of a second. ``workers`` is at most the CPU
-cores this process may use; each worker (``workers=1``: this process, during a call) computes on
-``threads`` torch threads (default ``OMP_NUM_THREADS``, else the cores shared out; the property
+cores this process may use (``oversubscribe=True``: 4 per core, time-shared, for measuring
+memory); each worker (``workers=1``: this process, during a call) computes on ``threads`` torch threads (default ``OMP_NUM_THREADS``, else the cores shared out; the property
 ``threads`` says how many). A script that starts workers needs ``if __name__ == "__main__":``
 (each worker imports it again); without it the calculator says so in one line.
 
@@ -69,7 +69,8 @@ class GNNPipeCalculator(Calculator):
 
     def __init__(self, model: Union[str, Path, ModelFile], *, device: str = "cpu", workers: int = 1,
                  dtype: Optional[str] = None, threads: Optional[int] = None, layout: str = "auto",
-                 min_distance: Optional[float] = None, skin: float = DEFAULT_SKIN, run=None, **kwargs):
+                 min_distance: Optional[float] = None, skin: float = DEFAULT_SKIN, oversubscribe: bool = False,
+                 run=None, **kwargs):
         """``model``: a run directory, a model file (or checkpoint holding one), or a ``ModelFile``.
         ``dtype``: ``"float32"``/``"float64"`` (default: the model's own); ``threads``: torch
         threads per worker (default: ``OMP_NUM_THREADS``, else the cores shared out); ``layout``: how
@@ -77,13 +78,15 @@ class GNNPipeCalculator(Calculator):
         spatial domain's graph from its region's positions: ``atomic.domains``) or ``"auto"`` (per
         structure, the one whose closed-form bytes are fewer: ``atomic.inference.Predictor``); ``skin``: Å,
         the domains layout's Verlet skin (its regions are kept until an atom moved ``skin / 2``;
-        ``rebuilds`` counts the decompositions); ``min_distance``: Å, two
+        ``rebuilds`` counts the decompositions); ``oversubscribe``: allow up to 4 workers per CPU core
+        (time-shared: for measuring memory at P above the cores; default: at most the cores); ``min_distance``: Å, two
         atoms closer are refused (default 0.5, ``atoms.min_distance``'s); ``run``: the ``RunConfig``
         the model must belong to (default: a run directory's ``run.yaml``)."""
         super().__init__(**kwargs)
         self.model_file = model if isinstance(model, ModelFile) else load_model_file(model, run)
         self.predictor = Predictor(self.model_file, device=device, workers=workers, dtype=dtype, threads=threads,
-                                   layout=layout, min_distance=min_distance, skin=skin)
+                                   layout=layout, min_distance=min_distance, skin=skin,
+                                   oversubscribe=oversubscribe)
 
     @property
     def energy_reference(self) -> Optional[str]:

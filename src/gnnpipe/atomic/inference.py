@@ -30,7 +30,9 @@ or graph-parallel across N persistent local worker processes.
   workers down. Scripts that start workers need the ``if __name__ == "__main__":`` guard, as any
   spawn-based multiprocessing: a worker re-imports the script, and a script without it would start
   workers again there (the worker exits with ``NO_MAIN_GUARD``; the client says so in one line).
-  ``workers`` is at most the CPU cores this process may use (:func:`cpu_cores`).
+  ``workers`` is at most the CPU cores this process may use (:func:`cpu_cores`), or with
+  ``oversubscribe=True`` ``OVERSUBSCRIBE`` (4) per core: processes time-sharing the cores, for
+  measurements of memory at P above the cores (#35: P = 4 and 8 on 2 cores), not of speed.
 
 **Checks and threads.** Every structure is checked before it is computed, as ``gnnpipe data``
 checks a dataset's (``atomic.checks.check_structure``: finite positions and cell, no degenerate
@@ -89,6 +91,26 @@ class StructureError(GnnPipeError):
 def cpu_cores() -> int:
     """The CPU cores this process may run on (its affinity; else the machine's count)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+OVERSUBSCRIBE = 4  # workers per core allowed when asked (oversubscribe=True): measurements of memory, not speed
+
+
+def check_workers(workers, oversubscribe: bool = False) -> int:
+    """``workers`` as an int, refused in one line if not an integer >= 1 or more than the CPU cores
+    this process may use — or, with ``oversubscribe`` (memory measurements at P above the cores:
+    processes time-share them), more than ``OVERSUBSCRIBE`` per core."""
+    if not isinstance(workers, Integral) or workers < 1:
+        raise GnnPipeError(f"workers must be an integer >= 1, got {workers!r}")
+    cores = cpu_cores()
+    if oversubscribe and workers > OVERSUBSCRIBE * cores:
+        raise GnnPipeError(f"workers {workers}: more than {OVERSUBSCRIBE} per CPU core ({cores} cores) even with "
+                           f"oversubscribe; use at most {OVERSUBSCRIBE * cores}")
+    if not oversubscribe and workers > cores:
+        raise GnnPipeError(f"workers {workers}: more than the {cores} CPU cores this process may use; "
+                           f"use at most {cores} (each worker is a process), or oversubscribe=True (Predictor, "
+                           f"GNNPipeCalculator) to time-share them, up to {OVERSUBSCRIBE} per core")
+    return int(workers)
 
 
 def threads_per_worker(workers: int, threads: Optional[int] = None) -> int:
@@ -208,14 +230,10 @@ class Predictor:
 
     def __init__(self, model_file: ModelFile, device="cpu", workers: int = 1, dtype: Optional[str] = None,
                  threads: Optional[int] = None, timeout_s: float = 600.0, layout: str = "auto",
-                 min_distance: Optional[float] = None, skin: float = DEFAULT_SKIN):
+                 min_distance: Optional[float] = None, skin: float = DEFAULT_SKIN, oversubscribe: bool = False):
         from ..engine import DTYPES
 
-        if not isinstance(workers, Integral) or workers < 1:
-            raise GnnPipeError(f"workers must be an integer >= 1, got {workers!r}")
-        if workers > cpu_cores():
-            raise GnnPipeError(f"workers {workers}: more than the {cpu_cores()} CPU cores this process may use; "
-                               f"use at most {cpu_cores()} (each worker is a process)")
+        check_workers(workers, oversubscribe)
         self.threads = threads_per_worker(workers, threads)
         self.min_distance = min_distance
         if layout != "auto" and layout not in PREDICT_LAYOUTS:
