@@ -70,8 +70,7 @@ def partition_graph(graph: Graph, method: str, parts: int, *, seed: int = 0, bal
         return np.zeros(n, dtype=np.int64)
     if method == "metis":
         _check_metis_memory(graph, memory_bytes)
-        assignment = _part_graph(*symmetric_adjacency(graph), parts, seed,
-                                 vertex_weights(graph, balance_nodes, balance_edges))
+        assignment = _metis(graph, parts, seed, vertex_weights(graph, balance_nodes, balance_edges))
     elif method == "random":
         assignment = _random(n, parts, seed)
     else:
@@ -109,7 +108,7 @@ def locality_order(graph: Graph, *, part_nodes: int = LOCALITY_PART_NODES, seed:
     if parts < 2:
         return None
     _check_metis_memory(graph, memory_bytes)
-    return np.argsort(_part_graph(*symmetric_adjacency(graph), parts, seed), kind="stable")
+    return np.argsort(_metis(graph, parts, seed), kind="stable")
 
 
 def node_order(graph: Graph, how: str, *, seed: int = 0, path: Optional[str | os.PathLike] = None,
@@ -253,6 +252,10 @@ def _check_metis_memory(graph: Graph, memory_bytes: Optional[int]) -> None:
             f"METIS on {graph.name} ({graph.num_nodes:,} nodes, {graph.num_edges:,} stored edges) needs "
             f"about {need / 2**30:.1f} GiB beside the graph, {have / 2**30:.1f} GiB are available; free "
             f"memory, partition on a machine with more, or use method 'contiguous' or 'random'")
+
+
+def _metis(graph: Graph, parts: int, seed: int, vweights: Optional[np.ndarray] = None) -> np.ndarray:
+    return _part_graph(*symmetric_adjacency(graph), parts, seed, vweights)
 
 
 def vertex_weights(graph: Graph, balance_nodes: bool, balance_edges: bool) -> Optional[np.ndarray]:
