@@ -293,3 +293,20 @@ def test_plan_statistics_are_cached_per_balance(tmp_path, skewed):
     edges = cached_graph_stats(tmp_path / "g.h5", [4], balance_nodes=False, cache_file=cache)
     assert both["balance_nodes"] and not edges["balance_nodes"]
     assert both["partitions"]["4"]["node_balance"] < edges["partitions"]["4"]["node_balance"]
+
+
+@pytest.mark.long  # two Snakemake calls: 15-45 s
+def test_a_store_of_another_balance_is_rebuilt(tmp_path):
+    """The workflow's partition (and so the chunk store after it) is rebuilt when the balance
+    changes: the rule's parameters carry it (Snakemake's params rerun trigger)."""
+    from helpers import snakemake, write_config
+    target = "results/chunks/tiny/metis-2.h5"
+    before = snakemake(tmp_path, write_config(tmp_path, lambda c: None), "--cores", "2", target)
+    assert before.returncode == 0, before.stderr[-3000:]
+
+    def edges_only(c):
+        c["partitioning"] = {"balance_nodes": False}
+    again = snakemake(tmp_path, write_config(tmp_path, edges_only), "-n", target)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "rule partition:" in again.stdout and "rule materialize:" in again.stdout
+    assert "--no-balance-nodes" in again.stdout  # the reason: its params changed
