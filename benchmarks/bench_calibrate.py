@@ -431,7 +431,8 @@ def check(graph_path: str, model_cfg, hw_name: str, epochs: int, threads: int,
             continue
         st = cached_graph_stats(graph_path, sorted({k for k in (cfg.ways, cfg.chunks) if k > 1}),
                                 method=cfg.partitioning.method, seed=cfg.partitioning.seed,
-                                balance_edges=cfg.partitioning.balance_edges)
+                                balance_edges=cfg.partitioning.balance_edges,
+                                balance_nodes=cfg.partitioning.balance_nodes)
         gnn = build_model(cfg.model, graph.num_features, graph.num_classes)
         est = predict_layout(st, gnn, model_shape(gnn), fitted, cfg.mode, cfg.stages, cfg.ways, cfg.chunks,
                              dtype_bytes=m.get("dtype_bytes", 4), overlap=cfg.graph_parallel.overlap,

@@ -23,6 +23,7 @@ QUICK = {
     "atom_layout": ["--atoms-per-worker", "250", "--neighbor-atoms", "10000", "--workers", "1", "2"],
     "atomic": ["--quick"],
     "atomic_training": ["--epochs", "10"],
+    "balance": ["--scale", "14"],
     "calculator": ["--quick"],
     "calibrate": [],
     "compare": [],

@@ -180,6 +180,26 @@ def test_graph_parallel_compute_scales_with_parts():
     assert single.bytes["total"] == 0 and single.bubble_s == pytest.approx(0.0, abs=1e-12)
 
 
+def test_each_cost_follows_its_heaviest_part():
+    """Issue #36: a partition balanced in edges alone (a skewed graph) has a node-heavy part and
+    an edge-heavy one. The estimate prices every part with its own rows and in-edges: the epoch
+    follows the part whose work (here the edges') is largest, the peak memory the part whose
+    rows (activations, features) are most; the balanced partition is predicted cheaper in both."""
+    shape = _gcn_shape()
+    hw = _hw(layer_overhead_us=0.0)
+    even = ce.WayStats([20000.0] * 2, [400000.0] * 2, [0.0] * 2, [20000.0] * 2)
+    skewed = ce.WayStats([30000.0, 10000.0], [100000.0, 700000.0], [0.0] * 2, [30000.0, 10000.0])
+    a, b = _est(shape, "graph", 1, 2, 2, hw, ways=even), _est(shape, "graph", 1, 2, 2, hw, ways=skewed)
+    assert b.stage_times[0]["way"] == 1 and b.memory["way"] == 0
+    assert b.epoch_s > 1.1 * a.epoch_s and b.peak_mem_bytes > 1.1 * a.peak_mem_bytes
+
+    def uniform(n, e):
+        return _est(shape, "graph", 1, 2, 2, hw, ways=ce.WayStats([n] * 2, [e] * 2, [0.0] * 2, [n] * 2))
+    # as slow as two of the edge-heavy part, as large as two of the node-heavy one
+    assert b.compute_s == pytest.approx(uniform(10000.0, 700000.0).compute_s)
+    assert b.peak_mem_bytes == pytest.approx(uniform(30000.0, 100000.0).peak_mem_bytes)
+
+
 def test_overlap_hides_halo_behind_inner_rows():
     shape = _gcn_shape()
     hw = _hw(intra_bandwidth_gbs=1.0)

@@ -286,3 +286,6 @@ def test_torchrun_hybrid_run_writes_exact_ledger(tmp_path):
     rec = json.loads((Path(cfg.out_dir) / "metrics.json").read_text())
     assert rec["mode"] == "hybrid" and (rec["stages"], rec["ways"], rec["world_size"]) == (2, 2, 4)
     assert rec["comm_bytes_per_epoch"] == rec["comm_bytes_predicted"] > 0
+    part = rec["partition"]  # its chunk store's parts, balanced in nodes and edges (issue #36)
+    assert part["parts"] == cfg.chunks and part["balance"] == "nodes+edges"
+    assert part["node_balance"] >= 1.0 and part["edge_balance"] >= 1.0 and sum(part["nodes_per_part"]) == 80

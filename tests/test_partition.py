@@ -10,6 +10,20 @@ from gnnpipe.partition import (METHODS, partition_graph, partition_stats, read_p
 from helpers import make_graph, random_graph
 
 
+def rmat_graph(scale: int = 12, edge_factor: int = 16, seed: int = 0) -> Graph:
+    """A skewed graph: R-MAT (a, b, c) = (0.57, 0.19, 0.19), 2^scale nodes, hubs with degrees
+    in the thousands and ~18 % isolated nodes (at scale 12), symmetrised."""
+    rng = np.random.default_rng(seed)
+    n, m = 1 << scale, edge_factor << scale
+    src, dst = np.zeros(m, dtype=np.int64), np.zeros(m, dtype=np.int64)
+    for bit in range(scale):  # each bit of (src, dst) picks one of the four quadrants
+        r = rng.random(m)
+        src |= (r >= 0.76).astype(np.int64) << bit
+        dst |= (((r >= 0.57) & (r < 0.76)) | (r >= 0.95)).astype(np.int64) << bit
+    keep = src != dst
+    return make_graph(src[keep], dst[keep], n)
+
+
 def brute_force_stats(graph: Graph, a: np.ndarray, parts: int) -> dict:
     """The same stats with plain Python loops over the edges."""
     cut, edges, mirrors = 0, [0] * parts, [set() for _ in range(parts)]
@@ -83,9 +97,13 @@ def test_contiguous_by_edges_follows_the_degrees():
     # directed star into node 0: weights (in-degree + 1) are 10, 1, ..., 1, so the half
     # weight (9.5) is reached by node 0 alone
     g = make_graph(np.arange(1, 10), np.zeros(9, dtype=np.int64), 10, symmetrize=False)
-    a = partition_graph(g, "contiguous", 2, balance_edges=True)
+    a = partition_graph(g, "contiguous", 2, balance_edges=True, balance_nodes=False)
     assert np.all(np.diff(a) >= 0)
     assert np.array_equal(a, [0] + [1] * 9)
+    # nodes too: node 0 holds 1/10 of the nodes and 10/19 of the weights (in-degree + 1), 0.626 of
+    # the two shares' sum 2; the cut nearest half (1.0) leaves nodes 0-2 (0.826) in part 0
+    a = partition_graph(g, "contiguous", 2)
+    assert np.array_equal(a, [0] * 3 + [1] * 7)
     # more parts than the weights ask for: still every part non-empty, ids in order
     a = partition_graph(g, "contiguous", 10)
     assert np.array_equal(a, np.arange(10))
@@ -139,11 +157,13 @@ def test_bad_requests_are_refused(bad, match):
 
 
 def test_metis_empty_part_is_refused():
-    # a 6-node star into 6 parts weighted by degree: METIS leaves parts empty, which no
-    # engine can run on (isolated nodes into as many parts, by contrast, work)
+    # a 6-node star into 6 parts weighted by degree alone: METIS leaves parts empty, which no
+    # engine can run on (isolated nodes into as many parts, by contrast, work; so does the star
+    # when the node counts are balanced too)
     star = make_graph(np.arange(1, 6), np.zeros(5, dtype=np.int64), 6)
     with pytest.raises(GnnPipeError, match=r"into 6 parts left \d part\(s\) empty.*fewer parts"):
-        partition_graph(star, "metis", 6)
+        partition_graph(star, "metis", 6, balance_nodes=False)
+    assert sorted(partition_graph(star, "metis", 6).tolist()) == list(range(6))
     isolated = make_graph(np.array([], dtype=np.int64), np.array([], dtype=np.int64), 8)
     assert sorted(partition_graph(isolated, "metis", 8).tolist()) == list(range(8))
 
@@ -180,3 +200,113 @@ def test_metis_refuses_early_naming_the_memory_it_needs(graph):
         partition_graph(graph, "metis", 2, memory_bytes=1000)
     assert partition_graph(graph, "metis", 2, memory_bytes=int(need) + 1).shape == (graph.num_nodes,)
     assert partition_graph(graph, "random", 2, memory_bytes=1000).shape == (graph.num_nodes,)  # no METIS
+
+
+@pytest.fixture(scope="module")
+def skewed():
+    return rmat_graph()
+
+
+def test_metis_balances_nodes_and_edges_on_a_skewed_graph(skewed):
+    """Issue #36: balancing the edges alone leaves the hubs' parts with few nodes and the others
+    with many; the two-constraint METIS (the default) holds both within METIS's tolerance."""
+    assert skewed.in_degrees().max() > 50 * skewed.num_edges / skewed.num_nodes  # hubs
+    edges_only = partition_stats(skewed, partition_graph(skewed, "metis", 8, balance_nodes=False))
+    both = partition_stats(skewed, partition_graph(skewed, "metis", 8))
+    assert edges_only["node_balance"] > 1.3  # 1.65 when written
+    assert both["node_balance"] < 1.1 and both["edge_balance"] < 1.1  # METIS's 3 %, on in-degree + 1
+    assert both["node_balance"] < edges_only["node_balance"] - 0.2
+    nodes_only = partition_stats(skewed, partition_graph(skewed, "metis", 8, balance_edges=False))
+    assert nodes_only["edge_balance"] > 1.5  # the other way round: the hubs' edges pile up
+
+
+def test_two_constraints_are_deterministic_by_seed(skewed):
+    a = partition_graph(skewed, "metis", 4, seed=3)
+    assert np.array_equal(a, partition_graph(skewed, "metis", 4, seed=3))
+    assert not np.array_equal(a, partition_graph(skewed, "metis", 4, seed=4))
+
+
+def test_one_constraint_through_either_call_is_the_same_partition(skewed):
+    """The direct METIS call that carries two constraints equals pymetis on one: same options."""
+    from gnnpipe.partition import _kway_constraints, _part_graph, vertex_weights
+    xadj, adjncy = symmetric_adjacency(skewed)
+    w = vertex_weights(skewed, False, True)
+    assert w.ndim == 1 and vertex_weights(skewed, True, True).shape == (skewed.num_nodes, 2)
+    assert vertex_weights(skewed, True, False) is None
+    assert np.array_equal(_part_graph(xadj, adjncy, 4, 5, w), _kway_constraints(xadj, adjncy, 4, 5, w[:, None]))
+
+
+def test_partition_cli_records_both_balances(tmp_path, skewed, capsys):
+    import json
+
+    from gnnpipe.cli import main
+    from gnnpipe.graph import write_graph
+    write_graph(tmp_path / "g.h5", skewed)
+    for flags, name in (([], "nodes+edges"), (["--no-balance-nodes"], "edges")):
+        main(["partition", "--graph", str(tmp_path / "g.h5"), "--method", "metis", "--parts", "4",
+              *flags, "--out", str(tmp_path / "a.npy"), "--stats", str(tmp_path / "a.json")])
+        st = json.loads((tmp_path / "a.json").read_text())
+        assert st["balance"] == name and st["balance_nodes"] == (not flags)
+        assert {"node_balance", "edge_balance", "nodes_per_part", "edges_per_part"} <= set(st)
+        assert f"node balance {st['node_balance']:.3f}, edge balance {st['edge_balance']:.3f}" in capsys.readouterr().err
+
+
+def test_a_parallel_run_records_and_the_report_shows_both_balances(tmp_path, skewed):
+    """The run record's ``partition`` (from the run's chunk store) carries the node and edge
+    balance of its parts; the report's runs table shows them; a single run has none."""
+    from types import SimpleNamespace
+
+    from gnnpipe.config import PartitionConfig
+    from gnnpipe.report.records import Run
+    from gnnpipe.report.tables import RUN_HEADER, run_row
+    from gnnpipe.store import materialize
+    from gnnpipe.tasks import NodeClassification
+
+    a = partition_graph(skewed, "metis", 4, balance_nodes=False)
+    materialize(skewed, a, tmp_path / "s.h5", method="metis-4")
+    cfg = SimpleNamespace(store_path=str(tmp_path / "s.h5"), partitioning=PartitionConfig(balance_nodes=False))
+    got = NodeClassification().record_fields(cfg, engine=None)["partition"]
+    want = partition_stats(skewed, a)
+    assert got["balance"] == "edges" and got["parts"] == 4 and got["method"] == "metis"
+    assert sorted(got["nodes_per_part"]) == sorted(want["nodes_per_part"])  # the store renumbers the parts
+    assert got["node_balance"] == pytest.approx(want["node_balance"])
+    assert got["edge_balance"] == pytest.approx(want["edge_balance"])
+    assert NodeClassification().record_fields(SimpleNamespace(store_path=None), engine=None) == {}
+
+    record = {"run_id": "r", "mode": "graph", "dataset": "d", "model": "sage", "layers": 2, "world_size": 4,
+              "stages": 1, "ways": 4, "chunks": 4, "epoch_time_s": 1.0, "comm_bytes_per_epoch": 1,
+              "comm_bytes_predicted": 1, "peak_mem_bytes": 1, "test_acc": 0.5, "partition": got}
+    cell = dict(zip(RUN_HEADER, run_row(Run(record))))["parts: nodes / edges"]
+    assert cell == f"{got['node_balance']:.2f} / {got['edge_balance']:.2f} (edges)"
+    record.pop("partition")
+    assert dict(zip(RUN_HEADER, run_row(Run(record))))["parts: nodes / edges"] == "—"
+
+
+def test_plan_statistics_are_cached_per_balance(tmp_path, skewed):
+    """The cost model's partition statistics (``plan-stats``) are those of the run's balance: a
+    cache made with the other one is recomputed, not reused."""
+    from gnnpipe.graph import write_graph
+    from gnnpipe.planning.stats import cached_graph_stats
+    write_graph(tmp_path / "g.h5", skewed)
+    cache = tmp_path / "plan-stats.json"
+    both = cached_graph_stats(tmp_path / "g.h5", [4], cache_file=cache)
+    edges = cached_graph_stats(tmp_path / "g.h5", [4], balance_nodes=False, cache_file=cache)
+    assert both["balance_nodes"] and not edges["balance_nodes"]
+    assert both["partitions"]["4"]["node_balance"] < edges["partitions"]["4"]["node_balance"]
+
+
+@pytest.mark.long  # two Snakemake calls: 15-45 s
+def test_a_store_of_another_balance_is_rebuilt(tmp_path):
+    """The workflow's partition (and so the chunk store after it) is rebuilt when the balance
+    changes: the rule's parameters carry it (Snakemake's params rerun trigger)."""
+    from helpers import snakemake, write_config
+    target = "results/chunks/tiny/metis-2.h5"
+    before = snakemake(tmp_path, write_config(tmp_path, lambda c: None), "--cores", "2", target)
+    assert before.returncode == 0, before.stderr[-3000:]
+
+    def edges_only(c):
+        c["partitioning"] = {"balance_nodes": False}
+    again = snakemake(tmp_path, write_config(tmp_path, edges_only), "-n", target)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "rule partition:" in again.stdout and "rule materialize:" in again.stdout
+    assert "--no-balance-nodes" in again.stdout  # the reason: its params changed

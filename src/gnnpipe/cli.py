@@ -137,14 +137,20 @@ def _plan_atomic(a):
 def _partition(a):
     from .graph import read_graph
     from .io import write_json
-    from .partition import partition_graph, partition_stats, write_partition
+    from .partition import balance_name, partition_graph, partition_stats, write_partition
 
     graph = read_graph(a.graph, features=False)  # METIS needs the structure only
-    assignment = partition_graph(graph, a.method, a.parts, seed=a.seed, balance_edges=a.balance_edges)
+    assignment = partition_graph(graph, a.method, a.parts, seed=a.seed, balance_edges=a.balance_edges,
+                                 balance_nodes=a.balance_nodes)
     write_partition(a.out, assignment)
+    stats = partition_stats(graph, assignment)
     if a.stats:
-        write_json(a.stats, {"method": a.method, "balance_edges": a.balance_edges, "seed": a.seed,
-                             **partition_stats(graph, assignment)})
+        write_json(a.stats, {"method": a.method, "balance": balance_name(a.method, a.balance_nodes, a.balance_edges),
+                             "balance_edges": a.balance_edges, "balance_nodes": a.balance_nodes, "seed": a.seed,
+                             **stats})
+    print(f"gnnpipe: {a.method} partition of {graph.num_nodes:,} nodes into {a.parts} parts: node balance "
+          f"{stats['node_balance']:.3f}, edge balance {stats['edge_balance']:.3f} (max part / mean), edge cut "
+          f"{stats['edge_cut_fraction']:.3f}", file=sys.stderr)
 
 
 def _materialize(a):
@@ -322,7 +328,7 @@ def _plan_stats(a):
     from .planning.stats import cached_graph_stats
 
     cached_graph_stats(a.graph, a.parts, method=a.method, seed=a.seed, balance_edges=a.balance_edges,
-                       progress=True, cache_file=a.out)
+                       balance_nodes=a.balance_nodes, progress=True, cache_file=a.out)
 
 
 def _ratio(text: str) -> tuple[int, float]:
@@ -398,6 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--no-balance-edges", dest="balance_edges", action="store_false",
                    help="METIS without degree vertex weights (balances nodes, not edges)")
+    q.add_argument("--no-balance-nodes", dest="balance_nodes", action="store_false",
+                   help="balance the edges alone (one METIS constraint), not nodes and edges")
     q.add_argument("--out", required=True, help="assignment file (.npy, one part id per node)")
     q.add_argument("--stats", help="statistics JSON")
     q.set_defaults(func=_partition, outputs=("out", "stats"))
@@ -633,6 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--method", default="metis", choices=["metis", "random", "contiguous"])
     ps.add_argument("--seed", type=int, default=0)
     ps.add_argument("--no-balance-edges", dest="balance_edges", action="store_false")
+    ps.add_argument("--no-balance-nodes", dest="balance_nodes", action="store_false")
     ps.add_argument("--out", required=True, help="statistics JSON to write")
     ps.set_defaults(func=_plan_stats, outputs=("out",))
     return p

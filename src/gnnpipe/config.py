@@ -539,7 +539,12 @@ class PartitionConfig:
     """How the graph is split into parts and chunks."""
 
     method: Literal["metis", "random", "contiguous"] = "metis"
-    balance_edges: bool = key(True, doc="METIS vertex weights = degree + 1")
+    balance_edges: bool = key(True, doc=(
+        "parts hold about as many in-edges each (aggregation work): METIS vertex weights = in-degree + 1"))
+    balance_nodes: bool = key(True, doc=(
+        "parts hold about as many nodes each too (rows, activations, memory): with balance_edges, METIS "
+        "with two balance constraints; false: edges alone (gnnpipe before #36). Without balance_edges, node "
+        "counts are balanced either way"))
     seed: int = key(0, bound=_SEED)
 
 

@@ -2,15 +2,21 @@
 
 Methods (``partition_graph``):
 
-* ``metis``: k-way METIS (pymetis) on the symmetrised adjacency without self loops.
-  With ``balance_edges`` every vertex weighs ``in-degree + 1``, so the parts hold about
-  as many in-edges each (aggregation work), not just as many nodes. Refused up front, with
-  the GiB it needs, when the machine has not the memory for METIS's structures
-  (``gnnpipe.costmodel.stages``: ~40 bytes per stored edge beside the graph).
+* ``metis``: k-way METIS (pymetis) on the symmetrised adjacency without self loops, with
+  one balance constraint per quantity the parts must hold about equally of
+  (``partitioning.balance_nodes`` / ``balance_edges``): nodes (every vertex weighs 1: rows,
+  activations, dense products) and in-edges (``in-degree + 1``: aggregation work). Both, the
+  default, is METIS's multi-constraint partitioning (``ncon = 2``): on a skewed graph balancing
+  the edges alone leaves the hubs' parts with few nodes and the others with many (an R-MAT
+  graph of 4,096 nodes into 8 parts: 1.65x the mean node count, 1.03 with both; the edge
+  balance stays within METIS's 3 %). Refused up front, with the GiB it needs, when the
+  machine has not the memory for METIS's structures (``gnnpipe.costmodel.stages``: ~40
+  bytes per stored edge beside the graph).
 * ``random``: a seeded random assignment with part sizes differing by at most one.
   The worst case for communication; an ablation.
-* ``contiguous``: ranges of node ids, balanced by node count or, with
-  ``balance_edges``, by ``in-degree + 1``. As good as the dataset's own ordering.
+* ``contiguous``: ranges of node ids, balanced by node count, by ``in-degree + 1``
+  (``balance_edges`` alone) or, with both, by the sum of a node's shares of the two totals
+  (one cut per part cannot hold two constraints). As good as the dataset's own ordering.
 
 ``partition_stats`` computes what the modes pay for a partition, whatever made it:
 edge cut, balance, and the mirrors (halo) of every part, ``M_p`` in the closed-form
@@ -38,9 +44,13 @@ METHODS = ("metis", "random", "contiguous")
 
 
 # --------------------------------------------------------------------------- partitioning
-def partition_graph(graph: Graph, method: str, parts: int, *, seed: int = 0,
-                    balance_edges: bool = True, memory_bytes: Optional[int] = None) -> np.ndarray:
+def partition_graph(graph: Graph, method: str, parts: int, *, seed: int = 0, balance_edges: bool = True,
+                    balance_nodes: bool = True, memory_bytes: Optional[int] = None) -> np.ndarray:
     """Assign every node to one of ``parts`` parts: ``(N,) int64`` in ``[0, parts)``.
+
+    ``balance_nodes`` / ``balance_edges``: the parts hold about as many nodes / in-edges each
+    (module docstring; neither: node counts, as METIS without weights does). ``random``
+    balances node counts whatever they say.
 
     Raises ``GnnPipeError`` for an unknown method, ``parts < 1``, more parts than
     nodes, a result that leaves a part empty, or (METIS) a graph whose adjacency and METIS
@@ -60,11 +70,11 @@ def partition_graph(graph: Graph, method: str, parts: int, *, seed: int = 0,
         return np.zeros(n, dtype=np.int64)
     if method == "metis":
         _check_metis_memory(graph, memory_bytes)
-        assignment = _metis(graph, parts, seed, balance_edges)
+        assignment = _metis(graph, parts, seed, vertex_weights(graph, balance_nodes, balance_edges))
     elif method == "random":
         assignment = _random(n, parts, seed)
     else:
-        assignment = _contiguous(graph, parts, balance_edges)
+        assignment = _contiguous(parts, vertex_weights(graph, balance_nodes, balance_edges), n)
     sizes = np.bincount(assignment, minlength=parts)
     if np.any(sizes == 0):
         empty = np.flatnonzero(sizes == 0)
@@ -98,7 +108,7 @@ def locality_order(graph: Graph, *, part_nodes: int = LOCALITY_PART_NODES, seed:
     if parts < 2:
         return None
     _check_metis_memory(graph, memory_bytes)
-    return np.argsort(_metis(graph, parts, seed, balance_edges=False), kind="stable")
+    return np.argsort(_metis(graph, parts, seed), kind="stable")
 
 
 def node_order(graph: Graph, how: str, *, seed: int = 0, path: Optional[str | os.PathLike] = None,
@@ -244,22 +254,73 @@ def _check_metis_memory(graph: Graph, memory_bytes: Optional[int]) -> None:
             f"memory, partition on a machine with more, or use method 'contiguous' or 'random'")
 
 
-def _metis(graph: Graph, parts: int, seed: int, balance_edges: bool) -> np.ndarray:
-    xadj, adjncy = symmetric_adjacency(graph)
-    return _part_graph(xadj, adjncy, parts, seed, graph.in_degrees() + 1 if balance_edges else None)
+def _metis(graph: Graph, parts: int, seed: int, vweights: Optional[np.ndarray] = None) -> np.ndarray:
+    return _part_graph(*symmetric_adjacency(graph), parts, seed, vweights)
+
+
+def vertex_weights(graph: Graph, balance_nodes: bool, balance_edges: bool) -> Optional[np.ndarray]:
+    """METIS's vertex weights for the balance asked: None (node counts), ``(N,)`` in-degree + 1
+    (edges alone), or ``(N, 2)`` one column per constraint, nodes then edges (both)."""
+    if not balance_edges:
+        return None
+    edges = graph.in_degrees() + 1
+    return np.stack([np.ones_like(edges), edges], axis=1) if balance_nodes else edges
 
 
 def _part_graph(xadj: np.ndarray, adjncy: np.ndarray, parts: int, seed: int,
                 vweights: Optional[np.ndarray] = None) -> np.ndarray:
-    """k-way METIS (one pymetis call) on a symmetric adjacency: ``(n,) int64`` parts."""
+    """k-way METIS (one call) on a symmetric adjacency: ``(n,) int64`` parts. ``vweights``:
+    ``(n,)`` for one balance constraint, ``(n, ncon)`` for several."""
     import pymetis
 
     idx = pymetis.zero_copy_dtype()  # METIS's idx_t: no copy when the arrays already match
+    xadj, adjncy = xadj.astype(idx, copy=False), adjncy.astype(idx, copy=False)
+    if vweights is not None and vweights.ndim == 2:
+        return _kway_constraints(xadj, adjncy, parts, seed, vweights.astype(idx))
     _, membership = pymetis.part_graph(
-        parts, pymetis.CSRAdjacency(xadj.astype(idx, copy=False), adjncy.astype(idx, copy=False)),
+        parts, pymetis.CSRAdjacency(xadj, adjncy),
         vweights=None if vweights is None else vweights.astype(idx), options=pymetis.Options(seed=int(seed)),
         recursive=False)
     return np.asarray(membership, dtype=np.int64)
+
+
+#: METIS 5's ``METIS_NOPTIONS`` and its return code for success (``metis.h``).
+_METIS_NOPTIONS, _METIS_OK = 40, 1
+
+
+def _kway_constraints(xadj: np.ndarray, adjncy: np.ndarray, parts: int, seed: int,
+                      vweights: np.ndarray) -> np.ndarray:
+    """``METIS_PartGraphKway`` with ``ncon = vweights.shape[1]`` balance constraints (each within
+    METIS's default 3 %), called in the METIS that pymetis carries: pymetis 2025.2 passes
+    ``ncon = 1`` whatever the weights, so it would read the first column's worth of a
+    flattened ``(n, ncon)`` array as one constraint. Same options as :func:`_part_graph`
+    (seed, 0-based numbering); one constraint here gives pymetis's partition bit for bit."""
+    import ctypes
+
+    import pymetis._internal as metis
+    from pymetis._internal import options_indices
+
+    n, ncon = vweights.shape
+    c_idx = np.ctypeslib.as_ctypes_type(xadj.dtype)
+    ptr = ctypes.POINTER(c_idx)
+    lib = ctypes.CDLL(metis.__file__)  # the loaded extension: its METIS_* symbols are exported
+    options = np.zeros(_METIS_NOPTIONS, dtype=xadj.dtype)
+    lib.METIS_SetDefaultOptions(options.ctypes.data_as(ptr))
+    options[options_indices.SEED] = int(seed)
+    options[options_indices.NUMBERING] = 0
+    vwgt = np.ascontiguousarray(vweights)  # row-major: vertex i's weights at i*ncon ..
+    part, cut = np.zeros(n, dtype=xadj.dtype), np.zeros(1, dtype=xadj.dtype)
+    nvtxs, nc, nparts = c_idx(n), c_idx(ncon), c_idx(parts)
+    kway = lib.METIS_PartGraphKway
+    kway.restype = ctypes.c_int
+    rc = kway(ctypes.byref(nvtxs), ctypes.byref(nc), xadj.ctypes.data_as(ptr), adjncy.ctypes.data_as(ptr),
+              vwgt.ctypes.data_as(ptr), None, None, ctypes.byref(nparts), None, None,
+              options.ctypes.data_as(ptr), cut.ctypes.data_as(ptr), part.ctypes.data_as(ptr))
+    if rc != _METIS_OK:
+        raise GnnPipeError(f"METIS with {ncon} balance constraints failed (code {rc}) on {n} nodes into "
+                           f"{parts} parts; set partitioning.balance_nodes: false (edges alone) or use "
+                           f"method 'contiguous'")
+    return part.astype(np.int64, copy=False)
 
 
 def _random(n: int, parts: int, seed: int) -> np.ndarray:
@@ -269,12 +330,15 @@ def _random(n: int, parts: int, seed: int) -> np.ndarray:
     return assignment
 
 
-def _contiguous(graph: Graph, parts: int, balance_edges: bool) -> np.ndarray:
-    n = graph.num_nodes
-    if not balance_edges:
+def _contiguous(parts: int, weights: Optional[np.ndarray], n: int) -> np.ndarray:
+    """Ranges of ids holding about equal sums of ``weights`` (None: equal node counts; two
+    columns: the sum of each node's shares of the two columns' totals)."""
+    if weights is None:
         return np.arange(n, dtype=np.int64) * parts // n  # sizes differ by at most one
-    prefix = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(graph.in_degrees() + 1, out=prefix[1:])
+    if weights.ndim == 2:
+        weights = (weights / weights.sum(axis=0)).sum(axis=1)
+    prefix = np.zeros(n + 1, dtype=weights.dtype)
+    np.cumsum(weights, out=prefix[1:])
     targets = prefix[-1] * np.arange(parts + 1, dtype=np.float64) / parts
     # the cut nearest to each target weight
     hi = np.clip(np.searchsorted(prefix, targets), 1, n)
@@ -319,6 +383,25 @@ def check_assignment(assignment, num_nodes: int, parts: int | None = None, *, wh
     return a
 
 
+def part_balance(nodes, edges) -> dict:
+    """``nodes_per_part``, ``edges_per_part`` (in-edges into each part) and the balance of each,
+    ``node_balance`` and ``edge_balance``: the largest part over the mean (1.0: even)."""
+    def balance(x):
+        mean = x.mean()
+        return float(x.max() / mean) if mean > 0 else 1.0
+
+    nodes, edges = np.asarray(nodes, dtype=np.int64), np.asarray(edges, dtype=np.int64)
+    return {"nodes_per_part": nodes.tolist(), "edges_per_part": edges.tolist(),
+            "node_balance": balance(nodes), "edge_balance": balance(edges)}
+
+
+def balance_name(method: str, balance_nodes: bool, balance_edges: bool) -> str:
+    """What a ``method`` partition is balanced in: ``nodes+edges``, ``edges`` or ``nodes`` (``random``: nodes)."""
+    if method == "random" or not balance_edges:
+        return "nodes"
+    return "nodes+edges" if balance_nodes else "edges"
+
+
 def partition_stats(graph: Graph, assignment: np.ndarray, parts: int | None = None) -> dict:
     """What a partition costs; independent of the method that made it.
 
@@ -338,21 +421,13 @@ def partition_stats(graph: Graph, assignment: np.ndarray, parts: int | None = No
     mirrors = np.diff(halo_ptr)
     part_dst = np.repeat(a, deg_in)
     edge_cut = int(np.count_nonzero(part_dst != a[graph.indices]))
-
-    def balance(x):
-        mean = x.mean()
-        return float(x.max() / mean) if mean > 0 else 1.0
-
     return {
         "parts": k,
         "num_nodes": n,
         "num_edges": graph.num_edges,
         "edge_cut": edge_cut,
         "edge_cut_fraction": edge_cut / graph.num_edges if graph.num_edges else 0.0,
-        "nodes_per_part": nodes.tolist(),
-        "edges_per_part": edges.tolist(),
-        "node_balance": balance(nodes),
-        "edge_balance": balance(edges),
+        **part_balance(nodes, edges),
         "mirrors": mirrors.tolist(),
         "mirrors_total": int(mirrors.sum()),
         "mirrors_max": int(mirrors.max()),

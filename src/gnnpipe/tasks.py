@@ -29,6 +29,7 @@ import itertools
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .config import RunConfig
@@ -100,6 +101,22 @@ class NodeClassification(Task):
         else:
             from .parallel.layout_engine import LayoutEngine as cls
         return cls(cfg, groups, comm, device)
+
+    def record_fields(self, cfg: RunConfig, engine) -> dict:
+        """A parallel run's partition: its chunk store's parts (graph: one a worker; pipeline,
+        hybrid: the chunks), what they were balanced in (``partitioning``), their nodes and
+        in-edges and the balance of each (max part / mean: ``gnnpipe.partition.part_balance``)."""
+        if cfg.store_path is None:
+            return {}
+        from .partition import balance_name, part_balance
+        from .store import ChunkStore
+
+        with ChunkStore(cfg.store_path) as store:
+            offsets = store.offsets
+            edges = np.add.reduceat(store.deg_in(), offsets[:-1])  # parts are never empty
+        pt = cfg.partitioning
+        return {"partition": {"method": pt.method, "balance": balance_name(pt.method, pt.balance_nodes, pt.balance_edges),
+                              "parts": len(offsets) - 1, **part_balance(np.diff(offsets), edges)}}
 
     def evaluate(self, cfg: RunConfig, state: dict, checkpoint: Path, *, predictions=None,
                  train_systems=None) -> dict:

@@ -11,12 +11,13 @@ rule partition:
         bench("partition", "{dataset}/{method}-{parts}"),
     params:
         seed=WF.partitioning.seed,
-        balance="" if WF.partitioning.balance_edges else "--no-balance-edges",
+        balance_edges="" if WF.partitioning.balance_edges else "--no-balance-edges",
+        balance_nodes="" if WF.partitioning.balance_nodes else "--no-balance-nodes",
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
         "gnnpipe partition --graph {input.graph:q} --method {wildcards.method:q}"
-        " --parts {wildcards.parts:q} --seed {params.seed:q} {params.balance:q}"
+        " --parts {wildcards.parts:q} --seed {params.seed:q} {params.balance_edges:q} {params.balance_nodes:q}"
         " --out {output.assignment:q} --stats {output.stats:q} > {log:q} 2>&1"
 
 

@@ -39,12 +39,14 @@ rule plan_stats:
         parts=plan_parts,
         method=WF.partitioning.method,
         seed=WF.partitioning.seed,
-        balance="" if WF.partitioning.balance_edges else "--no-balance-edges",
+        balance_edges="" if WF.partitioning.balance_edges else "--no-balance-edges",
+        balance_nodes="" if WF.partitioning.balance_nodes else "--no-balance-nodes",
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
         "gnnpipe plan-stats --graph {input.graph:q} --parts {params.parts:q} --method {params.method:q}"
-        " --seed {params.seed:q} {params.balance:q} --out {output.stats:q} > {log:q} 2>&1"
+        " --seed {params.seed:q} {params.balance_edges:q} {params.balance_nodes:q}"
+        " --out {output.stats:q} > {log:q} 2>&1"
 
 
 rule calibrate:

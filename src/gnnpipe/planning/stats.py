@@ -40,7 +40,7 @@ def partition_summary(graph, assignment: np.ndarray, parts: int) -> dict:
 
 
 def graph_stats(graph, parts: Sequence[int], *, method: str = "metis", seed: int = 0,
-                balance_edges: bool = True, progress: bool = False) -> dict:
+                balance_edges: bool = True, balance_nodes: bool = True, progress: bool = False) -> dict:
     """What the plan needs of ``graph``: its sizes and, for every G in ``parts``, the
     statistics of its ``method`` partition into G parts (``partitions[str(G)]``).
 
@@ -51,10 +51,10 @@ def graph_stats(graph, parts: Sequence[int], *, method: str = "metis", seed: int
     out = {"version": STATS_VERSION, "name": graph.name, "num_nodes": graph.num_nodes,
            "num_edges": graph.num_edges, "num_features": graph.num_features,
            "num_classes": graph.num_classes, "method": method, "seed": seed,
-           "balance_edges": balance_edges, "partitions": {}, "chunk_ways": {}}
+           "balance_edges": balance_edges, "balance_nodes": balance_nodes, "partitions": {}, "chunk_ways": {}}
     for g in sorted(set(int(p) for p in parts)):
         t0 = time.perf_counter()
-        a = partition_graph(graph, method, g, seed=seed, balance_edges=balance_edges)
+        a = partition_graph(graph, method, g, seed=seed, balance_edges=balance_edges, balance_nodes=balance_nodes)
         out["partitions"][str(g)] = partition_summary(graph, a, g)
         ways = {str(w): partition_summary(graph, a // (g // w), w) for w in range(2, g) if g % w == 0}
         if ways:
@@ -72,11 +72,11 @@ def stats_cache_path(graph_path: str | os.PathLike) -> Path:
 
 
 def cached_graph_stats(graph_path: str | os.PathLike, parts: Sequence[int], *, method: str = "metis",
-                       seed: int = 0, balance_edges: bool = True, progress: bool = False,
+                       seed: int = 0, balance_edges: bool = True, balance_nodes: bool = True, progress: bool = False,
                        cache_file: str | os.PathLike | None = None) -> dict:
     """:func:`graph_stats` of a graph file, reusing (and extending) the JSON cache
     ``cache_file`` (default: next to the graph, :func:`stats_cache_path`); a cache of
-    another graph content, method or seed is ignored and rewritten."""
+    another graph content, method, seed or balance is ignored and rewritten."""
     attrs = read_graph_attrs(graph_path)
     digest = str(attrs["content_hash"])
     cache_file = Path(cache_file) if cache_file is not None else stats_cache_path(graph_path)
@@ -87,7 +87,7 @@ def cached_graph_stats(graph_path: str | os.PathLike, parts: Sequence[int], *, m
         except (OSError, ValueError):
             cached = None
     key = dict(version=STATS_VERSION, content_hash=digest, method=method, seed=seed,
-               balance_edges=balance_edges)
+               balance_edges=balance_edges, balance_nodes=balance_nodes)
     if not (isinstance(cached, dict) and all(cached.get(k) == v for k, v in key.items())):
         cached = None
     need = [g for g in parts if cached is None or str(g) not in cached["partitions"]]
@@ -95,7 +95,7 @@ def cached_graph_stats(graph_path: str | os.PathLike, parts: Sequence[int], *, m
         return cached
     graph = read_graph(graph_path)
     fresh = graph_stats(graph, need, method=method, seed=seed, balance_edges=balance_edges,
-                        progress=progress)
+                        balance_nodes=balance_nodes, progress=progress)
     if cached is not None:
         fresh["partitions"] = {**cached["partitions"], **fresh["partitions"]}
         fresh["chunk_ways"] = {**cached.get("chunk_ways", {}), **fresh["chunk_ways"]}

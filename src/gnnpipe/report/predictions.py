@@ -120,7 +120,7 @@ class Predictor:
                 hw = fitted
                 self.calibrated.add(fitted.name)
         stats = cached_graph_stats(cfg.graph_path, parts, method=pt.method, seed=pt.seed,
-                                   balance_edges=pt.balance_edges, cache_file=cache)
+                                   balance_edges=pt.balance_edges, balance_nodes=pt.balance_nodes, cache_file=cache)
         key = (repr(to_dict(cfg.model)), int(stats["num_features"]), int(stats["num_classes"]))
         if key not in self._models:
             gnn = build_model(cfg.model, key[1], key[2])

@@ -89,16 +89,25 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 # --------------------------------------------------------------------------- tables
-RUN_HEADER = ["run", "mode", "dataset", "model", "layers", "workers", "S×G", "chunks", "epoch",
-              "compute", "comm", "bubble", "bytes/epoch", "predicted", "meas ÷ pred", "peak mem",
+RUN_HEADER = ["run", "mode", "dataset", "model", "layers", "workers", "S×G", "chunks", "parts: nodes / edges",
+              "epoch", "compute", "comm", "bubble", "bytes/epoch", "predicted", "meas ÷ pred", "peak mem",
               "test acc"]
+
+
+def balance_cell(run: Run) -> str:
+    """The run's partition balance, largest part over the mean in nodes and in in-edges, and what
+    it was balanced in: ``1.03 / 1.02 (nodes+edges)``; "—" for a single run (or an older record)."""
+    pt = run.record.get("partition")
+    if not pt:
+        return DASH
+    return f"{pt['node_balance']:.2f} / {pt['edge_balance']:.2f} ({pt['balance']})"
 
 
 def run_row(run: Run) -> list[str]:
     r = run.record
     chunks = str(r["chunks"]) if r["mode"] in ("pipeline", "hybrid") else DASH
     return [f"`{run.run_id}`", r["mode"], r["dataset"], r["model"], str(r["layers"]),
-            str(r["world_size"]), layout(run), chunks, fmt_s(r["epoch_time_s"]),
+            str(r["world_size"]), layout(run), chunks, balance_cell(run), fmt_s(r["epoch_time_s"]),
             fmt_s(run.breakdown("compute")), fmt_s(run.breakdown("comm")), fmt_s(run.breakdown("bubble")),
             fmt_bytes(r["comm_bytes_per_epoch"]), fmt_bytes(r["comm_bytes_predicted"]),
             fmt_ratio(ratio(r["comm_bytes_per_epoch"], r["comm_bytes_predicted"])),
