@@ -21,7 +21,6 @@ from ..costmodel.hardware import Hardware, load_hardware
 from ..costmodel.work import Work, layer_cost, rowwise_work
 from ..graph import read_graph, read_graph_attrs
 from ..io import GnnPipeError, write_text
-from ..partition import node_order
 from .shape import DTYPE_BYTES, build_model, model_shape
 
 FLUSH_BYTES = 128 * 2**20
@@ -249,7 +248,10 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu",
         if cached.is_file():
             found = load_hardware(cached)
             return _named(found, hw, cfg, {**found.measured["calibration"], "cached": str(cached)})
-    from .predict import predict_layout  # torch (stage balancing): not at import, which every gnnpipe command pays
+    # not at import, which every gnnpipe command pays (the parser reads CLOCKS): torch (stage
+    # balancing), scipy (the locality order)
+    from ..partition import node_order
+    from .predict import predict_layout
 
     graph = read_graph(cfg.graph_path)
     out = calibrate(graph, cfg.model, hw, rows=RUN_ROWS, reps=RUN_REPS, threads=threads,
