@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -417,6 +418,36 @@ def test_calibrate_command_writes_a_profile_the_report_finds(tmp_path):
     assert cal.find_calibration(out.parent, ModelConfig(kind="gcn", layers=4, hidden=16), digest) is None
     assert cal.find_calibration(out.parent, model, digest, "float64") is None
     assert cal.find_calibration(out.parent, model, "another graph") is None
+
+
+def test_calibration_is_cached_by_content_and_reused_by_another_dataset_name(tmp_path, monkeypatch):
+    """A second calibrate_run on the same graph content, model, dtype and machine reads the
+    cache (named for its own dataset) and times nothing; another model or dtype is fitted anew."""
+    from gnnpipe.config import load_run_config
+
+    graph_path = tmp_path / "graph.h5"
+    write_graph(graph_path, _graph(n=300, extra=300))
+    model = ModelConfig(kind="gcn", layers=2, hidden=8)
+    cfg = load_run_config(_run_yaml(tmp_path, graph_path, model))
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(cal, "RUN_REPS", 1)
+    monkeypatch.setattr(cal, "RUN_ROWS", (64, 256))
+    first = cal.calibrate_run(cfg, "cpu-2core", cache=cache)
+    assert [p.suffix for p in cache.iterdir()] == [".yaml"] and "cached" not in first.measured["calibration"]
+
+    def no_timing(*a, **k):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(cal, "calibrate", no_timing)
+    again = cal.calibrate_run(replace(cfg, dataset_name="copy", run_id="other"), "cpu-2core", cache=cache)
+    fit = again.measured["calibration"]
+    assert again.name == "cpu-2core+copy" and fit["dataset"] == "copy" and fit["cached"].startswith(str(cache))
+    assert fit["rates"] == first.measured["calibration"]["rates"]
+    assert again.single_worker_speedup == first.single_worker_speedup
+    for other in (replace(cfg, model=ModelConfig(kind="gcn", layers=3, hidden=8)),
+                  replace(cfg, training=replace(cfg.training, dtype="float64"))):
+        with pytest.raises(AssertionError, match="timed again"):
+            cal.calibrate_run(other, "cpu-2core", cache=cache)
 
 
 def test_plan_stats_command_writes_where_it_is_told(tmp_path):

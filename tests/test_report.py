@@ -298,7 +298,8 @@ def test_cost_model_prediction_beside_each_run_and_unavailable_ones(tmp_path, gr
     build_report(dirs + [no_yaml, no_graph], out, tmp_path / "plots", hardware=hw)
     text = out.read_text()
     table = section(text, "## Measured vs cost model")
-    assert "`cpu-2core`, 2 of 4 runs predicted" in table
+    assert "`cpu-2core` with the profile's own compute rates: the cost model is uncalibrated" in table
+    assert "2 of 4 runs predicted" in table
     rg, rp = row_of(table, "g2"), row_of(table, "p2")
     assert rg[5:7] == [fmt_bytes(est["graph"].bytes["total"]), "+0.0 %"]
     assert rg[7:10] == [fmt_s(2 * est["graph"].epoch_s), fmt_s(est["graph"].epoch_s), "-50.0 %"]

@@ -52,6 +52,41 @@ def test_single_run_writes_record_checkpoint_and_mlflow(tmp_path):
     assert runs["params.model.kind"].iloc[0] == "gcn"
 
 
+def test_evaluate_imports_mlflow_while_the_inference_runs_and_logs_after(tmp_path, monkeypatch):
+    """MLflow's imports (longer than a 10^5-node graph's inference) start before the checkpoint
+    loads and are waited for only to log; a run without an MLflow run imports nothing."""
+    import gnnpipe.evaluate as ev
+    import gnnpipe.tracking as tr
+
+    cfg = run_cfg(tmp_path, {"kind": "gcn", "layers": 2, "hidden": 16})
+    out_dir = tmp_path / "results" / "runs" / cfg.run_id
+    out_dir.mkdir(parents=True)
+    order = []
+
+    class Imports:
+        def join(self):
+            order.append("joined")
+
+    class Task:
+        def evaluate(self, *a, **k):
+            order.append("inference")
+            return {"test_acc": 0.5}
+
+    monkeypatch.setattr(ev, "_import_tracking", lambda: order.append("imports") or Imports())
+    monkeypatch.setattr(ev, "load_checkpoint", lambda path: order.append("load") or {"epoch": 3})
+    monkeypatch.setattr(ev, "check_checkpoint", lambda *a, **k: None)
+    monkeypatch.setattr(ev, "task_for", lambda cfg: Task())
+    monkeypatch.setattr(tr, "log_evaluation", lambda cfg, rid, result, out: order.append(("log", rid)))
+    (out_dir / "metrics.json").write_text(json.dumps({"mlflow_run_id": "abc"}))
+    assert ev.evaluate_run(cfg)["test_acc"] == 0.5
+    assert order == ["imports", "load", "inference", "joined", ("log", "abc")]
+    assert json.loads((out_dir / "eval.json").read_text())["checkpoint_epoch"] == 3
+    order.clear()
+    (out_dir / "metrics.json").write_text(json.dumps({"mlflow_run_id": None}))
+    ev.evaluate_run(cfg)
+    assert order == ["load", "inference"]
+
+
 @pytest.mark.parametrize("kind", ["sage", "gcn", "gat"])
 def test_locality_order_trains_the_model_the_given_ids_train(tmp_path, monkeypatch, kind):
     """training.node_order 'locality' (the default) renumbers the nodes by METIS parts (of 50

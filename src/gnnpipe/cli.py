@@ -321,7 +321,7 @@ def _fit_run(a):
 def _calibrate(a):
     from .planning.calibrate import calibrate_run, write_hardware
 
-    write_hardware(calibrate_run(a.run_config, a.hardware, clock=a.clock), a.out)
+    write_hardware(calibrate_run(a.run_config, a.hardware, clock=a.clock, cache=a.cache), a.out)
 
 
 def _plan_stats(a):
@@ -620,12 +620,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "of its graph (and the bare kernels), fit the cost model's compute rates "
                     "(dense FLOP/s, sparse and elementwise values/s, random numbers/s, per-call "
                     "overhead) and write the profile with those rates as YAML. The links keep the "
-                    "profile's values. Takes a few seconds.")
+                    "profile's values. A fit found in --cache is reused.")
     c.add_argument("--run-config", required=True, help="results/runs/<run_id>/run.yaml of a run to fit to")
     c.add_argument("--hardware", required=True, help="base profile: a name under config/hardware or a YAML file")
     c.add_argument("--clock", default="cpu", choices=sorted(CLOCKS),
                    help="cpu (default): the timing thread's CPU time, blind to other jobs on the "
                         "machine; wall: wall-clock time (used anyway for several threads per worker)")
+    c.add_argument("--cache", default=None,
+                   help="directory of fitted profiles keyed by what the fit depends on (this machine and "
+                        "base profile, graph content, model, dtype, threads, clock): one found there is "
+                        "reused, one fitted is added (the workflow: results/calibration_cache)")
     c.add_argument("--out", required=True, help="profile to write (YAML)")
     c.set_defaults(func=_calibrate, outputs=("out",))
 

@@ -9,7 +9,9 @@ so that ``evaluate`` gives the same numbers whichever mode trained the weights.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
+from typing import Optional
 
 from .checkpoint import check_checkpoint, load_checkpoint
 from .config import RunConfig
@@ -31,17 +33,38 @@ def evaluate_run(cfg: RunConfig, checkpoint: str | Path | None = None, out: str 
     """
     checkpoint = Path(checkpoint or Path(cfg.out_dir) / "model.pt")
     out = Path(out or Path(cfg.out_dir) / "eval.json")
+    mlflow_id = _mlflow_run_id(cfg)
+    imports = _import_tracking() if mlflow_id else None
     state = load_checkpoint(checkpoint)
     check_checkpoint(state, cfg, checkpoint, final=not allow_partial)
     result = task_for(cfg).evaluate(cfg, state, checkpoint, predictions=predictions, train_systems=train_systems)
-    return _finish(cfg, {"run_id": cfg.run_id, "checkpoint_epoch": int(state.get("epoch", -1)), **result}, out)
-
-
-def _finish(cfg: RunConfig, result: dict, out: Path) -> dict:
+    result = {"run_id": cfg.run_id, "checkpoint_epoch": int(state.get("epoch", -1)), **result}
     write_json(out, result)
-    metrics_path = Path(cfg.out_dir) / "metrics.json"
-    mlflow_id = json.loads(metrics_path.read_text()).get("mlflow_run_id") if metrics_path.exists() else None
     if mlflow_id:
+        imports.join()
         from .tracking import log_evaluation
         log_evaluation(cfg, mlflow_id, result, out)
     return result
+
+
+def _mlflow_run_id(cfg: RunConfig) -> Optional[str]:
+    """The MLflow run the training logged to (its ``metrics.json``), if any."""
+    metrics_path = Path(cfg.out_dir) / "metrics.json"
+    return json.loads(metrics_path.read_text()).get("mlflow_run_id") if metrics_path.exists() else None
+
+
+def _import_tracking() -> threading.Thread:
+    """MLflow's client and SQL store imported on a thread, while the checkpoint loads and the
+    inference runs (which release the GIL): the imports (sqlalchemy, alembic) took longer than
+    the inference of a 10^5-node graph, and were paid after it. An import that fails here is
+    left to the logging, which reports it."""
+    def run():
+        try:
+            import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+            import mlflow.tracking  # noqa: F401
+        except Exception:  # noqa: BLE001 (the logging names it)
+            pass
+
+    thread = threading.Thread(target=run, name="import-mlflow", daemon=True)
+    thread.start()
+    return thread

@@ -62,11 +62,13 @@ rule calibrate:
         "logs/cost_model/{dataset}.{model}.calibrate.log",
     benchmark:
         bench("calibrate", "{dataset}/{model}"),
+    params:
+        cache=f"{RESULTS}/calibration_cache",  # content-keyed: another config or rerun on the same graph reuses a fit
     # alone on the machine: a job beside it would share the caches and memory bandwidth
-    # it is timing (it takes a few seconds)
+    # it is timing (tens of seconds on a 10^5-node graph, once per graph and model: cached)
     threads: whole_machine()
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
         "gnnpipe calibrate --run-config {input.run_config:q} --hardware {input.hardware:q}"
-        " --out {output.profile:q} > {log:q} 2>&1"
+        " --cache {params.cache:q} --out {output.profile:q} > {log:q} 2>&1"

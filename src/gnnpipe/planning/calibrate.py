@@ -4,6 +4,8 @@ workflow's ``calibrate`` rule), and found again for a report (:func:`find_calibr
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import statistics
 import time
@@ -19,7 +21,6 @@ from ..costmodel.hardware import Hardware, load_hardware
 from ..costmodel.work import Work, layer_cost, rowwise_work
 from ..graph import read_graph, read_graph_attrs
 from ..io import GnnPipeError, write_text
-from ..partition import node_order
 from .shape import DTYPE_BYTES, build_model, model_shape
 
 FLUSH_BYTES = 128 * 2**20
@@ -104,6 +105,14 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[Hardware] = None
         shape = model_shape(gnn)
         gen = torch.Generator().manual_seed(0)
         X, y, names = [], [], []
+        held = {}
+
+        def randn(n, d):
+            """A (n, d) normal sample, made once per shape: the chunk blocks' sources are the
+            whole graph at every row count, and drawing them again is most of the set-up."""
+            if (n, d) not in held:
+                held[n, d] = torch.randn(n, d, dtype=tdtype, generator=gen)
+            return held[n, d]
 
         def add(name, work: Work, seconds: float):
             X.append([work.dense, work.sparse, work.elem, work.rng, work.calls])
@@ -119,10 +128,8 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[Hardware] = None
                         if key in seen:
                             continue
                         seen.add(key)
-                        h = torch.randn(block.n_src, spec.d_in, dtype=tdtype, generator=gen)
-                        h.requires_grad_(spec.input_grad)
-                        x0 = (torch.randn(block.n_dst, spec.d_in, dtype=tdtype, generator=gen)
-                              if gnn.needs_x0 else None)
+                        h = randn(block.n_src, spec.d_in).detach().requires_grad_(spec.input_grad)
+                        x0 = randn(block.n_dst, spec.d_in) if gnn.needs_x0 else None
                         lc = layer_cost(spec, block.n_dst, block.n_src, block.nnz)
                         out = {}
 
@@ -141,16 +148,20 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[Hardware] = None
                             lc.training(), tfb)
                     # bare kernels on this block: SpMM and a matmul at the hidden width
                     d = shape.layers[-1].d_in
-                    xs = torch.randn(block.n_src, d, dtype=tdtype, generator=gen)
+                    xs = randn(block.n_src, d)
                     add(f"spmm {bname} {r} width {d}", Work(sparse=(block.nnz + block.n_dst) * d),
                         median_time(lambda: gcn_aggregate(xs, block), reps, cold, clock))
-                    w = torch.randn(d, d, dtype=tdtype, generator=gen)
-                    add(f"matmul {block.n_src}x{d}x{d}", Work(dense=2.0 * block.n_src * d * d),
-                        median_time(lambda: xs @ w, reps, cold, clock))
-                    add(f"relu+add {block.n_src}x{d}", Work(elem=2.0 * block.n_src * d),
-                        median_time(lambda: torch.relu(xs).add_(1.0), reps, cold, clock))
-                    add(f"dropout {block.n_src}x{d}", Work(rng=block.n_src * d, elem=block.n_src * d),
-                        median_time(lambda: torch.nn.functional.dropout(xs, 0.5), reps, cold, clock))
+                    m = block.n_src  # a chunk's sources are the whole graph at every row count
+                    if ("kernels", m) in seen:
+                        continue
+                    seen.add(("kernels", m))
+                    xk, w = xs, randn(d, d)
+                    add(f"matmul {m}x{d}x{d}", Work(dense=2.0 * m * d * d),
+                        median_time(lambda: xk @ w, reps, cold, clock))
+                    add(f"relu+add {m}x{d}", Work(elem=2.0 * m * d),
+                        median_time(lambda: torch.relu(xk).add_(1.0), reps, cold, clock))
+                    add(f"dropout {m}x{d}", Work(rng=m * d, elem=m * d),
+                        median_time(lambda: torch.nn.functional.dropout(xk, 0.5), reps, cold, clock))
                 n = min(r, graph.num_nodes)
                 if shape.encoder:
                     x = torch.randn(n, graph.num_features, dtype=tdtype, generator=gen)
@@ -190,30 +201,71 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[Hardware] = None
     return replace(base, **rates, measured={**base.measured, "calibration": fit})
 
 
-def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> Hardware:
+#: What :func:`calibrate_run` times: 3 repeats (the median of 3 is as steady as of 5 on the
+#: chunk and part shapes, whose operands are the whole graph), the cold pass at two block sizes,
+#: the warm pass (which only sets the ratio of two predicted single epochs) at the larger.
+RUN_REPS = 3
+RUN_ROWS = (2048, 8192)
+
+
+def calibration_key(hw: Hardware, graph_hash: str, cfg: RunConfig, clock: str) -> str:
+    """The content key of a run's calibration: what its rates depend on — the base profile, this
+    machine (host, CPUs, torch), the graph's content, the model config (its shape), dtype,
+    threads, clock and node order, and what is timed (:data:`RUN_REPS`, :data:`RUN_ROWS`).
+    The run's name and dataset name are not in it: another config on the same graph reuses it."""
+    import platform
+    from importlib.metadata import version
+
+    what = {"hardware": hw.as_dict(), "host": platform.node(), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "torch": version("torch"), "graph_hash": graph_hash,
+            "model": to_dict(cfg.model), "dtype": cfg.training.dtype,
+            "threads": cfg.training.threads_per_worker, "clock": clock,
+            "node_order": [cfg.training.node_order, cfg.partitioning.seed],
+            "reps": RUN_REPS, "rows": list(RUN_ROWS)}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def calibrate_run(run_config, hardware, *, clock: str = "cpu",
+                  cache: str | os.PathLike | None = None) -> Hardware:
     """:func:`calibrate` on what one run trains: its graph, model, dtype and threads per
     worker. The result is named ``<profile>+<dataset>`` and keeps the profile's links; its
     ``measured["calibration"]`` records the model config and the graph's content hash, so
-    that a report can match it to the runs it stands for (:func:`find_calibration`)."""
-    from .predict import predict_layout  # torch (stage balancing): not at import, which every gnnpipe command pays
+    that a report can match it to the runs it stands for (:func:`find_calibration`).
 
+    ``cache``: a directory of fitted profiles keyed by :func:`calibration_key`; a profile
+    found there is reused (``measured["calibration"]["cached"]`` says so), one fitted here is
+    written there (atomically), so a second run or config on the same graph and model pays
+    nothing."""
     cfg = run_config if isinstance(run_config, RunConfig) else load_run_config(run_config)
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
     threads = cfg.training.threads_per_worker
     if clock == "cpu" and threads != 1:
         clock = "wall"  # the CPU clock of one thread says nothing about a team of threads
+    digest = str(read_graph_attrs(cfg.graph_path)["content_hash"])
+    cached = None
+    if cache is not None:
+        cached = Path(cache) / f"{calibration_key(hw, digest, cfg, clock)}.yaml"
+        if cached.is_file():
+            found = load_hardware(cached)
+            return _named(found, hw, cfg, {**found.measured["calibration"], "cached": str(cached)})
+    # not at import, which every gnnpipe command pays (the parser reads CLOCKS): torch (stage
+    # balancing), scipy (the locality order)
+    from ..partition import node_order
+    from .predict import predict_layout
+
     graph = read_graph(cfg.graph_path)
-    out = calibrate(graph, cfg.model, hw, threads=threads, dtype=cfg.training.dtype, clock=clock)
+    out = calibrate(graph, cfg.model, hw, rows=RUN_ROWS, reps=RUN_REPS, threads=threads,
+                    dtype=cfg.training.dtype, clock=clock)
     # A process training alone keeps its tensors in cache from conv to conv; the workers of
     # a parallel run, between exchanges, do not (measured: single-process epochs match the
     # warm rates, parallel workers' compute the cold ones). The ratio of the two predicted
     # single-process epochs is the profile's single_worker_speedup.
     # ... and numbers its nodes for locality (training.node_order): the warm rates are timed on
     # the graph as the single engine holds it
-    how = node_order(graph, cfg.training.node_order, seed=cfg.partitioning.seed, path=cfg.locality_path,
-                     graph_hash=str(read_graph_attrs(cfg.graph_path)["content_hash"]))
+    how = node_order(graph, cfg.training.node_order, seed=cfg.partitioning.seed, path=cfg.locality_path, graph_hash=digest)
     held = graph.renumbered(how.pop("order")) if how["parts"] else graph
-    warm = calibrate(held, cfg.model, hw, threads=threads, dtype=cfg.training.dtype, clock=clock, evict=False)
+    warm = calibrate(held, cfg.model, hw, rows=RUN_ROWS[-1:], reps=RUN_REPS, threads=threads,
+                     dtype=cfg.training.dtype, clock=clock, evict=False)
     del held
     gnn = build_model(cfg.model, graph.num_features, graph.num_classes)
     sizes = {"num_nodes": graph.num_nodes, "num_edges": graph.num_edges, "partitions": {}}
@@ -221,14 +273,21 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu") -> Hardware:
                                   dtype_bytes=DTYPE_BYTES[cfg.training.dtype]).epoch_s
              for name, h in (("cold", out), ("warm", warm))}
     speedup = max(1.0, epoch["cold"] / epoch["warm"])
-    fit = {**out.measured["calibration"], "dataset": cfg.dataset_name,
-           "graph_hash": str(read_graph_attrs(cfg.graph_path)["content_hash"]),
+    fit = {**out.measured["calibration"], "graph_hash": digest,
            "warm_rates": warm.measured["calibration"]["rates"], "warm_node_order": how, "single_epoch_s": epoch,
            "single_worker_speedup": speedup}
-    return replace(out, name=f"{hw.name}+{cfg.dataset_name}", single_worker_speedup=speedup,
+    fitted = replace(out, single_worker_speedup=speedup, measured={**out.measured, "calibration": fit})
+    if cached is not None:
+        write_hardware(fitted, cached)
+    return _named(fitted, hw, cfg, fit)
+
+
+def _named(fitted: Hardware, hw: Hardware, cfg: RunConfig, fit: dict) -> Hardware:
+    """A fitted profile named for the run's dataset (``<profile>+<dataset>``)."""
+    return replace(fitted, name=f"{hw.name}+{cfg.dataset_name}",
                    description=f"{hw.description}; compute rates fitted to {cfg.model.kind} "
                                f"{cfg.model.layers}x{cfg.model.hidden} on {cfg.dataset_name}",
-                   measured={**out.measured, "calibration": fit})
+                   measured={**fitted.measured, "calibration": {**fit, "dataset": cfg.dataset_name}})
 
 
 def write_hardware(hw: Hardware, path: str | os.PathLike) -> None:

@@ -101,6 +101,10 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
             hw_name += (" with its compute rates fitted to each dataset and model on this machine "
                         f"({', '.join(f'`{n}`' for n in sorted(predictor.calibrated))}; rule calibrate, "
                         "`gnnpipe calibrate`)")
+        else:
+            hw_name += (" with the profile's own compute rates: the cost model is uncalibrated "
+                        "(no profile fitted to these runs' graph and model on this machine; "
+                        "`cost_model.calibrate: true`, or `gnnpipe calibrate`)")
     else:
         hw_name = None
         predictions = {r.run_id: Prediction(reason="predictions switched off") for r in runs}
