@@ -126,6 +126,19 @@ def test_workflow_config_reads_rmat_and_counts_its_nodes(tmp_path):
         _workflow(tmp_path, [{"mode": "single", "dataset": "r", "model": "m"}], {"generator": "kronecker"})
 
 
+def test_the_powerlaw_experiment_resolves_every_layout_with_techniques_on_and_off():
+    from pathlib import Path
+
+    wf = load_workflow_config(Path(__file__).resolve().parent.parent / "config/experiments/powerlaw.yaml")
+    assert wf.datasets["rmat"].synthetic.generator == "rmat"
+    runs = resolve_runs(wf).values()
+    assert {r.mode for r in runs} == {"single", "graph", "pipeline", "hybrid"}
+    stale = [r for r in runs if not r.pipeline.shuffle_chunks]
+    assert sorted(r.mode for r in stale) == ["hybrid", "pipeline"]
+    assert all(not r.pipeline.grad_correction and r.pipeline.snapshot_every == 0 for r in stale)
+    assert wf.training.eval_every == 1  # time to accuracy reads validation accuracy every epoch
+
+
 # --------------------------------------------------------------------------- learnable
 @pytest.mark.slow  # the run's MLflow store and imports: ~10 s on a quiet machine
 def test_a_small_rmat_config_trains_in_process_above_chance(tmp_path, monkeypatch):
