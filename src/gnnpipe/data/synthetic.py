@@ -68,8 +68,9 @@ neighbours mostly share its community, so averaging their features recovers the 
 every model below 1. ``resolve_shape`` takes the label and feature keys from the named shape
 and refuses the DC-SBM's structural keys (``num_nodes``, ``avg_degree``, ``locality``,
 ``degree_exponent``). Vectorised level by level over all draws (one float64 and a few bool
-temporaries of the draws: O(E)); 2.6*10^6 draws at scale 17 take ~9 s wall on the shared
-2-core machine, CSR included.
+temporaries of the draws: O(E)): at scale 17 with 100 features, 10^6 draws (1.6*10^6 stored
+edges) take 1.4 s of CPU (2.7 s wall on the shared 2-core machine), 2.6*10^6 draws 2.8 s of CPU
+and 0.35 GiB peak RSS, CSR and features included.
 """
 
 from __future__ import annotations
