@@ -141,22 +141,39 @@ _NAME = {"type": "string", "pattern": NAME_PATTERN}
 
 # --------------------------------------------------------------------------- datasets
 @dataclass
+class RmatConfig:
+    """R-MAT's recursion (gnnpipe.data.synthetic): each edge picks one quadrant of the adjacency matrix
+    per level, top-left / top-right / bottom-left / bottom-right with probabilities a, b, c, d."""
+
+    a: float = key(0.57, bound=_FRACTION, doc="probability of the top-left quadrant (hubs: a > d)")
+    b: float = key(0.19, bound=_FRACTION)
+    c: float = key(0.19, bound=_FRACTION)
+    d: float = key(0.05, bound=_FRACTION, doc="a + b + c + d must be 1")
+    scale: int = key(14, bound=Bound(2, 30), doc="the graph has 2**scale nodes")
+    edge_factor: float = key(16.0, bound=_GT0, doc="edges drawn per node (before repeats and loops are merged)")
+
+
+@dataclass
 class SyntheticConfig:
-    """Degree-corrected SBM with power-law degrees and a locality knob (see gnnpipe.data.synthetic).
+    """Degree-corrected SBM with power-law degrees and a locality knob, or R-MAT with planted communities
+    (see gnnpipe.data.synthetic).
 
     Fields left ``None`` take the value of the named ``shape``.
     """
 
+    generator: Literal["dcsbm", "rmat"] = key("dcsbm", doc="dcsbm: degree-corrected SBM; rmat: R-MAT "
+                                              "power law (hubs, isolated nodes) over planted communities")
     shape: Literal["default", "reddit-like", "physics-like"] = "default"
-    num_nodes: Optional[int] = key(None, bound=Bound(2, MAX_NODES))
-    avg_degree: Optional[float] = key(None, bound=_GT0)
+    rmat: RmatConfig = key(factory=RmatConfig, doc="generator rmat only; its nodes are 2**rmat.scale")
+    num_nodes: Optional[int] = key(None, bound=Bound(2, MAX_NODES), doc="dcsbm only")
+    avg_degree: Optional[float] = key(None, bound=_GT0, doc="dcsbm only")
     num_features: Optional[int] = key(None, bound=_WIDTH)
     num_classes: Optional[int] = key(None, bound=Bound(2, MAX_WIDTH))
-    num_communities: Optional[int] = key(None, bound=Bound(2, MAX_NODES))
+    num_communities: Optional[int] = key(None, bound=Bound(2, MAX_NODES), doc="rmat: a power of two")
     intra_fraction: Optional[float] = key(None, bound=_FRACTION, doc="share of edges inside a community")
     locality: Optional[float] = key(None, bound=_FRACTION,
-                                    doc="share of intra edges kept near in a 1-D embedding (0..1)")
-    degree_exponent: Optional[float] = key(None, bound=_GT0, doc="power-law exponent of expected degrees")
+                                    doc="dcsbm only: share of intra edges kept near in a 1-D embedding")
+    degree_exponent: Optional[float] = key(None, bound=_GT0, doc="dcsbm only: power-law exponent of expected degrees")
     feature_signal: Optional[float] = key(None, bound=_GE0, doc="class signal in features relative to noise")
     label_noise: Optional[float] = key(None, bound=_FRACTION,
                                        doc="share of nodes whose label is not their community's")
@@ -1056,12 +1073,14 @@ def _check_workers(wf: WorkflowConfig, run: RunSpec, where: str) -> None:
     """More parts (workers, chunks) than a synthetic graph has nodes, or more workers on one node than
     ``WORKERS_PER_CPU`` per CPU of this machine: refused before any job starts."""
     ds = wf.datasets[run.dataset]
-    nodes = ds.synthetic.num_nodes if ds.kind == "synthetic" else None
+    nodes, size_key = (ds.synthetic.num_nodes if ds.kind == "synthetic" else None), "num_nodes"
+    if ds.kind == "synthetic" and ds.synthetic.generator == "rmat":
+        nodes, size_key = 2 ** ds.synthetic.rmat.scale, "rmat.scale"
     if nodes is not None:
         _, _, ways, chunks = run_layout(wf, run)
         if max(ways, chunks) > nodes:
             raise ConfigError(f"{where}: {max(ways, chunks)} parts (workers or chunks) of the {nodes}-node graph "
-                              f"{run.dataset!r} (datasets.{run.dataset}.synthetic.num_nodes) leave some empty; use "
+                              f"{run.dataset!r} (datasets.{run.dataset}.synthetic.{size_key}) leave some empty; use "
                               f"at most {nodes}")
     per_node = min(run.workers, wf.resources.workers_per_node or run.workers)
     if run.workers % per_node:
