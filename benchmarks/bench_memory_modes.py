@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_memory_modes.py --out results/bench/memory_modes.json
     .venv/bin/python benchmarks/bench_memory_modes.py --out /tmp/mm.json --nodes 40000 --modes graph pipeline
-    .venv/bin/python benchmarks/bench_memory_modes.py --out /tmp/mm.json --smoke   # 400 nodes, 4 layers
+    .venv/bin/python benchmarks/bench_memory_modes.py --out /tmp/mm.json --smoke   # 400 nodes, 4 layers, the pipeline only
 
 On the ``default`` (DC-SBM) synthetic shape at ``--nodes`` nodes, a GCNII of ``--layers`` x
 ``--hidden`` (the issue's deep model: 16 x 128) is set up, trained ``--epochs`` epochs and evaluated
@@ -16,8 +16,9 @@ included), after training and after the evaluation, and the breakdown the engine
 of tensors autograd saved for backward in one epoch (``saved_tensors_hooks``: every chunk's, GPipe
 keeps them all until the backward) and the history buffers' bytes (several chunks per way). Per
 layout: the cost model's ``peak_mem_bytes`` (``planning.predict.predict_layout`` on the graph's
-own METIS statistics, with the measured process overhead) and its breakdown, and
-``predicted_over_measured`` (the largest rank's prediction over the largest rank's peak).
+own METIS statistics) and its breakdown, with the ``cpu-2core`` profile's process overhead (what
+``gnnpipe plan`` prints: ``predicted``) and with the ranks' own resident set after the imports
+(``predicted_own_overhead``), each over the largest rank's peak (``..._over_measured``).
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ def _worker(rank: int, world: int, cfg_dict: dict, epochs: int, mmap_threshold) 
     return out
 
 
-def predict(cfg: RunConfig, graph, overhead: float) -> dict:
-    """The cost model's peak per worker of ``cfg`` on ``graph`` (its own METIS statistics)."""
+def predict(cfg: RunConfig, graph, overhead=None) -> dict:
+    """The cost model's peak per worker of ``cfg`` on ``graph`` (its own METIS statistics), with the
+    ``cpu-2core`` profile's process overhead (what ``gnnpipe plan`` prints) or ``overhead`` bytes."""
     from gnnpipe.costmodel.hardware import load_hardware
     from gnnpipe.costmodel.bytes import first_input
     from gnnpipe.planning.fit import meta_model
@@ -123,7 +125,9 @@ def predict(cfg: RunConfig, graph, overhead: float) -> dict:
     parts = sorted({k for k in (cfg.ways, cfg.chunks) if k > 1})
     stats = graph_stats(graph, parts, seed=cfg.training.seed)
     gnn = meta_model(cfg.model, graph.num_features, graph.num_classes)
-    hw = dataclasses.replace(load_hardware("cpu-2core"), process_overhead_gib=overhead / 2**30)
+    hw = load_hardware("cpu-2core")
+    if overhead is not None:
+        hw = dataclasses.replace(hw, process_overhead_gib=overhead / 2**30)
     est = predict_layout(stats, gnn, model_shape(gnn), hw, cfg.mode, cfg.stages, cfg.ways, cfg.chunks,
                          balance=cfg.pipeline.balance, first_input=first_input(gnn, cfg.graph_parallel),
                          pipeline_cfg=cfg.pipeline)
@@ -137,7 +141,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--modes", nargs="+", default=["single", "graph", "pipeline", "hybrid"], choices=list(LAYOUTS))
-    ap.add_argument("--nodes", type=int, default=30_000)
+    ap.add_argument("--nodes", type=int, default=40_000)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--kind", default="gcnii")
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work-dir", default="results/bench/work/memory_modes")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--seed", type=int, default=0)
-    a = parse_args(ap, argv, nodes=400, layers=4, hidden=16, chunks=4, epochs=1, modes=["single", "pipeline"])
+    a = parse_args(ap, argv, nodes=400, layers=4, hidden=16, chunks=4, epochs=1, modes=["pipeline"])
     work = Path(a.work_dir)
     g = generate(SyntheticConfig(shape="default", num_nodes=a.nodes, seed=a.seed), name="default")
     graph_path = work / "graph.h5"
@@ -183,10 +187,11 @@ def main(argv=None) -> int:
             ranks = spawn_multi_process(_worker, workers, to_dict(cfg), a.epochs, a.mmap_threshold, timeout=a.timeout,
                                         threads=1, backend="gloo", env={"OMP_NUM_THREADS": "1"})
             overhead = max(r["imports_rss"] for r in ranks)
-            pred = predict(cfg, g, overhead)
+            pred, own = predict(cfg, g), predict(cfg, g, overhead)
             peak = max(r["eval_peak"] for r in ranks)
             r = {"ranks": ranks, "peak_mem_bytes": peak, "predicted": pred,
-                 "predicted_over_measured": pred["peak_mem_bytes"] / peak}
+                 "predicted_over_measured": pred["peak_mem_bytes"] / peak, "predicted_own_overhead": own,
+                 "predicted_own_overhead_over_measured": own["peak_mem_bytes"] / peak}
         except Exception as e:  # one failing mode must not lose the others' numbers
             r = {"error": f"{type(e).__name__}: {e}"[:4000]}
         r.update(mode=mode, workers=workers, stages=stages, ways=ways, chunks=chunks,
@@ -194,7 +199,8 @@ def main(argv=None) -> int:
         out["runs"].append(r)
         peaks = ", ".join(f"{x['eval_peak'] / 2**30:.3f}" for x in r.get("ranks", []))
         msg = (f"peak {r['peak_mem_bytes'] / 2**30:.3f} GiB per rank (max; ranks {peaks}), predicted "
-               f"{r['predicted']['peak_mem_bytes'] / 2**30:.3f} (x{r['predicted_over_measured']:.2f})"
+               f"{r['predicted']['peak_mem_bytes'] / 2**30:.3f} (x{r['predicted_over_measured']:.2f}; with this "
+               f"process's overhead x{r['predicted_own_overhead_over_measured']:.2f})"
                if "error" not in r else r["error"].splitlines()[0])
         print(f"[memory_modes] {mode} {stages}x{ways} C={chunks}: {msg}", file=sys.stderr, flush=True)
     out["machine"]["loadavg_after"] = os.getloadavg()
