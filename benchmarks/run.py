@@ -35,6 +35,7 @@ QUICK = {
     "layers": ["--quick"],
     "locality": ["--nodes", "20000"],
     "memory_cap": [],
+    "memory_modes": ["--nodes", "10000", "--epochs", "1"],
     "modes": ["--quick"],
     "narrow": [],
     "netem": [],
