@@ -8,7 +8,7 @@ One training step — forward, forces (GemNet-T: ``-dE/dpos`` with ``create_grap
 direct head), backward of ``sum(E²) + sum(F²)`` — one thread, float32, on rattled Cu (issue #34,
 "Performance"; the goal there: ours ≤ 0.8× fairchem's step time and ≤ 0.9× its saved activations):
 
-* ``small-T`` / ``small-dT``: the ``small`` preset's widths on a 4×4×4-slab Cu(111) (256 atoms);
+* ``small-T`` / ``small-dT``: the ``small`` preset's widths on a 4×4-cell, 4-layer Cu(111) slab (64 atoms);
 * ``default-T`` / ``default-dT``: the ``default`` preset (fairchem's gp-gemnet-dT.yml) on 2×2×2 cubic
   fcc Cu (32 atoms);
 * ``smoke`` (``--smoke``'s): tiny widths on 4 atoms of Cu.
@@ -50,7 +50,7 @@ from bench_dimenet_pyg import interleaved, saved_bytes
 from gnnpipe.atomic import neighbors as nb
 from gnnpipe.atomic.fairchem import GEMNET_SIZES, import_checkpoint
 from gnnpipe.atomic.gemnet import GemNetT, GemNetTConfig, preset
-from gnnpipe.atomic.parallel import single_graph, with_pos
+from gnnpipe.atomic.parallel import single_graph
 from gnnpipe.io import write_json
 from machine import machine_record
 from smoke import parse_args
@@ -89,11 +89,12 @@ def _config(spec: dict) -> GemNetTConfig:
 
 # --------------------------------------------------------------------------- our step
 def our_step(model: GemNetT, b: dict, dtype):
-    """One training step of ours on batch ``b``: a closure returning (energies, forces)."""
+    """One training step of ours on batch ``b``: a closure returning (energies, forces). Positions do not
+    require grad (GemNet-T differentiates a leaf copy; GemNet-dT's training step needs no gradient in them)."""
     g = single_graph(b, dtype)
 
     def step():
-        out = model(with_pos(g, g.pos.detach().clone().requires_grad_(True)))
+        out = model(g)
         e, f = out["energy"], out["forces"]
         (e.pow(2).sum() + f.pow(2).sum()).backward()
         return e.detach(), f.detach()
@@ -140,7 +141,8 @@ def ours_from(ref, attrs: dict) -> GemNetT:
 
 
 def fairchem_step(ref, b: dict, dtype):
-    """One training step of fairchem's model on ``b``'s edges: a closure returning (energies, forces)."""
+    """One training step of fairchem's model on ``b``'s edges: a closure returning (energies, forces)
+    (its GemNet-T sets ``pos.requires_grad``; its GemNet-dT does not)."""
     src, dst = torch.as_tensor(b["edge_src"]), torch.as_tensor(b["edge_dst"])
     shift = torch.as_tensor(b["edge_shift"], dtype=dtype)
     image = torch.as_tensor(np.rint(b["edge_shift"] @ np.linalg.inv(b["cell"])).astype(np.int64))
@@ -153,7 +155,7 @@ def fairchem_step(ref, b: dict, dtype):
                                      neighbors=torch.tensor([len(src)]))
 
     def step():
-        d = types.SimpleNamespace(pos=pos0.clone().requires_grad_(True), atomic_numbers=z, natoms=torch.tensor([len(z)]),
+        d = types.SimpleNamespace(pos=pos0.clone(), atomic_numbers=z, natoms=torch.tensor([len(z)]),
                                   batch=torch.zeros(len(z), dtype=torch.long), make_graph=make_graph)
         out = ref(d)
         e, f = out["energy"].reshape(-1), out["forces"]

@@ -13,7 +13,8 @@ import torch
 from gnnpipe.atomic import neighbors as nb
 from gnnpipe.atomic.gemnet import (GemNetT, GemNetTConfig, count_parameters, count_scale_factors, memory_per_worker,
                                    preset, step_bytes)
-from gnnpipe.atomic.gemnet_layers import CircularBasis, PolynomialEnvelope, RadialBasis, fit_scale_factors
+from gnnpipe.atomic.gemnet_layers import (CircularBasis, PolynomialEnvelope, RadialBasis, fit_scale_factors, pad_triplets,
+                                          triplet_slots)
 from gnnpipe.atomic.parallel import EdgeGroup, shard_graph, single_graph, with_pos
 from gnnpipe.atomic.protocol import ATOMIC_MODELS, DimeNetPPModel
 from gnnpipe.parallel.testing import spawn_multi_process
@@ -131,9 +132,11 @@ def test_efficient_bilinear_equals_a_naive_sum_and_fairchems_orientation(f64):
     e, t = g.num_local_edges, g.num_local_triplets
     torch.manual_seed(1)
     rad, sph, x = torch.randn(e, TINY.emb_size_cbf, TINY.num_spherical), torch.randn(t, TINY.num_spherical), \
-        torch.randn(t, TINY.emb_size_trip)
-    got = trip.bilinear(rad, sph, x, g.idx_ji, g.triplet_rank)
-    per = torch.einsum("tcs,ts,ti,ico->to", rad[g.idx_ji], sph, x, trip.bilinear.weight)
+        torch.randn(e, TINY.emb_size_trip)
+    sph_p = pad_triplets(sph, g.idx_ji, g.triplet_rank, e).transpose(1, 2)
+    slots = triplet_slots(g.idx_kj, g.idx_ji, g.triplet_rank, e)
+    got = trip.bilinear(rad, sph_p, x, slots)
+    per = torch.einsum("tcs,ts,ti,ico->to", rad[g.idx_ji], sph, x[g.idx_kj], trip.bilinear.weight)
     naive = per.new_zeros((e, per.shape[1])).index_add(0, g.idx_ji, per)
     torch.testing.assert_close(got, naive, rtol=1e-12, atol=1e-12)
 
@@ -154,8 +157,9 @@ def test_efficient_bilinear_equals_a_naive_sum_and_fairchems_orientation(f64):
         agg.append(torch.stack(terms).sum(0) if terms else torch.zeros(TINY.emb_size_bil_trip))
     agg = torch.stack(agg)
     want = (trip.up_ca(agg) + trip.up_ac(agg)[swap]) / math.sqrt(2)
-    sph_ours = model.circular(-(u[g.idx_ji] * u[g.idx_kj]).sum(-1))
-    torch.testing.assert_close(trip(m, model.mlp_rbf3(rbf), rad3, sph_ours, g), want, rtol=1e-10, atol=1e-12)
+    sph_ours = pad_triplets(model.circular(-(u[g.idx_ji] * u[g.idx_kj]).sum(-1)), g.idx_ji, g.triplet_rank, e)
+    got = trip(m, model.mlp_rbf3(rbf), rad3, sph_ours.transpose(1, 2), slots, g)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 # --------------------------------------------------------------------------- physics
