@@ -162,6 +162,33 @@ def test_efficient_bilinear_equals_a_naive_sum_and_fairchems_orientation(f64):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def test_the_angular_basis_is_padded_once_and_atom_sums_keep_no_messages(f64):
+    """Issue #34's memory goal: autograd keeps one padded angular basis (E, S, K) for every block (it
+    was built and kept per block), no (E, 2A + Ed) edge-embedding concatenation, and the sum of edge
+    messages into atoms keeps its index alone (``index_add`` kept the messages too)."""
+    b = _batch(5, dimers=0)
+    g = single_graph(b)
+    e, kmax = g.num_local_edges, int(g.triplet_rank.max()) + 1
+    cfg = dataclasses.replace(TINY, num_blocks=3)
+    model = _model("direct", cfg)
+    shapes: dict = {}
+
+    def pack(x):
+        shapes.setdefault(x.untyped_storage().data_ptr(), tuple(x.shape))
+        return x
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = model(g)
+        (out["energy"].pow(2).sum() + out["forces"].pow(2).sum()).backward()
+    kept = list(shapes.values())
+    assert kept.count((e, cfg.num_spherical, kmax)) == 1, kept
+    assert (e, 2 * cfg.emb_size_atom + cfg.emb_size_edge) not in kept
+    msg = torch.randn(e, 7, requires_grad=True)
+    shapes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        g.edges_to_atoms(msg * 2)
+    assert list(shapes.values()) == [(e,)]
+
+
 # --------------------------------------------------------------------------- physics
 def test_gemnet_t_forces_are_finite_differences(f64):
     b = _batch(1, dimers=1)
