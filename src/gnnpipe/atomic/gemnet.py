@@ -10,12 +10,12 @@ Per batch (E_loc local edges ``j -> i``, T_loc local triplets ``k -> j -> i``, N
 
     d, u  = |v|, v/|v|,  v = pos_i - pos_j - shift                   (E_loc,), (E_loc, 3)
     rbf   = u_env(d/c) · gauss_n(d/c)                                 (E_loc, R)
-    cbf   = Y_l^0(cos φ),  cos φ = -u_ji · u_kj   (angle at j)        (T_loc, S)
+    cbf   = Y_l^0(cos φ),  cos φ = -u_ji · u_kj   (angle at j)        (E_loc, S, K) padded once, every block's
     h     = emb(z)                                                    (N, A)        replicated lookup
     m     = Dense([h_j, h_i, rbf])                                    (E_loc, Ed)
     per block:
       x     = down(scale(Dense(m) ⊙ W rbf))                           (E_loc, Tr)
-      x_kj  = gather_edges(x)[idx_kj]                                 (T_loc, Tr)   all-gather
+      x_kj  = gather_edges(x)[slots]                                  (E_loc, K, Tr) all-gather, padded
       t     = scale(bilinear_τ→ji(W_cbf rbf_ji, cbf, x_kj))           (E_loc, Bt)   efficient layer
       t_rev = gather_edges(t)[id_swap]                                (E_loc, Bt)   all-gather
       m     = residuals(m, Dense(m) + (up_ca(t_rev) + up_ac(t))/√2)   (E_loc, Ed)
