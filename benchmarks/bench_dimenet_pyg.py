@@ -255,7 +255,7 @@ def pyg_ratio(spec: dict, num_systems: int, repeats: int = 20, warmup: int = 2, 
         ours, ref = ours.to(dtype), ref.to(dtype)
         step_ours, step_ref = _steps(ours, ref, b, dtype)
         mem = {"ours": saved_bytes(step_ours, ours), "pyg": saved_bytes(step_ref, ref)}
-        cpu, wall = _interleaved(step_ours, step_ref, ours, ref, repeats, warmup)
+        cpu, wall = interleaved({"ours": (step_ours, ours), "pyg": (step_ref, ref)}, repeats, warmup)
     c, w = _ratios(cpu), _ratios(wall)
     return {"systems": num_systems, "atoms": int(len(b["z"])), "edges": int(len(b["edge_src"])),
             "triplets": int(len(b["idx_kj"])), "model": vars(cfg), "repeats": repeats,
@@ -275,7 +275,7 @@ def energy_ratio(spec: dict, batch_size: int, repeats: int = 20, warmup: int = 2
     check_same_step(*_energy_steps(ours, ref, batches, torch.float64), ours, ref)
     ours, ref = ours.to(dtype), ref.to(dtype)
     steps = _energy_steps(ours, ref, batches, dtype)
-    cpu, wall = _interleaved(*steps, ours, ref, repeats, warmup)
+    cpu, wall = interleaved({"ours": (steps[0], ours), "pyg": (steps[1], ref)}, repeats, warmup)
     c, w = _ratios(cpu), _ratios(wall)
     split = products_split({"ours": (steps[0], ours), "pyg": (steps[1], ref)}, min(len(batches), 3))
     rows = statistics.median(len(b["edge_src"]) for b in batches)
@@ -344,13 +344,14 @@ def gemm_rate(rows: int, width: int, dtype, repeats: int = 50) -> float:
     return 2 * rows * width * width / 1e9 / max(best, 1e-9)
 
 
-def _interleaved(step_ours, step_ref, ours, ref, repeats: int, warmup: int) -> tuple[dict, dict]:
-    """CPU and wall seconds of each model's steps, alternating which goes first (the module docstring)."""
-    cpu = {"ours": [], "pyg": []}
-    wall = {"ours": [], "pyg": []}
+def interleaved(steps: dict, repeats: int, warmup: int) -> tuple[dict, dict]:
+    """CPU and wall seconds of each step (``steps``: name -> (step, model)), the order alternating
+    each repeat (the module docstring); the first ``warmup`` repeats are not kept."""
+    cpu, wall = ({name: [] for name in steps} for _ in range(2))
+    names = list(steps)
     for r in range(warmup + repeats):
-        order = (("ours", step_ours, ours), ("pyg", step_ref, ref))
-        for name, step, model in (order if r % 2 else order[::-1]):
+        for name in (names if r % 2 else names[::-1]):
+            step, model = steps[name]
             model.zero_grad(set_to_none=True)
             c0, w0 = time.process_time(), time.perf_counter()
             step()

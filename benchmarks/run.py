@@ -32,6 +32,7 @@ QUICK = {
     "dimenet_pyg": ["--quick"],
     "domains": ["--repeat", "8"],
     "foundation": ["--nodes", "100000"],
+    "gemnet_fairchem": ["--quick"],
     "layers": ["--quick"],
     "locality": ["--nodes", "20000"],
     "memory_cap": [],

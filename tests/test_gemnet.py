@@ -13,7 +13,8 @@ import torch
 from gnnpipe.atomic import neighbors as nb
 from gnnpipe.atomic.gemnet import (GemNetT, GemNetTConfig, count_parameters, count_scale_factors, memory_per_worker,
                                    preset, step_bytes)
-from gnnpipe.atomic.gemnet_layers import CircularBasis, PolynomialEnvelope, RadialBasis, fit_scale_factors
+from gnnpipe.atomic.gemnet_layers import (CircularBasis, PolynomialEnvelope, RadialBasis, fit_scale_factors, pad_triplets,
+                                          triplet_slots)
 from gnnpipe.atomic.parallel import EdgeGroup, shard_graph, single_graph, with_pos
 from gnnpipe.atomic.protocol import ATOMIC_MODELS, DimeNetPPModel
 from gnnpipe.parallel.testing import spawn_multi_process
@@ -131,9 +132,11 @@ def test_efficient_bilinear_equals_a_naive_sum_and_fairchems_orientation(f64):
     e, t = g.num_local_edges, g.num_local_triplets
     torch.manual_seed(1)
     rad, sph, x = torch.randn(e, TINY.emb_size_cbf, TINY.num_spherical), torch.randn(t, TINY.num_spherical), \
-        torch.randn(t, TINY.emb_size_trip)
-    got = trip.bilinear(rad, sph, x, g.idx_ji, g.triplet_rank)
-    per = torch.einsum("tcs,ts,ti,ico->to", rad[g.idx_ji], sph, x, trip.bilinear.weight)
+        torch.randn(e, TINY.emb_size_trip)
+    sph_p = pad_triplets(sph, g.idx_ji, g.triplet_rank, e).transpose(1, 2)
+    slots = triplet_slots(g.idx_kj, g.idx_ji, g.triplet_rank, e)
+    got = trip.bilinear(rad, sph_p, x, slots)
+    per = torch.einsum("tcs,ts,ti,ico->to", rad[g.idx_ji], sph, x[g.idx_kj], trip.bilinear.weight)
     naive = per.new_zeros((e, per.shape[1])).index_add(0, g.idx_ji, per)
     torch.testing.assert_close(got, naive, rtol=1e-12, atol=1e-12)
 
@@ -154,8 +157,36 @@ def test_efficient_bilinear_equals_a_naive_sum_and_fairchems_orientation(f64):
         agg.append(torch.stack(terms).sum(0) if terms else torch.zeros(TINY.emb_size_bil_trip))
     agg = torch.stack(agg)
     want = (trip.up_ca(agg) + trip.up_ac(agg)[swap]) / math.sqrt(2)
-    sph_ours = model.circular(-(u[g.idx_ji] * u[g.idx_kj]).sum(-1))
-    torch.testing.assert_close(trip(m, model.mlp_rbf3(rbf), rad3, sph_ours, g), want, rtol=1e-10, atol=1e-12)
+    sph_ours = pad_triplets(model.circular(-(u[g.idx_ji] * u[g.idx_kj]).sum(-1)), g.idx_ji, g.triplet_rank, e)
+    got = trip(m, model.mlp_rbf3(rbf), rad3, sph_ours.transpose(1, 2), slots, g)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_the_angular_basis_is_padded_once_and_atom_sums_keep_no_messages(f64):
+    """Issue #34's memory goal: autograd keeps one padded angular basis (E, S, K) for every block (it
+    was built and kept per block), no (E, 2A + Ed) edge-embedding concatenation, and the sum of edge
+    messages into atoms keeps its index alone (``index_add`` kept the messages too)."""
+    b = _batch(5, dimers=0)
+    g = single_graph(b)
+    e, kmax = g.num_local_edges, int(g.triplet_rank.max()) + 1
+    cfg = dataclasses.replace(TINY, num_blocks=3)
+    model = _model("direct", cfg)
+    shapes: dict = {}
+
+    def pack(x):
+        shapes.setdefault(x.untyped_storage().data_ptr(), tuple(x.shape))
+        return x
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = model(g)
+        (out["energy"].pow(2).sum() + out["forces"].pow(2).sum()).backward()
+    kept = list(shapes.values())
+    assert kept.count((e, cfg.num_spherical, kmax)) == 1, kept
+    assert (e, 2 * cfg.emb_size_atom + cfg.emb_size_edge) not in kept
+    msg = torch.randn(e, 7, requires_grad=True)
+    shapes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        g.edges_to_atoms(msg * 2)
+    assert list(shapes.values()) == [(e,)]
 
 
 # --------------------------------------------------------------------------- physics

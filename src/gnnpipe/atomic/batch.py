@@ -144,8 +144,9 @@ class AtomGraph:
         return x_own
 
     def edges_to_atoms(self, msg: Tensor) -> Tensor:
-        """(E_loc, w) edge messages -> (N_own, w): their sum into each own target atom."""
-        partial = msg.new_zeros((self.num_atoms, *msg.shape[1:])).index_add(0, self.edge_dst, msg)
+        """(E_loc, w) edge messages -> (N_own, w): their sum into each own target atom (an accumulating
+        ``index_put``: autograd keeps its index alone, where ``index_add`` keeps ``msg`` too)."""
+        partial = msg.new_zeros((self.num_atoms, *msg.shape[1:])).index_put((self.edge_dst,), msg, accumulate=True)
         return self.sum_atoms(partial)
 
     def to(self, device=None, dtype=None) -> "AtomGraph":

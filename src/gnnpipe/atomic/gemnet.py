@@ -10,12 +10,12 @@ Per batch (E_loc local edges ``j -> i``, T_loc local triplets ``k -> j -> i``, N
 
     d, u  = |v|, v/|v|,  v = pos_i - pos_j - shift                   (E_loc,), (E_loc, 3)
     rbf   = u_env(d/c) · gauss_n(d/c)                                 (E_loc, R)
-    cbf   = Y_l^0(cos φ),  cos φ = -u_ji · u_kj   (angle at j)        (T_loc, S)
+    cbf   = Y_l^0(cos φ),  cos φ = -u_ji · u_kj   (angle at j)        (E_loc, S, K) padded once, every block's
     h     = emb(z)                                                    (N, A)        replicated lookup
     m     = Dense([h_j, h_i, rbf])                                    (E_loc, Ed)
     per block:
       x     = down(scale(Dense(m) ⊙ W rbf))                           (E_loc, Tr)
-      x_kj  = gather_edges(x)[idx_kj]                                 (T_loc, Tr)   all-gather
+      x_kj  = gather_edges(x)[slots]                                  (E_loc, K, Tr) all-gather, padded
       t     = scale(bilinear_τ→ji(W_cbf rbf_ji, cbf, x_kj))           (E_loc, Bt)   efficient layer
       t_rev = gather_edges(t)[id_swap]                                (E_loc, Bt)   all-gather
       m     = residuals(m, Dense(m) + (up_ca(t_rev) + up_ac(t))/√2)   (E_loc, Ed)
@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from .batch import AtomGraph, gradient_forces
 from .gemnet_config import GemNetTConfig
 from .gemnet_layers import (INV_SQRT2, CircularBasis, CircularDown, Dense, EfficientBilinear, RadialBasis,
-                            ResidualLayer, ScaleFactor, mlp)
+                            ResidualLayer, ScaleFactor, mlp, pad_triplets, triplet_slots)
 from .parallel import collective_passes
 
 
@@ -75,14 +75,21 @@ def preset(name: str, **over) -> GemNetTConfig:
 
 # --------------------------------------------------------------------------- blocks
 class EdgeEmbedding(nn.Module):
-    """``Dense([h_src, h_dst, x])``: (N, A), (E_loc, F) -> (E_loc, out)."""
+    """``Dense([h_src, h_dst, x])``: (N, A), (E_loc, F) -> (E_loc, out).
+
+    Computed as ``act((h W_src^T)[src] + (h W_dst^T)[dst] + x W_x^T)`` with ``W = [W_src W_dst W_x]``:
+    the atom halves are projected on the N atom rows and gathered, not on E_loc concatenated rows,
+    and autograd keeps no (E_loc, 2A + F) concatenation (one weight, fairchem's, either way)."""
 
     def __init__(self, atom: int, fan_in: int, out: int):
         super().__init__()
+        self.atom = atom
         self.dense = Dense(2 * atom + fan_in, out)
 
     def forward(self, h: Tensor, x: Tensor, g: AtomGraph) -> Tensor:
-        return self.dense(torch.cat([h[g.edge_src], h[g.edge_dst], x], -1))
+        w, a = self.dense.linear.weight, self.atom  # (out, 2A + F)
+        hw = torch.nn.functional.linear(h, torch.cat([w[:, :a], w[:, a:2 * a]])).view(h.shape[0], 2, -1)  # (N, 2, out)
+        return self.dense.act(hw[g.edge_src, 0] + hw[g.edge_dst, 1] + torch.nn.functional.linear(x, w[:, 2 * a:]))
 
 
 class AtomUpdate(nn.Module):
@@ -137,12 +144,12 @@ class TripletInteraction(nn.Module):
         self.up_ca = Dense(c.emb_size_bil_trip, ed)
         self.up_ac = Dense(c.emb_size_bil_trip, ed)
 
-    def forward(self, m: Tensor, rbf3: Tensor, rad3: Tensor, sph: Tensor, g: AtomGraph) -> Tensor:
+    def forward(self, m: Tensor, rbf3: Tensor, rad3: Tensor, sph_p: Tensor, slots: Tensor, g: AtomGraph) -> Tensor:
         x = self.dense_ba(m)
         x = self.down(self.scale_rbf(x * self.mlp_rbf(rbf3), ref=x))  # (E_loc, Tr)
-        x_kj = g.gather_edges(x)[g.idx_kj]  # (T_loc, Tr): all-gather
-        t = self.bilinear(rad3, sph, x_kj, g.idx_ji, g.triplet_rank)  # (E_loc, Bt)
-        t = self.scale_cbf_sum(t, ref=x_kj)
+        x_all = g.gather_edges(x)  # the rows idx_kj reads: all-gather
+        t = self.bilinear(rad3, sph_p, x_all, slots)  # (E_loc, Bt)
+        t = self.scale_cbf_sum(t, ref=x_all[g.idx_kj] if self.scale_cbf_sum.fitting else x)  # ref: the (T_loc, Tr) inputs
         t_rev = g.gather_edges(t, "swap")[g.id_swap]  # (E_loc, Bt): the reverse edge's aggregate
         return (self.up_ca(t_rev) + self.up_ac(t)) * INV_SQRT2
 
@@ -162,8 +169,8 @@ class InteractionBlock(nn.Module):
         self.residual_m = nn.ModuleList([ResidualLayer(ed) for _ in range(c.num_concat)])
 
     def forward(self, h_own: Tensor, m: Tensor, bases: tuple, g: AtomGraph) -> tuple[Tensor, Tensor]:
-        rbf3, rad3, sph, rbf_h = bases
-        x = (self.dense_ca(m) + self.trip(m, rbf3, rad3, sph, g)) * INV_SQRT2
+        rbf3, rad3, sph_p, slots, rbf_h = bases
+        x = (self.dense_ca(m) + self.trip(m, rbf3, rad3, sph_p, slots, g)) * INV_SQRT2
         for layer in self.layers_before_skip:
             x = layer(x)
         m = (m + x) * INV_SQRT2
@@ -220,7 +227,12 @@ class GemNetT(nn.Module):
         v_kj = g.kj_vectors()  # (T_loc, 3)
         cos = -(u[g.idx_ji] * v_kj).sum(-1) / v_kj.norm(dim=-1)  # angle at j between j->i and j->k
         rbf = self.radial(d)  # (E_loc, R)
-        bases = (self.mlp_rbf3(rbf), self.mlp_cbf3(rbf), self.circular(cos), self.mlp_rbf_h(rbf))
+        e = g.num_local_edges
+        # built once, shared by every block: the padded angular basis (E_loc, S, K) and the input rows of each
+        # triplet slot (E_loc, K)
+        sph_p = pad_triplets(self.circular(cos), g.idx_ji, g.triplet_rank, e).transpose(1, 2)
+        slots = triplet_slots(g.idx_kj, g.idx_ji, g.triplet_rank, e)
+        bases = (self.mlp_rbf3(rbf), self.mlp_cbf3(rbf), sph_p, slots, self.mlp_rbf_h(rbf))
         rbf_out = self.mlp_rbf_out(rbf)
         h = self.atom_emb(g.z)  # (N, A): a lookup, replicated
         m = self.edge_emb(h, rbf, g)  # (E_loc, Ed)
@@ -325,17 +337,19 @@ def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int,
 
     * per edge, the direct head (dT) by counting the ops: a Dense with activation keeps its input
       and pre-activation, a residual layer 4 rows of its width, a product both factors; per
-      interaction block ``(13 + 4·(before + after + concat))·Ed + (1 + S + C)·Tr + 2·Bt + 2·A``,
-      per output block ``(6 + 4·num_atom)·Ed``, once ``2·Ed + 2·A + 2·R + 3·Rb + C·S``;
+      interaction block ``(12 + 4·(before + after + concat))·Ed + (1 + S + C)·Tr + 2·Bt``, per
+      output block ``(6 + 4·num_atom)·Ed``, once ``2·Ed + 2·R + 3·Rb + C·S``;
     * the gradient head (T) keeps the graph of the force pass as well: measured with
       ``saved_tensors_hooks`` (distinct storages), by finite differences in every width, the
       residual layers keep 16 rows instead of 4, the bases and triplet parts twice as much;
-      per interaction block ``(47 + 16·(...))·Ed + (2·(1 + S + C) + 5)·Tr + 3·Bt + 2·A``, per
-      output block ``4·Ed``, once ``8·Ed + 2·A + 8·R + 6·Rb + 2·C·S``;
+      per interaction block ``(46 + 16·(...))·Ed + (2·(1 + S + C) + 5)·Tr + 3·Bt``, per
+      output block ``4·Ed``, once ``8·Ed + 8·R + 6·Rb + 2·C·S``;
     * per padded triplet slot (E_loc·K_max ≈ ``padding``·T_loc, K_max the most triplets of one
-      edge): ``S`` (dT) or ``S + Tr`` (T) per block; per triplet ``3·S + 11`` (T only);
+      edge): the padded angular basis, ``S`` once (built once, shared by the blocks), and (T) the
+      padded input messages ``Tr`` per block; per triplet ``3·S + 11`` (T only);
     * per atom: each of the 2K + 1 atom MLPs ``Ed + (a + 4·num_atom)·A`` (T: ``16·num_atom``,
-      a = 7; dT: a = 1) and ``A`` per output block;
+      a = 7; dT: a = 1), ``A`` per output block, and the K + 1 edge embeddings' atom rows ``A``
+      (their atom halves are projected per atom, then gathered: no (E, 2A) rows), T also ``2K·Ed``;
     * ``gathered``: one block's all-gathered edge rows and atom rows, alive at once.
 
     An estimate for sizing (tests: within 20 % of a measured step of each head), not an
@@ -346,14 +360,14 @@ def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int,
                                    c.num_spherical, c.emb_size_cbf, c.num_radial, c.emb_size_rbf)
     res = c.num_before_skip + c.num_after_skip + c.num_concat
     if c.force_head == "direct":
-        per_block = (13 + 4 * res) * ed + (1 + s + cb) * tr + 2 * bt + 2 * a
-        per_edge = k * per_block + (k + 1) * (6 + 4 * c.num_atom) * ed + 2 * ed + 2 * a + 2 * r + 3 * rb + cb * s
-        per_slot, per_triplet, mlp_a, res_a = k * s, 0, 1, 4
+        per_block = (12 + 4 * res) * ed + (1 + s + cb) * tr + 2 * bt
+        per_edge = k * per_block + (k + 1) * (6 + 4 * c.num_atom) * ed + 2 * ed + 2 * r + 3 * rb + cb * s
+        per_slot, per_triplet, mlp_a, res_a, atom_ed = s, 0, 1, 4, 0
     else:
-        per_block = (47 + 16 * res) * ed + (2 * (1 + s + cb) + 5) * tr + 3 * bt + 2 * a
-        per_edge = k * per_block + (k + 1) * 4 * ed + 8 * ed + 2 * a + 8 * r + 6 * rb + 2 * cb * s
-        per_slot, per_triplet, mlp_a, res_a = k * (s + tr), 3 * s + 11, 7, 16
-    per_atom = (2 * k + 1) * (ed + (mlp_a + res_a * c.num_atom) * a) + (k + 1) * a
+        per_block = (46 + 16 * res) * ed + (2 * (1 + s + cb) + 5) * tr + 3 * bt
+        per_edge = k * per_block + (k + 1) * 4 * ed + 8 * ed + 8 * r + 6 * rb + 2 * cb * s
+        per_slot, per_triplet, mlp_a, res_a, atom_ed = s + k * tr, 3 * s + 11, 7, 16, 2 * k * ed
+    per_atom = (2 * k + 1) * (ed + (mlp_a + res_a * c.num_atom) * a) + 2 * (k + 1) * a + atom_ed
     local = lambda n: -(-n // ways)  # noqa: E731 - the largest block of np.array_split
     out = {"parameters": 4 * count_parameters(cfg) * b,
            "triplet": int((per_triplet + per_slot * padding) * b * local(triplets)),

@@ -91,6 +91,11 @@ class ScaleFactor(nn.Module):
         self._stats: list[float] | None = None  # [Σ n·Var(ref), Σ n·Var(x), Σ n] while fitting
         self._seen: list | None = None  # execution order while tracing
 
+    @property
+    def fitting(self) -> bool:
+        """Whether ``fit_scale_factors`` is fitting this factor now (the only time ``ref`` is read)."""
+        return self._stats is not None
+
     def forward(self, x: Tensor, ref: Tensor) -> Tensor:
         x = x * self.scale_factor.to(x.dtype)
         if self._seen is not None and self not in self._seen:
@@ -225,6 +230,15 @@ def pad_triplets(x: Tensor, idx_ji: Tensor, rank: Tensor, num_edges: int) -> Ten
     return out.index_put((idx_ji, rank), x)
 
 
+def triplet_slots(idx_kj: Tensor, idx_ji: Tensor, rank: Tensor, num_edges: int) -> Tensor:
+    """(E, K): 1 + the input edge row of each output edge's k-th triplet, 0 where it has fewer
+    (``EfficientBilinear`` reads its padded input rows by it in one gather: row 0 is zeros)."""
+    k = int(rank.max()) + 1 if rank.numel() else 0
+    slots = idx_kj.new_zeros((num_edges, k))
+    slots[idx_ji, rank] = idx_kj + 1
+    return slots
+
+
 class EfficientBilinear(nn.Module):
     """Σ over an output edge's triplets of a bilinear form, in the efficient order.
 
@@ -234,7 +248,9 @@ class EfficientBilinear(nn.Module):
         out[e, o] = Σ_τ Σ_{s, c, i} r_e[c, s] · Y_τ[s] · x_τ[i] · W[i, c, o]
 
     computed as ``Σ_τ Y_τ ⊗ x_τ`` first (one padded (E, S, K) @ (E, K, I) product), then the
-    radial projection and W, so no (T, C, ·) tensor is ever formed.
+    radial projection and W, so no (T, C, ·) tensor is ever formed. The angular basis comes
+    padded (built once per forward and shared by every block, as fairchem does), the input
+    messages as edge rows, padded here by one gather through ``triplet_slots`` (no (T, I) copy).
     """
 
     def __init__(self, emb_in: int, emb_cbf: int, emb_out: int):
@@ -242,12 +258,11 @@ class EfficientBilinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(emb_in, emb_cbf, emb_out))  # (I, C, O)
         he_orthogonal_(self.weight)
 
-    def forward(self, rad: Tensor, sph: Tensor, x: Tensor, idx_ji: Tensor, rank: Tensor) -> Tensor:
-        # rad (E, C, S) per output edge; sph (T, S), x (T, I) per triplet -> (E, O)
-        e = rad.shape[0]
-        sph_p = pad_triplets(sph, idx_ji, rank, e).transpose(1, 2)  # (E, S, K)
-        x_p = pad_triplets(x, idx_ji, rank, e)  # (E, K, I)
+    def forward(self, rad: Tensor, sph_p: Tensor, x: Tensor, slots: Tensor) -> Tensor:
+        # rad (E, C, S), sph_p (E, S, K) per output edge; x (rows, I) the input edges' rows;
+        # slots (E, K) into [0; x] -> (E, O)
+        e, k = slots.shape
+        x_p = torch.cat([x.new_zeros((1, x.shape[1])), x])[slots.reshape(-1)].view(e, k, x.shape[1])  # (E, K, I)
         sum_k = torch.bmm(sph_p, x_p)  # (E, S, I)
         rs = torch.bmm(rad, sum_k)  # (E, C, I)
         return torch.einsum("eci,ico->eo", rs, self.weight)
-
