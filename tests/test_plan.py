@@ -473,9 +473,11 @@ def test_plan_stats_reads_the_partition_rules_files_instead_of_partitioning_agai
     made = tmp_path / "partitions" / "metis-4.npy"  # as the partition rule writes it, its JSON beside it
     assert main(["partition", "--graph", str(graph_path), "--method", "metis", "--parts", "4", "--seed", "0",
                  "--out", str(made), "--stats", str(made.with_suffix(".json"))]) == 0
+    import gnnpipe.partition as gp
+
     metis = []
-    real = ps.partition_graph
-    monkeypatch.setattr(ps, "partition_graph", lambda g, m, k, **kw: metis.append(k) or real(g, m, k, **kw))
+    real = gp.partition_graph
+    monkeypatch.setattr(gp, "partition_graph", lambda g, m, k, **kw: metis.append(k) or real(g, m, k, **kw))
     reused = tmp_path / "reused.json"
     assert main(["plan-stats", "--graph", str(graph_path), "--parts", "2", "4", "--assignment", f"4={made}",
                  "--out", str(reused)]) == 0

@@ -20,13 +20,14 @@ import numpy as np
 
 from ..graph import read_graph, read_graph_attrs
 from ..io import GnnPipeError, write_json
-from ..partition import partition_graph, partition_stats, read_partition
 
 STATS_VERSION = 2  # 2: chunk_ways (the hybrid's ways as blocks of chunks)
 
 
 def partition_summary(graph, assignment: np.ndarray, parts: int) -> dict:
     """``partition_stats`` plus the inner nodes of every part (no in-neighbour outside it)."""
+    from ..partition import partition_stats  # (with scipy: not for the report reading a cached file)
+
     st = partition_stats(graph, assignment, parts)
     deg = graph.in_degrees()
     dst = np.repeat(np.arange(graph.num_nodes, dtype=np.int64), deg)
@@ -51,6 +52,8 @@ def graph_stats(graph, parts: Sequence[int], *, method: str = "metis", seed: int
     ``g·C/G ..`` of the C chunks. So for every C in ``parts`` and every divisor ``1 < G <
     C``, ``chunk_ways[str(C)][str(G)]`` holds the statistics of those ways (the engine's
     halo per way, hence the hybrid's exact bytes)."""
+    from ..partition import partition_graph
+
     out = {"version": STATS_VERSION, "name": graph.name, "num_nodes": graph.num_nodes,
            "num_edges": graph.num_edges, "num_features": graph.num_features,
            "num_classes": graph.num_classes, "method": method, "seed": seed,
@@ -120,6 +123,8 @@ def read_assignments(files: Mapping[int, str | os.PathLike], num_nodes: int, *, 
     """Part count -> the assignment in its partition file, refused (one line) when the file's
     statistics JSON beside it (``<name>.json``, written with it by the ``partition`` rule) names
     another method, seed or balance than the ones asked for, or when it has no such JSON."""
+    from ..partition import read_partition
+
     want = dict(method=method, seed=seed, balance_edges=balance_edges, balance_nodes=balance_nodes)
     out = {}
     for g, path in files.items():
