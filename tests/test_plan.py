@@ -461,3 +461,40 @@ def test_plan_stats_command_writes_where_it_is_told(tmp_path):
     assert set(st["partitions"]) == {"2", "4"} and st["num_nodes"] == 600
     assert not ps.stats_cache_path(graph_path).exists()
     assert st["partitions"]["2"] == ps.graph_stats(_graph(), [2])["partitions"]["2"]
+
+
+def test_plan_stats_reads_the_partition_rules_files_instead_of_partitioning_again(tmp_path, monkeypatch):
+    from gnnpipe.cli import main
+
+    graph_path = tmp_path / "graph.h5"
+    write_graph(graph_path, _graph())
+    fresh = tmp_path / "fresh.json"
+    assert main(["plan-stats", "--graph", str(graph_path), "--parts", "2", "4", "--out", str(fresh)]) == 0
+    made = tmp_path / "partitions" / "metis-4.npy"  # as the partition rule writes it, its JSON beside it
+    assert main(["partition", "--graph", str(graph_path), "--method", "metis", "--parts", "4", "--seed", "0",
+                 "--out", str(made), "--stats", str(made.with_suffix(".json"))]) == 0
+    import gnnpipe.partition as gp
+
+    metis = []
+    real = gp.partition_graph
+    monkeypatch.setattr(gp, "partition_graph", lambda g, m, k, **kw: metis.append(k) or real(g, m, k, **kw))
+    reused = tmp_path / "reused.json"
+    assert main(["plan-stats", "--graph", str(graph_path), "--parts", "2", "4", "--assignment", f"4={made}",
+                 "--out", str(reused)]) == 0
+    assert metis == [2]  # only the count no file holds
+    assert json.loads(reused.read_text()) == json.loads(fresh.read_text())
+
+
+def test_plan_stats_refuses_a_partition_made_with_other_settings(tmp_path, capsys):
+    from gnnpipe.cli import main
+
+    graph_path = tmp_path / "graph.h5"
+    write_graph(graph_path, _graph())
+    made = tmp_path / "metis-2.npy"
+    assert main(["partition", "--graph", str(graph_path), "--method", "metis", "--parts", "2", "--seed", "3",
+                 "--out", str(made), "--stats", str(made.with_suffix(".json"))]) == 0
+    out = tmp_path / "stats.json"
+    assert main(["plan-stats", "--graph", str(graph_path), "--parts", "2", "--assignment", f"2={made}",
+                 "--out", str(out)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "metis-2.npy" in err[-1] and "'seed': 3" in err[-1] and not out.exists()

@@ -120,6 +120,26 @@ def test_report_table_ratios_and_plots(tmp_path, runs):
     assert sorted(Path(l).name for l in links) == pngs and all((out.parent / l).is_file() for l in links)
 
 
+def test_a_plot_is_drawn_once_and_its_pixels_are_savefigs(tmp_path, runs, monkeypatch):
+    """The report writes each figure after one draw (constrained layout inside it), not savefig's two
+    (a layout draw, then the render): the same pixels, half the drawing (#36)."""
+    import numpy as np
+    from matplotlib.figure import Figure
+    from matplotlib.image import imread
+
+    from gnnpipe.report import plots
+
+    deep = [load_run(d) for d in runs[:3]]
+    draws = []
+    real = Figure.draw
+    monkeypatch.setattr(Figure, "draw", lambda fig, renderer: draws.append(fig) or real(fig, renderer))
+    plots.plot_curves(deep[0].group, deep, tmp_path / "new.png")
+    assert len(draws) == 1
+    monkeypatch.setattr(plots, "save", lambda fig, path: fig.savefig(path, format="png", dpi=110))
+    plots.plot_curves(deep[0].group, deep, tmp_path / "savefig.png")
+    assert np.array_equal(imread(tmp_path / "new.png"), imread(tmp_path / "savefig.png"))
+
+
 def test_curves_have_a_line_per_run_and_skip_unevaluated_epochs(tmp_path, runs):
     deep = [load_run(d) for d in runs[:3]]
     fig = plot_curves(deep[0].group, deep, tmp_path / "c.png")

@@ -4,6 +4,7 @@ Jobs that need no tensors (build_graph, partition, locality, plan_stats, and ``g
 which stays alive beside the training it started) must not import torch or MLflow for the
 command line's parser: ~3 s of CPU and ~200 MB resident each, measured on this machine."""
 
+import json
 import subprocess
 import sys
 
@@ -54,3 +55,30 @@ def test_materialize_writes_a_store_without_importing_torch(tmp_path):
 
     block = ChunkStore(tmp_path / "s.h5").local_block(0)
     assert block.n_dst == 100 and block.deg_dst.dtype == torch.float32
+
+
+def test_the_report_imports_no_torch_for_runs_it_cannot_predict(tmp_path):
+    """``gnnpipe report`` imports neither torch (through the cost model's stage split) nor scipy (through
+    the partitioner) to load: ~3.5 s of a 10-run report (#36). Runs without a ``run.yaml`` are not
+    predicted, so a report of them never needs torch; the plots are written all the same."""
+    root = tmp_path / "runs" / "r1"
+    root.mkdir(parents=True)
+    history = [{"epoch": e, "loss": 1.0 / (e + 1), "epoch_time_s": 0.1, "compute_s": 0.1, "comm_s": 0.0,
+                "bubble_s": 0.0, "comm_bytes": 0, "train_acc": 0.5, "val_acc": 0.5, "test_acc": 0.5}
+               for e in range(3)]
+    (root / "metrics.json").write_text(json.dumps(
+        {"run_id": "r1", "mode": "single", "dataset": "d", "num_nodes": 10, "num_edges": 20, "in_features": 4,
+         "model": "gcn", "layers": 2, "hidden": 8, "world_size": 1, "stages": 1, "ways": 1, "chunks": 1,
+         "epochs": 3, "dtype_bytes": 4, "epoch_time_s": 0.1, "comm_bytes_per_epoch": 0,
+         "epoch_time_breakdown_s": {"compute": 0.1, "comm": 0.0, "bubble": 0.0}, "comm_bytes_predicted": 0,
+         "peak_mem_bytes": 10**6, "train_acc": 0.5, "val_acc": 0.5, "test_acc": 0.5, "final_loss": 1.0,
+         "history": history}))
+    code = ("import sys\n"
+            "from gnnpipe.cli import main\n"
+            f"rc = main(['report', '--runs-dir', {str(tmp_path / 'runs')!r}, '--run', 'r1', '--out', "
+            f"{str(tmp_path / 'report.md')!r}, '--plots', {str(tmp_path / 'plots')!r}])\n"
+            "print(rc, sorted(m for m in ('torch', 'scipy') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0 and done.stdout.split("\n")[0] == "0 []", done.stderr
+    assert (tmp_path / "report.md").exists() and list((tmp_path / "plots").glob("*.png"))

@@ -65,6 +65,11 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
         assert f"results/cost_model/{d}/{m}.yaml" in out
     for store in stores:  # exactly the stores the runs read, at k = P (graph) or C (pipeline)
         assert f"output: {store}" in out
+    for d in node:  # plan_stats reads the partitions the stores are made of, partitions only the others
+        cmd = next(l for l in out.splitlines() if l.startswith("Shell command:") and "gnnpipe plan-stats" in l
+                   and f"/data/{d}/graph.h5" in l)
+        counts = {r.chunks for r in runs.values() if r.dataset_name == d and r.store_path}
+        assert counts and all(f"--assignment {k}=results/partitions/{d}/metis-{k}.npy" in cmd for k in counts), cmd
     for rid, run in runs.items():
         cmd = next(l for l in out.splitlines() if l.startswith("Shell command:") and f"runs/{rid}/run.yaml >" in l
                    and " train " in l)

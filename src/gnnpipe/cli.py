@@ -328,7 +328,14 @@ def _plan_stats(a):
     from .planning.stats import cached_graph_stats
 
     cached_graph_stats(a.graph, a.parts, method=a.method, seed=a.seed, balance_edges=a.balance_edges,
-                       balance_nodes=a.balance_nodes, progress=True, cache_file=a.out)
+                       balance_nodes=a.balance_nodes, progress=True, cache_file=a.out, assignments=dict(a.assignment))
+
+
+def _part_file(text: str) -> tuple[int, str]:
+    k, sep, path = text.partition("=")
+    if not (sep and k.isdigit() and path):
+        raise argparse.ArgumentTypeError(f"expected PARTS=FILE such as 4=results/partitions/d/metis-4.npy, got {text!r}")
+    return int(k), path
 
 
 def _ratio(text: str) -> tuple[int, float]:
@@ -638,7 +645,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Partition the graph into each of --parts parts (as the partition rule does) "
                     "and write the statistics the cost model reads: rows, inner rows, in-edges and "
                     "mirrors per part. An existing file for the same graph content, method and seed "
-                    "is extended, not recomputed.")
+                    "is extended, not recomputed; a part count given an --assignment reads that "
+                    "partition instead of partitioning again.")
     ps.add_argument("--graph", required=True, help="graph.h5")
     ps.add_argument("--parts", type=int, nargs="*", default=[],
                     help="part counts (none: the graph's sizes only)")
@@ -646,6 +654,9 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--seed", type=int, default=0)
     ps.add_argument("--no-balance-edges", dest="balance_edges", action="store_false")
     ps.add_argument("--no-balance-nodes", dest="balance_nodes", action="store_false")
+    ps.add_argument("--assignment", type=_part_file, action="append", default=[], metavar="PARTS=FILE",
+                    help="a partition already made (`gnnpipe partition` / the partition rule: the .npy, its "
+                         ".json beside it) with this method, seed and balance; repeatable")
     ps.add_argument("--out", required=True, help="statistics JSON to write")
     ps.set_defaults(func=_plan_stats, outputs=("out",))
     return p

@@ -5,6 +5,7 @@
 import os
 import sys
 import re
+import shlex
 
 import yaml
 from snakemake.exceptions import WorkflowError
@@ -171,6 +172,21 @@ def plan_parts(wildcards) -> list[int]:
     """The partitions the cost model needs for a dataset's runs: ways and chunk counts > 1."""
     return sorted({k for r in RUNS.values() if r.dataset_name == wildcards.dataset
                    for k in (r.ways, r.chunks) if k > 1})
+
+
+def plan_assignments(wildcards) -> dict:
+    """The partitions (the partition rule) the dataset's runs already need, by part count: plan_stats
+    reads them instead of running METIS again (same method, seed and balance: WF.partitioning)."""
+    method = WF.partitioning.method
+    return {f"part_{k}": f"{RESULTS}/partitions/{wildcards.dataset}/{method}-{k}.npy"
+            for k in sorted({r.chunks for r in RUNS.values()  # a chunk store's partition: chunks parts
+                             if r.dataset_name == wildcards.dataset and r.store_path and r.chunks > 1})}
+
+
+def plan_assignment_args(wildcards, input) -> str:
+    """plan_stats's --assignment K=FILE arguments for its inputs from plan_assignments."""
+    quoted = (shlex.quote(f"{k.removeprefix('part_')}={v}") for k, v in input.items() if k.startswith("part_"))
+    return " ".join(f"--assignment {q}" for q in quoted)
 
 
 def calibration_inputs(wildcards) -> dict:

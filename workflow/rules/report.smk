@@ -26,8 +26,10 @@ rule report:
 
 
 rule plan_stats:
-    """Partition statistics of a dataset for the cost model: every partition its runs use."""
+    """Partition statistics of a dataset for the cost model: every partition its runs use (those
+    the partition rule makes for the chunk stores are read, not computed again)."""
     input:
+        unpack(plan_assignments),
         graph=f"{RESULTS}/data/{{dataset}}/graph.h5",
     output:
         stats=f"{COST_DIR}/{{dataset}}/plan-stats.json",
@@ -41,11 +43,13 @@ rule plan_stats:
         seed=WF.partitioning.seed,
         balance_edges="" if WF.partitioning.balance_edges else "--no-balance-edges",
         balance_nodes="" if WF.partitioning.balance_nodes else "--no-balance-nodes",
+        assignments=plan_assignment_args,
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
         "gnnpipe plan-stats --graph {input.graph:q} --parts {params.parts:q} --method {params.method:q}"
         " --seed {params.seed:q} {params.balance_edges:q} {params.balance_nodes:q}"
+        " {params.assignments}"
         " --out {output.stats:q} > {log:q} 2>&1"
 
 

@@ -11,7 +11,6 @@ from ..costmodel.estimate import Estimate, WayStats, estimate
 from ..costmodel.hardware import Hardware
 from ..costmodel.work import ModelShape, gather_work, layer_cost, loss_work, rowwise_work
 from ..io import GnnPipeError
-from ..parallel.balance import balanced_bounds, estimate_costs, uniform_bounds
 
 
 def stage_bounds(model, stages: int, balance: str, num_nodes: int, num_edges: int,
@@ -21,6 +20,10 @@ def stage_bounds(model, stages: int, balance: str, num_nodes: int, num_edges: in
     ``estimate`` from the model's whole-graph FLOPs, ``profile`` from per-conv times on a
     sample chunk (the engine times its largest chunk; here the cost model's prediction for
     ``sample = (rows, source rows, in-edges)``), ``uniform``."""
+    # the engine's own split functions, imported here: their module imports torch (the engine's
+    # profiling), and importing the report or the planner must not (#36: ~3 s a job)
+    from ..parallel.balance import balanced_bounds, estimate_costs, uniform_bounds
+
     L = len(model.convs)
     if stages == 1:
         return [(0, L)]

@@ -14,19 +14,20 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
 from ..graph import read_graph, read_graph_attrs
 from ..io import GnnPipeError, write_json
-from ..partition import partition_graph, partition_stats
 
 STATS_VERSION = 2  # 2: chunk_ways (the hybrid's ways as blocks of chunks)
 
 
 def partition_summary(graph, assignment: np.ndarray, parts: int) -> dict:
     """``partition_stats`` plus the inner nodes of every part (no in-neighbour outside it)."""
+    from ..partition import partition_stats  # (with scipy: not for the report reading a cached file)
+
     st = partition_stats(graph, assignment, parts)
     deg = graph.in_degrees()
     dst = np.repeat(np.arange(graph.num_nodes, dtype=np.int64), deg)
@@ -40,28 +41,36 @@ def partition_summary(graph, assignment: np.ndarray, parts: int) -> dict:
 
 
 def graph_stats(graph, parts: Sequence[int], *, method: str = "metis", seed: int = 0,
-                balance_edges: bool = True, balance_nodes: bool = True, progress: bool = False) -> dict:
+                balance_edges: bool = True, balance_nodes: bool = True, progress: bool = False,
+                assignments: Optional[Mapping[int, np.ndarray]] = None) -> dict:
     """What the plan needs of ``graph``: its sizes and, for every G in ``parts``, the
     statistics of its ``method`` partition into G parts (``partitions[str(G)]``).
+    ``assignments[G]``, where given, is that partition already computed (the workflow's
+    ``partition`` rule, same method, seed and balance): it is used instead of partitioning again.
 
     A hybrid run's ways are not a G-way partition of their own: way ``g`` owns the block
     ``g·C/G ..`` of the C chunks. So for every C in ``parts`` and every divisor ``1 < G <
     C``, ``chunk_ways[str(C)][str(G)]`` holds the statistics of those ways (the engine's
     halo per way, hence the hybrid's exact bytes)."""
+    from ..partition import partition_graph
+
     out = {"version": STATS_VERSION, "name": graph.name, "num_nodes": graph.num_nodes,
            "num_edges": graph.num_edges, "num_features": graph.num_features,
            "num_classes": graph.num_classes, "method": method, "seed": seed,
            "balance_edges": balance_edges, "balance_nodes": balance_nodes, "partitions": {}, "chunk_ways": {}}
     for g in sorted(set(int(p) for p in parts)):
         t0 = time.perf_counter()
-        a = partition_graph(graph, method, g, seed=seed, balance_edges=balance_edges, balance_nodes=balance_nodes)
+        given = (assignments or {}).get(g)
+        a = given if given is not None else partition_graph(graph, method, g, seed=seed, balance_edges=balance_edges,
+                                                              balance_nodes=balance_nodes)
         out["partitions"][str(g)] = partition_summary(graph, a, g)
         ways = {str(w): partition_summary(graph, a // (g // w), w) for w in range(2, g) if g % w == 0}
         if ways:
             out["chunk_ways"][str(g)] = ways
         if progress:
             r = out["partitions"][str(g)]["mirrors_over_n"]
-            print(f"[plan] {method} {g} parts: mirrors {r:.3f} N ({time.perf_counter() - t0:.1f} s)",
+            how = "given" if given is not None else "computed"
+            print(f"[plan] {method} {g} parts ({how}): mirrors {r:.3f} N ({time.perf_counter() - t0:.1f} s)",
                   file=sys.stderr, flush=True)
     return out
 
@@ -73,10 +82,13 @@ def stats_cache_path(graph_path: str | os.PathLike) -> Path:
 
 def cached_graph_stats(graph_path: str | os.PathLike, parts: Sequence[int], *, method: str = "metis",
                        seed: int = 0, balance_edges: bool = True, balance_nodes: bool = True, progress: bool = False,
-                       cache_file: str | os.PathLike | None = None) -> dict:
+                       cache_file: str | os.PathLike | None = None,
+                       assignments: Optional[Mapping[int, str | os.PathLike]] = None) -> dict:
     """:func:`graph_stats` of a graph file, reusing (and extending) the JSON cache
     ``cache_file`` (default: next to the graph, :func:`stats_cache_path`); a cache of
-    another graph content, method, seed or balance is ignored and rewritten."""
+    another graph content, method, seed or balance is ignored and rewritten.
+    ``assignments``: part count -> partition file (``gnnpipe partition``) to read instead of
+    partitioning again; :func:`read_assignments` checks that it was made with these settings."""
     attrs = read_graph_attrs(graph_path)
     digest = str(attrs["content_hash"])
     cache_file = Path(cache_file) if cache_file is not None else stats_cache_path(graph_path)
@@ -94,14 +106,40 @@ def cached_graph_stats(graph_path: str | os.PathLike, parts: Sequence[int], *, m
     if not need and cached is not None:  # (parts = []: no cache yet means compute the sizes)
         return cached
     graph = read_graph(graph_path)
+    given = read_assignments({g: p for g, p in (assignments or {}).items() if g in need}, graph.num_nodes,
+                             method=method, seed=seed, balance_edges=balance_edges, balance_nodes=balance_nodes)
     fresh = graph_stats(graph, need, method=method, seed=seed, balance_edges=balance_edges,
-                        balance_nodes=balance_nodes, progress=progress)
+                        balance_nodes=balance_nodes, progress=progress, assignments=given)
     if cached is not None:
         fresh["partitions"] = {**cached["partitions"], **fresh["partitions"]}
         fresh["chunk_ways"] = {**cached.get("chunk_ways", {}), **fresh["chunk_ways"]}
     fresh["content_hash"] = digest
     write_json(cache_file, fresh)
     return fresh
+
+
+def read_assignments(files: Mapping[int, str | os.PathLike], num_nodes: int, *, method: str, seed: int,
+                     balance_edges: bool, balance_nodes: bool) -> dict[int, np.ndarray]:
+    """Part count -> the assignment in its partition file, refused (one line) when the file's
+    statistics JSON beside it (``<name>.json``, written with it by the ``partition`` rule) names
+    another method, seed or balance than the ones asked for, or when it has no such JSON."""
+    from ..partition import read_partition
+
+    want = dict(method=method, seed=seed, balance_edges=balance_edges, balance_nodes=balance_nodes)
+    out = {}
+    for g, path in files.items():
+        meta_path = Path(path).with_suffix(".json")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError) as e:
+            raise GnnPipeError(f"{meta_path}: the statistics of partition {path} are unreadable ({e}); "
+                               "rebuild both with the 'partition' rule or leave out --assignment") from None
+        wrong = {k: meta.get(k) for k, v in want.items() if meta.get(k) != v}
+        if wrong:
+            raise GnnPipeError(f"{path}: made with {wrong}, not {({k: want[k] for k in wrong})}: "
+                               "leave out its --assignment (it is then partitioned afresh) or rebuild it")
+        out[int(g)] = read_partition(path, num_nodes, int(g))
+    return out
 
 
 def extrapolate_stats(samples: Sequence[dict], num_nodes: int, num_edges: Optional[int] = None) -> dict:

@@ -99,10 +99,12 @@ class Predictor:
     def _predict(self, run: Run) -> Prediction:
         if not run.config_path.exists():
             return Prediction(reason=f"{run.config_path}: no run.yaml (run the 'run_config' rule)")
-        try:
-            cfg = load_run_config(run.config_path)
-        except ConfigError as e:
-            return Prediction(reason=f"run.yaml: {e}")
+        cfg = run.run_config  # loaded once per run for the report's tables too
+        if cfg is None:
+            try:  # for the reason
+                cfg = load_run_config(run.config_path)
+            except ConfigError as e:
+                return Prediction(reason=f"run.yaml: {e}")
         if not Path(cfg.graph_path).exists():
             return Prediction(reason=f"{cfg.graph_path}: no graph file")
         r = run.record
