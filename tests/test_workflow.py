@@ -174,8 +174,9 @@ def test_slurm_profile_places_a_multi_node_gpu_run(tmp_path):
 
 # ----------------------------------------------------------------------------- shell quoting
 # Interpolations a rule's shell may leave unquoted: command lines built in common.smk from
-# constants and numbers (the launcher expands $SLURM_JOB_ID and $(hostname) in the job's shell).
-SHELL_FRAGMENTS = {"params.launch"}
+# constants and numbers (the launcher expands $SLURM_JOB_ID and $(hostname) in the job's shell), and
+# plan_stats's repeated ``--assignment K=FILE`` options, each quoted by shlex in common.smk.
+SHELL_FRAGMENTS = {"params.launch", "params.assignments"}
 
 
 def rule_shells() -> dict[str, str]:
