@@ -112,3 +112,46 @@ def test_plan_atomic_prices_a_structure_in_the_domains_layout(tmp_path, capsys):
     assert sorted(rows) == [1, 2, 4] and rows[4].endswith("<- --workers")
     assert float(rows[1].split()[5].replace(",", "")) == pytest.approx(peak[0], abs=1)
     assert out[-1] == f"smallest P that fits --mem-mb-per-worker {cap}: 2"
+
+
+@pytest.fixture(scope="module")
+def uncapped_model():
+    import dataclasses
+
+    from helpers import tiny_atomic_model
+
+    from gnnpipe.atomic import data
+
+    return dataclasses.replace(tiny_atomic_model(data.generate(4, seed=2, progress=False), "dimenetpp",
+                                                 max_neighbors=None), symmetric_edges=True)
+
+
+def _metal_cell(mf, shape):
+    atoms = _cu(shape)
+    atoms.set_atomic_numbers([next(z for z in mf.elements if z > 10)] * len(atoms))
+    return atoms
+
+
+def test_a_bound_per_worker_refuses_too_few_workers_in_one_line_with_the_fewest_that_fit(uncapped_model):
+    from gnnpipe.atomic.inference import check_memory, structure_only
+
+    mf = uncapped_model
+    atoms = _metal_cell(mf, (4, 4, 4))
+    b = structure_only(atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc, mf)
+    peak = [DOMAINS.WORKER_RSS + DOMAINS.costs(mf.spec, mf.config(), b, p, 8)["memory"] for p in (2, 3)]
+    cap = int((peak[0] + peak[1]) / 2 / 2**20)
+    check_memory(mf, b, 3, 8, cap)  # fits: no answer
+    with pytest.raises(GnnPipeError, match=rf"256 atoms at workers=2 .* over mem_mb_per_worker={cap} .* use workers=3$") as e:
+        check_memory(mf, b, 2, 8, cap, "structure 0: ")
+    assert "\n" not in str(e.value) and str(e.value).startswith("structure 0: ")
+    with pytest.raises(GnnPipeError, match="no workers up to 256 fit"):
+        check_memory(mf, b, 2, 8, 10)
+
+
+def test_the_predictor_takes_a_bound_per_worker_in_the_domains_layout_only(uncapped_model):
+    from gnnpipe.atomic.inference import Predictor
+
+    with pytest.raises(GnnPipeError, match="priced in the domains layout only") as e:
+        Predictor(uncapped_model, mem_mb_per_worker=1000)
+    assert "\n" not in str(e.value)
+

@@ -261,6 +261,8 @@ class DomainsLayout(AtomsLayout):
                      shared: bool = False):
         """The fewest workers (up to ``most``) whose largest estimated peak, with ``WORKER_RSS``, is at
         most ``cap`` bytes (``shared``: ``cap`` is one machine's, its P workers' peaks together), or None."""
+        if self.WORKER_RSS >= cap:
+            return None
         if graph is None:
             from .neighbors import radius_graph
             graph = radius_graph(b["pos"], b["cell"], b["pbc"], b["cutoff"])
