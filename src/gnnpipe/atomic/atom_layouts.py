@@ -34,7 +34,9 @@ layout.
   while the Verlet-skin rule holds), each worker sent only its region's positions (``messages``;
   its ``Domain`` after a rebuild) and building its edges and triplets from them (``shard``:
   ``domains.domain_view``, with the group's collectives). Not in :data:`ATOM_LAYOUTS` (no training
-  view): the predictor's :data:`PREDICT_LAYOUTS` holds it.
+  view): the predictor's :data:`PREDICT_LAYOUTS` holds it. Its ``costs`` are an inference call's
+  (``rank_sizes`` from the decomposition's owners, the kind's ``inference_memory``; ``gnnpipe
+  plan-atomic --structure``), its ``step_bytes`` not there yet.
 """
 
 from __future__ import annotations
