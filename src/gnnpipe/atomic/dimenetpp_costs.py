@@ -207,7 +207,9 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
 #: parameters' copies): the peak RSS above a worker's RSS before the call, measured on Cu fcc with
 #: DimeNet++ small, float32, cutoff 3 Å, in the domains layout (benchmarks/results/domains_weak.json
 #: and domains_strong.json: 16,384 own atoms at P = 1, 2, 4; 13,824 at P = 4 and 6,912 at P = 8), fitted
-#: by least squares: the estimate is within 8 % of each (0.95-1.07).
+#: by least squares: the estimate is within 8 % of each (0.96-1.08); on two smaller cells measured
+#: after (bench_domains.py --shape 10,10,10 --workers 1 and --shape 10,10,20 --workers 2: 4,000 and
+#: 8,000 atoms) 1.10 and 1.08 (544 and 572 MB measured): it overestimates small views by up to 10 %.
 INFERENCE_FRACTION = 0.63
 
 
