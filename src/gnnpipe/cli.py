@@ -74,8 +74,49 @@ def _atom_graphs(a):
           f"({stats['edges_mean']:.0f} / {stats['triplets_mean']:.0f} per system)", file=sys.stderr)
 
 
+def _plan_domains(a):
+    """plan-atomic --structure: one structure's inference call in the domains layout, per worker."""
+    import os
+
+    from .atomic.atom_layouts import DOMAINS
+    from .atomic.neighbors import radius_graph
+    from .atomic.predict import read_rows
+    from .atomic.protocol import ATOMIC_MODELS
+
+    kind = ATOMIC_MODELS[a.model]
+    if a.preset not in kind.presets:
+        raise GnnPipeError(f"plan-atomic: {a.model} has no preset {a.preset!r} (its presets: {', '.join(kind.presets)})")
+    if a.workers < 1:
+        raise GnnPipeError(f"plan-atomic: --workers must be >= 1, got {a.workers}")
+    mcfg = kind.preset(a.preset, force_head=a.force_head, cutoff=a.cutoff)
+    where, atoms = max(read_rows(a.structure), key=lambda row: len(row[1]))  # the largest structure
+    b = {"z": atoms.numbers, "pos": atoms.positions, "cell": atoms.cell.array, "pbc": atoms.pbc, "cutoff": mcfg.cutoff}
+    graph, nbytes = radius_graph(b["pos"], b["cell"], b["pbc"], mcfg.cutoff), 4 if a.dtype == "float32" else 8
+    if a.mem_mb_per_worker:
+        cap, bound, shared = a.mem_mb_per_worker * 2**20, f"--mem-mb-per-worker {a.mem_mb_per_worker}", False
+    else:  # this machine's memory, shared by its P workers
+        cap = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        cap, bound, shared = cap, f"this machine's {cap / 2**30:.1f} GiB shared by the P workers", True
+    need = DOMAINS.smallest_fit(kind, mcfg, b, cap, nbytes, graph=graph, shared=shared)
+    ways = sorted({1 << k for k in range(a.workers.bit_length()) if 1 << k < a.workers} | {a.workers}
+                  | ({need} if need else set()))
+    print(f"{kind.labels[mcfg.force_head]} {a.preset} (cutoff {mcfg.cutoff:g} Å, {a.dtype}), one inference call on "
+          f"{a.structure} {where}: {len(b['z']):,} atoms, {len(graph[0]):,} edges; per worker in the domains layout "
+          f"(the largest worker; MB/worker: its peak RSS, {DOMAINS.WORKER_RSS / 2**20:.0f} MB before the call included)")
+    print(f"{'P':>4} {'atoms':>10} {'edges':>11} {'triplets':>13} {'halo edges':>11} {'MB/worker':>10}")
+    for p in ways:
+        c = DOMAINS.costs(kind, mcfg, b, p, nbytes, graph)
+        r = max(c["sizes"], key=lambda s: s["edges_own"])
+        print(f"{p:>4} {r['atoms_own']:>10,} {r['edges_own']:>11,} {r['triplets_own']:>13,} {r['halo_edges']:>11,} "
+              f"{(DOMAINS.WORKER_RSS + c['memory']) / 2**20:>10,.0f}" + ("  <- --workers" if p == a.workers else ""))
+    print(f"smallest P that fits {bound}: {need}" if need else f"no P up to 256 fits {bound}")
+
+
 def _plan_atomic(a):
     import resource
+
+    if a.structure:
+        return _plan_domains(a)
 
     from .atomic.atomic_engine import batch_plan, largest_batch, plan_run
     from .atomic.protocol import ATOMIC_MODELS
@@ -387,6 +428,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "also the atoms layout (runs[].atom_layout: METIS atom parts, each worker "
                                     "receives only its halo): its memory and bytes per step, and the layout to "
                                     "use (fewer bytes among those that fit).")
+    pa.add_argument("--structure", help="one structure (ASE .db or extxyz; the largest of the file): an inference "
+                                        "call's peak memory per worker in the distributed build (--layout domains) "
+                                        "at P = 1, 2, 4, ... --workers, and the smallest P that fits")
+    pa.add_argument("--workers", type=int, default=1, help="with --structure: the P to price")
+    pa.add_argument("--layout", choices=["domains"], default="domains",
+                    help="with --structure: the workers' layout (the distributed build)")
+    pa.add_argument("--cutoff", type=float, help="with --structure: the model's cutoff, Å (default: the preset's)")
     pa.add_argument("--run-config", help="a run's run.yaml: its model, batch size, dtype, data and P")
     pa.add_argument("--systems", help="systems.h5 (without --run-config)")
     pa.add_argument("--graphs", help="graphs.h5 (without --run-config)")
@@ -396,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--batch-size", type=int, default=1, help="systems per step and replica (the largest ones)")
     pa.add_argument("--device-gib", type=float, default=32.0, help="memory of one device, GiB")
     pa.add_argument("--mem-mb-per-worker", type=int,
-                    help="with --run-config: the memory of one worker process, MiB (resources.mem_mb_per_worker)")
+                    help="with --run-config or --structure: the memory of one worker process, MiB "
+                         "(resources.mem_mb_per_worker; --structure without it: this machine's memory, shared)")
     pa.add_argument("--check", action="store_true",
                     help="with --run-config: one line; exit 2 if the run's P does not fit (gnnpipe launch's check)")
     pa.add_argument("--dtype", default="float32", choices=["float32", "float64"])

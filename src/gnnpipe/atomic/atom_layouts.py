@@ -34,7 +34,9 @@ layout.
   while the Verlet-skin rule holds), each worker sent only its region's positions (``messages``;
   its ``Domain`` after a rebuild) and building its edges and triplets from them (``shard``:
   ``domains.domain_view``, with the group's collectives). Not in :data:`ATOM_LAYOUTS` (no training
-  view): the predictor's :data:`PREDICT_LAYOUTS` holds it.
+  view): the predictor's :data:`PREDICT_LAYOUTS` holds it. Its ``costs`` are an inference call's
+  (``rank_sizes`` from the decomposition's owners, the kind's ``inference_memory``; ``gnnpipe
+  plan-atomic --structure``), its ``step_bytes`` not there yet.
 """
 
 from __future__ import annotations
@@ -212,11 +214,65 @@ class DomainsLayout(AtomsLayout):
 
         return domain_view(b["domain"], b["pos"], grp, dtype, device)
 
+    #: a CPU inference worker's RSS before its first call (torch and the model; bench_domains: 242 MB)
+    WORKER_RSS = 250 * 2**20
+
     def step_bytes(self, *args, **kw) -> int:
         raise GnnPipeError("the domains layout has no closed form of its bytes yet (#35 item 4)")
 
-    def costs(self, *args, **kw) -> dict:
-        raise GnnPipeError("the domains layout has no memory estimate yet (#35 item 4)")
+    @staticmethod
+    def rank_sizes(b: dict, ways: int, graph=None) -> list[dict]:
+        """Per worker of structure ``b`` (``z, pos, cell, pbc, cutoff``) at ``ways`` spatial domains (the
+        decomposition's owners, ``domains.spatial_partition``): ``atoms_own``, ``edges_own`` (into them),
+        ``triplets_own`` (of those edges), ``ring`` (the other atoms with an edge into them) and
+        ``halo_edges`` (the edges into the ring: the triplets' input edges a worker reads of others).
+        ``graph``: the structure's ``(src, dst)`` (``neighbors.radius_graph``), computed if None.
+        Counts only, O(E) on the client: a symmetric graph's edge ``j -> i`` has in-degree(j) - 1
+        triplets (every input edge of j but i's own reverse)."""
+        from .domains import spatial_partition
+        from .neighbors import radius_graph
+
+        if graph is None:
+            graph = radius_graph(b["pos"], b["cell"], b["pbc"], b["cutoff"])
+        src, dst = (np.asarray(a, dtype=np.int64) for a in graph[:2])
+        owner = spatial_partition(b["pos"], b["cell"], b["pbc"], ways)
+        n = len(owner)
+        deg = np.bincount(dst, minlength=n)
+        into = owner[dst]
+        cross = owner[src] != into
+        ring = np.unique(into[cross] * n + src[cross])  # (worker, ring atom) pairs
+        count = lambda r, w=None: np.bincount(r, weights=w, minlength=ways).astype(np.int64)  # noqa: E731
+        cols = (count(owner), count(into), count(into, deg[src] - 1), count(ring // n), count(ring // n, deg[ring % n]))
+        keys = ("atoms_own", "edges_own", "triplets_own", "ring", "halo_edges")
+        return [{k: int(c[r]) for k, c in zip(keys, cols)} for r in range(ways)]
+
+    def costs(self, kind, cfg, b: dict, ways: int, dtype_bytes: int, graph=None) -> dict:
+        """One inference call on structure ``b`` at ``ways`` workers (not a training step): ``"memory"``
+        the largest worker's estimated peak above its RSS before the call (the kind's
+        ``inference_memory`` on its :meth:`rank_sizes`), ``"sizes"`` those, ``"bytes"`` None (no
+        closed form yet)."""
+        if kind.inference_memory is None:
+            raise GnnPipeError(f"the domains layout has no memory estimate for {kind.name} yet (#35 item 4): "
+                               "size it with a measured call (benchmarks/bench_domains.py)")
+        sizes = self.rank_sizes(b, ways, graph)
+        mem = max(kind.inference_memory(cfg, r["atoms_own"], r["edges_own"], r["triplets_own"], r["halo_edges"],
+                                        dtype_bytes)["total"] for r in sizes)
+        return {"bytes": None, "memory": mem, "sizes": sizes}
+
+    def smallest_fit(self, kind, cfg, b: dict, cap: int, dtype_bytes: int, most: int = 256, graph=None,
+                     shared: bool = False):
+        """The fewest workers (up to ``most``) whose largest estimated peak, with ``WORKER_RSS``, is at
+        most ``cap`` bytes (``shared``: ``cap`` is one machine's, its P workers' peaks together), or None."""
+        if self.WORKER_RSS >= cap:
+            return None
+        if graph is None:
+            from .neighbors import radius_graph
+            graph = radius_graph(b["pos"], b["cell"], b["pbc"], b["cutoff"])
+        for ways in range(1, min(most, len(b["z"])) + 1):
+            peak = self.WORKER_RSS + self.costs(kind, cfg, b, ways, dtype_bytes, graph)["memory"]
+            if peak * (ways if shared else 1) <= cap:
+                return ways
+        return None
 
 
 EDGES, ATOMS, DOMAINS = EdgesLayout(), AtomsLayout(), DomainsLayout()

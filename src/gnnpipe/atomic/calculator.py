@@ -70,7 +70,7 @@ class GNNPipeCalculator(Calculator):
     def __init__(self, model: Union[str, Path, ModelFile], *, device: str = "cpu", workers: int = 1,
                  dtype: Optional[str] = None, threads: Optional[int] = None, layout: str = "auto",
                  min_distance: Optional[float] = None, skin: float = DEFAULT_SKIN, oversubscribe: bool = False,
-                 run=None, **kwargs):
+                 mem_mb_per_worker: Optional[int] = None, run=None, **kwargs):
         """``model``: a run directory, a model file (or checkpoint holding one), or a ``ModelFile``.
         ``dtype``: ``"float32"``/``"float64"`` (default: the model's own); ``threads``: torch
         threads per worker (default: ``OMP_NUM_THREADS``, else the cores shared out); ``layout``: how
@@ -79,14 +79,16 @@ class GNNPipeCalculator(Calculator):
         structure, the one whose closed-form bytes are fewer: ``atomic.inference.Predictor``); ``skin``: Å,
         the domains layout's Verlet skin (its regions are kept until an atom moved ``skin / 2``;
         ``rebuilds`` counts the decompositions); ``oversubscribe``: allow up to 4 workers per CPU core
-        (time-shared: for measuring memory at P above the cores; default: at most the cores); ``min_distance``: Å, two
+        (time-shared: for measuring memory at P above the cores; default: at most the cores);
+        ``mem_mb_per_worker``: MiB, with ``layout="domains"``: a structure whose estimated peak per
+        worker exceeds it is refused in one line naming the fewest workers that fit; ``min_distance``: Å, two
         atoms closer are refused (default 0.5, ``atoms.min_distance``'s); ``run``: the ``RunConfig``
         the model must belong to (default: a run directory's ``run.yaml``)."""
         super().__init__(**kwargs)
         self.model_file = model if isinstance(model, ModelFile) else load_model_file(model, run)
         self.predictor = Predictor(self.model_file, device=device, workers=workers, dtype=dtype, threads=threads,
                                    layout=layout, min_distance=min_distance, skin=skin,
-                                   oversubscribe=oversubscribe)
+                                   oversubscribe=oversubscribe, mem_mb_per_worker=mem_mb_per_worker)
 
     @property
     def energy_reference(self) -> Optional[str]:

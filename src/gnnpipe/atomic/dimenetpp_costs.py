@@ -3,7 +3,7 @@ blocks, the blocks' padded counts on a batch, and the measurement of what a step
 
 What the registry's ``dimenetpp`` entry (``protocol.DIMENETPP``) answers for: ``step_bytes`` (the
 ledger's closed form), ``memory_per_worker`` (what ``gnnpipe plan-atomic`` and the launcher's check
-size), ``block_counts`` (its kind-specific sizes on a batch: ``AtomicModelKind.batch_counts``) and
+size), ``inference_memory`` (an inference call's, the domains layout's plan), ``block_counts`` (its kind-specific sizes on a batch: ``AtomicModelKind.batch_counts``) and
 ``saved_bytes_by_rows`` (the measurement the estimate's coefficients come from; tests, benchmarks).
 GemNet's are beside its model, in ``gemnet.py``; DimeNet++'s module is long enough already.
 """
@@ -198,5 +198,35 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
            "entry": int(per_entry * entries * b),
            "atom": int(per_atom * n_own * b),
            "gathered_edges": int(i * edges * b) if ways > 1 else 0}
+    out["total"] = sum(out.values())
+    return out
+
+
+#: An inference call's activations (energy and gradient forces ``-dE/dpos``, no loss, no parameter
+#: gradients) over a training step's at the same sizes (:func:`memory_per_worker` without the
+#: parameters' copies): the peak RSS above a worker's RSS before the call, measured on Cu fcc with
+#: DimeNet++ small, float32, cutoff 3 Å, in the domains layout (benchmarks/results/domains_weak.json
+#: and domains_strong.json: 16,384 own atoms at P = 1, 2, 4; 13,824 at P = 4 and 6,912 at P = 8), fitted
+#: by least squares: the estimate is within 8 % of each (0.96-1.08); on two smaller cells measured
+#: after (bench_domains.py --shape 10,10,10 --workers 1 and --shape 10,10,20 --workers 2: 4,000 and
+#: 8,000 atoms) 1.10 and 1.08 (544 and 572 MB measured): it overestimates small views by up to 10 %.
+INFERENCE_FRACTION = 0.63
+
+
+def inference_memory(cfg, atoms: int, edges: int, triplets: int, halo_edges: int, dtype_bytes: int = 4) -> dict:
+    """Estimated bytes one worker holds at the peak of an inference call (energy and forces) on a view
+    of ``atoms`` own atoms, the ``edges`` into them, their ``triplets`` and ``halo_edges`` input edges
+    of those triplets owned by other workers (the atoms layout's ``kj`` halo: block columns too).
+
+    ``parameters``: one copy; ``activations``: ``INFERENCE_FRACTION`` × the training step's
+    (:func:`memory_per_worker` at one way, its block columns ``COLUMNS_PER_EDGE`` × (edges +
+    halo_edges)): the forward's saved tensors and the force pass's transients, without the double
+    backward's graph. Calibrated for the gradient force head only (the direct head's call keeps no
+    force pass: the same fraction overestimates it). Not counted: the process's own RSS before the
+    call (torch, the model: some 240 MB on CPU)."""
+    train = memory_per_worker(cfg, atoms, edges, triplets, 1, dtype_bytes,
+                              columns=COLUMNS_PER_EDGE * (edges + halo_edges))
+    out = {"parameters": count_parameters(cfg) * dtype_bytes,
+           "activations": int(INFERENCE_FRACTION * (train["total"] - train["parameters"]))}
     out["total"] = sum(out.values())
     return out

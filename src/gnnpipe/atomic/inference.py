@@ -33,6 +33,10 @@ or graph-parallel across N persistent local worker processes.
   ``workers`` is at most the CPU cores this process may use (:func:`cpu_cores`), or with
   ``oversubscribe=True`` ``OVERSUBSCRIBE`` (4) per core: processes time-sharing the cores, for
   measurements of memory at P above the cores (#35: P = 4 and 8 on 2 cores), not of speed.
+  ``mem_mb_per_worker`` (domains layout): a structure whose estimated peak per worker at
+  ``workers`` exceeds it is refused in one line naming the fewest workers that fit
+  (:func:`check_memory`, at each new decomposition; the estimate needs the structure's radius graph
+  on the client, O(E), only when the bound is given).
 
 **Checks and threads.** Every structure is checked before it is computed, as ``gnnpipe data``
 checks a dataset's (``atomic.checks.check_structure``: finite positions and cell, no degenerate
@@ -223,6 +227,25 @@ def check_elements(mf: ModelFile, numbers, where: str = "") -> None:
                            f"training; the model knows {', '.join(name(z) for z in mf.elements)}")
 
 
+def check_memory(mf: ModelFile, b: dict, workers: int, dtype_bytes: int, mem_mb_per_worker: int, where: str = ""):
+    """Refuse structure ``b`` (``structure_only``) at ``workers`` in the domains layout, in one line naming
+    the fewest workers that fit, when its largest worker's estimated peak RSS (``DOMAINS.costs``, with
+    the worker's RSS before the call) exceeds ``mem_mb_per_worker`` MiB."""
+    from .atom_layouts import DOMAINS
+    from .neighbors import radius_graph
+
+    cap, kind, cfg = mem_mb_per_worker * 2**20, mf.spec, mf.config()
+    graph = radius_graph(b["pos"], b["cell"], b["pbc"], b["cutoff"])
+    peak = DOMAINS.WORKER_RSS + DOMAINS.costs(kind, cfg, b, workers, dtype_bytes, graph)["memory"]
+    if peak <= cap:
+        return
+    need = DOMAINS.smallest_fit(kind, cfg, b, cap, dtype_bytes, graph=graph)
+    raise GnnPipeError(f"{where}{len(b['z']):,} atoms at workers={workers} in the domains layout: an estimated "
+                       f"{peak / 2**20:,.0f} MB a worker, over mem_mb_per_worker={mem_mb_per_worker} "
+                       + (f"(gnnpipe plan-atomic --structure): use workers={need}" if need else
+                          "and no workers up to 256 fit: use a smaller model or a larger bound"))
+
+
 # --------------------------------------------------------------------------- the predictor
 class Predictor:
     """A trained model ready to evaluate structures, in this process (``workers=1``) or across
@@ -230,7 +253,8 @@ class Predictor:
 
     def __init__(self, model_file: ModelFile, device="cpu", workers: int = 1, dtype: Optional[str] = None,
                  threads: Optional[int] = None, timeout_s: float = 600.0, layout: str = "auto",
-                 min_distance: Optional[float] = None, skin: float = DEFAULT_SKIN, oversubscribe: bool = False):
+                 min_distance: Optional[float] = None, skin: float = DEFAULT_SKIN, oversubscribe: bool = False,
+                 mem_mb_per_worker: Optional[int] = None):
         from ..engine import DTYPES
 
         check_workers(workers, oversubscribe)
@@ -245,6 +269,11 @@ class Predictor:
             raise GnnPipeError(f"layout {layout}: the distributed build takes symmetric, uncapped graphs of the project "
                                f"convention; this model file has max_neighbors {model_file.max_neighbors}, neighbors "
                                f"{model_file.neighbors}: use layout atoms")
+        if mem_mb_per_worker is not None and (self.layout is None or not self.layout.distributed_build
+                                              or not isinstance(mem_mb_per_worker, int) or mem_mb_per_worker < 1):
+            raise GnnPipeError(f"mem_mb_per_worker {mem_mb_per_worker!r}: a whole number of MiB >= 1, priced in the "
+                               f"domains layout only (layout {layout!r}): use layout='domains' or leave it out")
+        self.mem_mb_per_worker = mem_mb_per_worker
         self.last_layout: Optional[AtomLayout] = None
         if not isinstance(skin, (int, float)) or not np.isfinite(skin) or skin < 0:
             raise GnnPipeError(f"skin must be a number of Å >= 0 (the distributed build's Verlet skin), got {skin!r}")
@@ -307,6 +336,8 @@ class Predictor:
             raise GnnPipeError(f"{where}graph-parallel inference over {self.workers} workers needs at least "
                                f"{self.workers} edges, this structure has {edges} within the cutoff; use fewer workers")
         b = self.last_layout.arrange(b, self.workers)
+        if self.last_layout.distributed_build and b["rebuilt"] and self.mem_mb_per_worker:
+            check_memory(self.model_file, b, self.workers, self.dtype.itemsize, self.mem_mb_per_worker, where)
         if self.last_layout.distributed_build:
             self.domains = b["domains"]
             self.rebuilds += bool(b["rebuilt"])

@@ -72,6 +72,9 @@ class AtomicModelKind:
     # (batch arrays, ways) -> the counts memory_per_worker takes (DimeNet++: its padded triplet
     # blocks, largest way); None: the kind's estimate needs only atoms, edges and triplets
     batch_counts: Optional[Callable[[dict, int], dict]] = None
+    # (cfg, atoms, edges, triplets, halo_edges, dtype_bytes) -> {part: bytes, "total": bytes}: one
+    # inference call's peak on a worker's view (the domains layout's plan); None: not estimated yet
+    inference_memory: Optional[Callable[..., dict]] = None
 
     def preset(self, name: str, **over) -> Any:
         """The config of preset ``name`` with ``over`` replacing fields (None values are ignored)."""
@@ -93,6 +96,7 @@ DIMENETPP = AtomicModelKind(
     count_parameters=dimenetpp.count_parameters, step_bytes=dimenetpp_costs.step_bytes,
     halo_widths=dimenetpp.halo_widths,
     memory_per_worker=dimenetpp_costs.memory_per_worker, batch_counts=dimenetpp_costs.block_counts,
+    inference_memory=dimenetpp_costs.inference_memory,
     index_sets=("triplets",), symmetric_edges=False,
     width="hidden_channels", labels={"gradient": "DimeNet++", "direct": "DimeNet++ (direct forces)"})
 

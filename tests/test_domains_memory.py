@@ -1,0 +1,157 @@
+"""The domains layout's memory priced (#35 item 4): per-worker counts from the spatial decomposition,
+the inference estimate against the measured peaks, ``gnnpipe plan-atomic --structure``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ase.build import bulk, fcc111
+
+from gnnpipe.atomic import domains, halo
+from gnnpipe.atomic import neighbors as nb
+from gnnpipe.atomic.atom_layouts import DOMAINS
+from gnnpipe.atomic.protocol import ATOMIC_MODELS
+from gnnpipe.io import GnnPipeError
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def _cu(shape, seed=1):
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(shape)
+    atoms.rattle(0.05, seed=seed)
+    return atoms
+
+
+def _structure(atoms, cutoff):
+    return {"z": atoms.numbers, "pos": atoms.positions, "cell": atoms.cell.array, "pbc": atoms.pbc, "cutoff": cutoff}
+
+
+def _slab():
+    slab = fcc111("Cu", size=(3, 3, 4), vacuum=6.0)
+    slab.rattle(0.05, seed=2)
+    return slab
+
+
+@pytest.mark.parametrize("name", ["bulk", "slab", "small cell"])
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_rank_sizes_count_the_atoms_layouts_views_of_the_same_owners(name, parts):
+    atoms, cutoff = {"bulk": (_cu((3, 3, 3)), 4.0), "slab": (_slab(), 4.0), "small cell": (_cu((1, 1, 1)), 4.0)}[name]
+    b = _structure(atoms, cutoff)
+    owner = domains.spatial_partition(b["pos"], b["cell"], b["pbc"], parts)
+    whole = {**nb.system_graph(b["pos"], b["cell"], b["pbc"], cutoff), "z": b["z"], "pos": b["pos"],
+             "system": np.zeros(len(b["z"]), np.int64), "num_systems": 1}
+    want = halo.rank_sizes(halo.group_by_part(whole, owner, parts))
+    got = DOMAINS.rank_sizes(b, parts)
+    for g, w in zip(got, want):
+        assert (g["atoms_own"], g["edges_own"], g["triplets_own"]) == (w["atoms_own"], w["edges_own"], w["triplets_own"])
+        assert g["ring"] == w["atoms"]  # the ring's embeddings are the atoms halo
+        assert w["kj"] <= g["halo_edges"]  # every input edge of a ring atom, the ones no own triplet reads too
+
+
+def _measured():
+    """(own atoms, edges, triplets, halo edges) of the largest worker of each measured run (DOMAINS.rank_sizes
+    of bench_domains' cells, Cu fcc, cutoff 3 Å, skin 1 Å) and its peak above the RSS before the call (MB)."""
+    weak = json.loads((RESULTS / "domains_weak.json").read_text())["runs"]
+    strong = json.loads((RESULTS / "domains_strong.json").read_text())["runs"]
+    sizes = {(16384, 1): (16384, 196608, 2162688, 0), (32768, 2): (16384, 196608, 2162688, 17556),
+             (65536, 4): (16384, 196608, 2162688, 17688), (55296, 4): (13824, 165888, 1824768, 40956),
+             (55296, 8): (6912, 82944, 912384, 31284)}
+    return [(sizes[r["atoms"], r["workers"]], r["peak_above_before_mb_max"]) for r in weak + strong]
+
+
+def test_the_inference_estimate_is_within_ten_percent_of_the_measured_peaks():
+    kind = ATOMIC_MODELS["dimenetpp"]
+    cfg = kind.preset("small", cutoff=3.0)
+    points = _measured()
+    assert len(points) == 5
+    for (n, e, t, h), mb in points:
+        est = kind.inference_memory(cfg, n, e, t, h, 4)["total"] / 2**20
+        assert 0.9 < est / mb < 1.1, (n, e, est, mb)
+
+
+def test_the_sizes_of_a_measured_cell_are_the_ones_the_estimate_was_fitted_on():
+    got = DOMAINS.rank_sizes(_structure(_cu((8, 8, 16)), 3.0), 2)  # an eighth of the weak P = 2 cell's worker
+    assert max(r["edges_own"] for r in got) == 196608 // 8 and max(r["triplets_own"] for r in got) == 2162688 // 8
+
+
+def test_the_estimate_per_worker_falls_with_the_workers():
+    kind = ATOMIC_MODELS["dimenetpp"]
+    cfg = kind.preset("small", cutoff=3.0)
+    b = _structure(_cu((6, 6, 6)), 3.0)
+    mem = [DOMAINS.costs(kind, cfg, b, p, 4)["memory"] for p in (1, 2, 4, 8)]
+    assert all(a > c for a, c in zip(mem, mem[1:])), mem
+    assert mem[-1] < 0.25 * mem[0]  # the shell costs something, not P-fold
+
+
+def test_the_domains_layout_refuses_a_kind_without_an_inference_estimate_in_one_line():
+    kind = ATOMIC_MODELS["gemnet_t"]
+    with pytest.raises(GnnPipeError, match="no memory estimate for gemnet_t") as e:
+        DOMAINS.costs(kind, kind.preset("small"), _structure(_cu((2, 2, 2)), 3.0), 2, 4)
+    assert "\n" not in str(e.value)
+
+
+def test_plan_atomic_prices_a_structure_in_the_domains_layout(tmp_path, capsys):
+    from gnnpipe.cli import main
+
+    atoms = _cu((4, 4, 4))
+    path = tmp_path / "cu.xyz"
+    atoms.write(str(path))
+    kind = ATOMIC_MODELS["dimenetpp"]
+    cfg = kind.preset("small", cutoff=3.0)
+    b = _structure(atoms, 3.0)
+    peak = [(DOMAINS.WORKER_RSS + DOMAINS.costs(kind, cfg, b, p, 4)["memory"]) / 2**20 for p in (1, 2)]
+    cap = int((peak[0] + peak[1]) / 2)
+    assert main(["plan-atomic", "--structure", str(path), "--workers", "4", "--preset", "small", "--cutoff", "3",
+                 "--mem-mb-per-worker", str(cap)]) in (0, None)
+    out = capsys.readouterr().out.splitlines()
+    assert "256 atoms" in out[0] and "domains layout" in out[0]
+    rows = {int(line.split()[0]): line for line in out[2:-1]}
+    assert sorted(rows) == [1, 2, 4] and rows[4].endswith("<- --workers")
+    assert float(rows[1].split()[5].replace(",", "")) == pytest.approx(peak[0], abs=1)
+    assert out[-1] == f"smallest P that fits --mem-mb-per-worker {cap}: 2"
+
+
+@pytest.fixture(scope="module")
+def uncapped_model():
+    import dataclasses
+
+    from helpers import tiny_atomic_model
+
+    from gnnpipe.atomic import data
+
+    return dataclasses.replace(tiny_atomic_model(data.generate(4, seed=2, progress=False), "dimenetpp",
+                                                 max_neighbors=None), symmetric_edges=True)
+
+
+def _metal_cell(mf, shape):
+    atoms = _cu(shape)
+    atoms.set_atomic_numbers([next(z for z in mf.elements if z > 10)] * len(atoms))
+    return atoms
+
+
+def test_a_bound_per_worker_refuses_too_few_workers_in_one_line_with_the_fewest_that_fit(uncapped_model):
+    from gnnpipe.atomic.inference import check_memory, structure_only
+
+    mf = uncapped_model
+    atoms = _metal_cell(mf, (4, 4, 4))
+    b = structure_only(atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc, mf)
+    peak = [DOMAINS.WORKER_RSS + DOMAINS.costs(mf.spec, mf.config(), b, p, 8)["memory"] for p in (2, 3)]
+    cap = int((peak[0] + peak[1]) / 2 / 2**20)
+    check_memory(mf, b, 3, 8, cap)  # fits: no answer
+    with pytest.raises(GnnPipeError, match=rf"256 atoms at workers=2 .* over mem_mb_per_worker={cap} .* use workers=3$") as e:
+        check_memory(mf, b, 2, 8, cap, "structure 0: ")
+    assert "\n" not in str(e.value) and str(e.value).startswith("structure 0: ")
+    with pytest.raises(GnnPipeError, match="no workers up to 256 fit"):
+        check_memory(mf, b, 2, 8, 10)
+
+
+def test_the_predictor_takes_a_bound_per_worker_in_the_domains_layout_only(uncapped_model):
+    from gnnpipe.atomic.inference import Predictor
+
+    with pytest.raises(GnnPipeError, match="priced in the domains layout only") as e:
+        Predictor(uncapped_model, mem_mb_per_worker=1000)
+    assert "\n" not in str(e.value)
+
