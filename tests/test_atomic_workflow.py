@@ -189,7 +189,7 @@ def test_atomic_chain_through_snakemake(tmp_path):
     env.pop("MLFLOW_TRACKING_URI", None)
     cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path),
            "--configfile", str(ATOMS), "--replace-workflow-config", "--cores", "2"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)  # ~240 s alone; twice that beside another pytest worker
     assert done.returncode == 0, done.stderr[-3000:]
     results = tmp_path / "results"
     wf = load_workflow_config(yaml.safe_load(ATOMS.read_text()))
