@@ -66,6 +66,13 @@ import torch
 from torch import Tensor
 
 
+def sum_rows(msg: Tensor, index: Tensor, rows: int) -> Tensor:
+    """``(E, ...)`` messages summed into ``rows`` rows by ``index`` (an accumulating ``index_put``:
+    autograd keeps its index alone, where ``index_add`` keeps ``msg`` too): every layout's edges ->
+    atoms sum (``AtomGraph``, ``halo.HaloAtomGraph``)."""
+    return msg.new_zeros((rows, *msg.shape[1:])).index_put((index,), msg, accumulate=True)
+
+
 @dataclass
 class AtomGraph:
     """One process's whole batch (the single-process reference). See the module docstring."""
@@ -144,10 +151,8 @@ class AtomGraph:
         return x_own
 
     def edges_to_atoms(self, msg: Tensor) -> Tensor:
-        """(E_loc, w) edge messages -> (N_own, w): their sum into each own target atom (an accumulating
-        ``index_put``: autograd keeps its index alone, where ``index_add`` keeps ``msg`` too)."""
-        partial = msg.new_zeros((self.num_atoms, *msg.shape[1:])).index_put((self.edge_dst,), msg, accumulate=True)
-        return self.sum_atoms(partial)
+        """(E_loc, w) edge messages -> (N_own, w): their sum into each own target atom."""
+        return self.sum_atoms(sum_rows(msg, self.edge_dst, self.num_atoms))
 
     def to(self, device=None, dtype=None) -> "AtomGraph":
         """A copy on ``device`` with floating tensors (pos, shifts) cast to ``dtype``."""

@@ -61,7 +61,7 @@ import torch
 from torch import Tensor
 
 from ..io import GnnPipeError
-from .batch import AtomGraph
+from .batch import AtomGraph, sum_rows
 from .neighbors import triplet_rank
 from .parallel import EdgeGroup, ShardedAtomGraph, _t, collective_passes
 
@@ -328,8 +328,7 @@ class HaloAtomGraph(ShardedAtomGraph):
 
     def edges_to_atoms(self, msg: Tensor) -> Tensor:
         """Every local edge ends at an own atom: the sum is rank-local, no collective."""
-        n_own = self.atom_hi - self.atom_lo
-        return msg.new_zeros((n_own, *msg.shape[1:])).index_add(0, self.edge_dst, msg)
+        return sum_rows(msg, self.edge_dst, self.atom_hi - self.atom_lo)
 
     def to(self, device=None, dtype=None) -> "HaloAtomGraph":
         g = super().to(device, dtype)
