@@ -26,7 +26,8 @@ large system when it sends fewer bytes, its atoms (METIS parts, each worker rece
 rounding (1e-10 in float64; float32: see docs/ARCHITECTURE.md). A dead worker is one
 ``GnnPipeError`` naming it, raised within a fraction of a second. ``workers`` is at most the CPU
 cores this process may use (``oversubscribe=True``: 4 per core, time-shared, for measuring
-memory); each worker (``workers=1``: this process, during a call) computes on ``threads`` torch threads (default ``OMP_NUM_THREADS``, else the cores shared out; the property
+memory); each worker (``workers=1``: this process, during a call) computes on ``threads`` torch
+threads (default ``OMP_NUM_THREADS``, else the cores shared out; the property
 ``threads`` says how many). A script that starts workers needs ``if __name__ == "__main__":``
 (each worker imports it again); without it the calculator says so in one line.
 
