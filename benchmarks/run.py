@@ -31,6 +31,7 @@ QUICK = {
     "dgl": ["--nodes", "20000", "--epochs", "5"],
     "dimenet_pyg": ["--quick"],
     "domains": ["--repeat", "8"],
+    "domains_cap": ["--repeat", "10", "--cap-mib", "700"],
     "foundation": ["--nodes", "100000"],
     "gemnet_fairchem": ["--quick"],
     "layers": ["--quick"],

@@ -1,5 +1,8 @@
 """The config boundary: YAML -> typed dataclasses, with one clear error per mistake."""
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 from gnnpipe.config import (ConfigError, PipelineConfig, RunConfig, TrainingConfig, dump_run_config,
@@ -43,6 +46,29 @@ def test_run_config_round_trips_through_yaml(tmp_path):
     assert "lambda:" in path.read_text() and "lambda_" not in path.read_text()
     again = load_run_config(path)
     assert isinstance(again, RunConfig) and again == cfg
+
+
+def test_a_run_directory_read_from_elsewhere_names_its_own_data(tmp_path, monkeypatch):
+    """run.yaml's paths are relative to the workflow's directory: a run directory opened from another
+    directory (a calculator, ``gnnpipe predict --run``) must read its own graph, not the current
+    directory's results/ (another workflow's: its model would be refused as trained from another graph)."""
+    cfg = next(r for r in resolve_runs(load_workflow_config(_wf())).values() if r.store_path)
+    run_dir = tmp_path / "flow" / cfg.out_dir
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.yaml").write_text(dump_run_config(cfg))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    there = load_run_config(run_dir / "run.yaml")
+    assert there.graph_path == str(tmp_path / "flow" / cfg.graph_path)
+    assert there.out_dir == str(run_dir) and there.store_path == str(tmp_path / "flow" / cfg.store_path)
+    assert dataclasses.replace(there, graph_path=cfg.graph_path, out_dir=cfg.out_dir, store_path=cfg.store_path,
+                               locality_path=cfg.locality_path, systems_path=cfg.systems_path) == cfg
+    monkeypatch.chdir(tmp_path / "flow")  # where Snakemake runs: the paths as written
+    assert load_run_config(Path(cfg.out_dir) / "run.yaml") == cfg
+    copied = tmp_path / "copy.yaml"  # not inside its run directory: nothing to anchor to
+    copied.write_text(dump_run_config(cfg))
+    assert load_run_config(copied) == cfg
 
 
 @pytest.mark.parametrize("mutate, message", [

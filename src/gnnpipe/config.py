@@ -1204,7 +1204,26 @@ def resolve_runs(wf: WorkflowConfig) -> dict[str, RunConfig]:
 
 
 def load_run_config(path: str | Path) -> RunConfig:
-    return from_dict(RunConfig, load_yaml(path), path=str(path))
+    """A run's ``run.yaml``. Its data and output paths are relative to the workflow's directory (where
+    Snakemake ran): read from inside its own run directory (``<root>/<out_dir>/run.yaml``) from elsewhere
+    (a calculator or ``gnnpipe predict --run`` started in another directory), they are taken relative to
+    that ``<root>``, never to the current directory, which may hold another workflow's files."""
+    cfg = from_dict(RunConfig, load_yaml(path), path=str(path))
+    return _rooted(cfg, Path(path).parent)
+
+
+def _rooted(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    out = Path(cfg.out_dir)
+    if out.is_absolute() or not out.parts:
+        return cfg
+    here = run_dir.absolute()
+    if here.parts[-len(out.parts):] != out.parts:
+        return cfg  # not inside its own run directory (a copied run.yaml): paths as written
+    root = Path(*here.parts[:-len(out.parts)])
+    if root == Path.cwd():
+        return cfg
+    return dataclasses.replace(cfg, **{k: str(root / v) for k in PATHS[RunConfig]
+                                       if (v := getattr(cfg, k)) and not Path(v).is_absolute()})
 
 
 def dump_run_config(cfg: RunConfig) -> str:
