@@ -223,3 +223,28 @@ def test_the_model_file_is_an_input_of_the_train_job(tmp_path, imported):
     assert res.returncode == 0, res.stderr
     train = res.stdout[res.stdout.index("rule train:"):]
     assert str(imported) in train[:train.index("output:")]
+
+
+def test_a_replaced_model_file_does_not_resume_a_checkpoint_of_the_old_one(tmp_path, imported, slabs):
+    """The config names the file, not its content: a file replaced under the same name (a retrain retried
+    after the user swapped checkpoints) must not resume epochs trained from the old one. The fingerprint
+    carries the file's SHA-256; a checkpoint manifest of the old file is refused in one line naming it."""
+    import shutil
+
+    from gnnpipe.checkpoint import FORMAT, check_manifest, run_fingerprint
+
+    init = tmp_path / "init.pt"
+    shutil.copyfile(imported, init)
+    cfg = setup_run(tmp_path, init, slabs)
+    old = run_fingerprint(cfg)
+    assert old["init_hash"] and run_fingerprint(cfg) == old  # a function of the file's bytes
+    manifest = {"format": FORMAT, "world_size": 1, "epochs_done": 1, **old}
+    check_manifest(manifest, cfg.out_dir, cfg=cfg, fingerprint=old, world_size=1, epochs=2)  # the same file: resumes
+    mf = load_model_file(init)
+    save_model_file(init, {**mf.payload(), "mean": mf.mean + 1.0})  # another model under the same name
+    new = run_fingerprint(cfg)
+    assert new["config_hash"] == old["config_hash"] and new["init_hash"] != old["init_hash"]
+    with pytest.raises(GnnPipeError) as err:
+        check_manifest(manifest, cfg.out_dir, cfg=cfg, fingerprint=new, world_size=1, epochs=2)
+    msg = str(err.value)
+    assert "another model file to start from" in msg and str(init) in msg and "\n" not in msg, msg

@@ -43,7 +43,7 @@ FORMAT = 1
 RESUME_DIR = "resume"
 MANIFEST = "manifest.json"
 MLFLOW_FILE = "mlflow.json"
-FINGERPRINT_KEYS = ("config_hash", "graph_hash", "store_hash")  # in shards and mlflow.json
+FINGERPRINT_KEYS = ("config_hash", "graph_hash", "store_hash", "init_hash")  # in shards and mlflow.json
 MANIFEST_FINGERPRINT = ("fingerprint_version", "fingerprint_config", *FINGERPRINT_KEYS)
 
 
@@ -377,14 +377,29 @@ def _graph_hash(cfg: RunConfig):
     return str(read_graph_attrs(cfg.graph_path)["content_hash"])
 
 
-def run_fingerprint(cfg: RunConfig) -> dict:
+def _init_hash(cfg: RunConfig) -> Optional[str]:
+    """The SHA-256 of the model file an atomic run starts from (``models.<name>.init_from``), None
+    without one (or when it is gone: a finished model is used without it). The config names the file,
+    not its content: a file replaced under the same name must not resume a checkpoint of the old one."""
+    init = getattr(cfg.model, "init_from", None)
+    if not init or not Path(init).is_file():
+        return None
+    h = hashlib.sha256()
+    with open(init, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def run_fingerprint(cfg: RunConfig, *, init: bool = True) -> dict:
     """What a checkpoint must have been trained from: the config less its paths and operational
-    keys (key by key, and hashed), and the content hashes of the graph and (parallel modes) the
-    chunk store, read from their attributes (cheap). Every checkpoint carries it;
-    ``fingerprint_mismatch`` compares."""
+    keys (key by key, and hashed), the content hashes of the graph and (parallel modes) the chunk
+    store, read from their attributes (cheap), and of the model file the run starts from
+    (``init_from``, hashed whole; ``init=False``: not read, None — a model file does not record it).
+    Every checkpoint carries it; ``fingerprint_mismatch`` compares."""
     conf = _fingerprinted(to_dict(cfg), FINGERPRINT_VERSION)
     fp = {"fingerprint_version": FINGERPRINT_VERSION, "fingerprint_config": conf, "config_hash": _hash(conf),
-          "graph_hash": _graph_hash(cfg), "store_hash": None}
+          "graph_hash": _graph_hash(cfg), "store_hash": None, "init_hash": _init_hash(cfg) if init else None}
     if cfg.store_path and Path(cfg.store_path).exists():
         fp["store_hash"] = _content_hash(cfg.store_path, "materialize")
     return fp
@@ -424,8 +439,9 @@ def fingerprint_mismatch(stored: dict, cfg: RunConfig, now: dict | None = None) 
     elif stored.get("config_hash") not in {_hash(_fingerprinted(to_dict(cfg), v)) for v in _OPERATIONAL}:
         return (f"another config, or one of gnnpipe before fingerprint v2, which cannot name the keys that "
                 f"differ (config_hash {str(stored.get('config_hash'))[:12]})")
-    for key, what in (("graph_hash", "graph"), ("store_hash", "chunk store")):
-        if stored.get(key) and now[key] and stored[key] != now[key]:
+    for key, what in (("graph_hash", "graph"), ("store_hash", "chunk store"),
+                      ("init_hash", f"model file to start from ({cfg.model.init_from}, models.<name>.init_from)")):
+        if stored.get(key) and now.get(key) and stored[key] != now[key]:
             return f"another {what} ({key} {stored[key][:12]}, the run's is now {now[key][:12]})"
     return None
 
@@ -449,7 +465,7 @@ def _data_fingerprint(cfg: RunConfig) -> dict:
     model is used without its data (inference), and is checked against what is still there."""
     present = {k: getattr(cfg, k) if getattr(cfg, k) and Path(getattr(cfg, k)).is_file() else None
                for k in ("graph_path", "store_path")}
-    return run_fingerprint(dataclasses.replace(cfg, **present))
+    return run_fingerprint(dataclasses.replace(cfg, **present), init=False)
 
 
 def check_model_identity(state: dict, cfg: RunConfig, path, *, without_data: bool = True) -> None:
