@@ -17,7 +17,9 @@ The table: per rule, its jobs, their summed wall seconds and the largest peak RS
 set-up stages (every rule but ``train``, and ``relax``: IS2RS, a task of its own after training)
 summed against the training jobs', and their ratio against issue #36's bound (set-up ≤ 0.5×
 training). A train job's wall time includes its own start-up (imports, the launcher's plan check),
-so the ratio counts start-up as training: it is what a user waits for either way.
+so the ratio counts start-up as training: it is what a user waits for either way. Then the
+issue's bounds on single stages (:func:`stage_bounds`: a calibrate job ≤ 0.1× a train job, the
+report ≤ 10 s), each saying why when over.
 """
 
 from __future__ import annotations
@@ -32,6 +34,20 @@ from ..io import GnnPipeError
 
 #: Issue #36: the stages that are not training cost, summed, at most this many times the training.
 SETUP_BOUND = 0.5
+#: ... a calibrate job at most this many times a train job (their means), and the report at most
+#: REPORT_BOUND_S seconds a job (issue #36: for ten runs, plots included).
+CALIBRATE_BOUND = 0.1
+REPORT_BOUND_S = 10.0
+#: Why a stage over its bound costs what it does, and what the user can do about it.
+OVER_BECAUSE = {
+    "calibrate": ("a first fit times every distinct conv of the model, forward and backward, on blocks "
+                  "of the real graph, the pipeline's chunk against the whole graph, cold and warm, after "
+                  "importing torch; a fit found in results/calibration_cache costs only its start-up, "
+                  "and `cost_model.calibrate: false` skips it (the report then says the cost model is "
+                  "uncalibrated)"),
+    "report": ("it imports torch and builds each run's model to predict its epoch with the cost model, "
+               "and draws the plots"),
+}
 TRAINING = frozenset({"train"})
 #: Neither set-up nor training: relaxations with the trained model (IS2RS) are a task of their own.
 AFTER_TRAINING = frozenset({"relax"})
@@ -134,15 +150,41 @@ def stages_section(stages: list[Stage], bench_dir: str) -> str:
         if cpu["training"] > 0:
             verdict += f" In CPU seconds: {_s(cpu['set-up'])} ÷ {_s(cpu['training'])} = {cpu['set-up'] / cpu['training']:.2f}×."
     return "\n".join([
-        f"Wall time, CPU time and peak resident memory of every job, from Snakemake's benchmark files (`{bench_dir}`; "
-        "a job's processes summed, MB; — where a job ended before the first sample). *Set-up* is every "
-        "stage but training (and IS2RS relaxations after it); a train job's time includes its own start-up. "
-        "The report's own row, if any, is its previous run's. Issue #36 asks set-up ≤ "
-        f"{SETUP_BOUND}× training.",
+        *_intro(bench_dir),
         "",
         "| rule | stage | jobs | wall s (sum) | CPU s (sum) | peak RSS MB (max) |",
         "| --- | --- | --- | --- | --- | --- |",
         *rows,
         "",
         verdict,
+        *stage_bounds(stages),
     ])
+
+
+def stage_bounds(stages: list[Stage]) -> list[str]:
+    """Issue #36's bounds on single stages, each with its figure and, when over, why: a calibrate
+    job ≤ :data:`CALIBRATE_BOUND` × a train job (means over their jobs), the report ≤
+    :data:`REPORT_BOUND_S` s a job. Lines of Markdown (a list), none where a stage was not run."""
+    by = {s.rule: s for s in stages if s.jobs}
+    out = []
+    cal, train = by.get("calibrate"), by.get("train")
+    if cal is not None and train is not None and train.seconds > 0:
+        c, t = cal.seconds / cal.jobs, train.seconds / train.jobs
+        out.append(f"* calibrate: {_s(c)} s a job = {c / t:.2f}× a train job's {_s(t)} s (bound "
+                   f"{CALIBRATE_BOUND}×)" + (f"; **over**: {OVER_BECAUSE['calibrate']}." if c > CALIBRATE_BOUND * t
+                                            else ", within."))
+    rep = by.get("report")
+    if rep is not None:
+        r = rep.seconds / rep.jobs
+        out.append(f"* report: {_s(r)} s (bound {_s(REPORT_BOUND_S)} s)"
+                   + (f"; **over**: {OVER_BECAUSE['report']}." if r > REPORT_BOUND_S else ", within."))
+    return ["", "Single stages against their bounds:", "", *out] if out else []
+
+
+def _intro(bench_dir: str) -> list[str]:
+    return [
+        f"Wall time, CPU time and peak resident memory of every job, from Snakemake's benchmark files (`{bench_dir}`; "
+        "a job's processes summed, MB; — where a job ended before the first sample). *Set-up* is every "
+        "stage but training (and IS2RS relaxations after it); a train job's time includes its own start-up. "
+        "The report's own row, if any, is its previous run's. Issue #36 asks set-up ≤ "
+        f"{SETUP_BOUND}× training."]
