@@ -5,6 +5,8 @@
     python benchmarks/bench_calibrate.py --check results/data/synth/graph.h5 --layers 8 \\
         --hidden 64 --epochs 5 --runs-dir results/runs --out results/benchmarks/check.json
     python benchmarks/bench_calibrate.py --smoke --out /tmp/calibrate.json   # every measurement, tiny
+    python benchmarks/bench_calibrate.py --fit results/runs/<run>/run.yaml --rounds 3 \
+        --out results/benchmarks/fit.json      # what the workflow's calibrate costs, what it predicts
 
 Measurements (medians of ``--reps``, after a warm-up):
 
@@ -31,7 +33,10 @@ Measurements (medians of ``--reps``, after a warm-up):
 each worker runs one compute thread by default). ``--check`` fits the rates to a real
 graph and model (``gnnpipe.planning.calibrate.calibrate``), trains ``single`` for a few epochs and
 compares measured with predicted epoch times, and does the same for every run record
-under ``--runs-dir`` (any mode) whose graph is the checked one.
+under ``--runs-dir`` (any mode) whose graph is the checked one. ``--fit`` times the workflow's
+own calibration of a run (``calibrate_run``, no cache) ``--rounds`` times: its thread's CPU
+seconds, and the epochs each fit predicts for the run's model on its graph, single, graph
+1 x 2 and pipeline 2 x 1 (C = 8).
 """
 
 from __future__ import annotations
@@ -452,6 +457,40 @@ def check(graph_path: str, model_cfg, hw_name: str, epochs: int, threads: int,
             "calibration": fitted.measured["calibration"], "rows": rows}
 
 
+def fit_cost(run_yaml: str, hw_name: str, rounds: int) -> dict:
+    """``calibrate_run`` of a run, ``rounds`` times: each fit's CPU seconds (this thread, and the
+    process's; torch already imported, ~1.3 s that the workflow's calibrate job also pays) and
+    wall seconds, and its predicted epochs of single, graph 1 x 2 and pipeline 2 x 1 with 8
+    chunks on the run's graph (METIS statistics, cached beside the graph)."""
+    from gnnpipe.config import load_run_config, to_dict
+    from gnnpipe.graph import read_graph_attrs
+    from gnnpipe.planning.calibrate import calibrate_run
+    from gnnpipe.planning.predict import predict_layout
+    from gnnpipe.planning.shape import build_model, model_shape
+    from gnnpipe.planning.stats import cached_graph_stats
+
+    cfg = load_run_config(run_yaml)
+    attrs = read_graph_attrs(cfg.graph_path)
+    stats = cached_graph_stats(cfg.graph_path, [2, 8], method=cfg.partitioning.method, seed=cfg.partitioning.seed)
+    gnn = build_model(cfg.model, int(attrs["num_features"]), int(attrs["num_classes"]))
+    shape = model_shape(gnn)
+    layouts = {"single": ("single", 1, 1, 1), "graph 1x2": ("graph", 1, 2, 2),
+               "pipeline 2x1 C=8": ("pipeline", 2, 1, 8)}
+    out = []
+    for r in range(rounds):
+        load0 = os.getloadavg()[0]
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+        hw = calibrate_run(cfg, hw_name)
+        row = {"round": r, "wall_s": time.perf_counter() - t0, "thread_cpu_s": time.thread_time() - c0,
+               "process_cpu_s": time.process_time() - p0, "load_avg_1min": [load0, os.getloadavg()[0]],
+               "single_worker_speedup": hw.single_worker_speedup,
+               "predicted_epoch_s": {k: predict_layout(stats, gnn, shape, hw, *v).epoch_s for k, v in layouts.items()}}
+        print(f"fit {r}: {row['thread_cpu_s']:.2f} s thread CPU, {row['wall_s']:.1f} s wall (load "
+              f"{load0:.1f}); predicted " + ", ".join(f"{k} {v:.3f} s" for k, v in row["predicted_epoch_s"].items()))
+        out.append(row)
+    return {"run_config": run_yaml, "graph": cfg.graph_path, "model": to_dict(cfg.model), "rounds": out}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
@@ -464,12 +503,15 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3, help="--check: calibrate/measure rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="--check: calibrate/measure rounds; --fit: fits")
+    ap.add_argument("--fit", metavar="RUN_YAML", help="time the workflow's calibration of this run")
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="--check: time with wall clock, or thread CPU time (a shared machine)")
     ap.add_argument("--runs-dir", help="also compare these run records (metrics.json + run.yaml)")
     a = parse_args(ap, argv, reps=1)
-    if a.check:
+    if a.fit:
+        res = fit_cost(a.fit, a.hardware, a.rounds)
+    elif a.check:
         from gnnpipe.config import ModelConfig
 
         res = check(a.check, ModelConfig(kind=a.kind, layers=a.layers, hidden=a.hidden), a.hardware,

@@ -377,6 +377,20 @@ def test_calibrate_fits_positive_rates_on_the_real_layers():
     assert pl.plan(st, ModelConfig(kind="gcn", layers=3, hidden=16), 12, 4, hw, 2).best is not None
 
 
+def test_calibrate_times_each_block_where_told_and_dropout_on_a_row_sample(monkeypatch):
+    """block_rows: the chunk (whole-graph sources at any row count) at one size, the part at both;
+    the bare dropout kernel on at most DROPOUT_ROWS rows (a per-value rate), its work counted so."""
+    monkeypatch.setattr(cal, "DROPOUT_ROWS", 100)
+    g = _graph(n=800, extra=800)
+    hw = cal.calibrate(g, ModelConfig(kind="gcn", layers=3, hidden=16), ch.load_hardware("cpu-2core"),
+                       rows=(128, 512), reps=1, block_rows={"chunk": (512,)})
+    fit = hw.measured["calibration"]
+    convs = [m["what"] for m in fit["measurements"] if m["what"].startswith("conv")]
+    assert len(convs) == 3 * 2 * (1 + 2) and fit["block_rows"] == {"chunk": [512], "part": [128, 512]}
+    assert all(" 512 " in w for w in convs if " chunk " in w)
+    assert {m["what"] for m in fit["measurements"] if m["what"].startswith("dropout")} == {"dropout 100x16"}
+
+
 def _run_yaml(tmp_path, graph_path, model: ModelConfig) -> str:
     from gnnpipe.config import (GraphParallelConfig, PartitionConfig, PipelineConfig, RunConfig,
                                 TrainingConfig, dump_run_config)

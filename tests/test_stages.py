@@ -68,6 +68,24 @@ def test_section_states_the_ratio_and_the_bound(bench):
     text = stages_section(collect(bench, RUNS), "results/benchmarks")
     assert ("Set-up 59.0 s ÷ training 50.0 s = **1.18×** (**over the bound of 0.5×**; the largest set-up "
             "stages: calibrate 40.0 s, partition 8.0 s, evaluate 7.0 s).") in text
+    # single stages: calibrate against a train job (mean 25 s), the report against 10 s
+    assert "* calibrate: 40.0 s a job = 1.60× a train job's 25.0 s (bound 0.1×); **over**: a first fit" in text
+    assert "report:" not in text
+    write(bench, "calibrate/synth/gcn2.tsv", row(2.0, 700.0))
+    write(bench, "report/report.tsv", row(12.0, 300.0))
+    text = stages_section(collect(bench, RUNS), "results/benchmarks")
+    assert "* calibrate: 2.0 s a job = 0.08× a train job's 25.0 s (bound 0.1×), within." in text
+    assert "* report: 12.0 s (bound 10.0 s); **over**: it imports torch" in text
+    assert "evaluate:" not in text  # no epoch times: nothing to hold it to
+
+
+def test_evaluate_against_two_epochs_of_its_run(bench):
+    run = "synth-gcn2-single-p1-seed0"  # its evaluate job: 7.0 s (the mean of 2 repeats)
+    text = stages_section(collect(bench, RUNS), "results/benchmarks", {run: 2.0, "synth-gcn2-graph-p2-seed0": 1.0})
+    assert (f"* evaluate: 1 of 1 jobs over 2 epochs of their run (the most: {run}, 7.0 s = 3.5 epochs); "
+            "**over**: each is a process of its own") in text
+    text = stages_section(collect(bench, RUNS), "results/benchmarks", {run: 5.0})
+    assert f"* evaluate: 0 of 1 jobs over 2 epochs of their run (the most: {run}, 7.0 s = 1.4 epochs), within." in text
 
 
 def test_no_files_and_bad_files(tmp_path):

@@ -11,7 +11,7 @@ import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import yaml
@@ -24,6 +24,8 @@ from ..io import GnnPipeError, write_text
 from .shape import DTYPE_BYTES, build_model, model_shape
 
 FLUSH_BYTES = 128 * 2**20
+#: The bare dropout kernel's rows at most (:func:`calibrate`).
+DROPOUT_ROWS = 16384
 #: Clocks for timing: wall time, or this thread's CPU time (blind to time spent
 #: descheduled on a shared machine; the same as wall time for one compute thread on an
 #: idle core).
@@ -67,20 +69,25 @@ def sample_blocks(graph, rows: int, dtype):
 
 def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[Hardware] = None, *,
               rows: Sequence[int] = (2048, 8192), reps: int = 5, threads: int = 1,
-              dtype: str = "float32", clock: str = "wall", evict: bool = True) -> Hardware:
+              dtype: str = "float32", clock: str = "wall", evict: bool = True,
+              block_rows: Optional[Mapping[str, Sequence[int]]] = None) -> Hardware:
     """Fit the compute rates of ``hardware`` to this machine, on the real graph and model.
 
     Times (median of ``reps``), with ``threads`` compute threads: each distinct conv of
     the model forward and backward on a chunk block and a part block of ``rows``
     destination rows (:func:`sample_blocks`), the encoder/decoder, and the bare kernels
-    (a matmul, the CSR SpMM, an elementwise op, dropout). The cost model's work counts of every
-    measurement are fitted to its time by non-negative least squares on relative errors,
+    (a matmul, the CSR SpMM, an elementwise op, dropout on at most :data:`DROPOUT_ROWS` rows).
+    The cost model's work counts of every measurement are fitted to its time by
+    non-negative least squares on relative errors,
     giving seconds per dense FLOP, per sparse value, per elementwise value and per call.
     The result is ``hardware`` (or a one-node CPU profile) with those rates and the fit
     in ``measured["calibration"]``. ``clock``: ``"wall"``, or ``"cpu"`` (this thread's CPU
     time; only meaningful with ``threads=1``) to fit the rates of the work itself on a
     machine that other jobs share. ``evict=False``: time with warm caches (what a
-    single process sees; :func:`calibrate_run`).
+    single process sees; :func:`calibrate_run`). ``block_rows``: ``{"chunk": rows, "part":
+    rows}``, the row counts (of ``rows``) at which each block is timed (None, or a block not
+    named: every one). A chunk's sources are the whole graph at any row count, so on a large
+    graph it costs far more than its rows say, and one row count measures its shape.
     """
     if clock not in CLOCKS:
         raise GnnPipeError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
@@ -119,10 +126,13 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[Hardware] = None
             y.append(seconds)
             names.append(name)
 
+        timed = {"chunk": rows, "part": rows, **(block_rows or {})}
         seen = set()
         with torch.random.fork_rng():
             for r in rows:
                 for bname, block in zip(("chunk", "part"), sample_blocks(graph, r, tdtype)):
+                    if r not in timed[bname]:
+                        continue
                     for l, (conv, spec) in enumerate(zip(gnn.convs, shape.layers)):
                         key = (spec, r, bname)
                         if key in seen:
@@ -160,8 +170,12 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[Hardware] = None
                         median_time(lambda: xk @ w, reps, cold, clock))
                     add(f"relu+add {m}x{d}", Work(elem=2.0 * m * d),
                         median_time(lambda: torch.relu(xk).add_(1.0), reps, cold, clock))
-                    add(f"dropout {m}x{d}", Work(rng=m * d, elem=m * d),
-                        median_time(lambda: torch.nn.functional.dropout(xk, 0.5), reps, cold, clock))
+                    # random numbers cost the same per value at any size (compute-bound): a
+                    # whole-graph mask was ~0.2 s a call on 10^5 nodes, for one rate
+                    md = min(m, DROPOUT_ROWS)
+                    xd = xk[:md]
+                    add(f"dropout {md}x{d}", Work(rng=md * d, elem=md * d),
+                        median_time(lambda: torch.nn.functional.dropout(xd, 0.5), reps, cold, clock))
                 n = min(r, graph.num_nodes)
                 if shape.encoder:
                     x = torch.randn(n, graph.num_features, dtype=tdtype, generator=gen)
@@ -194,6 +208,7 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[Hardware] = None
     rel = (pred - t) / t
     fit = {"threads": int(threads), "dtype": dtype, "clock": clock, "graph": graph.name, "model": to_dict(model_cfg),
            "rows": list(rows), "reps": reps,
+           "block_rows": {k: list(v) for k, v in timed.items()},
            "rates": rates, "median_abs_rel_error": float(np.median(np.abs(rel))),
            "max_abs_rel_error": float(np.max(np.abs(rel))),
            "measurements": [{"what": nm, "seconds": float(s), "predicted": float(pr)}
@@ -208,10 +223,19 @@ RUN_REPS = 3
 RUN_ROWS = (2048, 8192)
 
 
+def run_block_rows() -> dict:
+    """Where :func:`calibrate_run`'s cold pass times each block: the chunk, whose sources are the
+    whole graph at every row count (its backward fills a whole-graph gradient: most of the time
+    on a 10^5-node graph), only at the largest of :data:`RUN_ROWS`; the part at every one (the
+    sizes separate the per-call cost from the rates)."""
+    return {"chunk": RUN_ROWS[-1:], "part": RUN_ROWS}
+
+
 def calibration_key(hw: Hardware, graph_hash: str, cfg: RunConfig, clock: str) -> str:
     """The content key of a run's calibration: what its rates depend on — the base profile, this
     machine (host, CPUs, torch), the graph's content, the model config (its shape), dtype,
-    threads, clock and node order, and what is timed (:data:`RUN_REPS`, :data:`RUN_ROWS`).
+    threads, clock and node order, and what is timed (:data:`RUN_REPS`, :data:`RUN_ROWS`,
+    :func:`run_block_rows`, :data:`DROPOUT_ROWS`).
     The run's name and dataset name are not in it: another config on the same graph reuses it."""
     import platform
     from importlib.metadata import version
@@ -221,7 +245,8 @@ def calibration_key(hw: Hardware, graph_hash: str, cfg: RunConfig, clock: str) -
             "model": to_dict(cfg.model), "dtype": cfg.training.dtype,
             "threads": cfg.training.threads_per_worker, "clock": clock,
             "node_order": [cfg.training.node_order, cfg.partitioning.seed],
-            "reps": RUN_REPS, "rows": list(RUN_ROWS)}
+            "reps": RUN_REPS, "rows": list(RUN_ROWS), "block_rows": run_block_rows(),
+            "dropout_rows": DROPOUT_ROWS}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -255,7 +280,7 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu",
 
     graph = read_graph(cfg.graph_path)
     out = calibrate(graph, cfg.model, hw, rows=RUN_ROWS, reps=RUN_REPS, threads=threads,
-                    dtype=cfg.training.dtype, clock=clock)
+                    dtype=cfg.training.dtype, clock=clock, block_rows=run_block_rows())
     # A process training alone keeps its tensors in cache from conv to conv; the workers of
     # a parallel run, between exchanges, do not (measured: single-process epochs match the
     # warm rates, parallel workers' compute the cold ones). The ratio of the two predicted

@@ -87,7 +87,7 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
     stages = [] if benchmarks_dir is None else [
         "## Stages", "",
         stage_times.stages_section(stage_times.collect(Path(benchmarks_dir), [Path(d).name for d in run_dirs]),
-                                   str(benchmarks_dir)), ""]
+                                   str(benchmarks_dir), {r.run_id: r["epoch_time_s"] for r in runs}), ""]
     runs = [r for r in runs if not atomic_report.is_atomic(r)]
     if not runs:
         write_text(out_md, "\n".join(["# GNNPipe report", "", count, "", *stages, atomic]))

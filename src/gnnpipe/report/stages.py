@@ -17,14 +17,16 @@ The table: per rule, its jobs, their summed wall seconds and the largest peak RS
 set-up stages (every rule but ``train``, and ``relax``: IS2RS, a task of its own after training)
 summed against the training jobs', and their ratio against issue #36's bound (set-up ≤ 0.5×
 training). A train job's wall time includes its own start-up (imports, the launcher's plan check),
-so the ratio counts start-up as training: it is what a user waits for either way.
+so the ratio counts start-up as training: it is what a user waits for either way. Then the
+issue's bounds on single stages (:func:`stage_bounds`: a calibrate job ≤ 0.1× a train job, an
+evaluate job ≤ 2 epochs of its run, the report ≤ 10 s), each saying why when over.
 """
 
 from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -32,6 +34,25 @@ from ..io import GnnPipeError
 
 #: Issue #36: the stages that are not training cost, summed, at most this many times the training.
 SETUP_BOUND = 0.5
+#: ... a calibrate job at most this many times a train job (their means), an evaluate job at most
+#: EVALUATE_BOUND_EPOCHS epochs of the run it evaluates, and the report at most REPORT_BOUND_S
+#: seconds a job (issue #36: for ten runs, plots included).
+CALIBRATE_BOUND = 0.1
+EVALUATE_BOUND_EPOCHS = 2.0
+REPORT_BOUND_S = 10.0
+#: Why a stage over its bound costs what it does, and what the user can do about it.
+OVER_BECAUSE = {
+    "calibrate": ("a first fit times every distinct conv of the model, forward and backward, on blocks "
+                  "of the real graph, the pipeline's chunk against the whole graph, cold and warm, after "
+                  "importing torch; a fit found in results/calibration_cache costs only its start-up, "
+                  "and `cost_model.calibrate: false` skips it (the report then says the cost model is "
+                  "uncalibrated)"),
+    "evaluate": ("each is a process of its own: it imports torch, loads the graph and the checkpoint and "
+                 "runs one exact full-graph pass, and imports MLflow's client and store (on a thread "
+                 "meanwhile) to log the result; an epoch is only the training pass"),
+    "report": ("it imports torch and builds each run's model to predict its epoch with the cost model, "
+               "and draws the plots"),
+}
 TRAINING = frozenset({"train"})
 #: Neither set-up nor training: relaxations with the trained model (IS2RS) are a task of their own.
 AFTER_TRAINING = frozenset({"relax"})
@@ -46,6 +67,7 @@ class Stage:
     seconds: float = 0.0
     max_rss_mb: Optional[float] = None  # None: no job of the rule lived long enough to be sampled
     cpu_s: float = 0.0  # the sampled jobs' CPU seconds
+    job_seconds: dict = field(default_factory=dict)  # each job's wall seconds, by its file's name (a run id)
 
     @property
     def kind(self) -> str:
@@ -97,6 +119,7 @@ def collect(bench_dir: Path, run_ids: Optional[Iterable[str]] = None) -> list[St
         st.jobs += 1
         st.seconds += wall
         st.cpu_s += cpu
+        st.job_seconds[path.stem] = wall
         if rss is not None:
             st.max_rss_mb = rss if st.max_rss_mb is None else max(st.max_rss_mb, rss)
     order = {r: i for i, r in enumerate(RULE_ORDER)}
@@ -112,8 +135,9 @@ def _s(x: float) -> str:
     return f"{x:.1f}"
 
 
-def stages_section(stages: list[Stage], bench_dir: str) -> str:
-    """The report's "Stages" section: the table, the set-up ÷ training ratio and the bound."""
+def stages_section(stages: list[Stage], bench_dir: str, epochs: Optional[dict] = None) -> str:
+    """The report's "Stages" section: the table, the set-up ÷ training ratio and the bound, and
+    single stages against theirs (:func:`stage_bounds`; ``epochs``: each run's epoch seconds)."""
     if not stages:
         return (f"No benchmark files under `{bench_dir}` (the workflow's rules write them: "
                 "`results/benchmarks/<rule>/<job>.tsv`), so no stage times.")
@@ -134,15 +158,52 @@ def stages_section(stages: list[Stage], bench_dir: str) -> str:
         if cpu["training"] > 0:
             verdict += f" In CPU seconds: {_s(cpu['set-up'])} ÷ {_s(cpu['training'])} = {cpu['set-up'] / cpu['training']:.2f}×."
     return "\n".join([
-        f"Wall time, CPU time and peak resident memory of every job, from Snakemake's benchmark files (`{bench_dir}`; "
-        "a job's processes summed, MB; — where a job ended before the first sample). *Set-up* is every "
-        "stage but training (and IS2RS relaxations after it); a train job's time includes its own start-up. "
-        "The report's own row, if any, is its previous run's. Issue #36 asks set-up ≤ "
-        f"{SETUP_BOUND}× training.",
+        *_intro(bench_dir),
         "",
         "| rule | stage | jobs | wall s (sum) | CPU s (sum) | peak RSS MB (max) |",
         "| --- | --- | --- | --- | --- | --- |",
         *rows,
         "",
         verdict,
+        *stage_bounds(stages, epochs),
     ])
+
+
+def stage_bounds(stages: list[Stage], epochs: Optional[dict] = None) -> list[str]:
+    """Issue #36's bounds on single stages, each with its figure and, when over, why: a calibrate
+    job ≤ :data:`CALIBRATE_BOUND` × a train job (means over their jobs), an evaluate job ≤
+    :data:`EVALUATE_BOUND_EPOCHS` epochs of its run (``epochs``: run id -> epoch seconds; runs
+    without one are left out), the report ≤ :data:`REPORT_BOUND_S` s a job. Lines of Markdown (a
+    list), none where a stage was not run."""
+    by = {s.rule: s for s in stages if s.jobs}
+    out = []
+    ev = by.get("evaluate")
+    ratios = {} if ev is None else {run: wall / epochs[run] for run, wall in ev.job_seconds.items()
+                                     if (epochs or {}).get(run)}
+    if ratios:
+        worst = max(ratios, key=ratios.get)
+        over = sum(r > EVALUATE_BOUND_EPOCHS for r in ratios.values())
+        out.append(f"* evaluate: {over} of {len(ratios)} jobs over {EVALUATE_BOUND_EPOCHS:g} epochs of their run "
+                   f"(the most: {worst}, {_s(ev.job_seconds[worst])} s = {ratios[worst]:.1f} epochs)"
+                   + (f"; **over**: {OVER_BECAUSE['evaluate']}." if over else ", within."))
+    cal, train = by.get("calibrate"), by.get("train")
+    if cal is not None and train is not None and train.seconds > 0:
+        c, t = cal.seconds / cal.jobs, train.seconds / train.jobs
+        out.append(f"* calibrate: {_s(c)} s a job = {c / t:.2f}× a train job's {_s(t)} s (bound "
+                   f"{CALIBRATE_BOUND}×)" + (f"; **over**: {OVER_BECAUSE['calibrate']}." if c > CALIBRATE_BOUND * t
+                                            else ", within."))
+    rep = by.get("report")
+    if rep is not None:
+        r = rep.seconds / rep.jobs
+        out.append(f"* report: {_s(r)} s (bound {_s(REPORT_BOUND_S)} s)"
+                   + (f"; **over**: {OVER_BECAUSE['report']}." if r > REPORT_BOUND_S else ", within."))
+    return ["", "Single stages against their bounds:", "", *out] if out else []
+
+
+def _intro(bench_dir: str) -> list[str]:
+    return [
+        f"Wall time, CPU time and peak resident memory of every job, from Snakemake's benchmark files (`{bench_dir}`; "
+        "a job's processes summed, MB; — where a job ended before the first sample). *Set-up* is every "
+        "stage but training (and IS2RS relaxations after it); a train job's time includes its own start-up. "
+        "The report's own row, if any, is its previous run's. Issue #36 asks set-up ≤ "
+        f"{SETUP_BOUND}× training."]
