@@ -3,11 +3,13 @@
     .venv/bin/python benchmarks/bench_memory_modes.py --out results/bench/memory_modes.json
     .venv/bin/python benchmarks/bench_memory_modes.py --out /tmp/mm.json --nodes 40000 --modes graph pipeline
     .venv/bin/python benchmarks/bench_memory_modes.py --out /tmp/mm.json --smoke   # 400 nodes, 4 layers, the pipeline only
+    .venv/bin/python benchmarks/bench_memory_modes.py --reprice benchmarks/results/memory_modes.json --out /tmp/mm.json
 
 On the ``default`` (DC-SBM) synthetic shape at ``--nodes`` nodes, a GCNII of ``--layers`` x
 ``--hidden`` (the issue's deep model: 16 x 128) is set up, trained ``--epochs`` epochs and evaluated
 once (one exact pass) in each layout of ``--modes``: ``single``; ``graph`` P = 2; ``pipeline``
-S = 2 with ``--chunks`` chunks; ``hybrid`` 2 x 2 with ``--chunks`` chunks. Every rank is a real
+S = 2 with ``--chunks`` chunks; ``hybrid`` 2 x 2 with ``--chunks`` chunks; ``pipeline-recompute``,
+``hybrid-recompute``: the same with ``pipeline.recompute: true``. Every rank is a real
 process (``spawn_multi_process``, gloo, one thread) that keeps freed memory as a training run does
 (``engine.retain_freed_memory``), so its resident peak is a training rank's. Per rank the JSON has
 the resident set after the imports (the process itself, what the cost model calls
@@ -18,7 +20,11 @@ keeps them all until the backward) and the history buffers' bytes (several chunk
 layout: the cost model's ``peak_mem_bytes`` (``planning.predict.predict_layout`` on the graph's
 own METIS statistics) and its breakdown, with the ``cpu-2core`` profile's process overhead (what
 ``gnnpipe plan`` prints: ``predicted``) and with the ranks' own resident set after the imports
-(``predicted_own_overhead``), each over the largest rank's peak (``..._over_measured``).
+(``predicted_own_overhead``), each over the largest rank's peak (``..._over_measured``), the
+statistics it priced (``stats``: ``tests/test_costmodel.py`` prices them again), and the heap the
+run kept beyond the rest of the estimate over its activations (``retained_heap_fraction``: what
+the CPU profiles' field of that name prices); per rank, glibc's ``mallinfo2`` after training.
+``--reprice`` runs nothing: it prices an earlier result's measured peaks with this cost model.
 """
 
 from __future__ import annotations
@@ -191,7 +197,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--modes", nargs="+", default=["single", "graph", "pipeline", "hybrid"], choices=list(LAYOUTS))
+    ap.add_argument("--modes", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--nodes", type=int, default=40_000)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=128)
