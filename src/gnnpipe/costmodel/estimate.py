@@ -31,7 +31,7 @@ parameters with gradients and Adam's two moments, and the largest temporary of o
 With ``recompute``, one chunk's activations at a time, and each conv's halo rows of every chunk
 as its forward read them (the rebuild reads the same). On a CPU, the heap a training process
 keeps (``engine.retain_freed_memory``) holds ``retained_heap_fraction`` of the activations more
-(the hardware profile's; ``benchmarks/bench_memory_modes.py`` measures it: 0.38–0.47 in every
+(the hardware profile's; ``benchmarks/bench_memory_modes.py`` measures it: 0.33–0.49 in every
 mode on DC-SBM 4·10^4 nodes, GCNII 16 × 128), and the process itself ``process_overhead_gib``.
 
 Bytes are the exact closed forms of :mod:`gnnpipe.costmodel.bytes`.
