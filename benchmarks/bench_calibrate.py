@@ -54,6 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from gnnpipe.costmodel.hardware import load_hardware  # noqa: E402
 from gnnpipe.io import write_json, write_text  # noqa: E402
 from gnnpipe.planning.calibrate import median_time as _median  # noqa: E402
 from smoke import parse_args  # noqa: E402
@@ -297,8 +298,9 @@ def _mem_total_gib() -> float:
     return 0.0
 
 
-def profile_yaml(m: dict, name: str = "cpu-2core") -> str:
-    """The hardware profile of this machine from ``measure``'s results."""
+def profile_yaml(m: dict, name: str = "cpu-2core", retained_heap_fraction: float = 0.0) -> str:
+    """The hardware profile of this machine from ``measure``'s results; ``retained_heap_fraction``
+    is ``bench_memory_modes``'s (kept from the profile this one replaces)."""
     s1, s2 = m["solo_1_thread"], m["solo_2_threads"]
     dense1 = statistics.median(s1["dense_gflops"].values())
     sparse1 = statistics.median(s1["sparse_gvalues"].values())
@@ -346,6 +348,8 @@ def profile_yaml(m: dict, name: str = "cpu-2core") -> str:
         f"{workers} cores against {workers} (all-to-all, stage-to-stage receive: mean)",
         f"comm_overlap: {m['overlap']['overlap']:.2f}     # of an all-to-all, hidden behind a matmul",
         f"process_overhead_gib: {m['process_rss_gib']:.3f}     # a worker's resident set after its imports",
+        f"retained_heap_fraction: {retained_heap_fraction:.2f}     # heap kept beyond the live tensors / activations "
+        "(bench_memory_modes)",
         "measured:",
     ]
     body = json.dumps(compact, indent=2, sort_keys=True, default=float)
@@ -527,7 +531,8 @@ def main(argv=None) -> int:
     else:
         res = measure(a.reps, a.smoke)
         if a.write_profile:
-            write_text(a.write_profile, profile_yaml(res))
+            kept = load_hardware(a.write_profile).retained_heap_fraction if Path(a.write_profile).exists() else 0.0
+            write_text(a.write_profile, profile_yaml(res, retained_heap_fraction=kept))
             print(f"wrote {a.write_profile}")
     write_json(a.out, res)
     print(f"wrote {a.out}")

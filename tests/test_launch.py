@@ -306,6 +306,25 @@ def test_a_node_run_is_sized_by_the_cost_model_before_launch(tmp_path, capsys):
     assert ok.fits and "within the cap of 1.50 GiB per worker" in ok.line() and 0.3 * 2**30 < ok.need < 0.31 * 2**30
 
 
+def test_a_pipeline_that_fits_with_recompute_is_told_so(tmp_path):
+    """#36 item 3: recompute is the run's choice, not turned on for it; a pipelined run over its cap
+    that would fit with pipeline.recompute: true hears that first."""
+    import dataclasses
+
+    from gnnpipe.planning.fit import fit_run
+
+    cfg, _ = _node_run(tmp_path, {"kind": "gcnii", "layers": 8, "hidden": 128}, mode="pipeline", stages=2, chunks=4)
+    stored = fit_run(cfg, 4096, None, 0.0).need
+    again = fit_run(dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, recompute=True)),
+                    4096, None, 0.0).need
+    assert again < stored
+    between = fit_run(cfg, (again + stored) / 2 / 2**20, None, 0.0)
+    assert not between.fits and between.recompute_need == pytest.approx(again)
+    assert f"with pipeline.recompute: true it needs {again / 2**30:.2f} GiB and fits" in between.line()
+    below = fit_run(cfg, again / 2 / 2**20, None, 0.0)
+    assert "recompute" not in below.line()
+
+
 def test_the_machines_memory_is_shared_by_the_workers_on_it(tmp_path):
     """More workers than the machine holds (each a process of ~0.3 GiB): refused, with fewer as the advice;
     workers spread over nodes (--workers-per-node) fit."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import TrainingConfig
+from .costmodel.estimate import heap_retained
 from .graph import Graph
 from .habits import Habits
 from .io import GnnPipeError
@@ -93,7 +93,7 @@ def retain_freed_memory() -> bool:
     elsewhere it does nothing. Called once per node-model training process (``gnnpipe.train.run``;
     atomic runs keep glibc's defaults: their memory plan is checked against resident peaks).
     """
-    if any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
+    if not heap_retained():
         return False
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt

@@ -28,6 +28,11 @@ source rows (first stage), the per-layer history buffers of a way with several c
 their gradients), the activations kept for backward for the chunks the schedule holds at once
 (:func:`gnnpipe.schedule.in_flight`; GPipe keeps every chunk's until the backward),
 parameters with gradients and Adam's two moments, and the largest temporary of one conv.
+With ``recompute``, one chunk's activations at a time, and each conv's halo rows of every chunk
+as its forward read them (the rebuild reads the same). On a CPU, the heap a training process
+keeps (``engine.retain_freed_memory``) holds ``retained_heap_fraction`` of the activations more
+(the hardware profile's; ``benchmarks/bench_memory_modes.py`` measures it: 0.33–0.49 in every
+mode on DC-SBM 4·10^4 nodes, GCNII 16 × 128), and the process itself ``process_overhead_gib``.
 
 Bytes are the exact closed forms of :mod:`gnnpipe.costmodel.bytes`.
 """
@@ -35,6 +40,7 @@ Bytes are the exact closed forms of :mod:`gnnpipe.costmodel.bytes`.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence
 
@@ -107,6 +113,13 @@ class Estimate:
 #: rows (8), its transpose's int32 indices (4) and int64 permutation (8); one value (4).
 #: See gnnpipe.models.ops (block_csr / self_loop_csr / gcn_values).
 STRUCT_BYTES_PER_ENTRY = 44
+
+
+def heap_retained(environ=None) -> bool:
+    """Whether a node training process started with ``environ`` (default: this one's) keeps freed
+    memory (``engine.retain_freed_memory``): yes, unless a ``MALLOC_*_`` variable tunes glibc."""
+    env = os.environ if environ is None else environ
+    return not any(k.startswith("MALLOC_") and k.endswith("_") for k in env)
 
 
 def _a2a_seconds(bytes_per_worker: float, group: int, busy_on_node: int, hw: Hardware,
@@ -192,7 +205,7 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
              bounds: Sequence[tuple[int, int]], way_stats: WayStats, num_nodes: int,
              num_edges: int, hw: Hardware, chunk_stats: Optional[WayStats] = None,
              bytes_per_value: int = 4, overlap: bool = True, first_input: str = "exchanged",
-             history_buffers: int = 3, recompute: bool = False) -> Estimate:
+             history_buffers: int = 3, recompute: bool = False, retained_heap: bool = True) -> Estimate:
     """Predict one epoch of layout ``stages × ways`` with ``chunks`` chunks (module docstring).
 
     ``bounds[s] = (a, b)``: stage ``s`` owns convs ``a..b-1``. ``way_stats``: the
@@ -202,6 +215,8 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
     ``"local"``, the input halo cached at set-up). ``history_buffers``: whole-graph
     buffers per buffered conv input (current, gradient, snapshot, history).
     ``recompute``: activations are recomputed in the backward instead of kept.
+    ``retained_heap``: the run's process keeps freed memory (:func:`heap_retained`), so its peak
+    holds ``hw.retained_heap_fraction`` of the activations more.
     """
     _check_layout(mode, shape, stages, ways, chunks, bounds, way_stats, chunk_stats)
     halo_values([1], first_input)  # validates first_input
@@ -325,6 +340,9 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
 
     mem, breakdown = _peak_memory(shape, S, G, cw, bounds, way_stats, chunk_stats, b, params,
                                   buffered, history_buffers, recompute, schedule.in_flight(acts))
+    # the heap a process that keeps freed memory holds beyond its live tensors (hw's fraction)
+    breakdown["heap"] = hw.retained_heap_fraction * breakdown["activations"] if retained_heap else 0.0
+    mem += breakdown["heap"]
     breakdown["runtime"] = hw.process_overhead_gib * 2**30  # the process itself (CPU: resident set)
     mem += breakdown["runtime"]
     mirrors = [int(round(m)) for m in way_stats.mirrors]
@@ -373,9 +391,13 @@ def _peak_memory(shape: ModelShape, S: int, G: int, cw: int, bounds, way_stats: 
                              + (e_c + n_c) * lc.saved_entry) * b
                     temp = max(temp, (src_c * (lc.temp_src + dims[l]) + n_c * (dims[l] + 2 * spec.d_out)) * b)
                 act.append(kept)
-            # recompute keeps one (conv, chunk) at a time; else the schedule's chunks in flight
-            bd["activations"] = max(act) if recompute else (sum(act) if held >= len(act)
-                                                            else sum(sorted(act)[-held:]))
+            # recompute rebuilds one chunk's graph at a time, and keeps from every chunk's forward
+            # each conv's halo rows as it read them (the rebuild reads the same rows: the buffers
+            # move on); else the schedule's chunks in flight
+            if recompute:
+                bd["activations"] = max(act) + halo_ids * sum(dims[l] for l in range(a, bnd)) * b
+            else:
+                bd["activations"] = sum(act) if held >= len(act) else sum(sorted(act)[-held:])
             if s == 0 and shape.encoder:
                 bd["activations"] += rows * sum(d for _, d in shape.encoder) * 2 * b
             bd["temporaries"] = temp

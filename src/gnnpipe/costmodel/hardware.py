@@ -56,6 +56,13 @@ class Hardware:
     # after importing torch (what ru_maxrss counts on top of the tensors); GPU: 0 (the run
     # record's figure is max_memory_allocated, tensors only)
     process_overhead_gib: float = 0.0
+    # CPU: what a training process's heap keeps on top of its live tensors, as a fraction of the
+    # activations it holds for backward. A node training process keeps freed memory for reuse
+    # (``engine.retain_freed_memory``: no mmap, no trim), and the forward's freed temporaries,
+    # allocated between the tensors autograd keeps, leave holes later requests do not all fit;
+    # ru_maxrss counts them (``benchmarks/bench_memory_modes.py`` measures it). GPU: 0 (the
+    # caching allocator's reserve is not what the run record's max_memory_allocated counts)
+    retained_heap_fraction: float = 0.0
     inter_bandwidth_gbs: Optional[float] = None  # per node (its NIC, shared by its workers), per direction
     inter_latency_us: Optional[float] = None
     description: str = ""
@@ -68,7 +75,8 @@ class Hardware:
         for key in positive:
             if not getattr(self, key) > 0:
                 raise GnnPipeError(f"{path}.{key}: must be > 0, got {getattr(self, key)!r}")
-        for key in ("intra_latency_us", "layer_overhead_us", "oversubscribed_wait_us", "process_overhead_gib"):
+        for key in ("intra_latency_us", "layer_overhead_us", "oversubscribed_wait_us", "process_overhead_gib",
+                    "retained_heap_fraction"):
             if getattr(self, key) < 0:
                 raise GnnPipeError(f"{path}.{key}: must be >= 0, got {getattr(self, key)!r}")
         if not self.single_worker_speedup >= 1:
@@ -192,6 +200,7 @@ class _HardwareFields:
     link_on_cores: bool = True
     comm_overlap: float = 1.0
     process_overhead_gib: float = 0.0
+    retained_heap_fraction: float = 0.0
     inter_bandwidth_gbs: Optional[float] = None
     inter_latency_us: Optional[float] = None
     description: str = ""

@@ -15,7 +15,10 @@ cost model's memory estimate, as ``gnnpipe plan-atomic --check`` answers it for 
 The cap per worker is ``resources.mem_mb_per_worker`` and the machine's share: the memory of the
 job's cgroup (else the machine's ``MemTotal``) divided among the workers on one node. A run that
 does not fit is refused in one line naming the cap and the smallest layout that fits (graph or
-pipeline, P = 1, 2, 4, ... up to ``MAX_TRIED``, for at most ``SEARCH_S`` seconds).
+pipeline, P = 1, 2, 4, ... up to ``MAX_TRIED``, for at most ``SEARCH_S`` seconds); a pipelined run
+that stores its activations and would fit with ``pipeline.recompute: true`` is told so first.
+Recompute is not turned on for it (#36 item 3): it changes the run's time (one more forward per
+chunk) and its schedule's memory, which the user chose; the refusal is where the choice is made.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class Fit:
     cap: float  # bytes per worker
     cap_name: str
     smallest: Optional[str]  # the fewest workers' layout that fits (None: none up to MAX_TRIED)
+    # a pipelined run that stores its activations: its need with ``pipeline.recompute: true``
+    recompute_need: Optional[float] = None
 
     @property
     def fits(self) -> bool:
@@ -82,6 +87,9 @@ class Fit:
             return f"{head}, within the cap of {self.cap / gib:.2f} GiB per worker ({self.cap_name})"
         advice = (f"the smallest layout that fits is {self.smallest}" if self.smallest else
                   f"no layout of up to {MAX_TRIED} workers was found to fit: use a smaller model")
+        if self.recompute_need is not None and self.recompute_need <= self.cap:
+            advice = (f"with pipeline.recompute: true it needs {self.recompute_need / gib:.2f} GiB and fits "
+                      f"(one more forward per chunk), or {advice}")
         return (f"{head}, above the cap of {self.cap / gib:.2f} GiB per worker ({self.cap_name}); {advice}, "
                 f"or raise the cap if the workers have more memory")
 
@@ -116,7 +124,7 @@ def fit_run(cfg, mem_mb: Optional[int], machine_bytes: Optional[int], overhead: 
                                                   f"over {on_node} worker{'s' if on_node > 1 else ''}"))
         return min(caps)
 
-    def need(mode: str, s: int, g: int, c: int) -> float:
+    def need(mode: str, s: int, g: int, c: int, pipeline_cfg=cfg.pipeline) -> float:
         if shape is None:  # mlp: no graph layers, a single process holds the features and the model
             params = sum(p.numel() for p in gnn.parameters())
             return overhead + N * (gnn.in_features + 2 * gnn.hidden) * b + 4.0 * params * b
@@ -124,7 +132,7 @@ def fit_run(cfg, mem_mb: Optional[int], machine_bytes: Optional[int], overhead: 
         return predict_layout(stats, gnn, shape, hw, mode, s, g, c, dtype_bytes=b,
                               overlap=cfg.graph_parallel.overlap, balance="uniform",
                               first_input=first_input(gnn, cfg.graph_parallel),
-                              pipeline_cfg=cfg.pipeline).peak_mem_bytes
+                              pipeline_cfg=pipeline_cfg).peak_mem_bytes
 
     own = need(cfg.mode, cfg.stages, cfg.ways, cfg.chunks)
     cap_bytes, cap_name = cap(cfg.workers)
@@ -139,4 +147,8 @@ def fit_run(cfg, mem_mb: Optional[int], machine_bytes: Optional[int], overhead: 
         if fitting and fitting[0][0] <= cap(p)[0]:
             smallest = _describe(*fitting[0][1], chunks=False)
         p *= 2
-    return Fit(cfg.run_id, _describe(cfg.mode, cfg.stages, cfg.ways, cfg.chunks), own, cap_bytes, cap_name, smallest)
+    again = None  # recompute is the run's own switch, not turned on for it: it costs a forward per chunk
+    if own > cap_bytes and shape is not None and cfg.stages > 1 and not cfg.pipeline.recompute:
+        again = need(cfg.mode, cfg.stages, cfg.ways, cfg.chunks, dataclasses.replace(cfg.pipeline, recompute=True))
+    return Fit(cfg.run_id, _describe(cfg.mode, cfg.stages, cfg.ways, cfg.chunks), own, cap_bytes, cap_name, smallest,
+               again)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..config import PipelineConfig
-from ..costmodel.estimate import Estimate, WayStats, estimate
+from ..costmodel.estimate import Estimate, WayStats, estimate, heap_retained
 from ..costmodel.hardware import Hardware
 from ..costmodel.work import ModelShape, gather_work, layer_cost, loss_work, rowwise_work
 from ..io import GnnPipeError
@@ -55,9 +55,11 @@ def history_buffers(pc: PipelineConfig) -> int:
 def predict_layout(graph_stats: dict, gnn, shape: ModelShape, hardware: Hardware, mode: str,
                    stages: int, ways: int, chunks: int, *, dtype_bytes: int = 4, overlap: bool = True,
                    balance: str = "estimate", first_input: str = "local",
-                   pipeline_cfg: Optional[PipelineConfig] = None) -> Estimate:
+                   pipeline_cfg: Optional[PipelineConfig] = None, retained_heap: Optional[bool] = None) -> Estimate:
     """The estimate of one layout (``mode``, ``stages`` x ``ways``, ``chunks``) of the built
-    model ``gnn`` (``shape = model_shape(gnn)``), with ``memory["fits"]`` set."""
+    model ``gnn`` (``shape = model_shape(gnn)``), with ``memory["fits"]`` set. ``retained_heap``:
+    whether the run's processes keep freed memory (default: as a training process started from
+    this one's environment would, ``heap_retained``)."""
     pc = pipeline_cfg or PipelineConfig()
     N, E = int(graph_stats["num_nodes"]), int(graph_stats["num_edges"])
     parts = graph_stats.get("partitions", {})
@@ -82,6 +84,7 @@ def predict_layout(graph_stats: dict, gnn, shape: ModelShape, hardware: Hardware
                       way_stats=way_stats, chunk_stats=chunk_stats, num_nodes=N, num_edges=E,
                       hw=hardware, bytes_per_value=dtype_bytes, overlap=overlap,
                       first_input=first_input if ways > 1 else "local",
-                      history_buffers=history_buffers(pc), recompute=pc.recompute)
+                      history_buffers=history_buffers(pc), recompute=pc.recompute,
+                      retained_heap=heap_retained() if retained_heap is None else retained_heap)
     est.memory["fits"] = bool(est.peak_mem_bytes <= hardware.memory_bytes)
     return est
