@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gnnpipe.costmodel import bytes as cb, estimate as ce, hardware as ch, work as cw
-from gnnpipe.io import GnnPipeError
+from gnnpipe.io import GnnPipeError, heap_retained
 from gnnpipe.models import CONVS
 
 
@@ -387,8 +387,8 @@ def test_retained_heap_is_the_profiles_fraction_of_the_activations():
         assert off.memory["heap"] == 0.0 and on.memory["heap"] == pytest.approx(0.4 * on.memory["activations"])
         assert on.peak_mem_bytes == pytest.approx(off.peak_mem_bytes + on.memory["heap"])
         assert _est(shape, mode, S, G, C, _hw()).memory["heap"] == 0.0  # GPU profiles: no such heap
-    assert ce.heap_retained({}) and ce.heap_retained({"PATH": "/bin"})
-    assert not ce.heap_retained({"MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert heap_retained({}) and heap_retained({"PATH": "/bin"})
+    assert not heap_retained({"MALLOC_MMAP_THRESHOLD_": "131072"})
     with pytest.raises(GnnPipeError, match="retained_heap_fraction"):
         _hw(retained_heap_fraction=-0.1).check()
 

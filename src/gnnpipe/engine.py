@@ -17,10 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import TrainingConfig
-from .costmodel.estimate import heap_retained
 from .graph import Graph
 from .habits import Habits
-from .io import GnnPipeError
+from .io import GnnPipeError, heap_retained
 from .models.block import Block
 from .models.model import GNN
 

@@ -293,3 +293,13 @@ def hash_arrays(arrays: dict, as_dtype: dict | None = None) -> str:
         for i in range(0, a.shape[0], step):
             h.update(memoryview(np.ascontiguousarray(a[i:i + step], dtype=dtype)).cast("B"))
     return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- the process's heap
+def heap_retained(environ=None) -> bool:
+    """Whether a node training process started with ``environ`` (default: this one's) keeps freed
+    memory (``engine.retain_freed_memory``): yes, unless a ``MALLOC_*_`` variable tunes glibc. Here,
+    in the lowest layer, because the engine (which sets it) and the cost model (which prices it:
+    ``Hardware.retained_heap_fraction``) must give the same answer."""
+    env = os.environ if environ is None else environ
+    return not any(k.startswith("MALLOC_") and k.endswith("_") for k in env)

@@ -40,7 +40,6 @@ Bytes are the exact closed forms of :mod:`gnnpipe.costmodel.bytes`.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence
 
@@ -113,13 +112,6 @@ class Estimate:
 #: rows (8), its transpose's int32 indices (4) and int64 permutation (8); one value (4).
 #: See gnnpipe.models.ops (block_csr / self_loop_csr / gcn_values).
 STRUCT_BYTES_PER_ENTRY = 44
-
-
-def heap_retained(environ=None) -> bool:
-    """Whether a node training process started with ``environ`` (default: this one's) keeps freed
-    memory (``engine.retain_freed_memory``): yes, unless a ``MALLOC_*_`` variable tunes glibc."""
-    env = os.environ if environ is None else environ
-    return not any(k.startswith("MALLOC_") and k.endswith("_") for k in env)
 
 
 def _a2a_seconds(bytes_per_worker: float, group: int, busy_on_node: int, hw: Hardware,
@@ -215,7 +207,7 @@ def estimate(shape: ModelShape, *, mode: str, stages: int, ways: int, chunks: in
     ``"local"``, the input halo cached at set-up). ``history_buffers``: whole-graph
     buffers per buffered conv input (current, gradient, snapshot, history).
     ``recompute``: activations are recomputed in the backward instead of kept.
-    ``retained_heap``: the run's process keeps freed memory (:func:`heap_retained`), so its peak
+    ``retained_heap``: the run's process keeps freed memory (``gnnpipe.io.heap_retained``), so its peak
     holds ``hw.retained_heap_fraction`` of the activations more.
     """
     _check_layout(mode, shape, stages, ways, chunks, bounds, way_stats, chunk_stats)

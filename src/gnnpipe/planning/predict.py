@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Optional
 
 from ..config import PipelineConfig
-from ..costmodel.estimate import Estimate, WayStats, estimate, heap_retained
+from ..costmodel.estimate import Estimate, WayStats, estimate
+from ..io import heap_retained
 from ..costmodel.hardware import Hardware
 from ..costmodel.work import ModelShape, gather_work, layer_cost, loss_work, rowwise_work
 from ..io import GnnPipeError
