@@ -307,14 +307,15 @@ def test_the_layouts_are_the_configs_names_and_one_way_is_the_whole_batch():
     import typing
 
     from gnnpipe import config
-    from gnnpipe.atomic.atom_layouts import ATOM_LAYOUTS, ATOMS, EDGES
+    from gnnpipe.atomic.atom_layouts import ATOM_LAYOUTS, ATOMS, EDGES, TRAIN_LAYOUTS
 
     for cls in (config.RunSpec, config.RunConfig):
         literal = typing.get_type_hints(cls)["atom_layout"]
         if typing.get_origin(literal) is typing.Union:  # Optional: the run entry's None is "edges"
             (literal,) = [a for a in typing.get_args(literal) if a is not type(None)]
-        assert typing.get_args(literal) == ATOM_LAYOUTS.names() == ("edges", "atoms"), cls
-    assert all(ATOM_LAYOUTS[name].name == name for name in ATOM_LAYOUTS)
+        assert typing.get_args(literal) == TRAIN_LAYOUTS.names() == ("edges", "atoms", "domains"), cls
+    assert all(TRAIN_LAYOUTS[name].name == name for name in TRAIN_LAYOUTS)
+    assert ATOM_LAYOUTS.names() == ("edges", "atoms")  # the plan chooses between these (domains: asked for)
     b = _batch(3)
     kind = ATOMIC_MODELS["dimenetpp"]
     (vb, ve), (ab, ae) = (layout.view(b, None, torch.float64, None) for layout in (EDGES, ATOMS))

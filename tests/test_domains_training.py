@@ -157,3 +157,104 @@ def test_two_ranks_in_the_domains_layout_equal_one_process():
 @pytest.mark.long
 def test_three_ranks_in_the_domains_layout_equal_one_process():
     _exact(3, lone=True)
+
+
+# --------------------------------------------------------------------------- the training engine
+def _uncapped_runs(root, kind: str, ways: int, cap: int = 64):
+    """A single run and a graph run of ``ways`` ways in the domains layout (float64, one epoch, every
+    habit on, one system a step) on the same 10 slabs, their graphs.h5 rebuilt with a neighbour cap of
+    ``cap`` (64: it does not bind, so the file holds every neighbour within the cutoff)."""
+    from gnnpipe.atomic import data
+    from test_faults import setup_atomic_run
+
+    runs = [setup_atomic_run(root / "single", "single", 1, epochs=1, kind=kind, spec={"batch_size": 1},
+                             dtype="float64"),
+            setup_atomic_run(root / "graph", "graph", ways, epochs=1, kind=kind, spec={"batch_size": 1},
+                             run={"atom_layout": "domains"}, dtype="float64")]
+    for cfg in runs:
+        systems = data.read_systems(cfg.systems_path)
+        data.write_graphs(cfg.graph_path, data.build_graphs(systems, 4.0, cap, progress=False), 4.0, cap,
+                          systems["content_hash"])
+    assert runs[1].atom_layout == "domains" and runs[1].run_id.endswith(f"p{ways}domains-seed0")
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dimenetpp", pytest.param("gemnet_t", marks=pytest.mark.long)])
+def test_the_atomic_engine_in_the_domains_layout_trains_as_single(tmp_path, kind):
+    """``AtomicEngine`` (what ``gnnpipe train`` builds) at P = 2 in the domains layout, float64, every habit
+    on: every step's loss and the finished weights equal the single run's to 1e-10; the epoch's ledger
+    equals its prediction (the atoms layout's closed form on the domains' owners), which is not the
+    atoms layout's (other owners, other halos)."""
+    from gnnpipe.atomic.atom_layouts import ATOMS
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
+    from test_atom_layout import _engine_epoch
+
+    single, graph = _uncapped_runs(tmp_path, kind, 2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = AtomicEngine(single, None, None, torch.device("cpu"))
+        ref_steps = ref.train_epoch(0).step_losses
+    finally:
+        torch.set_num_threads(threads)
+    res = spawn_multi_process(_engine_epoch, 2, graph, timeout=180)
+    assert len(ref_steps) == 8
+    for r in res:
+        assert r["steps"] == pytest.approx(ref_steps, rel=1e-10, abs=0)
+        for k, v in ref.full_state_dict().items():
+            torch.testing.assert_close(r["weights"][k], v, rtol=0, atol=1e-10)
+    assert sum(r["sent"] for r in res) == res[0]["predicted"] == res[1]["predicted"]
+    engine = AtomicEngine(graph, None, None, torch.device("cpu"))  # the same batches priced in the atoms layout
+    b = engine._batch(engine.ids["train"][:1], graph=True)
+    spec, cfg, params = engine.kind, engine.model_cfg, engine.num_params
+    assert DOMAINS_TRAINING.step_bytes(spec, cfg, [b], 2, 8, params) != ATOMS.step_bytes(spec, cfg, [b], 2, 8, params)
+
+
+def _capped_step(rank: int, world: int, cfg):
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
+    from gnnpipe.layout import ParallelDims
+    from gnnpipe.parallel.comm import Communicator
+    from gnnpipe.parallel.groups import build_groups
+
+    groups = build_groups(ParallelDims("graph", world, ways=world, data=1), rank)
+    engine = AtomicEngine(cfg, groups, Communicator(groups, torch.device("cpu")), torch.device("cpu"))
+    try:
+        engine.train_epoch(0)
+    except GnnPipeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_graphs_whose_neighbour_cap_binds_are_refused_in_one_line(tmp_path):
+    """The domains layout builds every neighbour within the cutoff: a graphs.h5 whose cap of 8 drops some
+    (fcc slabs have 12 within 2.6 Å) would train on other graphs than the file's; the first step says so."""
+    _, graph = _uncapped_runs(tmp_path, "dimenetpp", 2, cap=8)
+    errors = spawn_multi_process(_capped_step, 2, graph, timeout=120)
+    assert all(e is not None and "\n" not in e and "neighbour cap binds" in e and "max_neighbors" in e
+               for e in errors), errors
+
+
+@pytest.mark.slow
+def test_the_plan_prices_a_domains_run_in_its_layout(tmp_path, capsys):
+    """``plan_run`` (gnnpipe plan-atomic --run-config, launch's check) sizes a domains run by its layout's
+    costs: the atoms layout's memory and bytes closed forms on the domains' owners of the largest batch,
+    priced beside the layouts a row chooses between (which stay edges and atoms)."""
+    import dataclasses
+
+    from gnnpipe import cli
+    from gnnpipe.atomic.atomic_engine import plan_run
+
+    _, graph = _uncapped_runs(tmp_path, "dimenetpp", 2)
+    plan = plan_run(graph, 2**40, overhead=100, max_ways=4)
+    costs = DOMAINS_TRAINING.costs(plan.kind, plan.model_cfg, plan.arrays, 2, 8)
+    assert costs["halo"]["kj"] > 0 and plan.need(2) == costs["memory"] + 100 and plan.fits
+    assert plan.rows[1]["layouts"]["domains"] == costs and plan.rows[1]["layout"] in ("edges", "atoms")
+    assert "at P = 2 in the domains layout" in plan.answer(graph.run_id, "cap")
+    assert plan.smallest() == 1
+    squeezed = dataclasses.replace(plan, cap=costs["memory"] + 100)
+    assert squeezed.fits and not dataclasses.replace(plan, cap=costs["memory"] + 99).fits
+    assert cli.main(["plan-atomic", "--run-config", f"{graph.out_dir}/run.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "domai GiB" in out and "at P = 2 in the domains layout" in out

@@ -680,7 +680,8 @@ class RunConfig:
     ways: int = key(1, bound=_WORKERS)
     chunks: int = key(1, bound=Bound(1, MAX_NODES), doc="parts in the chunk store: P for graph, C for pipeline/hybrid")
     data_parallel: int = key(1, bound=_WORKERS, doc="atomic models: replicas (workers = data_parallel * ways)")
-    atom_layout: Literal["edges", "atoms", "domains"] = key("edges", doc="atomic graph mode: how the ways split a batch")
+    atom_layout: Literal["edges", "atoms", "domains"] = key("edges",
+                                                            doc="atomic graph mode: how the ways split a batch")
     systems_path: Optional[str] = key(None, doc="atomic models: results/data/<dataset>/systems.h5")
     locality_path: Optional[str] = key(None, doc=(
         "node runs with training.node_order locality: the order computed once per graph, "

@@ -28,15 +28,19 @@ At one way both are the whole batch in one process (the same view, bytes and mem
 with ``atom_layout: atoms`` and ``data_parallel`` replicas of one way each computes as the edges
 layout.
 
-* **domains** (``domains.py``, #35, inference only for now): the atoms layout's views of one
+* **domains** (``domains.py``, #35; the predictor's :class:`DomainsLayout`): the atoms layout's views of one
   structure built by each worker from its own region: spatial domains balanced by atom count
   (``arrange`` adds the client's ``domains.Decomposition`` to a structure *without* a graph, kept
   while the Verlet-skin rule holds), each worker sent only its region's positions (``messages``;
   its ``Domain`` after a rebuild) and building its edges and triplets from them (``shard``:
-  ``domains.domain_view``, with the group's collectives). Not in :data:`ATOM_LAYOUTS` (no training
-  view): the predictor's :data:`PREDICT_LAYOUTS` holds it. Its ``costs`` are an inference call's
+  ``domains.domain_view``, with the group's collectives). Not in :data:`ATOM_LAYOUTS`: the
+  predictor's :data:`PREDICT_LAYOUTS` holds it. Its ``costs`` are an inference call's
   (``rank_sizes`` from the decomposition's owners, the kind's ``inference_memory``; ``gnnpipe
   plan-atomic --structure``), its ``step_bytes`` not there yet.
+  A training run's ``atom_layout: domains`` is :class:`DomainsTraining` (in :data:`TRAIN_LAYOUTS`, the
+  config's names): every system of a batch cut into P domains, each rank building its regions from
+  the batch's positions (``domains.batch_view``); its bytes and memory the atoms layout's closed forms
+  on those owners. The plan and an ``auto`` predictor choose between :data:`ATOM_LAYOUTS` (edges, atoms).
 """
 
 from __future__ import annotations
@@ -188,8 +192,8 @@ class DomainsLayout(AtomsLayout):
     distributed_build = True
 
     def view(self, b: dict, grp: Optional[EdgeGroup], dtype, device):
-        raise GnnPipeError("atom_layout domains: training in the distributed build is not there yet (#35 item 3); "
-                           "use the atoms layout")
+        raise GnnPipeError("the predictor's domains layout takes one structure, not a training batch: a training "
+                           "run's atom_layout domains is atom_layouts.DOMAINS_TRAINING")
 
     def arrange(self, b: dict, ways: int) -> dict:
         """Structure ``b`` with ``domains`` (a ``domains.Decomposition``: the build ``b["domains"]`` given

@@ -2,7 +2,9 @@
 
 World layout: ``world = D × P``, ``rank = replica * P + way`` (fairchem's ``dp × gp`` grid):
 the P ranks of a replica split each batch's edges and triplets (``parallel.shard_graph``) or, with
-``atom_layout: atoms``, its atoms (``halo.shard_atoms``: each way receives only its halo), as the
+``atom_layout: atoms``, its atoms (``halo.shard_atoms``: each way receives only its halo), or with
+``atom_layout: domains`` every system's spatial domains, each way building its own regions' graph
+from the batch's positions (``domains.batch_view``: the batch's graph is not built), as the
 run's layout object says (``atom_layouts``: chosen once, asked for each batch's view and bytes);
 the D replicas take different batches. The loss of a step is written so that the sum over
 every rank is the single-process loss of the union of the replicas' batches:
@@ -573,11 +575,8 @@ class RunPlan:
             layouts = r.get("layouts") or {}
             if self.layout.name in layouts:
                 return layouts[self.layout.name]["memory"] + self.overhead <= self.cap
-            if r["ways"] > 1 and self.layout.distributed_build:  # domains: not among the rows' choices
-                try:
-                    return self.need(r["ways"]) <= self.cap
-                except GnnPipeError:  # a system of fewer atoms than ways
-                    return False
+            if r["ways"] > 1 and self.layout.distributed_build:  # domains: a system has fewer atoms than P
+                return False
             return r["fits"]
         return next((r["ways"] for r in self.rows if fits(r)), None)
 
@@ -609,5 +608,13 @@ def plan_run(cfg, cap_bytes: int, overhead: int = 0, max_ways: int = 64) -> RunP
     model_cfg = model_config(cfg.model, float(graphs["cutoff"]), init)
     b = batch_arrays(systems, graphs, largest_batch(systems, graphs, cfg.model.spec.batch_size))
     rows = batch_plan(kind, model_cfg, b, cap_bytes, dtype_bytes, overhead, max_ways)
-    return RunPlan(kind, model_cfg, b, cfg.ways, cap_bytes, overhead, rows, TRAIN_LAYOUTS[cfg.atom_layout],
-                   dtype_bytes)
+    layout = TRAIN_LAYOUTS[cfg.atom_layout]
+    if layout.distributed_build:  # domains: not among the layouts a row chooses between; its costs beside them
+        for r in rows:
+            if r["ways"] > 1:
+                try:
+                    r["layouts"] = {**(r["layouts"] or {}), layout.name: layout.costs(kind, model_cfg, b, r["ways"],
+                                                                                      dtype_bytes)}
+                except GnnPipeError:  # a system of fewer atoms than ways: no domain for every way
+                    continue
+    return RunPlan(kind, model_cfg, b, cfg.ways, cap_bytes, overhead, rows, layout, dtype_bytes)

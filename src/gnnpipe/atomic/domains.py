@@ -371,7 +371,7 @@ def region_view(reg: Region, needs: list, z, pos, ids, group: EdgeGroup | None =
     rows = np.searchsorted(ids, atoms)  # the region's row of each view atom
     kw = dict(
         z=_t(np.asarray(z)[rows], torch.long), pos=_t(np.asarray(pos)[rows], dtype),
-        system=torch.zeros(len(atoms), dtype=torch.long) if system is None else _t(np.asarray(system)[rows], torch.long),
+        system=_t(np.zeros(len(atoms), np.int64) if system is None else np.asarray(system)[rows], torch.long),
         num_systems=int(num_systems),
         edge_src=_t(loc(g.src[:o]), torch.long), edge_dst=_t(loc(g.dst[:o]), torch.long),
         edge_shift=_t(g.shift[:o], dtype),
