@@ -99,8 +99,7 @@ def test_a_system_smaller_than_the_ways_is_refused_in_one_line():
 def _worker(rank: int, world: int, b: dict, states: dict, lone: bool) -> dict:
     from gnnpipe.atomic.parallel import EdgeGroup
     from gnnpipe.parallel.comm import Communicator
-    from test_atom_layout import HEADS, KINDS, _build
-    from test_gemnet import _step
+    from test_atom_layout import model_steps
 
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
@@ -109,17 +108,7 @@ def _worker(rank: int, world: int, b: dict, states: dict, lone: bool) -> dict:
     arranged, g = DOMAINS_TRAINING.view({**_no_graph(b), "cutoff": CUTOFF}, grp, torch.float64, None)
     molecule = int((g.system[g.edge_dst[g.idx_ji]] == 2).sum()) if lone else None  # the molecule's triplets
     out = {"order": arranged["atom_order"][g.atom_lo:g.atom_hi], "molecule": molecule, "counts": g.counts}
-    epoch = 0
-    for kind in KINDS:
-        for head in HEADS:
-            comm.set_epoch(epoch)
-            model = _build(kind, head)
-            model.load_state_dict({n: torch.as_tensor(v) for n, v in states[kind, head].items()})
-            out[kind, head] = _step(model, g, arranged, b["num_systems"], len(b["z"]),
-                                    lambda gs: comm.all_reduce_coalesced_(gs))
-            out[kind, head, "sent"] = comm.epoch_bytes(epoch)
-            epoch += 1
-    return out
+    return {**out, **model_steps(comm, g, arranged, b, states, lambda gs: comm.all_reduce_coalesced_(gs))}
 
 
 def _exact(parts: int, lone: bool):
@@ -188,23 +177,11 @@ def test_the_atomic_engine_in_the_domains_layout_trains_as_single(tmp_path, kind
     atoms layout's (other owners, other halos)."""
     from gnnpipe.atomic.atom_layouts import ATOMS
     from gnnpipe.atomic.atomic_engine import AtomicEngine
-    from test_atom_layout import _engine_epoch
+    from test_atom_layout import engine_trains_as_single
 
     single, graph = _uncapped_runs(tmp_path, kind, 2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ref = AtomicEngine(single, None, None, torch.device("cpu"))
-        ref_steps = ref.train_epoch(0).step_losses
-    finally:
-        torch.set_num_threads(threads)
-    res = spawn_multi_process(_engine_epoch, 2, graph, timeout=180)
-    assert len(ref_steps) == 8
-    for r in res:
-        assert r["steps"] == pytest.approx(ref_steps, rel=1e-10, abs=0)
-        for k, v in ref.full_state_dict().items():
-            torch.testing.assert_close(r["weights"][k], v, rtol=0, atol=1e-10)
-    assert sum(r["sent"] for r in res) == res[0]["predicted"] == res[1]["predicted"]
+    res = engine_trains_as_single(single, graph, 2, steps=8, timeout=180)
+    assert sum(r["sent"] for r in res) == res[0]["predicted"]
     engine = AtomicEngine(graph, None, None, torch.device("cpu"))  # the same batches priced in the atoms layout
     b = engine._batch(engine.ids["train"][:1], graph=True)
     spec, cfg, params = engine.kind, engine.model_cfg, engine.num_params
