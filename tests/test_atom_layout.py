@@ -102,7 +102,13 @@ def _worker(rank: int, world: int, batches: list, ways: int, states: dict, parts
             comm.all_reduce_coalesced_(gs, group=groups.data, op="dp_allreduce")
     out = {"order": b["atom_order"][g.atom_lo:g.atom_hi], "replica": replica, "rank": rank,
            "triplets": g.num_local_triplets, "counts": g.counts, "parts": b["atom_parts"]}
-    epoch = 0
+    return {**out, **model_steps(comm, g, b, union, states, reduce)}
+
+
+def model_steps(comm, g, b: dict, union: dict, states: dict, reduce) -> dict:
+    """A rank's step (``_step``: energies, own forces, reduced gradients) of every kind and head on its view
+    ``g`` of batch ``b`` (the loss normalised by ``union``'s counts), from ``states``; and the bytes each sent."""
+    out, epoch = {}, 0
     for kind in KINDS:
         for head in HEADS:
             comm.set_epoch(epoch)
@@ -307,14 +313,15 @@ def test_the_layouts_are_the_configs_names_and_one_way_is_the_whole_batch():
     import typing
 
     from gnnpipe import config
-    from gnnpipe.atomic.atom_layouts import ATOM_LAYOUTS, ATOMS, EDGES
+    from gnnpipe.atomic.atom_layouts import ATOM_LAYOUTS, ATOMS, EDGES, TRAIN_LAYOUTS
 
     for cls in (config.RunSpec, config.RunConfig):
         literal = typing.get_type_hints(cls)["atom_layout"]
         if typing.get_origin(literal) is typing.Union:  # Optional: the run entry's None is "edges"
             (literal,) = [a for a in typing.get_args(literal) if a is not type(None)]
-        assert typing.get_args(literal) == ATOM_LAYOUTS.names() == ("edges", "atoms"), cls
-    assert all(ATOM_LAYOUTS[name].name == name for name in ATOM_LAYOUTS)
+        assert typing.get_args(literal) == TRAIN_LAYOUTS.names() == ("edges", "atoms", "domains"), cls
+    assert all(TRAIN_LAYOUTS[name].name == name for name in TRAIN_LAYOUTS)
+    assert ATOM_LAYOUTS.names() == ("edges", "atoms")  # the plan chooses between these (domains: asked for)
     b = _batch(3)
     kind = ATOMIC_MODELS["dimenetpp"]
     (vb, ve), (ab, ae) = (layout.view(b, None, torch.float64, None) for layout in (EDGES, ATOMS))
@@ -511,9 +518,17 @@ def test_the_atomic_engine_in_the_atoms_layout_with_data_parallelism_trains_as_s
     2 ways × 2 replicas in the atoms layout, float64, every habit on: every step's loss and the finished
     weights equal single-process training on the union batches to 1e-10; the epoch's ledger equals the
     prediction and the brute-force halo closed form."""
+    single, graph = _atomic_runs(tmp_path, kind, 2, 2)
+    res = engine_trains_as_single(single, graph, 4, steps=4)
+    assert sum(r["sent"] for r in res) == res[0]["predicted"] == _halo_epoch_bytes(graph, kind)
+
+
+def engine_trains_as_single(single, graph, world: int, steps: int, timeout: int = 120) -> list:
+    """One epoch of ``single`` in this process against ``graph`` on ``world`` spawned workers (``_engine_epoch``):
+    ``steps`` steps, each step's loss and the finished weights equal to 1e-10, the same prediction on every
+    rank; returns the ranks' results."""
     from gnnpipe.atomic.atomic_engine import AtomicEngine
 
-    single, graph = _atomic_runs(tmp_path, kind, 2, 2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as gnnpipe train and the workers: Adam magnifies the rounding of near-zero gradients
     try:
@@ -521,11 +536,11 @@ def test_the_atomic_engine_in_the_atoms_layout_with_data_parallelism_trains_as_s
         ref_steps = ref.train_epoch(0).step_losses
     finally:
         torch.set_num_threads(threads)
-    res = spawn_multi_process(_engine_epoch, 4, graph, timeout=120)
-    assert len(ref_steps) == 4
+    res = spawn_multi_process(_engine_epoch, world, graph, timeout=timeout)
+    assert len(ref_steps) == steps
     for r in res:
         assert r["steps"] == pytest.approx(ref_steps, rel=1e-10, abs=0)
         for k, v in ref.full_state_dict().items():
             torch.testing.assert_close(r["weights"][k], v, rtol=0, atol=1e-10)
         assert r["predicted"] == res[0]["predicted"]
-    assert sum(r["sent"] for r in res) == res[0]["predicted"] == _halo_epoch_bytes(graph, kind)
+    return res

@@ -142,6 +142,7 @@ def _plan_atomic(a):
             return
         kind, mcfg, (n, e, t), rows = plan.kind, plan.model_cfg, plan.batch, plan.rows
         title = f"{kind.name} of run {cfg.run_id}"
+        shown = plan.layout.name if plan.layout.distributed_build else "atoms"  # the domains run: its own columns
     else:
         if not (a.systems and a.graphs):
             raise GnnPipeError("plan-atomic: give --run-config, or --systems and --graphs")
@@ -156,14 +157,14 @@ def _plan_atomic(a):
         n, e, t = len(b["z"]), len(b["edge_src"]), len(b["idx_kj"])
         mcfg = kind.preset(a.preset, force_head=a.force_head, cutoff=float(graphs["cutoff"]))
         rows = batch_plan(kind, mcfg, b, int(a.device_gib * 2**30), 4 if a.dtype == "float32" else 8)
-        title, line = f"{kind.name} {a.preset}", None
+        title, line, shown = f"{kind.name} {a.preset}", None, "atoms"
     print(f"{title}: {kind.count_parameters(mcfg):,} parameters; largest step batch: {n} atoms, {e} edges, "
           f"{t} triplets")
     parts = [k for k in rows[0]["memory"] if k != "total"]  # the kind's own parts (GiB per worker)
     print(f"{'P':>4} {'GiB/worker':>11} " + " ".join(f"{k[:14]:>14}" for k in parts) + f" {'MB/step':>10}  fits"
-          f" {'atoms GiB':>10} {'atoms MB':>10}  layout")
+          f" {shown[:5] + ' GiB':>10} {shown[:5] + ' MB':>10}  layout")
     for r in rows:
-        m, atoms = r["memory"], (r.get("layouts") or {}).get("atoms")
+        m, atoms = r["memory"], (r.get("layouts") or {}).get(shown)
         print(f"{r['ways']:>4} {r['memory_per_worker'] / 2**30:>11.2f} "
               + " ".join(f"{m[k] / 2**30:>14.3f}" for k in parts)
               + f" {r['bytes_per_step'] / 1e6:>10.1f}  {'yes' if r['fits'] else 'no ':<3}"

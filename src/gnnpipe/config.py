@@ -633,9 +633,11 @@ class RunSpec:
     pipeline: Optional[PipelineOverride] = key(None, doc="this run's own pipeline settings (ablations)")
     data_parallel: Optional[int] = key(None, bound=_WORKERS,
                                        doc="atomic graph mode: D replicas of P = workers / D ways")
-    atom_layout: Optional[Literal["edges", "atoms"]] = key(None, doc=(
+    atom_layout: Optional[Literal["edges", "atoms", "domains"]] = key(None, doc=(
         "atomic graph mode: how the P ways split a batch (gnnpipe.atomic.halo): edges (contiguous edge blocks, "
-        "all-gathers: Sriram et al.) or atoms (METIS atom parts, halo all_to_all); null: edges"))
+        "all-gathers: Sriram et al.), atoms (METIS atom parts, halo all_to_all) or domains (every system cut "
+        "into P spatial domains, each way building its own regions' edges and triplets from the positions; "
+        "halo all_to_all; graphs whose neighbour cap does not bind); null: edges"))
 
 
 @dataclass
@@ -678,7 +680,8 @@ class RunConfig:
     ways: int = key(1, bound=_WORKERS)
     chunks: int = key(1, bound=Bound(1, MAX_NODES), doc="parts in the chunk store: P for graph, C for pipeline/hybrid")
     data_parallel: int = key(1, bound=_WORKERS, doc="atomic models: replicas (workers = data_parallel * ways)")
-    atom_layout: Literal["edges", "atoms"] = key("edges", doc="atomic graph mode: how the ways split a batch")
+    atom_layout: Literal["edges", "atoms", "domains"] = key("edges",
+                                                            doc="atomic graph mode: how the ways split a batch")
     systems_path: Optional[str] = key(None, doc="atomic models: results/data/<dataset>/systems.h5")
     locality_path: Optional[str] = key(None, doc=(
         "node runs with training.node_order locality: the order computed once per graph, "
@@ -1161,8 +1164,8 @@ def run_id(wf: WorkflowConfig, spec: RunSpec) -> str:
               "hybrid": f"s{s}g{g}c{c}"}[spec.mode]
     if (spec.data_parallel or 1) > 1:
         layout += f"d{spec.data_parallel}"
-    if spec.atom_layout == "atoms":
-        layout += "atoms"
+    if spec.atom_layout in ("atoms", "domains"):
+        layout += spec.atom_layout
     return f"{spec.dataset}-{spec.model}-{spec.mode}-{layout}-seed{seed}"
 
 

@@ -28,15 +28,19 @@ At one way both are the whole batch in one process (the same view, bytes and mem
 with ``atom_layout: atoms`` and ``data_parallel`` replicas of one way each computes as the edges
 layout.
 
-* **domains** (``domains.py``, #35, inference only for now): the atoms layout's views of one
+* **domains** (``domains.py``, #35; the predictor's :class:`DomainsLayout`): the atoms layout's views of one
   structure built by each worker from its own region: spatial domains balanced by atom count
   (``arrange`` adds the client's ``domains.Decomposition`` to a structure *without* a graph, kept
   while the Verlet-skin rule holds), each worker sent only its region's positions (``messages``;
   its ``Domain`` after a rebuild) and building its edges and triplets from them (``shard``:
-  ``domains.domain_view``, with the group's collectives). Not in :data:`ATOM_LAYOUTS` (no training
-  view): the predictor's :data:`PREDICT_LAYOUTS` holds it. Its ``costs`` are an inference call's
+  ``domains.domain_view``, with the group's collectives). Not in :data:`ATOM_LAYOUTS`: the
+  predictor's :data:`PREDICT_LAYOUTS` holds it. Its ``costs`` are an inference call's
   (``rank_sizes`` from the decomposition's owners, the kind's ``inference_memory``; ``gnnpipe
   plan-atomic --structure``), its ``step_bytes`` not there yet.
+  A training run's ``atom_layout: domains`` is :class:`DomainsTraining` (in :data:`TRAIN_LAYOUTS`, the
+  config's names): every system of a batch cut into P domains, each rank building its regions from
+  the batch's positions (``domains.batch_view``); its bytes and memory the atoms layout's closed forms
+  on those owners. The plan and an ``auto`` predictor choose between :data:`ATOM_LAYOUTS` (edges, atoms).
 """
 
 from __future__ import annotations
@@ -188,8 +192,8 @@ class DomainsLayout(AtomsLayout):
     distributed_build = True
 
     def view(self, b: dict, grp: Optional[EdgeGroup], dtype, device):
-        raise GnnPipeError("atom_layout domains: training in the distributed build is not there yet (#35 item 3); "
-                           "use the atoms layout")
+        raise GnnPipeError("the predictor's domains layout takes one structure, not a training batch: a training "
+                           "run's atom_layout domains is atom_layouts.DOMAINS_TRAINING")
 
     def arrange(self, b: dict, ways: int) -> dict:
         """Structure ``b`` with ``domains`` (a ``domains.Decomposition``: the build ``b["domains"]`` given
@@ -275,12 +279,50 @@ class DomainsLayout(AtomsLayout):
         return None
 
 
-EDGES, ATOMS, DOMAINS = EdgesLayout(), AtomsLayout(), DomainsLayout()
+class DomainsTraining(AtomsLayout):
+    """The domains layout of a training run (``atom_layout: domains``): the atoms layout with every
+    system of a step's batch cut into P spatial domains (``domains.batch_owners``: rank r owns domain
+    r of each system, not METIS parts of the batch) and each rank building its own regions' edges and
+    triplets from the batch's positions (``domains.batch_view``; ``view`` takes a batch *without* its
+    graph, ``data.batch_arrays(systems, None, ids)``). Its bytes and memory are the atoms layout's
+    closed forms on the same owners (``arrange`` of a batch *with* its graph groups the graph too:
+    the plan, the engine's prediction), since its views equal ``halo.shard_atoms`` of the batch
+    grouped by those owners (tests/test_domains_training.py)."""
 
-#: name -> layout; the names are the config's ``atom_layout`` values (a test keeps them equal)
+    name = "domains"
+    in_words = " in the domains layout"
+    distributed_build = True
+
+    def arrange(self, b: dict, ways: int) -> dict:
+        """Batch ``b`` (``cell, pbc`` per system) with its atoms, and its graph where it has one, grouped by
+        their domains (``halo.group_by_part`` of ``domains.batch_owners``)."""
+        from .domains import batch_owners
+
+        part = batch_owners(b, ways)
+        if "edge_src" in b:
+            return halo.group_by_part(b, part, ways)
+        empty = np.zeros(0, dtype=np.int64)  # no graph: group_by_part moves the atoms only
+        graph = dict.fromkeys(("edge_src", "edge_dst", "idx_kj", "idx_ji"), empty)
+        out = halo.group_by_part({**b, **graph, "edge_shift": np.zeros((0, 3))}, part, ways)
+        return {k: v for k, v in out.items() if k not in graph and k != "edge_shift"}
+
+    def shard(self, b: dict, grp: EdgeGroup, dtype, device=None):
+        from .domains import batch_view
+
+        return batch_view(b, grp, float(b["cutoff"]), dtype, device, edges=b.get("edges"))
+
+
+EDGES, ATOMS, DOMAINS = EdgesLayout(), AtomsLayout(), DomainsLayout()
+DOMAINS_TRAINING = DomainsTraining()
+
+#: name -> layout: the layouts the plan and an ``auto`` predictor choose between (``choose_layout``)
 ATOM_LAYOUTS: Registry[AtomLayout] = Registry("atom layout")
 for _layout in (EDGES, ATOMS):  # the order breaks ties in choose_layout
     ATOM_LAYOUTS.register(_layout.name, _layout)
+#: the config's ``atom_layout`` values (a test keeps them equal): the layouts a training run takes
+TRAIN_LAYOUTS: Registry[AtomLayout] = Registry("atom layout")
+for _layout in (EDGES, ATOMS, DOMAINS_TRAINING):
+    TRAIN_LAYOUTS.register(_layout.name, _layout)
 #: the layouts a ``Predictor`` takes: the config's and the distributed build
 PREDICT_LAYOUTS: Registry[AtomLayout] = Registry("atom layout")
 for _layout in (EDGES, ATOMS, DOMAINS):
@@ -303,5 +345,5 @@ def choose_layout(costs: dict, cap: Optional[int] = None) -> AtomLayout:
     return min(fits, key=lambda layout: costs[layout.name]["bytes"])  # min keeps the first of equals
 
 
-__all__ = ["AtomLayout", "EdgesLayout", "AtomsLayout", "DomainsLayout", "EDGES", "ATOMS", "DOMAINS", "ATOM_LAYOUTS",
-           "PREDICT_LAYOUTS", "layout_costs", "choose_layout"]
+__all__ = ["AtomLayout", "EdgesLayout", "AtomsLayout", "DomainsLayout", "DomainsTraining", "EDGES", "ATOMS", "DOMAINS",
+           "DOMAINS_TRAINING", "ATOM_LAYOUTS", "TRAIN_LAYOUTS", "PREDICT_LAYOUTS", "layout_costs", "choose_layout"]

@@ -2,7 +2,9 @@
 
 World layout: ``world = D × P``, ``rank = replica * P + way`` (fairchem's ``dp × gp`` grid):
 the P ranks of a replica split each batch's edges and triplets (``parallel.shard_graph``) or, with
-``atom_layout: atoms``, its atoms (``halo.shard_atoms``: each way receives only its halo), as the
+``atom_layout: atoms``, its atoms (``halo.shard_atoms``: each way receives only its halo), or with
+``atom_layout: domains`` every system's spatial domains, each way building its own regions' graph
+from the batch's positions (``domains.batch_view``: the batch's graph is not built), as the
 run's layout object says (``atom_layouts``: chosen once, asked for each batch's view and bytes);
 the D replicas take different batches. The loss of a step is written so that the sum over
 every rank is the single-process loss of the union of the replicas' batches:
@@ -60,7 +62,7 @@ from torch import Tensor
 from ..engine import DTYPES, EpochStats, OptimizerHooks, load_train_state, make_optimizer, train_state
 from ..habits import Habits
 from ..io import GnnPipeError
-from .atom_layouts import ATOM_LAYOUTS, EDGES, AtomLayout, choose_layout, layout_costs
+from .atom_layouts import EDGES, TRAIN_LAYOUTS, AtomLayout, choose_layout, layout_costs
 from .modelfile import check_init_cap, check_init_graphs, load_init
 from .parallel import EdgeGroup, single_graph
 from .protocol import ATOMIC_MODELS
@@ -165,7 +167,9 @@ class AtomicEngine(OptimizerHooks):
         self.init = load_init(cfg)  # the model file it starts from (models.<name>.init_from), or None
         self.systems, self.graphs = run_data(cfg, self.init)
         self.ways, self.replicas = (cfg.ways, cfg.data_parallel) if cfg.mode == "graph" else (1, 1)
-        self.layout = ATOM_LAYOUTS[cfg.atom_layout]  # how the ways split a batch (atom_layouts)
+        self.layout = TRAIN_LAYOUTS[cfg.atom_layout]  # how the ways split a batch (atom_layouts)
+        # the domains layout: each rank builds its regions' graph from the batch's positions (no batch graph)
+        self.own_build = self.layout.distributed_build and self.ways > 1
         self.replica, self.way = divmod(groups.rank if groups is not None else 0, self.ways)
         # why it fits energies alone (energy_only), or None; then no force pass runs and the weight is 0
         self.energy_only = energy_only(self.systems, spec.force_weight)
@@ -173,6 +177,11 @@ class AtomicEngine(OptimizerHooks):
         self.eval_train_systems = spec.eval_train_systems  # gnnpipe evaluate --train-systems overrides it
         self.model_cfg = model_config(cfg.model, float(self.graphs["cutoff"]), self.init)
         edges = np.diff(self.graphs["edge_ptr"])
+        atoms = np.diff(self.systems["atom_ptr"])
+        if self.own_build and self.ways > int(atoms.min()):  # every way owns a domain of every system
+            s = int(atoms.argmin())
+            raise GnnPipeError(f"atom_layout domains over {self.ways} ways: system {s} has only {int(atoms[s])} "
+                               f"atoms; use at most {int(atoms.min())} workers per replica or the atoms layout")
         if self.ways > int(edges.min()):
             s = int(edges.argmin())
             raise GnnPipeError(f"graph parallelism over {self.ways} ways: system {s} has only {int(edges[s])} "
@@ -216,7 +225,7 @@ class AtomicEngine(OptimizerHooks):
             ids = np.random.default_rng([self.cfg.training.seed, 2**31]).permutation(self.ids["train"])
             per = self.batch_size * self.replicas
             batches = [ids[i:i + per] for i in range(0, len(ids), per)][:FIT_BATCHES]
-            fitted = self.kind.fit(self.model, [single_graph(self._batch(b), self.dtype, self.device)
+            fitted = self.kind.fit(self.model, [single_graph(self._batch(b, graph=True), self.dtype, self.device)
                                                 for b in batches])
         if self.comm is not None:  # every rank computes with rank 0's constants, bit for bit
             state = self.model.state_dict()
@@ -237,9 +246,17 @@ class AtomicEngine(OptimizerHooks):
     def _replica_batch(self, step: np.ndarray, replica: int) -> np.ndarray:
         return np.array_split(step, self.replicas)[replica]
 
-    def _batch(self, ids) -> dict:
+    def _batch(self, ids, graph: bool = False) -> dict:
+        """Systems ``ids`` as one batch with their graph; in the domains layout (``own_build``) without
+        it, unless ``graph``: the step's view builds each rank's regions from the positions
+        (``domains.batch_view``), and gets the cutoff and each system's edge count (its check that the
+        file's neighbour cap does not bind)."""
         from .data import batch_arrays
-        return batch_arrays(self.systems, self.graphs, ids)
+        if not self.own_build or graph:
+            return batch_arrays(self.systems, self.graphs, ids)
+        ids = np.asarray(ids)
+        return {**batch_arrays(self.systems, None, ids), "ids": ids, "cutoff": float(self.graphs["cutoff"]),
+                "edges": np.diff(self.graphs["edge_ptr"])[ids]}
 
     def _reduce_grads(self) -> None:
         grads = []
@@ -302,7 +319,7 @@ class AtomicEngine(OptimizerHooks):
         b = torch.finfo(self.dtype).bits // 8
         epoch = self.cfg.training.epochs - 1 if epoch is None else epoch
         for step in self._steps(self.ids["train"], epoch):  # the batches (and partitions) of training's steps
-            batches = [self._batch(p) if len(p) else None for p in
+            batches = [self._batch(p, graph=True) if len(p) else None for p in
                        (self._replica_batch(step, r) for r in range(self.replicas))]
             total += self.layout.step_bytes(self.kind, self.model_cfg, batches, self.ways, b, self.num_params,
                                             forces=not self.energy_only)
@@ -555,8 +572,11 @@ class RunPlan:
 
     def smallest(self) -> Optional[int]:
         def fits(r):  # a row without "layouts" (P = 1, or no METIS parts) has the edges layout's only
-            if r.get("layouts"):
-                return r["layouts"][self.layout.name]["memory"] + self.overhead <= self.cap
+            layouts = r.get("layouts") or {}
+            if self.layout.name in layouts:
+                return layouts[self.layout.name]["memory"] + self.overhead <= self.cap
+            if r["ways"] > 1 and self.layout.distributed_build:  # domains: a system has fewer atoms than P
+                return False
             return r["fits"]
         return next((r["ways"] for r in self.rows if fits(r)), None)
 
@@ -588,5 +608,13 @@ def plan_run(cfg, cap_bytes: int, overhead: int = 0, max_ways: int = 64) -> RunP
     model_cfg = model_config(cfg.model, float(graphs["cutoff"]), init)
     b = batch_arrays(systems, graphs, largest_batch(systems, graphs, cfg.model.spec.batch_size))
     rows = batch_plan(kind, model_cfg, b, cap_bytes, dtype_bytes, overhead, max_ways)
-    return RunPlan(kind, model_cfg, b, cfg.ways, cap_bytes, overhead, rows, ATOM_LAYOUTS[cfg.atom_layout],
-                   dtype_bytes)
+    layout = TRAIN_LAYOUTS[cfg.atom_layout]
+    if layout.distributed_build:  # domains: not among the layouts a row chooses between; its costs beside them
+        for r in rows:
+            if r["ways"] > 1:
+                try:
+                    r["layouts"] = {**(r["layouts"] or {}), layout.name: layout.costs(kind, model_cfg, b, r["ways"],
+                                                                                      dtype_bytes)}
+                except GnnPipeError:  # a system of fewer atoms than ways: no domain for every way
+                    continue
+    return RunPlan(kind, model_cfg, b, cfg.ways, cap_bytes, overhead, rows, layout, dtype_bytes)

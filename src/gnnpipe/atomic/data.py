@@ -443,18 +443,24 @@ def graph_stats(graphs: dict, systems: dict) -> dict:
             **{f"{k}_total": int(v.sum()) for k, v in per.items()}, "systems": int(len(per["atoms"]))}
 
 
-def batch_arrays(systems: dict, graphs: dict, ids) -> dict:
+def batch_arrays(systems: dict, graphs: Optional[dict], ids) -> dict:
     """One batch of systems ``ids``: arrays with batch-level atom, edge and system ids (``id_swap`` and
-    the triplets index the batch's edges)."""
-    ap, ep, tp = systems["atom_ptr"], graphs["edge_ptr"], graphs["triplet_ptr"]
-    cols = {k: [] for k in ("z", "pos", "fixed", "forces", "system", "edge_src", "edge_dst", "edge_shift",
-                            "id_swap", "idx_kj", "idx_ji")}
+    the triplets index the batch's edges), and each system's ``cell`` and ``pbc``. ``graphs`` None: the
+    atoms alone, no graph (a layout whose ranks build their own: ``atom_layouts.DomainsTraining``)."""
+    ap = systems["atom_ptr"]
+    cols = {k: [] for k in ("z", "pos", "fixed", "forces", "system")}
+    if graphs is not None:
+        cols.update({k: [] for k in ("edge_src", "edge_dst", "edge_shift", "id_swap", "idx_kj", "idx_ji")})
     na = ne = 0
     for b, s in enumerate(ids):
-        a0, a1, e0, e1, t0, t1 = ap[s], ap[s + 1], ep[s], ep[s + 1], tp[s], tp[s + 1]
+        a0, a1 = ap[s], ap[s + 1]
         for k in ("z", "pos", "fixed", "forces"):
             cols[k].append(systems[k][a0:a1])
         cols["system"].append(np.full(a1 - a0, b, dtype=np.int64))
+        if graphs is None:
+            continue
+        e0, e1, t0, t1 = graphs["edge_ptr"][s], graphs["edge_ptr"][s + 1], graphs["triplet_ptr"][s], \
+            graphs["triplet_ptr"][s + 1]
         cols["edge_src"].append(graphs["edge_src"][e0:e1] + na)
         cols["edge_dst"].append(graphs["edge_dst"][e0:e1] + na)
         cols["edge_shift"].append(graphs["edge_shift"][e0:e1])
@@ -463,8 +469,10 @@ def batch_arrays(systems: dict, graphs: dict, ids) -> dict:
         cols["idx_ji"].append(graphs["idx_ji"][t0:t1] + ne)
         na, ne = na + (a1 - a0), ne + (e1 - e0)
     out = {k: np.concatenate(v) for k, v in cols.items()}
-    out["edge_shift"] = out["edge_shift"].reshape(-1, 3)
+    if graphs is not None:
+        out["edge_shift"] = out["edge_shift"].reshape(-1, 3)
     out["energy"] = systems["energy"][list(ids)]
+    out["cell"], out["pbc"] = systems["cell"][list(ids)], systems["pbc"][list(ids)]
     out["num_systems"] = len(ids)
     return out
 

@@ -355,11 +355,11 @@ def region_needs(g: RegionGraph, rank: int, ab: np.ndarray, bounds: list) -> Reg
 
 
 def region_view(reg: Region, needs: list, z, pos, ids, group: EdgeGroup | None = None, dtype=torch.float64,
-                device=None) -> HaloAtomGraph:
+                device=None, system=None, num_systems: int = 1) -> HaloAtomGraph:
     """Rank ``reg.rank``'s view in the atoms layout, from its region and every rank's ``needs``
     (``needs[q]``: rank q's ``Region.needs``): equal to ``halo.shard_atoms`` of the structure grouped by
     the same owners. ``z``, ``pos``: the region's atoms' (arranged ids ``ids``, sorted; read at the
-    view's atoms only)."""
+    view's atoms only); ``system``, ``num_systems``: a batch's (:func:`batch_view`; None: one structure)."""
     g, r = reg.graph, reg.rank
     me, o = reg.needs, g.own_edges
     a0, a1, e0, e1 = int(reg.ab[r]), int(reg.ab[r + 1]), int(reg.eb[r]), int(reg.eb[r + 1])
@@ -371,7 +371,8 @@ def region_view(reg: Region, needs: list, z, pos, ids, group: EdgeGroup | None =
     rows = np.searchsorted(ids, atoms)  # the region's row of each view atom
     kw = dict(
         z=_t(np.asarray(z)[rows], torch.long), pos=_t(np.asarray(pos)[rows], dtype),
-        system=torch.zeros(len(atoms), dtype=torch.long), num_systems=1,
+        system=_t(np.zeros(len(atoms), np.int64) if system is None else np.asarray(system)[rows], torch.long),
+        num_systems=int(num_systems),
         edge_src=_t(loc(g.src[:o]), torch.long), edge_dst=_t(loc(g.dst[:o]), torch.long),
         edge_shift=_t(g.shift[:o], dtype),
         idx_kj=_t(edge_rows(reg.eid[reg.kj], me.kj, e0, e1), torch.long), idx_ji=_t(reg.ji, torch.long),
@@ -485,6 +486,99 @@ def domain_view(dom: Domain, pos, grp: EdgeGroup, dtype=torch.float64, device=No
     return region_view(reg, needs, dom.z, pos, dom.ids, grp, dtype, device)
 
 
+# --------------------------------------------------------------------------- 5. training: a batch's systems together
+# A training step's batch (``data.batch_arrays`` without its graph: per atom ``z, pos, system``, per
+# system ``cell, pbc``; the systems' atoms contiguous) is split by cutting *every* system into P spatial
+# domains, rank r owning domain r of each: one system is always split across the ranks, and each rank
+# builds the region graph of its domain in each system (positions of the whole batch are read, O(N),
+# its edges and triplets are its regions' only). Arranged ids as above: atoms by (owner, batch id).
+def _system_bounds(b: dict) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(np.bincount(np.asarray(b["system"]), minlength=int(b["num_systems"])))])
+
+
+def batch_owners(b: dict, parts: int) -> np.ndarray:
+    """(N,) owner of every atom of batch ``b``: each system cut into ``parts`` domains by
+    :func:`spatial_partition` (the same on every rank: positions alone decide). A system of fewer
+    atoms than ``parts`` is refused in one line (``b["ids"]``: the systems' dataset ids, if given)."""
+    ptr = _system_bounds(b)
+    owner = np.empty(int(ptr[-1]), dtype=np.int64)
+    for s in range(len(ptr) - 1):
+        a0, a1 = int(ptr[s]), int(ptr[s + 1])
+        if a1 - a0 < parts:
+            name = int(b["ids"][s]) if b.get("ids") is not None else s
+            raise GnnPipeError(f"atom_layout domains: system {name} has {a1 - a0} atoms, fewer than the {parts} ways "
+                               f"(each way owns a domain of every system): use at most {a1 - a0} ways per replica "
+                               "or the atoms layout")
+        owner[a0:a1] = spatial_partition(b["pos"][a0:a1], b["cell"][s], b["pbc"][s], parts)
+    return owner
+
+
+def batch_region_graph(b: dict, owner: np.ndarray, rank: int, cutoff: float) -> tuple[RegionGraph, np.ndarray]:
+    """Rank ``rank``'s region graph of batch ``b`` (batch order; ``owner`` from :func:`batch_owners`) in
+    arranged ids, and its own edges per system (S,). Each system's :func:`region_graph` of the rank's
+    domain (hops 2), its ids mapped to the batch's arranged ids: the own edges stay sorted by target
+    (a rank's atoms are arranged system by system), the ring's edges are sorted by target stably (a
+    target's edges keep ``radius_graph``'s order, the order its owner numbers them in)."""
+    order = np.argsort(owner, kind="stable")
+    new = np.empty_like(order)
+    new[order] = np.arange(len(order))
+    ptr = _system_bounds(b)
+    pos = np.asarray(b["pos"], dtype=np.float64)
+    own_parts, ring_parts, owns, rings = [], [], [], []
+    per_system = np.zeros(len(ptr) - 1, dtype=np.int64)
+    for s in range(len(ptr) - 1):
+        a0, a1 = int(ptr[s]), int(ptr[s + 1])
+        mine = np.flatnonzero(owner[a0:a1] == rank)
+        g = renumber(region_graph(pos[a0:a1], b["cell"][s], b["pbc"][s], mine, cutoff, 2), new[a0:a1])
+        o = g.own_edges
+        per_system[s] = o
+        own_parts.append((g.src[:o], g.dst[:o], g.image[:o], g.shift[:o]))
+        ring_parts.append((g.src[o:], g.dst[o:], g.image[o:], g.shift[o:]))
+        owns.append(g.own)
+        rings.append(g.ring)
+    own = [np.concatenate(c) for c in zip(*own_parts)]
+    ring = [np.concatenate(c) for c in zip(*ring_parts)]
+    by_target = np.argsort(ring[1], kind="stable")
+    src, dst, image, shift = (np.concatenate([a, r[by_target]]) for a, r in zip(own, ring))
+    return RegionGraph(own=np.sort(np.concatenate(owns)), ring=np.sort(np.concatenate(rings)), src=src, dst=dst,
+                       image=image, shift=shift, own_edges=len(own[0])), per_system
+
+
+def batch_view(b: dict, grp: EdgeGroup, cutoff: float, dtype=torch.float64, device=None, edges=None) -> HaloAtomGraph:
+    """Rank ``grp.rank``'s view of an arranged batch ``b`` (``atom_layouts.DomainsTraining.arrange``:
+    its atoms by owner, ``atom_parts``, ``atom_order``; no graph) in the atoms layout, from its own
+    regions: :func:`batch_region_graph`, then two all-gathers of the group (every rank's
+    :class:`Boundary` with its edges per system, every rank's needs; not counted in the ledger: per
+    step, not per layer). ``edges`` (S,): the edges each system should have (its graphs.h5 count);
+    a system whose regions hold another count (a neighbour cap that binds there) is refused in one line."""
+    import torch.distributed as dist
+
+    r, parts = grp.rank, grp.size
+    ab = np.concatenate([[0], np.cumsum(b["atom_parts"])]).astype(np.int64)
+    inverse = np.argsort(b["atom_order"])  # the arranged row of each batch atom
+    batch = {"pos": np.asarray(b["pos"])[inverse], "system": np.asarray(b["system"])[inverse],
+             "num_systems": b["num_systems"], "cell": b["cell"], "pbc": b["pbc"]}
+    owner = np.repeat(np.arange(parts), b["atom_parts"])[inverse]
+    g, per_system = batch_region_graph(batch, owner, r, cutoff)
+    got = [None] * parts
+    dist.all_gather_object(got, (boundary(g, r, ab), per_system), group=grp.group)
+    if edges is not None:
+        total = np.sum([c for _, c in got], axis=0)
+        bad = np.flatnonzero(total != np.asarray(edges))
+        if len(bad):
+            s = int(bad[0])
+            name = int(b["ids"][s]) if b.get("ids") is not None else s
+            raise GnnPipeError(f"atom_layout domains: system {name} has {int(total[s])} edges within the cutoff "
+                               f"{cutoff:g} Å, its graphs.h5 {int(edges[s])} (the file's neighbour cap binds): the "
+                               "domains layout builds every neighbour within the cutoff; rebuild the graphs with a "
+                               "larger atoms.max_neighbors or use the atoms layout")
+    reg = region_needs(g, r, ab, [bd for bd, _ in got])
+    needs = [None] * parts
+    dist.all_gather_object(needs, reg.needs, group=grp.group)
+    return region_view(reg, needs, b["z"], b["pos"], np.arange(len(b["z"])), grp, dtype, device,
+                       system=b["system"], num_systems=int(b["num_systems"]))
+
+
 __all__ = ["spatial_partition", "fractional", "region_graph", "renumber", "RegionGraph", "Boundary", "boundary",
            "Region", "region_needs", "region_view", "Domain", "Decomposition", "decompose", "domain_graph",
-           "domain_view"]
+           "domain_view", "batch_owners", "batch_region_graph", "batch_view"]
