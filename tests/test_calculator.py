@@ -343,7 +343,8 @@ def test_a_killed_worker_is_one_clear_error_within_seconds(slabs, models, monkey
     t0 = time.monotonic()
     with pytest.raises(GnnPipeError, match=r"inference worker 1 of 2 \(pid \d+\) died .*SIGKILL") as e:
         calc.get_potential_energy(_moved(atoms, 1))
-    assert time.monotonic() - t0 < 5 and "\n" not in str(e.value)
+    # "within seconds": not the collectives' 600 s timeout; 30 s leaves room for a loaded CI machine
+    assert time.monotonic() - t0 < 30 and "\n" not in str(e.value)
     with pytest.raises(GnnPipeError, match="stopped after an error"):
         calc.get_potential_energy(_moved(atoms, 2))
     calc = GNNPipeCalculator(mf, workers=2)  # a structure with fewer edges than workers: refused, the pool lives
@@ -359,7 +360,7 @@ def test_a_killed_worker_is_one_clear_error_within_seconds(slabs, models, monkey
     t0 = time.monotonic()
     with pytest.raises(GnnPipeError, match=r"inference worker 0 of 2 .* died during a call \(killed by SIGKILL\)"):
         calc.get_potential_energy(_moved(atoms, 3))
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30
     assert not any(_alive(p) for p in pids)  # the waiting worker was stopped, not left hanging
     calc.close()
     with pytest.raises(GnnPipeError, match=r"shut down \(close\(\)\)"):
