@@ -37,6 +37,14 @@ molecules (3 batches, cutoff 5 Å), each timed step on the next batch, both mode
 
     python benchmarks/bench_dimenet_pyg.py --energy-only [--out results/bench/dimenet_pyg_energy.json]
 
+``--compile`` (with ``--energy-only``) also times both models ``torch.compile``'d in the same interleaved
+rounds: ours as the config key ``models.<name>.dimenetpp.compile`` runs it (``DimeNetPPModel`` with
+``cfg.compile``), PyG's as ``torch.compile(model, dynamic=True)``; each compiled by one step on every
+batch (the wall seconds of those steps, compilation included, are recorded), then checked against the
+other (energies and gradients to 1e-4 of the largest, float32):
+
+    python benchmarks/bench_dimenet_pyg.py --energy-only --compile [--out results/bench/dimenet_pyg_energy.json]
+
 It also says where each model's step goes (``products_split``): the profiler's seconds in matrix
 products and in the rest, the products' FLOPs (the same for both models: the same layers on the same
 rows), and those FLOPs at this machine's best rate for a dense layer of the step's shape
