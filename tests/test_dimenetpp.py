@@ -264,3 +264,15 @@ def test_the_compiled_energy_only_step_is_the_eager_one(f64):
         for a, b in zip(g1, g0):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
     assert "_compiled" in comp.__dict__
+
+
+def test_the_compile_key_of_a_section_reaches_the_model_config():
+    """``models.<name>.dimenetpp.compile`` (default false) is the built model's ``cfg.compile``."""
+    from types import SimpleNamespace
+
+    from gnnpipe.atomic.atomic_engine import model_config
+    from gnnpipe.config import ATOMIC_SPECS
+
+    spec = ATOMIC_SPECS["dimenetpp"]
+    assert [model_config(SimpleNamespace(kind="dimenetpp", spec=spec(**kw)), CUTOFF).compile
+            for kw in ({}, {"compile": True})] == [False, True]
