@@ -37,6 +37,14 @@ molecules (3 batches, cutoff 5 Å), each timed step on the next batch, both mode
 
     python benchmarks/bench_dimenet_pyg.py --energy-only [--out results/bench/dimenet_pyg_energy.json]
 
+``--compile`` (with ``--energy-only``) also times both models ``torch.compile``'d in the same interleaved
+rounds: ours as the config key ``models.<name>.dimenetpp.compile`` runs it (``DimeNetPPModel`` with
+``cfg.compile``), PyG's as ``torch.compile(model, dynamic=True)``; each compiled by one step on every
+batch (the wall seconds of those steps, compilation included, are recorded), then checked against the
+other (energies and gradients to 1e-4 of the largest, float32):
+
+    python benchmarks/bench_dimenet_pyg.py --energy-only --compile [--out results/bench/dimenet_pyg_energy.json]
+
 It also says where each model's step goes (``products_split``): the profiler's seconds in matrix
 products and in the rest, the products' FLOPs (the same for both models: the same layers on the same
 rows), and those FLOPs at this machine's best rate for a dense layer of the step's shape
@@ -47,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import platform
 import statistics
@@ -144,21 +153,38 @@ def _models(cfg: DimeNetPPConfig, dtype=torch.float64, cls=DimeNetPP):
     return ours, ref
 
 
+#: the batch PyG's patched ``radius_graph`` and ``triplets`` return (set by :func:`pyg_graph`)
+_PYG_BATCH: dict = {}
+
+
+@torch.compiler.disable
+def _pyg_radius_graph(pos, r, batch, max_num_neighbors):
+    return _PYG_BATCH["edge_index"]
+
+
+@torch.compiler.disable
+def _pyg_triplets(edge_index, num_nodes):
+    return _PYG_BATCH["triplets"]
+
+
 @contextlib.contextmanager
 def pyg_graph(b: dict):
-    """PyG's compiled-only ``radius_graph`` and ``triplets`` return ``b``'s edges and triplets meanwhile."""
+    """PyG's compiled-only ``radius_graph`` and ``triplets`` return ``b``'s edges and triplets meanwhile
+    (the same two functions for every batch, so that a ``torch.compile``'d PyG model is not recompiled
+    for each: they only read ``_PYG_BATCH``)."""
     import torch_geometric.nn.models.dimenet as pyg
 
     src, dst = torch.as_tensor(b["edge_src"]), torch.as_tensor(b["edge_dst"])
     kj, ji = torch.as_tensor(b["idx_kj"]), torch.as_tensor(b["idx_ji"])
-    trip = (dst, src, dst[ji], src[ji], src[kj], kj, ji)  # i, j, idx_i, idx_j, idx_k, idx_kj, idx_ji
+    _PYG_BATCH.update(edge_index=torch.stack([src, dst]),  # and i, j, idx_i, idx_j, idx_k, idx_kj, idx_ji:
+                      triplets=(dst, src, dst[ji], src[ji], src[kj], kj, ji))
     saved = pyg.radius_graph, pyg.triplets
-    pyg.radius_graph = lambda pos, r, batch, max_num_neighbors: torch.stack([src, dst])
-    pyg.triplets = lambda edge_index, num_nodes: trip
+    pyg.radius_graph, pyg.triplets = _pyg_radius_graph, _pyg_triplets
     try:
         yield
     finally:
         pyg.radius_graph, pyg.triplets = saved
+        _PYG_BATCH.clear()
 
 
 def _steps(ours, ref, b: dict, dtype):
@@ -264,10 +290,12 @@ def pyg_ratio(spec: dict, num_systems: int, repeats: int = 20, warmup: int = 2, 
             "step_cpu_s": cpu, "step_wall_s": wall}
 
 
-def energy_ratio(spec: dict, batch_size: int, repeats: int = 20, warmup: int = 2, dtype=torch.float32) -> dict:
+def energy_ratio(spec: dict, batch_size: int, repeats: int = 20, warmup: int = 2, dtype=torch.float32,
+                 compile: bool = False) -> dict:
     """Ours/PyG time of energy-only training steps (medians of interleaved steps, each on the next batch
     of :func:`molecule_batches`) for the model ``spec``, after checking energies and every parameter
-    gradient agree (float64). Call it under ``torch.set_num_threads(1)``."""
+    gradient agree (float64). Call it under ``torch.set_num_threads(1)``. ``compile``: also both models
+    ``torch.compile``'d (:func:`compiled_steps`), timed in the same interleaved rounds."""
     cfg = _config(spec)
     batches = molecule_batches(batch_size, cfg.cutoff)
     ours, ref = _models(cfg, cls=DimeNetPPModel)
@@ -275,7 +303,19 @@ def energy_ratio(spec: dict, batch_size: int, repeats: int = 20, warmup: int = 2
     check_same_step(*_energy_steps(ours, ref, batches, torch.float64), ours, ref)
     ours, ref = ours.to(dtype), ref.to(dtype)
     steps = _energy_steps(ours, ref, batches, dtype)
-    cpu, wall = interleaved({"ours": (steps[0], ours), "pyg": (steps[1], ref)}, repeats, warmup)
+    timed = {"ours": (steps[0], ours), "pyg": (steps[1], ref)}
+    compiled = compiled_steps(ours, ref, batches, dtype) if compile else {}
+    timed.update({name: v["step"] for name, v in compiled.items()})
+    cpu, wall = interleaved(timed, repeats, warmup)
+    if compile:
+        med = {name: statistics.median(t) for name, t in cpu.items()}
+        compiled = {"ours_compiled_over_pyg": med["ours_compiled"] / med["pyg"],
+                    "ours_compiled_over_pyg_compiled": med["ours_compiled"] / med["pyg_compiled"],
+                    "pyg_compiled_over_pyg": med["pyg_compiled"] / med["pyg"],
+                    "ours_compiled_over_ours": med["ours_compiled"] / med["ours"],
+                    "median_cpu_s": med, "median_wall_s": {name: statistics.median(t) for name, t in wall.items()},
+                    "first_steps": {name: v["first_steps"] for name, v in compiled.items()}}
+        cpu, wall = ({k: t[k] for k in ("ours", "pyg")} for t in (cpu, wall))
     c, w = _ratios(cpu), _ratios(wall)
     split = products_split({"ours": (steps[0], ours), "pyg": (steps[1], ref)}, min(len(batches), 3))
     rows = statistics.median(len(b["edge_src"]) for b in batches)
@@ -287,7 +327,33 @@ def energy_ratio(spec: dict, batch_size: int, repeats: int = 20, warmup: int = 2
             "time_ratio": c["ratio"], "cpu": c, "wall": w, "products_split": split,
             "gemm_gflops_per_s": peak, "products_floor_s": {k: v["product_flops"] / 1e9 / peak for k, v in split.items()},
             "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(), "step_cpu_s": cpu, "step_wall_s": wall}
+            "loadavg_after": os.getloadavg(), "step_cpu_s": cpu, "step_wall_s": wall,
+            **({"compiled": compiled} if compile else {})}
+
+
+def compiled_steps(ours, ref, batches: list, dtype, tol: float = 1e-4) -> dict:
+    """Both models ``torch.compile``'d (inductor, dynamic shapes): ours as the ``compile`` key runs it (a
+    copy of ``ours`` with ``cfg.compile``), PyG's as ``torch.compile(model, dynamic=True)``. Each is
+    compiled by one step on every batch (``first_steps``: the wall and CPU seconds of those steps,
+    compilation included; the CPU seconds are this process's), then the two compiled steps are checked
+    to agree in energies and every parameter gradient to ``tol`` of the largest (float32 rounding:
+    inductor reorders sums). Returns name -> {"step": (step, model), "first_steps": ...}."""
+    ours_c = DimeNetPPModel(dataclasses.replace(ours.cfg, compile=True)).to(dtype)
+    ours_c.load_state_dict(ours.state_dict())
+    step_ours, _ = _energy_steps(ours_c, ref, batches, dtype)
+    _, step_ref = _energy_steps(ours, torch.compile(ref, dynamic=True), batches, dtype)
+    out = {}
+    for name, step, model in (("ours_compiled", step_ours, ours_c), ("pyg_compiled", step_ref, ref)):
+        c0, w0 = time.process_time(), time.perf_counter()
+        for _ in batches:
+            model.zero_grad(set_to_none=True)
+            step()
+        out[name] = {"step": (step, model), "first_steps": {
+            "steps": len(batches), "wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0}}
+    check_same_step(step_ours, step_ref, ours_c, ref, tol)
+    for _ in range(len(batches) - 1):  # back in step with the eager models' batches (one turn each so far)
+        step_ours(), step_ref()
+    return out
 
 
 #: the matrix products of a step (dense layers, and our triplet blocks' batched product)
@@ -374,6 +440,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed steps per model and size (default: small 40, h256 10; --quick 5)")
     ap.add_argument("--quick", action="store_true", help="the small size only, 5 repeats")
+    ap.add_argument("--compile", action="store_true",
+                    help="with --energy-only: also both models torch.compile'd (ours: the compile key)")
     ap.add_argument("--energy-only", action="store_true",
                     help="energy-only training steps on molecules (sizes: " + ", ".join(ENERGY_SIZES) + ")")
     a = parse_args(ap, argv, sizes=list(SMOKE))
@@ -394,7 +462,8 @@ def main(argv=None) -> int:
         jobs = [(SIZES, pyg_ratio, n) for n in (["small"] if a.quick else a.sizes)]
     for table, ratio, name in jobs:
         spec, n, repeats = table[name]
-        res = out["sizes"][name] = ratio(spec, n, a.repeats or (5 if a.quick else repeats))
+        opts = {"compile": True} if a.compile and ratio is energy_ratio else {}
+        res = out["sizes"][name] = ratio(spec, n, a.repeats or (5 if a.quick else repeats), **opts)
         print(_summary(name, res), file=sys.stderr)
     out["loadavg_after"] = os.getloadavg()
     out["machine"] = machine_record(load0)
@@ -414,10 +483,22 @@ def _summary(name: str, res: dict) -> str:
         return (f"{name} energy-only: {res['batches']} batches of {res['batch_size']} molecules "
                 f"({statistics.mean(res['atoms_per_batch']):.0f} atoms, {statistics.mean(res['triplets_per_batch']):.0f} "
                 f"triplets a batch); {times}; profiled steps: {split}; products at this machine's dense-layer rate "
-                f"({res['gemm_gflops_per_s']:.1f} GFLOP/s): {res['products_floor_s']['ours'] * 1e3:.0f} ms; load {res['loadavg_after'][0]:.2f}")
+                f"({res['gemm_gflops_per_s']:.1f} GFLOP/s): {res['products_floor_s']['ours'] * 1e3:.0f} ms; load {res['loadavg_after'][0]:.2f}"
+                + _compiled_summary(res.get("compiled")))
     return (f"{name}: {res['atoms']} atoms, {res['edges']} edges, {res['triplets']} triplets; {times}, saved memory "
             f"{res['saved_bytes']['ours'] / 2**20:.1f} / {res['saved_bytes']['pyg'] / 2**20:.1f} MiB = "
             f"{res['saved_bytes_ratio']:.3f}; load {res['loadavg_after'][0]:.2f}")
+
+def _compiled_summary(comp) -> str:
+    if not comp:
+        return ""
+    med, first = comp["median_cpu_s"], comp["first_steps"]
+    return (f"; compiled (CPU medians): ours {med['ours_compiled'] * 1e3:.1f} ms, "
+            f"PyG {med['pyg_compiled'] * 1e3:.1f} ms; "
+            f"ours compiled / PyG eager {comp['ours_compiled_over_pyg']:.3f}, / PyG compiled "
+            f"{comp['ours_compiled_over_pyg_compiled']:.3f}; first steps (compiling) "
+            f"{first['ours_compiled']['wall_s']:.0f} / {first['pyg_compiled']['wall_s']:.0f} s wall")
+
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -214,3 +214,65 @@ def test_count_parameters_is_exact(name):
 def test_xl_is_sized_without_allocating():
     n = count_parameters(preset("xl"))
     assert 1.5e8 < n < 3.5e8  # Sriram et al.: DimeNet++-XL is a few hundred million parameters
+
+
+def _energy_only_step(m, g) -> tuple:
+    """One energy-only step (``forces=False``, backward of sum(E²)): energies and parameter gradients."""
+    m.zero_grad(set_to_none=True)
+    e = m(g, forces=False)["energy"]
+    e.pow(2).sum().backward()
+    return e.detach(), [p.grad.clone() for p in m.parameters()]
+
+
+def _compiled_twin(f64):
+    """``_model``'s weights in a ``DimeNetPPModel`` with and without the ``compile`` key."""
+    from dataclasses import replace
+
+    from gnnpipe.atomic.dimenetpp import DimeNetPPModel
+
+    eager = _model()
+    twins = []
+    for flag in (False, True):
+        m = DimeNetPPModel(replace(eager.cfg, compile=flag)).double()
+        m.load_state_dict(eager.state_dict())
+        twins.append(m)
+    return twins
+
+
+def test_the_compile_key_keeps_the_state_dict_and_leaves_force_steps_eager(f64):
+    """``compile: true`` adds no state (a model file is the same either way) and compiles nothing for a
+    step with forces: energies and forces bit for bit the eager model's."""
+    eager, comp = _compiled_twin(f64)
+    assert eager.state_dict().keys() == comp.state_dict().keys()
+    g = single_graph(molecules(0))
+    out = [m(with_pos(g, g.pos.clone().requires_grad_(True))) for m in (eager, comp)]
+    assert "_compiled" not in comp.__dict__
+    for k in ("energy", "forces"):
+        torch.testing.assert_close(out[1][k], out[0][k], rtol=0, atol=0)
+
+
+@pytest.mark.long
+def test_the_compiled_energy_only_step_is_the_eager_one(f64):
+    """``compile: true``: the energy-only step (torch.compile'd forward, inductor) gives the eager step's
+    energies and parameter gradients to float64 rounding, on two batches of different sizes (dynamic shapes;
+    about a minute of compilation on 2 cores)."""
+    eager, comp = _compiled_twin(f64)
+    for seed, sizes in ((0, (5, 4, 6)), (1, (6, 3))):
+        g = single_graph(molecules(seed, sizes))
+        (e0, g0), (e1, g1) = _energy_only_step(eager, g), _energy_only_step(comp, g)
+        torch.testing.assert_close(e1, e0, rtol=1e-10, atol=1e-12)
+        for a, b in zip(g1, g0):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    assert "_compiled" in comp.__dict__
+
+
+def test_the_compile_key_of_a_section_reaches_the_model_config():
+    """``models.<name>.dimenetpp.compile`` (default false) is the built model's ``cfg.compile``."""
+    from types import SimpleNamespace
+
+    from gnnpipe.atomic.atomic_engine import model_config
+    from gnnpipe.config import ATOMIC_SPECS
+
+    spec = ATOMIC_SPECS["dimenetpp"]
+    assert [model_config(SimpleNamespace(kind="dimenetpp", spec=spec(**kw)), CUTOFF).compile
+            for kw in ({}, {"compile": True})] == [False, True]

@@ -219,6 +219,7 @@ def _slots(centre: Tensor, num_centres: int) -> tuple[Tensor, int]:
     return slot, int(counts.max()) if num_centres else 0
 
 
+@torch.compiler.disable  # data-dependent sizes (counts, nonzero): eager under ``compile`` too
 def triplet_blocks(g: AtomGraph) -> TripletBlocks:
     """The :class:`TripletBlocks` of ``g``'s local triplets: index work linear in T_loc, sorts over edges only."""
     if not torch.equal(g.edge_src[g.idx_ji], g.kj_dst):
@@ -263,6 +264,8 @@ class _SiLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         x, = ctx.saved_tensors
+        if not torch.is_grad_enabled():  # a plain backward (energy-only training): the kernel alone
+            return torch.ops.aten.silu_backward(grad, x)
         return _SiLUGrad.apply(grad, x)
 
 
@@ -484,15 +487,27 @@ class DimeNetPPModel(DimeNetPP):
     """DimeNet++ on the atomic model protocol (``protocol.DIMENETPP``): the same module and state dict
     (PyG's names), ``forward(g) -> {"energy": (B,), "forces": (N_own, 3)}``; ``DimeNetPP.forward``
     keeps PyG's ``DimeNetPlusPlus`` interface (energies), which the parity test and benchmark use.
-    ``forces=False``: ``{"energy"}`` alone, by the forward pass alone (energy-only training)."""
+    ``forces=False``: ``{"energy"}`` alone, by the forward pass alone (energy-only training); with
+    ``cfg.compile`` that forward is ``torch.compile``'d (dynamic shapes; built on the first call, kept
+    out of the state dict) where the view is a whole batch (one graph way; data-parallel replicas too).
+    Steps with forces stay eager (inductor has no double backward), and so do graph ways' views."""
 
     def forward(self, g: AtomGraph, forces: bool = True) -> dict:
         if not forces:  # energy only: no force head, no gradient with respect to positions
-            return {"energy": super().forward(g)}
+            return {"energy": self._energy_forward(g)(g)}
         if self.cfg.force_head == "direct":
             energy, f = energy_and_forces(self, g, create_graph=False)
             return {"energy": energy, "forces": f}
         return gradient_forces(super().forward, g, self.training)
+
+    def _energy_forward(self, g: AtomGraph):
+        """``DimeNetPP.forward`` bound to this model, compiled once if ``cfg.compile`` and ``g`` is a
+        whole batch in one process (a graph way's view stays eager: its collectives are not traced)."""
+        if not self.cfg.compile or type(g) is not AtomGraph:
+            return super().forward
+        if "_compiled" not in self.__dict__:  # a plain attribute: no parameters, no state
+            self.__dict__["_compiled"] = torch.compile(super().forward, dynamic=True)
+        return self.__dict__["_compiled"]
 
 
 def count_parameters(cfg: DimeNetPPConfig) -> int:

@@ -43,3 +43,8 @@ class DimeNetPPConfig:
     angle_gradient: bool = True
     force_head: Literal["gradient", "direct"] = field(default="gradient", metadata={
         "spec": "own", "doc": "gradient: F = -dE/dpos (energy-conserving); direct: an edge head"})
+    compile: bool = field(default=False, metadata={
+        "spec": "own", "doc": ("energy-only training (no forces to fit): run the forward with torch.compile "
+                               "(inductor, dynamic shapes; the same function to float rounding; the first "
+                               "steps pay minutes of compilation); steps with forces, and graph ways' "
+                               "views, stay eager")})
