@@ -189,6 +189,45 @@ def test_the_angular_basis_is_padded_once_and_atom_sums_keep_no_messages(f64):
     assert list(shapes.values()) == [(e,)]
 
 
+def test_fused_dense_nodes_are_exact_to_every_order_and_keep_less(f64):
+    """#34: ``_DenseSiLU`` (GemNet-T's Dense) and ``_SiLULinear`` (dT's residual layers) against the
+    plain ops — values, gradients, a force loss's double backward (gradcheck to third order) — and a
+    Dense's force pass keeps fewer (rows, out) tensors than the plain ops (whose SiLU backward is composite
+    under ``create_graph``)."""
+    from gnnpipe.atomic.gemnet_layers import _DenseSiLU, _SiLULinear
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, requires_grad=True)
+    w = torch.randn(5, 4, requires_grad=True)
+    fused = lambda x, w: _DenseSiLU.apply(x, w.view_as(w))[0]  # noqa: E731 - a view, as Dense passes it
+    plain = lambda x, w: torch.nn.functional.silu(x @ w.t()) / 0.6  # noqa: E731
+
+    def force_pass(f):  # dE/dx with the graph kept, as gradient forces do
+        return lambda x, w: torch.autograd.grad(f(x, w).pow(2).sum(), x, create_graph=True)[0]
+
+    assert torch.autograd.gradcheck(fused, (x, w)) and torch.autograd.gradgradcheck(fused, (x, w))
+    assert torch.autograd.gradgradcheck(force_pass(fused), (x, w))
+    for f in (lambda f: f, force_pass):
+        a, b = f(fused)(x, w), f(plain)(x, w)
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=0)
+        torch.testing.assert_close(torch.autograd.grad(a.pow(2).sum(), (x, w)),
+                                   torch.autograd.grad(b.pow(2).sum(), (x, w)), rtol=1e-12, atol=0)
+    z = torch.randn(6, 4, requires_grad=True)
+    assert torch.autograd.gradcheck(_SiLULinear.apply, (z, w)) and torch.autograd.gradgradcheck(_SiLULinear.apply, (z, w))
+
+    def kept_rows(f):
+        ptrs: set = set()
+
+        def pack(t):
+            if t.shape == (6, 5):
+                ptrs.add(t.untyped_storage().data_ptr())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            force_pass(f)(x, w)
+        return len(ptrs)
+    assert kept_rows(fused) < kept_rows(plain), (kept_rows(fused), kept_rows(plain))  # 4 against 9 at torch 2.13
+
+
 # --------------------------------------------------------------------------- physics
 def test_gemnet_t_forces_are_finite_differences(f64):
     b = _batch(1, dimers=1)

@@ -114,7 +114,7 @@ class OutputBlock(AtomUpdate):
         self.out_energy = Dense(c.emb_size_atom, 1, activation=False)
         self.direct = c.force_head == "direct"
         if self.direct:
-            self.mlp_forces = mlp(c.emb_size_edge, c.emb_size_edge, c.num_atom)
+            self.mlp_forces = mlp(c.emb_size_edge, c.emb_size_edge, c.num_atom, recompute=True)
             self.dense_rbf_forces = Dense(c.emb_size_rbf, c.emb_size_edge, activation=False)
             self.scale_rbf_forces = ScaleFactor()
             self.out_forces = Dense(c.emb_size_edge, 1, activation=False)
@@ -162,11 +162,12 @@ class InteractionBlock(nn.Module):
         ed = c.emb_size_edge
         self.dense_ca = Dense(ed, ed)
         self.trip = TripletInteraction(c)
-        self.layers_before_skip = nn.ModuleList([ResidualLayer(ed) for _ in range(c.num_before_skip)])
-        self.layers_after_skip = nn.ModuleList([ResidualLayer(ed) for _ in range(c.num_after_skip)])
+        rec = c.force_head == "direct"  # recompute activations in backward: one backward only (ResidualLayer)
+        self.layers_before_skip = nn.ModuleList([ResidualLayer(ed, recompute=rec) for _ in range(c.num_before_skip)])
+        self.layers_after_skip = nn.ModuleList([ResidualLayer(ed, recompute=rec) for _ in range(c.num_after_skip)])
         self.atom_update = AtomUpdate(c)
         self.concat = EdgeEmbedding(c.emb_size_atom, ed, ed)
-        self.residual_m = nn.ModuleList([ResidualLayer(ed) for _ in range(c.num_concat)])
+        self.residual_m = nn.ModuleList([ResidualLayer(ed, recompute=rec) for _ in range(c.num_concat)])
 
     def forward(self, h_own: Tensor, m: Tensor, bases: tuple, g: AtomGraph) -> tuple[Tensor, Tensor]:
         rbf3, rad3, sph_p, slots, rbf_h = bases
@@ -203,6 +204,10 @@ class GemNetT(nn.Module):
         self.edge_emb = EdgeEmbedding(c.emb_size_atom, c.num_radial, c.emb_size_edge)
         self.int_blocks = nn.ModuleList([InteractionBlock(c) for _ in range(c.num_blocks)])
         self.out_blocks = nn.ModuleList([OutputBlock(c) for _ in range(c.num_blocks + 1)])
+        if c.force_head == "gradient":  # the double backward's force pass keeps less (gemnet_layers._DenseSiLU)
+            for m in self.modules():
+                if isinstance(m, Dense):
+                    m.fused = True
 
     def __repr__(self) -> str:
         c = self.cfg
@@ -336,19 +341,21 @@ def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int,
     atom MLPs run on own atoms; gathered rows are read by index and not kept):
 
     * per edge, the direct head (dT) by counting the ops: a Dense with activation keeps its input
-      and pre-activation, a residual layer 4 rows of its width, a product both factors; per
-      interaction block ``(12 + 4·(before + after + concat))·Ed + (1 + S + C)·Tr + 2·Bt``, per
-      output block ``(6 + 4·num_atom)·Ed``, once ``2·Ed + 2·R + 3·Rb + C·S``;
+      and pre-activation, a residual layer 3 rows of its width (its inner activation is recomputed
+      in backward, ``gemnet_layers.ResidualLayer``), a product both factors; per interaction block
+      ``(11 + 3·(before + after + concat))·Ed + (1 + S + C)·Tr + 2·Bt``, per output block
+      ``(5 + 3·num_atom)·Ed``, once ``2·Ed + R + 3·Rb + C·S``;
     * the gradient head (T) keeps the graph of the force pass as well: measured with
-      ``saved_tensors_hooks`` (distinct storages), by finite differences in every width, the
-      residual layers keep 16 rows instead of 4, the bases and triplet parts twice as much;
-      per interaction block ``(46 + 16·(...))·Ed + (2·(1 + S + C) + 5)·Tr + 3·Bt``, per
-      output block ``4·Ed``, once ``8·Ed + 8·R + 6·Rb + 2·C·S``;
+      ``saved_tensors_hooks`` (distinct storages), by finite differences in every width (each Dense
+      with activation one ``_DenseSiLU``, whose force-pass node keeps only its incoming gradient),
+      the residual layers keep 6 rows instead of 3, the bases and triplet parts twice as much;
+      per interaction block ``(24 + 6·(...))·Ed + 2·(1 + S + C)·Tr + 3·Bt``, per
+      output block ``3·Ed``, once ``8·Ed + 7·R + 6·Rb + 2·C·S``;
     * per padded triplet slot (E_loc·K_max ≈ ``padding``·T_loc, K_max the most triplets of one
       edge): the padded angular basis, ``S`` once (built once, shared by the blocks), and (T) the
       padded input messages ``Tr`` per block; per triplet ``3·S + 11`` (T only);
-    * per atom: each of the 2K + 1 atom MLPs ``Ed + (a + 4·num_atom)·A`` (T: ``16·num_atom``,
-      a = 7; dT: a = 1), ``A`` per output block, and the K + 1 edge embeddings' atom rows ``A``
+    * per atom: each of the 2K + 1 atom MLPs ``Ed + (a + 4·num_atom)·A`` (T: ``6·num_atom``,
+      a = 2; dT: a = 1), ``A`` per output block, and the K + 1 edge embeddings' atom rows ``A``
       (their atom halves are projected per atom, then gathered: no (E, 2A) rows), T also ``2K·Ed``;
     * ``gathered``: one block's all-gathered edge rows and atom rows, alive at once.
 
@@ -360,13 +367,13 @@ def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int,
                                    c.num_spherical, c.emb_size_cbf, c.num_radial, c.emb_size_rbf)
     res = c.num_before_skip + c.num_after_skip + c.num_concat
     if c.force_head == "direct":
-        per_block = (12 + 4 * res) * ed + (1 + s + cb) * tr + 2 * bt
-        per_edge = k * per_block + (k + 1) * (6 + 4 * c.num_atom) * ed + 2 * ed + 2 * r + 3 * rb + cb * s
+        per_block = (11 + 3 * res) * ed + (1 + s + cb) * tr + 2 * bt
+        per_edge = k * per_block + (k + 1) * (5 + 3 * c.num_atom) * ed + 2 * ed + r + 3 * rb + cb * s
         per_slot, per_triplet, mlp_a, res_a, atom_ed = s, 0, 1, 4, 0
     else:
-        per_block = (46 + 16 * res) * ed + (2 * (1 + s + cb) + 5) * tr + 3 * bt
-        per_edge = k * per_block + (k + 1) * 4 * ed + 8 * ed + 8 * r + 6 * rb + 2 * cb * s
-        per_slot, per_triplet, mlp_a, res_a, atom_ed = s + k * tr, 3 * s + 11, 7, 16, 2 * k * ed
+        per_block = (24 + 6 * res) * ed + 2 * (1 + s + cb) * tr + 3 * bt
+        per_edge = k * per_block + (k + 1) * 3 * ed + 8 * ed + 7 * r + 6 * rb + 2 * cb * s
+        per_slot, per_triplet, mlp_a, res_a, atom_ed = s + k * tr, 3 * s + 11, 2, 6, 2 * k * ed
     per_atom = (2 * k + 1) * (ed + (mlp_a + res_a * c.num_atom) * a) + 2 * (k + 1) * a + atom_ed
     local = lambda n: -(-n // ways)  # noqa: E731 - the largest block of np.array_split
     out = {"parameters": 4 * count_parameters(cfg) * b,

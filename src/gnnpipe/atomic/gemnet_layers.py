@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -46,33 +46,137 @@ class ScaledSiLU(nn.Module):
         return torch.nn.functional.silu(x) * (1 / 0.6)
 
 
+def _will_run(w: Tensor) -> bool:
+    """Whether the backward pass now running reaches ``w``: a force pass (``autograd.grad`` into
+    positions) does not need the weights' gradients. ``w`` must not be a leaf (the engine answers
+    only for inner nodes under ``autograd.grad``): ``_DenseSiLU`` is given a view of its weight."""
+    return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(w).node)
+
+
+def _silu_grad(g: Tensor, z: Tensor) -> Tensor:
+    """``g ⊙ SiLU'(z)``: ATen's fused kernel, or (when autograd records it, which that kernel does not
+    allow) the formula ``SiLU'(z) = s (1 + z (1 - s))``, s = sigmoid(z)."""
+    if torch.is_grad_enabled() and (g.requires_grad or z.requires_grad):
+        s = torch.sigmoid(z)
+        return g * (s * (1 + z * (1 - s)))
+    return torch.ops.aten.silu_backward(g, z)
+
+
+class _DenseSiLU(torch.autograd.Function):
+    """``SiLU(x W^T) / 0.6`` (and the pre-activation ``z = x W^T``, a second output nobody reads: saved
+    as an output, it carries the force pass's gradient in z back into this node), keeping ``x``, ``W``
+    and ``z`` (what the linear layer and SiLU keep apart). Its point is the backward graph a force pass
+    (``create_graph``) records: there ``dx = (g ⊙ SiLU'(z) / 0.6) W`` is one ``_DenseSiLUGrad`` node
+    keeping ``g`` — not ``g / 0.6`` and ``g ⊙ SiLU'(z) / 0.6`` both, as the unfused ops do — and the
+    weight gradient, which that pass does not reach, is not computed."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor):
+        z = torch.nn.functional.linear(x, w)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, w, z)
+        return torch.nn.functional.silu(z) * (1 / 0.6), z
+
+    @staticmethod
+    def backward(ctx, g: Optional[Tensor], g_z: Optional[Tensor]):
+        x, w, z = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and _will_run(w)
+        if g is not None and g_z is None and torch.is_grad_enabled() and not need_w:  # a force pass
+            return (_DenseSiLUGrad.apply(g, z, w) if need_x else None), None
+        gz = _silu_grad(g * (1 / 0.6), z) if g is not None else None
+        gz = g_z if gz is None else gz if g_z is None else gz + g_z
+        if gz is None:
+            return None, None
+        return (gz @ w if need_x else None), (gz.t() @ x if need_w else None)
+
+
+class _DenseSiLUGrad(torch.autograd.Function):
+    """``(g ⊙ SiLU'(z) / 0.6) W``: ``_DenseSiLU``'s input gradient, keeping ``g, z, W`` (``z`` that node's
+    saved output). Backward (the force loss's pass), for ``ĝ`` the gradient of the output and
+    ``u = ĝ W^T / 0.6``: ``∂g = u ⊙ SiLU'(z)``, ``∂z = u ⊙ g ⊙ SiLU''(z)`` (into ``_DenseSiLU``'s z,
+    which adds it to its own and runs one pair of products for x and W), ``∂W = (g ⊙ SiLU'(z)/0.6)^T ĝ``."""
+
+    @staticmethod
+    def forward(ctx, g: Tensor, z: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(g, z, w)
+        return _silu_grad(g * (1 / 0.6), z) @ w
+
+    @staticmethod
+    def backward(ctx, gg: Tensor):
+        g, z, w = ctx.saved_tensors
+        u = (gg @ w.t()) * (1 / 0.6)
+        d_g = _silu_grad(u, z) if ctx.needs_input_grad[0] else None
+        d_z = None
+        if ctx.needs_input_grad[1]:
+            s = torch.sigmoid(z)
+            d_z = u * g * (s * (1 - s) * (2 + z * (1 - 2 * s)))  # SiLU''(z) = s(1-s)(2 + z(1-2s))
+        d_w = _silu_grad(g * (1 / 0.6), z).t() @ gg if ctx.needs_input_grad[2] else None
+        return d_g, d_z, d_w
+
+
 class Dense(nn.Module):
-    """``act(x W^T)``, no bias; ``act`` = scaled SiLU or the identity."""
+    """``act(x W^T)``, no bias; ``act`` = scaled SiLU or the identity. ``fused`` (set by GemNet-T, whose
+    forces are a gradient): with the activation, one ``_DenseSiLU`` — the same values, a smaller force-pass
+    graph; a model with one backward gains nothing from it and runs the plain ops, which are faster there."""
 
     def __init__(self, fan_in: int, fan_out: int, activation: bool = True):
         super().__init__()
         self.linear = nn.Linear(fan_in, fan_out, bias=False)
         self.act = ScaledSiLU() if activation else nn.Identity()
+        self.fused = False
         he_orthogonal_(self.linear.weight)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused and isinstance(self.act, ScaledSiLU):
+            w = self.linear.weight
+            return _DenseSiLU.apply(x, w.view_as(w) if w.requires_grad else w)[0]  # a view: see _will_run
         return self.act(self.linear(x))
 
 
-class ResidualLayer(nn.Module):
-    """``(x + Dense(Dense(x))) / sqrt 2``."""
+class _SiLULinear(torch.autograd.Function):
+    """``(SiLU(z) / 0.6) W^T`` keeping ``z`` and ``W`` for backward, not ``SiLU(z) / 0.6``: backward
+    recomputes the activation (elementwise) instead of autograd keeping a second (rows, in) tensor.
+    Its backward is plain differentiable torch ops, so a second derivative is right too."""
 
-    def __init__(self, units: int, layers: int = 2):
+    @staticmethod
+    def forward(ctx, z: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(z, w)
+        return torch.nn.functional.linear(torch.nn.functional.silu(z) * (1 / 0.6), w)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        z, w = ctx.saved_tensors
+        gz = _silu_grad((g @ w) * (1 / 0.6), z) if ctx.needs_input_grad[0] else None
+        gw = g.t() @ (torch.nn.functional.silu(z) * (1 / 0.6)) if ctx.needs_input_grad[1] else None
+        return gz, gw
+
+
+class ResidualLayer(nn.Module):
+    """``(x + Dense(Dense(x))) / sqrt 2``.
+
+    ``recompute``: each inner Dense's activation is recomputed in backward from its input
+    (``_SiLULinear``) rather than kept — one (rows, units) tensor less per inner pair, same values.
+    Worth it for one backward (direct forces); under a double backward (gradient forces) the force
+    pass would also compute the weight gradient it does not need, so GemNet-T leaves it off."""
+
+    def __init__(self, units: int, layers: int = 2, recompute: bool = False):
         super().__init__()
         self.mlp = nn.Sequential(*[Dense(units, units) for _ in range(layers)])
+        self.recompute = recompute
 
     def forward(self, x: Tensor) -> Tensor:
-        return (x + self.mlp(x)) * INV_SQRT2
+        if not self.recompute:
+            return (x + self.mlp(x)) * INV_SQRT2
+        z = self.mlp[0].linear(x)
+        for dense in self.mlp[1:]:
+            z = _SiLULinear.apply(z, dense.linear.weight)
+        return (x + self.mlp[-1].act(z)) * INV_SQRT2
 
 
-def mlp(fan_in: int, units: int, residual_layers: int) -> nn.Sequential:
+def mlp(fan_in: int, units: int, residual_layers: int, recompute: bool = False) -> nn.Sequential:
     """Dense(fan_in -> units) then ``residual_layers`` residual layers (atom and force heads)."""
-    return nn.Sequential(Dense(fan_in, units), *[ResidualLayer(units) for _ in range(residual_layers)])
+    return nn.Sequential(Dense(fan_in, units), *[ResidualLayer(units, recompute=recompute)
+                                                 for _ in range(residual_layers)])
 
 
 # --------------------------------------------------------------------------- scale factors
