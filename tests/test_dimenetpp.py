@@ -251,6 +251,27 @@ def test_the_compile_key_keeps_the_state_dict_and_leaves_force_steps_eager(f64):
         torch.testing.assert_close(out[1][k], out[0][k], rtol=0, atol=0)
 
 
+def test_a_compile_that_cannot_build_is_one_line(f64, monkeypatch):
+    """No C++ compiler for inductor (or any backend failure): the first energy-only step says so in one
+    line naming the key, not torch's traceback."""
+    import torch._dynamo.exc as dynamo_exc
+
+    from gnnpipe.io import GnnPipeError
+
+    def broken(fn, **kw):
+        def call(*a):
+            raise dynamo_exc.BackendCompilerFailed("inductor", RuntimeError("InvalidCxxCompiler: No working C++ "
+                                                                            "compiler found"), None)
+        return call
+    monkeypatch.setattr(torch, "compile", broken)
+    _, comp = _compiled_twin(f64)
+    with pytest.raises(GnnPipeError) as err:
+        comp(single_graph(molecules(0)), forces=False)
+    msg = str(err.value)
+    assert msg.startswith("dimenetpp.compile: torch.compile could not build") and "compile: false" in msg
+    assert "\n" not in msg and "InvalidCxxCompiler" in msg, msg
+
+
 @pytest.mark.long
 def test_the_compiled_energy_only_step_is_the_eager_one(f64):
     """``compile: true``: the energy-only step (torch.compile'd forward, inductor) gives the eager step's

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn import Embedding, Linear
 
+from ..io import GnnPipeError
 from .batch import AtomGraph, gradient_forces
 from .dimenetpp_config import DimeNetPPConfig
 
@@ -506,8 +507,23 @@ class DimeNetPPModel(DimeNetPP):
         if not self.cfg.compile or type(g) is not AtomGraph:
             return super().forward
         if "_compiled" not in self.__dict__:  # a plain attribute: no parameters, no state
-            self.__dict__["_compiled"] = torch.compile(super().forward, dynamic=True)
+            self.__dict__["_compiled"] = _refusing(torch.compile(super().forward, dynamic=True))
         return self.__dict__["_compiled"]
+
+
+def _refusing(compiled):
+    """``compiled`` whose build failure (no C++ compiler for inductor, an unsupported platform) is one
+    line naming the key, not torch's pages of traceback."""
+    def call(g):
+        try:
+            return compiled(g)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            inner = getattr(e, "inner_exception", None) or e
+            first = next((line for line in str(inner).splitlines() if line.strip()), type(inner).__name__)
+            raise GnnPipeError(f"dimenetpp.compile: torch.compile could not build the energy-only step "
+                               f"({first.strip()[:200]}); set models.<name>.dimenetpp.compile: false, or "
+                               "install a C++ compiler for inductor") from None
+    return call
 
 
 def count_parameters(cfg: DimeNetPPConfig) -> int:
