@@ -32,6 +32,7 @@ QUICK = {
     "dimenet_pyg": ["--quick"],
     "domains": ["--repeat", "8"],
     "domains_cap": ["--repeat", "10", "--cap-mib", "700"],
+    "domains_train": ["--repeat", "6"],
     "foundation": ["--nodes", "100000"],
     "gemnet_fairchem": ["--quick"],
     "layers": ["--quick"],

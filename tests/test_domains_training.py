@@ -183,9 +183,39 @@ def test_the_atomic_engine_in_the_domains_layout_trains_as_single(tmp_path, kind
     res = engine_trains_as_single(single, graph, 2, steps=8, timeout=180)
     assert sum(r["sent"] for r in res) == res[0]["predicted"]
     engine = AtomicEngine(graph, None, None, torch.device("cpu"))  # the same batches priced in the atoms layout
-    b = engine._batch(engine.ids["train"][:1], graph=True)
+    assert "edge_src" not in engine.graphs  # graphs.h5's counts alone: the ranks build their own regions
     spec, cfg, params = engine.kind, engine.model_cfg, engine.num_params
+    # the prediction (the halo rows the views counted) equals the closed form on each step batch's graph
+    # (built from positions, grouped by the domains' owners)
+    assert res[0]["predicted"] == sum(DOMAINS_TRAINING.step_bytes(spec, cfg, [engine._graph_batch(s)], 2, 8, params)
+                                      for s in engine._steps(engine.ids["train"], 0))
+    b = engine._graph_batch(engine.ids["train"][:1])
     assert DOMAINS_TRAINING.step_bytes(spec, cfg, [b], 2, 8, params) != ATOMS.step_bytes(spec, cfg, [b], 2, 8, params)
+
+
+def test_a_domains_engine_reads_graph_counts_alone_and_builds_the_graphs_it_fits_on(tmp_path):
+    """An engine in the domains layout (P = 2) reads of graphs.h5 its attributes and per-system counts
+    alone (no neighbour list, no triplets); what runs on whole batches (GemNet's scale-factor fit, the
+    prediction of an epoch it has not trained) gets graphs built from the positions equal to the file's,
+    field for field; a smaller model cutoff (the graphs rebuilt at it) reads the whole file."""
+    import dataclasses
+
+    from gnnpipe.atomic import data
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
+
+    single, graph = _uncapped_runs(tmp_path, "dimenetpp", 2)
+    dom = AtomicEngine(graph, None, None, torch.device("cpu"))
+    ref = AtomicEngine(single, None, None, torch.device("cpu"))
+    assert set(k for k, v in dom.graphs.items() if isinstance(v, np.ndarray)) == set(data.GRAPH_COUNTS)
+    assert dom.graph_info() == ref.graph_info()
+    ids = dom.ids["train"][[2, 0, 5]]
+    built, whole = dom._graph_batch(ids), data.batch_arrays(ref.systems, ref.graphs, ids)
+    assert built.keys() == whole.keys()
+    for k, v in whole.items():
+        np.testing.assert_array_equal(built[k], v, err_msg=k)
+    model = dataclasses.replace(graph.model, dimenetpp=dataclasses.replace(graph.model.spec, cutoff=3.5))
+    smaller = AtomicEngine(dataclasses.replace(graph, model=model), None, None, torch.device("cpu"))
+    assert "edge_src" in smaller.graphs and smaller.graphs["cutoff"] == 3.5
 
 
 def _capped_step(rank: int, world: int, cfg):

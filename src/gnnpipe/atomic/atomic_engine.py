@@ -62,6 +62,7 @@ from torch import Tensor
 from ..engine import DTYPES, EpochStats, OptimizerHooks, load_train_state, make_optimizer, train_state
 from ..habits import Habits
 from ..io import GnnPipeError
+from .halo import HALO_KEYS
 from .atom_layouts import EDGES, TRAIN_LAYOUTS, AtomLayout, choose_layout, layout_costs
 from .modelfile import check_init_cap, check_init_graphs, load_init
 from .parallel import EdgeGroup, single_graph
@@ -165,11 +166,13 @@ class AtomicEngine(OptimizerHooks):
         self.kind = ATOMIC_MODELS[cfg.model.kind]
         spec = cfg.model.spec
         self.init = load_init(cfg)  # the model file it starts from (models.<name>.init_from), or None
-        self.systems, self.graphs = run_data(cfg, self.init)
         self.ways, self.replicas = (cfg.ways, cfg.data_parallel) if cfg.mode == "graph" else (1, 1)
         self.layout = TRAIN_LAYOUTS[cfg.atom_layout]  # how the ways split a batch (atom_layouts)
         # the domains layout: each rank builds its regions' graph from the batch's positions (no batch graph)
         self.own_build = self.layout.distributed_build and self.ways > 1
+        # ... and reads of graphs.h5 its counts alone where it can (run_data): no neighbour list, no triplets
+        self.systems, self.graphs = run_data(cfg, self.init, counts_only=self.own_build)
+        self._halos: dict = {}  # the domains layout: epoch -> each step's halo rows per replica (predicted_bytes)
         self.replica, self.way = divmod(groups.rank if groups is not None else 0, self.ways)
         # why it fits energies alone (energy_only), or None; then no force pass runs and the weight is 0
         self.energy_only = energy_only(self.systems, spec.force_weight)
@@ -225,7 +228,7 @@ class AtomicEngine(OptimizerHooks):
             ids = np.random.default_rng([self.cfg.training.seed, 2**31]).permutation(self.ids["train"])
             per = self.batch_size * self.replicas
             batches = [ids[i:i + per] for i in range(0, len(ids), per)][:FIT_BATCHES]
-            fitted = self.kind.fit(self.model, [single_graph(self._batch(b, graph=True), self.dtype, self.device)
+            fitted = self.kind.fit(self.model, [single_graph(self._graph_batch(b), self.dtype, self.device)
                                                 for b in batches])
         if self.comm is not None:  # every rank computes with rank 0's constants, bit for bit
             state = self.model.state_dict()
@@ -246,17 +249,42 @@ class AtomicEngine(OptimizerHooks):
     def _replica_batch(self, step: np.ndarray, replica: int) -> np.ndarray:
         return np.array_split(step, self.replicas)[replica]
 
-    def _batch(self, ids, graph: bool = False) -> dict:
+    def _batch(self, ids) -> dict:
         """Systems ``ids`` as one batch with their graph; in the domains layout (``own_build``) without
-        it, unless ``graph``: the step's view builds each rank's regions from the positions
-        (``domains.batch_view``), and gets the cutoff and each system's edge count (its check that the
-        file's neighbour cap does not bind)."""
+        it: the step's view builds each rank's regions from the positions (``domains.batch_view``), and
+        gets the cutoff and each system's edge count (its check that the file's neighbour cap does not
+        bind). With the graph in every layout: ``_graph_batch``."""
         from .data import batch_arrays
-        if not self.own_build or graph:
+        if not self.own_build:
             return batch_arrays(self.systems, self.graphs, ids)
         ids = np.asarray(ids)
         return {**batch_arrays(self.systems, None, ids), "ids": ids, "cutoff": float(self.graphs["cutoff"]),
                 "edges": np.diff(self.graphs["edge_ptr"])[ids]}
+
+    def _graph_batch(self, ids) -> dict:
+        """Systems ``ids`` as one batch with their graph: graphs.h5's rows, or where the engine read its
+        counts alone (the domains layout, ``run_data``) those systems' graphs built from their positions
+        with the file's cutoff, cap and convention (``data.build_graphs``: the function that wrote the
+        file, so the same edges in the same order), O(the batch), not the dataset."""
+        from .data import batch_arrays, build_graphs
+
+        if "edge_src" in self.graphs:
+            return batch_arrays(self.systems, self.graphs, ids)
+        sub = subset_systems(self.systems, ids)
+        g = self.graphs
+        built = build_graphs(sub, float(g["cutoff"]), int(g["max_neighbors"]), progress=False, neighbors=g["neighbors"])
+        return batch_arrays(sub, built, np.arange(len(ids)))
+
+    def _record_halos(self, epoch: int, halos: list) -> None:
+        """Keep epoch ``epoch``'s halo rows (the domains layout's views count them: ``domains.batch_view``),
+        every replica's on every rank: one all-reduce, way 0 of each replica adding its replica's."""
+        keys = HALO_KEYS
+        mine = np.zeros((len(halos), self.replicas, len(keys)))
+        for i, h in enumerate(halos):
+            if h is not None and self.way == 0:
+                mine[i, self.replica] = [h[k] for k in keys]
+        tot = np.array(self._sum(mine.ravel().tolist())).reshape(mine.shape) if mine.size else mine
+        self._halos[epoch] = [[dict(zip(keys, map(int, r))) for r in step] for step in tot]
 
     def _reduce_grads(self) -> None:
         grads = []
@@ -287,6 +315,7 @@ class AtomicEngine(OptimizerHooks):
         self.model.train()
         steps = self._steps(self.ids["train"], epoch)
         reports = []  # this rank's share of each step's loss
+        halos = []  # the domains layout: this replica's halo rows of each step (None: no systems)
         self.habits.begin_epoch(epoch)
         for step in steps:
             mine = self._replica_batch(step, self.replica)
@@ -299,10 +328,13 @@ class AtomicEngine(OptimizerHooks):
                 loss, _, _, report = step_loss(self.model, g, b, self.norm, StepCounts(len(step), free),
                                                self.force_weight, forces=not self.energy_only)
                 loss.backward()
+            halos.append(getattr(g, "halo", None) if len(mine) else None)
             reports.append(report if len(mine) else 0.0)
             self._reduce_grads()  # every rank holds the step's whole gradients: it clips the same ones
             self.opt.step()  # the habits' hooks: this step's lr and clip before, the moving average after
         losses = self._sum(reports) if reports else []  # the ranks' shares summed: each step's loss
+        if self.own_build:
+            self._record_halos(epoch, halos)
         wall = time.perf_counter() - t0
         comm_s = (self.comm.epoch_comm_s(epoch) - comm0) if self.comm is not None else 0.0
         return EpochStats(loss=sum(losses) / max(len(steps), 1), compute_s=wall - comm_s, comm_s=comm_s,
@@ -312,14 +344,26 @@ class AtomicEngine(OptimizerHooks):
         """Closed form of epoch ``epoch``'s training bytes, from that epoch's own step batches (None: the
         run's last epoch). Epochs differ: each draws its own order, so its steps hold other systems, and
         the bytes depend on their sizes (edges, atoms) and, in the atoms layout, on their halos (7.05 to
-        10.64 MB an epoch on one run, #37 item 9). The trainer records each epoch's beside its ledger."""
+        10.64 MB an epoch on one run, #37 item 9). The trainer records each epoch's beside its ledger.
+
+        The domains layout (whose engine reads no graph): ``halo.step_bytes`` on the halo rows its views
+        counted in that epoch (``_record_halos``: the rows each rank's regions need, the same counts as
+        ``halo.halo_counts`` of the batch's graph grouped by the domains' owners); an epoch this engine
+        has not trained is priced on graphs.h5's rows of its batches (``_graph_batch``)."""
         if self.comm is None:
             return 0
         total = 0
         b = torch.finfo(self.dtype).bits // 8
         epoch = self.cfg.training.epochs - 1 if epoch is None else epoch
+        if self.own_build and epoch in self._halos:
+            from .halo import step_bytes
+            for step, halos in zip(self._steps(self.ids["train"], epoch), self._halos[epoch]):
+                systems = [len(self._replica_batch(step, r)) for r in range(self.replicas)]
+                total += step_bytes(self.kind, self.model_cfg, halos, systems, self.ways, b, self.num_params,
+                                    forces=not self.energy_only)
+            return total
         for step in self._steps(self.ids["train"], epoch):  # the batches (and partitions) of training's steps
-            batches = [self._batch(p, graph=True) if len(p) else None for p in
+            batches = [self._graph_batch(p) if len(p) else None for p in
                        (self._replica_batch(step, r) for r in range(self.replicas))]
             total += self.layout.step_bytes(self.kind, self.model_cfg, batches, self.ways, b, self.num_params,
                                             forces=not self.energy_only)
@@ -408,8 +452,8 @@ class AtomicEngine(OptimizerHooks):
         self._fitted = True  # the state carries the fitted buffers
 
     def graph_info(self) -> dict:
-        return {"num_nodes": int(len(self.systems["z"])), "num_edges": int(len(self.graphs["edge_src"])),
-                "in_features": 0, "num_triplets": int(len(self.graphs["idx_kj"])),
+        return {"num_nodes": int(len(self.systems["z"])), "num_edges": int(self.graphs["edge_ptr"][-1]),
+                "in_features": 0, "num_triplets": int(self.graphs["triplet_ptr"][-1]),
                 "num_systems": int(len(self.systems["energy"]))}
 
     def baselines(self, split: str = "test") -> dict:
@@ -448,13 +492,20 @@ def model_config(model, cutoff: float, init=None):
     return kind.preset(spec.preset, **over, cutoff=cutoff)
 
 
-def run_data(cfg, init=None) -> tuple[dict, dict]:
+def run_data(cfg, init=None, counts_only: bool = False) -> tuple[dict, dict]:
     """The systems and the model's graphs (``model_graphs``) of atomic run ``cfg`` (its ``run.yaml``); of
     a run that starts from a model file (``init``), at the file's cutoff, checked to be the graphs it
-    computes on (``modelfile.check_init_graphs``)."""
+    computes on (``modelfile.check_init_graphs``). ``counts_only`` (the domains layout: its ranks build
+    their own regions): of graphs.h5 its attributes and each system's edge and triplet counts alone
+    (``data.read_graphs``) where those are the model's, that is without ``init`` and at the file's
+    cutoff; otherwise (a smaller model cutoff rebuilds the graphs, a model file checks them) the whole."""
     from .data import read_graphs, read_systems
 
     systems = read_systems(cfg.systems_path)
+    if counts_only and init is None:
+        graphs = read_graphs(cfg.graph_path, expect_systems_hash=systems["content_hash"], counts_only=True)
+        if cfg.model.spec.cutoff is None or cfg.model.spec.cutoff == graphs["cutoff"]:
+            return systems, graphs
     graphs = read_graphs(cfg.graph_path, expect_systems_hash=systems["content_hash"])
     if init is None:
         return systems, model_graphs(graphs, systems, cfg.model.spec.cutoff, cfg.graph_path)
@@ -495,6 +546,16 @@ def model_graphs(graphs: dict, systems: dict, cutoff: Optional[float], path) -> 
     out = build_graphs(systems, cutoff, int(graphs["max_neighbors"]), progress=False, neighbors=graphs["neighbors"])
     return {**out, "cutoff": float(cutoff), "max_neighbors": graphs["max_neighbors"], "neighbors": graphs["neighbors"],
             "symmetric_edges": graphs["symmetric_edges"], "content_hash": graphs["content_hash"]}
+
+
+def subset_systems(systems: dict, ids) -> dict:
+    """Systems ``ids`` of ``systems`` (in that order) as a systems dict of their own."""
+    ptr = systems["atom_ptr"]
+    atoms = np.concatenate([np.arange(ptr[s], ptr[s + 1]) for s in ids])
+    sizes = [int(ptr[s + 1] - ptr[s]) for s in ids]
+    out = {k: systems[k][atoms] for k in ("z", "pos", "fixed", "forces")}
+    out.update({k: systems[k][np.asarray(ids)] for k in ("cell", "pbc", "energy", "split", "group")})
+    return {**systems, **out, "atom_ptr": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)}
 
 
 # --------------------------------------------------------------------------- sizing

@@ -498,8 +498,10 @@ def write_h5(path: str | os.PathLike, arrays: dict, attrs: dict, kind: str) -> s
     return digest
 
 
-def read_h5(path: str | os.PathLike, kind: str, names, rule: str) -> tuple[dict, dict]:
-    """Read and verify a file of ``write_h5``; any mismatch is a GnnPipeError naming ``rule``."""
+def read_h5(path: str | os.PathLike, kind: str, names, rule: str, hashed: bool = True) -> tuple[dict, dict]:
+    """Read and verify a file of ``write_h5``; any mismatch is a GnnPipeError naming ``rule``.
+    ``hashed=False``: read ``names`` only (a part of the file's arrays) and leave the content hash
+    unchecked (it covers every array); its kind, version and datasets are still checked."""
     again = f"delete it and rerun the workflow (rule {rule} rebuilds it)"
     try:
         with h5py.File(path, "r") as f:
@@ -520,7 +522,7 @@ def read_h5(path: str | os.PathLike, kind: str, names, rule: str) -> tuple[dict,
     for k, v in attrs.items():
         if isinstance(v, str) and v[:1] in "[{":
             attrs[k] = json.loads(v)
-    if _content_hash(arrays, attrs) != stored:
+    if hashed and _content_hash(arrays, attrs) != stored:
         raise GnnPipeError(f"{path}: content hash mismatch (the file was edited or corrupted); {again}")
     return arrays, {**attrs, "content_hash": stored}
 
@@ -549,8 +551,16 @@ def write_graphs(path, graphs: dict, cutoff: float, max_neighbors: int, systems_
                      "symmetric_edges": True, **convention}, "atom_graphs")
 
 
-def read_graphs(path, expect_systems_hash: str | None = None) -> dict:
-    arrays, attrs = read_h5(path, "atom_graphs", GRAPH_ARRAYS, "atom_graphs")
+#: what ``read_graphs(counts_only=True)`` reads: each system's edge and triplet count (O(systems))
+GRAPH_COUNTS = ("edge_ptr", "triplet_ptr")
+
+
+def read_graphs(path, expect_systems_hash: str | None = None, counts_only: bool = False) -> dict:
+    """The graphs of ``graphs.h5``; ``counts_only``: its attributes and ``GRAPH_COUNTS`` alone, not the
+    neighbour list nor the triplets (a training run in the domains layout, whose ranks build their own
+    regions: ``AtomicEngine``), the content hash then unchecked (it covers the arrays not read)."""
+    arrays, attrs = read_h5(path, "atom_graphs", GRAPH_COUNTS if counts_only else GRAPH_ARRAYS, "atom_graphs",
+                            hashed=not counts_only)
     if expect_systems_hash is not None and attrs["systems_hash"] != expect_systems_hash:
         raise GnnPipeError(f"{path}: built from other structures than the systems.h5 beside it (stale); "
                            "delete it and rerun the workflow (rule atom_graphs rebuilds it)")

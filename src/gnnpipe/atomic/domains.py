@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from ..io import GnnPipeError
-from .halo import HaloAtomGraph, Needs, edge_rows, halo_view
+from .halo import HALO_KEYS, HaloAtomGraph, Needs, edge_rows, halo_view
 from .neighbors import radius_graph, triplet_rank, triplets
 from .parallel import EdgeGroup, _t
 
@@ -575,8 +575,12 @@ def batch_view(b: dict, grp: EdgeGroup, cutoff: float, dtype=torch.float64, devi
     reg = region_needs(g, r, ab, [bd for bd, _ in got])
     needs = [None] * parts
     dist.all_gather_object(needs, reg.needs, group=grp.group)
-    return region_view(reg, needs, b["z"], b["pos"], np.arange(len(b["z"])), grp, dtype, device,
+    view = region_view(reg, needs, b["z"], b["pos"], np.arange(len(b["z"])), grp, dtype, device,
                        system=b["system"], num_systems=int(b["num_systems"]))
+    # the halo rows every rank reads (its needs, gathered): ``halo.halo_counts`` of the batch grouped by
+    # these owners, what the engine prices the step's bytes on without the batch's graph
+    view.halo = {k: sum(len(getattr(n, k)) for n in needs) for k in HALO_KEYS}
+    return view
 
 
 __all__ = ["spatial_partition", "fractional", "region_graph", "renumber", "RegionGraph", "Boundary", "boundary",
