@@ -136,7 +136,7 @@ def main(argv=None) -> None:
             with np.load(npz) as z:
                 traj.append({k: z[k] for k in z.files})
             r = runs[-1]
-            print(f"{r['atoms']} atoms, P={workers} {r['layout']}: {r['steps']} steps, {r['s_per_step']:.2f} s a step, "
+            print(f"{r['atoms']} atoms, P={r['workers']} {r['layout']}: {r['steps']} steps, {r['s_per_step']:.2f} s a step, "
                   f"{r['rebuilds']} rebuilds, drift {r['energy_drift_eV']:.3g} eV", file=sys.stderr, flush=True)
     ref = traj[0]
     for r, t in zip(runs[1:], traj[1:]):  # against the first P, over every step
