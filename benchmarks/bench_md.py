@@ -136,7 +136,8 @@ def main(argv=None) -> None:
             with np.load(npz) as z:
                 traj.append({k: z[k] for k in z.files})
             r = runs[-1]
-            print(f"{r['atoms']} atoms, P={r['workers']} {r['layout']}: {r['steps']} steps, {r['s_per_step']:.2f} s a step, "
+            print(f"{r['atoms']} atoms, P={r['workers']} {r['layout']}: {r['steps']} steps, "
+                  f"{r['s_per_step']:.2f} s a step, "
                   f"{r['rebuilds']} rebuilds, drift {r['energy_drift_eV']:.3g} eV", file=sys.stderr, flush=True)
     ref = traj[0]
     for r, t in zip(runs[1:], traj[1:]):  # against the first P, over every step
@@ -145,8 +146,9 @@ def main(argv=None) -> None:
         r["max_abs_detot_eV"] = float(np.abs(t["epot"] + t["ekin"] - ref["epot"] - ref["ekin"]).max())
         print(f"P={r['workers']} vs P={runs[0]['workers']}: max |Δpos| {r['max_abs_dpos_A']:.3g} Å, max |ΔE_pot| "
               f"{r['max_abs_depot_eV']:.3g} eV, max |ΔE_tot| {r['max_abs_detot_eV']:.3g} eV", file=sys.stderr)
-    write_json(args.out, {"together": args.together, "kind": args.kind, "dtype": args.dtype, "cutoff": args.cutoff, "skin_A": args.skin,
-                          "temperature_K": args.temperature, "timestep_fs": args.timestep, "runs": runs,
+    write_json(args.out, {"together": args.together, "kind": args.kind, "dtype": args.dtype, "cutoff": args.cutoff,
+                          "skin_A": args.skin, "temperature_K": args.temperature, "timestep_fs": args.timestep,
+                          "runs": runs,
                           "machine": machine_record(load0)})
 
 

@@ -586,9 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     pr.add_argument("--dtype", choices=("float32", "float64"), help="default: the model's own")
     pr.add_argument("--layout", default="auto",
-                    help=f"how the workers split a structure: {PREDICT_LAYOUT_CHOICES} (domains: each worker builds its "
-                         "own spatial domain's graph, for one large structure; auto: per structure, the fewer "
-                         "closed-form bytes; default %(default)s)")
+                    help=f"how the workers split a structure: {PREDICT_LAYOUT_CHOICES} (domains: each worker "
+                         "builds its own spatial domain's graph, for one large structure; auto: per structure, the "
+                         "fewer closed-form bytes; default %(default)s)")
     pr.add_argument("--skin", type=float,
                     help="Å, the domains layout's Verlet skin: consecutive frames of one system keep their "
                          "decomposition while no atom moved half of it (default 1.0)")
