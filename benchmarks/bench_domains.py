@@ -5,6 +5,7 @@ against one process and the atoms layout (every worker builds the whole graph).
                                        [--kind dimenetpp] [--dtype float32] [--smoke]
     python benchmarks/bench_domains.py --weak 4000 --out results/bench/domains_weak.json   # weak scaling
     python benchmarks/bench_domains.py --strong 20 --out results/bench/domains_strong.json  # strong: P = 4, 8
+    python benchmarks/bench_domains.py --weak 25000 --md-steps 2 ...   # and the seconds per MD step
 
 The structure: a rattled fcc cell (an fcc metal the stand-in model knows, as bench_calculator) of ``--repeat``³ conventional cells (4 atoms each; 17: 19,652
 atoms), a fresh ``small`` model of ``--kind`` without a neighbour cap (symmetric graph, as the
@@ -35,27 +36,40 @@ def _status_mb(pid, key: str = "VmHWM") -> float:
         return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
 
 
-def one(args) -> dict:
-    """One configuration in this (fresh) process: ``--workers`` and ``--layout``."""
+def fresh_model(kind: str, dtype: str, cutoff: float):
+    """A fresh ``small`` model of ``kind`` (``modelfile.untrained_payload``, a normaliser fitted on 4 EMT
+    slabs) without a neighbour cap, symmetric edges: the graphs the distributed build takes."""
     import dataclasses
 
-    import numpy as np
-    from ase.build import bulk
-
     from gnnpipe.atomic import data
-    from gnnpipe.atomic.inference import Predictor
     from gnnpipe.atomic.modelfile import decode, untrained_payload
 
     systems = data.generate(4, seed=0, progress=False)
-    mf = decode(untrained_payload(args.kind, systems, dtype=args.dtype, cutoff=args.cutoff, max_neighbors=None),
-                f"untrained {args.kind}")
-    mf = dataclasses.replace(mf, symmetric_edges=True)
+    mf = decode(untrained_payload(kind, systems, dtype=dtype, cutoff=cutoff, max_neighbors=None), f"untrained {kind}")
+    return dataclasses.replace(mf, symmetric_edges=True)
+
+
+def fcc_cell(mf, shape: tuple):
+    """``shape`` conventional fcc cells (4 atoms each) of a metal ``mf`` knows, rattled by 0.05 Å (seed 1)."""
+    from ase.build import bulk
     from ase.data import atomic_numbers, reference_states
 
-    metal = next(m for m in data.SLAB_METALS if atomic_numbers[m] in mf.elements)  # an fcc metal the model knows
-    shape = tuple(int(k) for k in args.shape.split(",")) if args.shape else (args.repeat,) * 3
+    from gnnpipe.atomic import data
+
+    metal = next(m for m in data.SLAB_METALS if atomic_numbers[m] in mf.elements)
     atoms = bulk(metal, "fcc", a=reference_states[atomic_numbers[metal]]["a"], cubic=True).repeat(shape)
     atoms.rattle(0.05, seed=1)
+    return atoms
+
+
+def one(args) -> dict:
+    """One configuration in this (fresh) process: ``--workers`` and ``--layout``."""
+    import numpy as np
+
+    from gnnpipe.atomic.inference import Predictor
+
+    mf = fresh_model(args.kind, args.dtype, args.cutoff)
+    atoms = fcc_cell(mf, tuple(int(k) for k in args.shape.split(",")) if args.shape else (args.repeat,) * 3)
     with Predictor(mf, workers=args.workers, layout=args.layout, threads=1, oversubscribe=True) as p:
         pids = p.pool.pids if p.pool is not None else ["self"]
         before = [_status_mb(pid, "VmRSS") for pid in pids]
@@ -63,11 +77,38 @@ def one(args) -> dict:
         out = p.predict(atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc)
         seconds = time.perf_counter() - t0
         peaks = [_status_mb(pid) for pid in pids]
+        steps = md_steps(p, atoms, out.forces, args.md_steps)
     return {"workers": args.workers, "layout": args.layout if args.workers > 1 else "one process",
             "atoms": len(atoms), "energy_eV": out.energy, "max_abs_force": float(np.abs(out.forces).max()),
             "peak_rss_mb_per_worker": peaks, "peak_rss_mb_max": max(peaks),
             "rss_mb_before_call": before, "peak_above_before_mb_max": max(p - b for p, b in zip(peaks, before)),
-            "s_per_call": seconds}
+            "s_per_call": seconds, **steps}
+
+
+def md_steps(p, atoms, forces, steps: int) -> dict:
+    """``steps`` velocity Verlet steps of ``atoms`` (1 fs, Maxwell-Boltzmann at 300 K, seed 0) after the
+    first call (``forces``), each one call of the predictor ``p``: wall seconds per step (the median;
+    the decomposition of the first call kept, as in MD while the skin rule holds), the rebuilds among
+    them, and the workers' peak RSS after them."""
+    import numpy as np
+    from ase import units
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+
+    if steps < 1:
+        return {}
+    MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(0))
+    m, v, dt, rebuilds, times = atoms.get_masses()[:, None], atoms.get_velocities(), units.fs, p.rebuilds, []
+    pos = atoms.positions.copy()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        v += 0.5 * dt * forces / m
+        pos += dt * v
+        forces = p.predict(atoms.numbers, pos, atoms.cell.array, atoms.pbc).forces
+        v += 0.5 * dt * forces / m
+        times.append(time.perf_counter() - t0)
+    pids = p.pool.pids if p.pool is not None else ["self"]
+    return {"md_steps": steps, "s_per_md_step": float(np.median(times)), "md_rebuilds": p.rebuilds - rebuilds,
+            "peak_rss_mb_max_after_md": max(_status_mb(pid) for pid in pids)}
 
 
 def build(args) -> dict:
@@ -129,7 +170,7 @@ def scaling(args, here: str, load0) -> None:
     (k·P) conventional cells (4 k³ ≈ ``--weak`` atoms per worker, slabs of k³ cells) at each P of
     ``--weak-workers``; ratio of the largest worker's peak RSS to P = 1's (target at P = 4: ≤ 1.15).
     ``--strong K``: one K³-cell cube at each P of ``--strong-workers``; ratio to the first P's (target
-    P = 8 over P = 4: ≤ 0.6)."""
+    P = 8 over P = 4: ≤ 0.6). ``--md-steps K``: each P then times K velocity Verlet steps (``md_steps``)."""
     from gnnpipe.io import write_json
     from machine import machine_record
 
@@ -139,12 +180,13 @@ def scaling(args, here: str, load0) -> None:
         shape = f"{k},{k},{k * workers}" if args.weak else f"{args.strong},{args.strong},{args.strong}"
         cmd = [sys.executable, os.path.join(here, "bench_domains.py"), "--shape", shape,
                "--cutoff", str(args.cutoff), "--kind", args.kind, "--dtype", args.dtype, "--workers", str(workers),
-               "--layout", "domains" if workers > 1 else "auto"]
+               "--layout", "domains" if workers > 1 else "auto", "--md-steps", str(args.md_steps)]
         runs.append(_run(cmd, here))
         r = runs[-1]
         r["loadavg_after"] = os.getloadavg()
         print(f"{'weak' if args.weak else 'strong'}: {r['atoms']} atoms, P={workers} {r['layout']}: peak RSS per worker "
-              f"{[round(m) for m in r['peak_rss_mb_per_worker']]} MB, {r['s_per_call']:.1f} s", file=sys.stderr, flush=True)
+              f"{[round(m) for m in r['peak_rss_mb_per_worker']]} MB, {r['s_per_call']:.1f} s"
+              + (f", {r['s_per_md_step']:.1f} s per MD step" if args.md_steps else ""), file=sys.stderr, flush=True)
     base, grown = runs[0]["peak_rss_mb_max"], runs[0]["peak_above_before_mb_max"]  # the first P
     out = {"kind": args.kind, "dtype": args.dtype, "cutoff": args.cutoff, "runs": runs,
            "peak_ratio": {r["workers"]: r["peak_rss_mb_max"] / base for r in runs},
@@ -168,6 +210,9 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--workers", type=int, default=0, help=argparse.SUPPRESS)  # one configuration (internal)
     ap.add_argument("--layout", default="domains", help=argparse.SUPPRESS)
+    ap.add_argument("--md-steps", type=int, default=0,
+                    help="with --weak / --strong: after the call, this many velocity Verlet steps (1 fs, 300 K), "
+                         "timed: seconds per MD step (default %(default)s: none)")
     ap.add_argument("--build-cutoff", type=float, default=4.5, help="the graph-build comparison's cutoff (Å)")
     ap.add_argument("--build", help=argparse.SUPPRESS)  # prep / whole / region (internal)
     ap.add_argument("--parts", type=int, default=2, help=argparse.SUPPRESS)
@@ -178,7 +223,7 @@ def main(argv=None) -> None:
     ap.add_argument("--strong", type=int, default=0,
                     help="strong scaling instead: one cube of this many conventional cells per axis at --strong-workers")
     ap.add_argument("--strong-workers", default="4,8", help="the P of --strong (first: the ratios' base)")
-    args = parse_args(ap, argv, repeat=2)
+    args = parse_args(ap, argv, repeat=2, md_steps=1)
     if args.workers or args.build:
         print(json.dumps(one(args) if args.workers else build(args)))
         return
@@ -190,7 +235,7 @@ def main(argv=None) -> None:
     for workers, layout in ((1, "auto"), (2, "atoms"), (2, "domains")):
         cmd = [sys.executable, os.path.join(here, "bench_domains.py"), "--repeat", str(args.repeat), "--cutoff",
                str(args.cutoff), "--kind", args.kind, "--dtype", args.dtype, "--workers", str(workers),
-               "--layout", layout]
+               "--layout", layout, "--md-steps", str(args.md_steps)]
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=here)
         if done.returncode:
             raise SystemExit(f"bench_domains: {' '.join(cmd)} failed:\n{done.stderr[-2000:]}")

@@ -37,6 +37,7 @@ QUICK = {
     "gemnet_fairchem": ["--quick"],
     "layers": ["--quick"],
     "locality": ["--nodes", "20000"],
+    "md": ["--atoms", "864", "--steps", "20"],
     "memory_cap": [],
     "memory_modes": ["--nodes", "10000", "--epochs", "1"],
     "modes": ["--quick"],

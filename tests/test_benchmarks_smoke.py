@@ -21,7 +21,8 @@ BENCH = ROOT / "benchmarks"
 HELPERS = {"machine.py", "run.py", "tables.py", "smoke.py", "dgl_epoch.py"}
 #: multi-process (spawned ranks, torchrun, Snakemake): seconds each, not a fraction of one
 SLOW = {"atom_layout", "atomic", "atomic_training", "calculator", "calibrate", "compare", "convergence", "domains",
-        "domains_cap", "domains_train", "locality", "memory_cap", "memory_modes", "modes", "narrow", "netem", "scale"}
+        "domains_cap", "domains_train", "locality", "md", "memory_cap", "memory_modes", "modes", "narrow", "netem",
+        "scale"}
 #: a minute or more of their own (Snakemake chains, a whole-worker memory run): in ``make test-long``, which CI
 #: runs too; the code they drive is covered in ``make test`` by test_atomic_workflow, test_domains and
 #: test_domains_training

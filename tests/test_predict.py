@@ -45,9 +45,9 @@ def _structures(slabs, n):
 def test_predict_writes_what_the_calculator_computes(slabs, model_path, tmp_path):
     write(tmp_path / "in.extxyz", _structures(slabs, 4))
     frames = read(tmp_path / "in.extxyz", ":")  # as written (positions to ASE's digits)
-    n = predict(model_path, tmp_path / "in.extxyz", tmp_path / "out.extxyz", progress=False)
+    done = predict(model_path, tmp_path / "in.extxyz", tmp_path / "out.extxyz", progress=False)
     out = read(tmp_path / "out.extxyz", ":")
-    assert n == len(out) == 4
+    assert done.count == len(out) == 4 and done.layouts == {"one process": 4} and done.rebuilds == 0
     calc = GNNPipeCalculator(model_path)
     for got, atoms in zip(out, frames):
         atoms.calc = calc
@@ -243,3 +243,49 @@ def test_the_calculator_on_two_workers_reproduces_the_predictions_file(slabs, mo
             lo, hi = got["atom_ptr"][s], got["atom_ptr"][s + 1]
             assert atoms.get_potential_energy() == pytest.approx(got["energy"][s], abs=1e-10)
             np.testing.assert_allclose(atoms.get_forces(apply_constraint=False), got["forces"][lo:hi], atol=1e-10)
+
+
+def test_predict_layout_choices_are_the_predictors():
+    """``gnnpipe predict --layout``'s help lists, without importing torch, what the Predictor takes."""
+    from gnnpipe import cli
+    from gnnpipe.atomic.atom_layouts import PREDICT_LAYOUTS
+    from gnnpipe.atomic.inference import DEFAULT_SKIN
+
+    assert cli.PREDICT_LAYOUT_CHOICES.split(", ") == ["auto", *PREDICT_LAYOUTS.names()]
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["predict"].format_help()
+    assert f"(default {DEFAULT_SKIN})" in " ".join(help_text.split())
+
+
+def test_predict_in_the_domains_layout_records_its_layout_and_rebuilds(slabs, model_path, tmp_path, capsys):
+    """A trajectory of one cell through `gnnpipe predict --workers 2 --layout domains`: the same numbers as one
+    worker, each frame's layout and the skin rule's rebuilds so far in its info, their sums in --stats."""
+    import json
+
+    from gnnpipe import cli
+
+    uncapped = save_model_file(tmp_path / "uncapped.pt", tiny_atomic_model(slabs, "dimenetpp", max_neighbors=None)
+                               .payload())
+    cell = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((2, 2, 2))
+    cell.rattle(0.05, seed=3)
+    frames = []
+    for shift in (0.0, 0.1, 0.2, 0.6):  # the skin of 1 Å: rebuilt once an atom moved 0.5 Å, at the last frame
+        f = cell.copy()
+        f.positions[0] += shift
+        frames.append(f)
+    write(tmp_path / "traj.extxyz", frames)
+    args = ["predict", "--run", str(uncapped), "--structures", str(tmp_path / "traj.extxyz"), "--skin", "1.0"]
+    assert cli.main(args + ["--out", str(tmp_path / "one.extxyz")]) in (None, 0)
+    assert cli.main(args + ["--out", str(tmp_path / "two.extxyz"), "--workers", "2", "--layout", "domains",
+                            "--stats", str(tmp_path / "stats.json")]) in (None, 0)
+    assert "layout: domains 4; rebuilds: 2" in capsys.readouterr().err
+    one, two = read(tmp_path / "one.extxyz", ":"), read(tmp_path / "two.extxyz", ":")
+    assert [f.info["layout"] for f in one] == ["one process"] * 4 and [f.info["rebuilds"] for f in one] == [0] * 4
+    assert [f.info["layout"] for f in two] == ["domains"] * 4 and [f.info["rebuilds"] for f in two] == [1, 1, 1, 2]
+    for a, b in zip(one, two):
+        assert a.get_potential_energy() == pytest.approx(b.get_potential_energy(), abs=1e-10)
+        np.testing.assert_allclose(a.get_forces(), b.get_forces(), atol=2e-8)  # extxyz: 8 decimals
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert (stats["layouts"], stats["rebuilds"], stats["workers"], stats["layout_asked"]) == ({"domains": 4}, 2, 2,
+                                                                                              "domains")
+    assert cli.main(args + ["--out", str(tmp_path / "bad.extxyz"), "--workers", "2", "--layout", "metis"]) == 2
+    assert capsys.readouterr().err.strip() == "gnnpipe: error: layout 'metis': one of auto, edges, atoms, domains"

@@ -205,12 +205,11 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
 #: An inference call's activations (energy and gradient forces ``-dE/dpos``, no loss, no parameter
 #: gradients) over a training step's at the same sizes (:func:`memory_per_worker` without the
 #: parameters' copies): the peak RSS above a worker's RSS before the call, measured on Cu fcc with
-#: DimeNet++ small, float32, cutoff 3 Å, in the domains layout (benchmarks/results/domains_weak.json
-#: and domains_strong.json: 16,384 own atoms at P = 1, 2, 4; 13,824 at P = 4 and 6,912 at P = 8), fitted
-#: by least squares: the estimate is within 8 % of each (0.96-1.08); on two smaller cells measured
-#: after (bench_domains.py --shape 10,10,10 --workers 1 and --shape 10,10,20 --workers 2: 4,000 and
-#: 8,000 atoms) 1.10 and 1.08 (544 and 572 MB measured): it overestimates small views by up to 10 %.
-INFERENCE_FRACTION = 0.63
+#: DimeNet++ small, float32, cutoff 3 Å, in the domains layout (benchmarks/results/domains_weak_md.json
+#: and domains_weak_large.json: 16,384 and 27,436 own atoms at P = 1, 2, 4), fitted by least squares:
+#: the estimate is within 9 % of each (0.91-1.03; it underestimates the smaller views). Before #34's
+#: edges -> atoms sum (638eb4c) lowered the peaks, 0.63 (domains_weak.json, domains_strong.json).
+INFERENCE_FRACTION = 0.52
 
 
 def inference_memory(cfg, atoms: int, edges: int, triplets: int, halo_edges: int, dtype_bytes: int = 4) -> dict:

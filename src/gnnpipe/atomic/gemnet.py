@@ -383,3 +383,35 @@ def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int,
            "gathered": int((edges * (tr + bt) + atoms * (ed + a)) * b)}
     out["total"] = sum(out.values())
     return out
+
+
+#: An inference call's activations (energy and gradient forces, no loss, no parameter gradients) over
+#: a training step's at the same sizes (:func:`memory_per_worker` at one way without its 4 parameter
+#: copies), plus ``HALO_EDGE_WORDS`` words per halo edge: the peak RSS above a worker's RSS before the
+#: call, measured on Cu fcc with GemNet-T small, float32, cutoff 3 Å (benchmarks/results/
+#: domains_weak_gemnet_t.json: 6,912 own atoms at P = 1, 2, 4; one process on 2,048 atoms, 318 MB:
+#: ``bench_domains.py --kind gemnet_t --shape 8,8,8 --workers 1``), fitted by least squares: within
+#: 2.5 % of each. A halo edge costs ~3 times an own edge (40 kB against 13.7 kB in float32): more than
+#: its view's rows explain (not attributed yet; both P > 1 runs have ~9,950 halo edges, so the term is
+#: fitted on one halo size).
+INFERENCE_FRACTION = 0.37
+HALO_EDGE_WORDS = 10_000
+
+
+def inference_memory(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int, halo_edges: int,
+                     dtype_bytes: int = 4) -> dict:
+    """Estimated bytes one worker holds at the peak of an inference call (energy and forces) on a view of
+    ``atoms`` own atoms, the ``edges`` into them, their ``triplets`` and ``halo_edges`` (the edges into
+    its ring: the triplets' input edges and the reverse edges that other workers own).
+
+    ``parameters``: one copy; ``activations``: ``INFERENCE_FRACTION`` × the training step's
+    (:func:`memory_per_worker` at one way): the forward's saved tensors and the force pass's transients,
+    without the double backward's graph; ``halo``: ``HALO_EDGE_WORDS`` per halo edge. Calibrated for
+    the gradient head (GemNet-T) only (the direct head's call keeps no force pass: the same fraction
+    overestimates it). Not counted: the process's own RSS before the call (torch, the model)."""
+    train = memory_per_worker(cfg, atoms, edges, triplets, 1, dtype_bytes)
+    out = {"parameters": count_parameters(cfg) * dtype_bytes,
+           "activations": int(INFERENCE_FRACTION * (train["total"] - train["parameters"])),
+           "halo": HALO_EDGE_WORDS * halo_edges * dtype_bytes}
+    out["total"] = sum(out.values())
+    return out

@@ -8,7 +8,10 @@ system of a split of the training data (what ``evaluate`` writes, to check any c
   each with ``info["energy_reference"]``, what its energy is (the model file's: ``oc20-adsorption``,
   ``total`` or ``unknown``), atomically. Every row is checked before any is computed (``inference.check_input``: what
   ``gnnpipe data`` refuses, and elements the model never saw); errors name the file and the row
-  (``frame 3``, ``row id 7``).
+  (``frame 3``, ``row id 7``). Across workers, ``layout`` chooses how they split a structure
+  (``inference.Predictor``'s layouts); each frame records the layout that computed it and the
+  domains layout's rebuild count so far (``info["layout"]``, ``info["rebuilds"]``), and
+  :class:`Predicted` sums them up (``gnnpipe predict --stats``).
 * :func:`split_predictions` computes systems of ``systems.h5`` in batches over their
   ``graphs.h5`` rows (the engine's path, not the calculator's: an independent check), and
   :func:`write_predictions` / :func:`read_predictions` keep them in ``predictions.h5``
@@ -20,13 +23,14 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 
 from ..io import GnnPipeError, atomic_path, check_destination
-from .inference import Predictor, check_input
+from .inference import DEFAULT_SKIN, Predictor, check_input
 from .modelfile import ModelFile, energy_words, load_model_file
 
 PREDICTIONS_FILE = "predictions.h5"
@@ -64,14 +68,32 @@ def _frames(path: Path):
     yield from ((f"frame {i}", atoms) for i, atoms in enumerate(ase.io.iread(str(path), index=":")))
 
 
+@dataclass
+class Predicted:
+    """What :func:`predict` did: ``count`` structures, how many each layout computed (``layouts``:
+    ``"one process"`` at one worker, else the workers' layout's name), and the distributed build's
+    decompositions (``rebuilds``: the domains layout's Verlet-skin rule, the first included)."""
+
+    count: int
+    workers: int
+    threads: int
+    layouts: dict = field(default_factory=dict)
+    rebuilds: int = 0
+
+
 def predict(model: Union[str, os.PathLike, ModelFile, Predictor], structures, out, *, workers: int = 1,
-            device: str = "cpu", dtype=None, threads=None, progress: bool = True) -> int:
-    """Predict every structure of ``structures`` into the extended XYZ ``out``; returns how many.
+            device: str = "cpu", dtype=None, threads=None, layout: str = "auto", skin: Optional[float] = None,
+            progress: bool = True) -> Predicted:
+    """Predict every structure of ``structures`` into the extended XYZ ``out``; returns what it did.
 
     ``model``: a run directory (its model checked against its ``run.yaml``), a model file, a
-    ``ModelFile`` or a ``Predictor`` (then ``workers``/``device``/``dtype``/``threads`` are its
-    own). ``threads``: torch threads per worker (``inference.threads_per_worker``). Stress is
-    computed for 3-D periodic cells.
+    ``ModelFile`` or a ``Predictor`` (then ``workers``/``device``/``dtype``/``threads``/``layout``/``skin``
+    are its own). ``threads``: torch threads per worker (``inference.threads_per_worker``);
+    ``layout``: how the workers split a structure (``Predictor``'s: ``auto``, ``edges``, ``atoms``,
+    ``domains``); ``skin``: Å, the domains layout's Verlet skin (default ``inference.DEFAULT_SKIN``):
+    consecutive frames of one system (a trajectory) keep its decomposition while no atom moved half
+    of it. Stress is computed for 3-D periodic cells. Each frame's ``info`` records ``layout``
+    (what computed it) and ``rebuilds`` (the decompositions so far).
     """
     import ase.io
     from ase.calculators.singlepoint import SinglePointCalculator
@@ -84,10 +106,11 @@ def predict(model: Union[str, os.PathLike, ModelFile, Predictor], structures, ou
         mf = model if isinstance(model, ModelFile) else load_model_file(model)
         for where, atoms in rows:  # every row checked before any worker starts
             check_input(mf, atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc, f"{structures}: {where}: ")
-        predictor = Predictor(mf, device=device, workers=workers, dtype=dtype, threads=threads)
+        predictor = Predictor(mf, device=device, workers=workers, dtype=dtype, threads=threads, layout=layout,
+                              skin=DEFAULT_SKIN if skin is None else skin)
     else:
         predictor = model
-    frames = []
+    frames, layouts = [], {}
     try:
         for where, atoms in tqdm(rows, desc="predict", unit="structure", file=sys.stderr, disable=not progress):
             periodic = bool(np.all(atoms.pbc)) and atoms.cell.rank == 3
@@ -98,6 +121,9 @@ def predict(model: Union[str, os.PathLike, ModelFile, Predictor], structures, ou
                 results["stress"] = p.stress
             atoms = atoms.copy()
             atoms.info["energy_reference"] = energy_words(predictor.model_file.energy_reference)
+            name = predictor.last_layout.name if predictor.pool is not None else "one process"
+            layouts[name] = layouts.get(name, 0) + 1
+            atoms.info.update(layout=name, rebuilds=predictor.rebuilds)
             atoms.calc = SinglePointCalculator(atoms, **results)
             frames.append(atoms)
     finally:
@@ -105,7 +131,7 @@ def predict(model: Union[str, os.PathLike, ModelFile, Predictor], structures, ou
             predictor.close()
     with atomic_path(out, ".extxyz") as tmp:
         ase.io.write(tmp, frames, format="extxyz")
-    return len(frames)
+    return Predicted(len(frames), predictor.workers, predictor.threads, layouts, predictor.rebuilds)
 
 
 # --------------------------------------------------------------------------- a split of the data

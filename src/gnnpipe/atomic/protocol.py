@@ -104,7 +104,8 @@ GEMNET_T = AtomicModelKind(
     name="gemnet_t", description="GemNet-T / GemNet-dT (Gasteiger et al. 2021), fairchem's gemnet_t",
     config=gemnet.GemNetTConfig, model=gemnet.GemNetT, presets=gemnet.PRESETS,
     count_parameters=gemnet.count_parameters, step_bytes=gemnet.step_bytes, halo_widths=gemnet.halo_widths,
-    memory_per_worker=gemnet.memory_per_worker, index_sets=("triplets", "id_swap", "triplet_rank"),
+    memory_per_worker=gemnet.memory_per_worker, inference_memory=gemnet.inference_memory,
+    index_sets=("triplets", "id_swap", "triplet_rank"),
     symmetric_edges=True, width="emb_size_edge", labels={"gradient": "GemNet-T", "direct": "GemNet-dT"},
     fit=gemnet_layers.fit_scale_factors)
 
