@@ -389,13 +389,14 @@ def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int,
 #: a training step's at the same sizes (:func:`memory_per_worker` at one way without its 4 parameter
 #: copies), plus ``HALO_EDGE_WORDS`` words per halo edge: the peak RSS above a worker's RSS before the
 #: call, measured on Cu fcc with GemNet-T small, float32, cutoff 3 Å (benchmarks/results/
-#: domains_weak_gemnet_t.json: 6,912 own atoms at P = 1, 2, 4; one process on 2,048 atoms, 318 MB:
+#: domains_weak_gemnet_t.json: 6,912 own atoms at P = 1, 2, 4; one process on 2,048 atoms, 331 MB:
 #: ``bench_domains.py --kind gemnet_t --shape 8,8,8 --workers 1``), fitted by least squares: within
-#: 2.5 % of each. A halo edge costs ~3 times an own edge (40 kB against 13.7 kB in float32): more than
-#: its view's rows explain (not attributed yet; both P > 1 runs have ~9,950 halo edges, so the term is
-#: fitted on one halo size).
-INFERENCE_FRACTION = 0.37
-HALO_EDGE_WORDS = 10_000
+#: 3 % of each. Refitted after #34's fused Dense+SiLU node lowered :func:`memory_per_worker` (a training
+#: step keeps less for its double backward; an inference call's peaks were unchanged). A halo edge costs
+#: ~2 times an own edge (26 kB against 13.8 kB in float32): more than its view's rows explain (not
+#: attributed yet; both P > 1 runs have ~9,950 halo edges, so the term is fitted on one halo size).
+INFERENCE_FRACTION = 0.64
+HALO_EDGE_WORDS = 6_500
 
 
 def inference_memory(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int, halo_edges: int,
