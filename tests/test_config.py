@@ -418,7 +418,8 @@ def test_atomic_sections_derived_from_the_kinds_configs_keep_their_keys_order_an
     assert list(d) == ["kind", "layers", "hidden", "dropout", "heads", "alpha", "lambda", "norm", "init_from",
                        *ATOMIC_SPECS]
     for kind, names in sizes.items():
-        want = {**shared, **({"force_head": "gradient"} if kind == "dimenetpp" else {}), **dict.fromkeys(names)}
+        want = {**shared, **({"force_head": "gradient"} if kind == "dimenetpp" else {}), **dict.fromkeys(names),
+                **({"compile": False} if kind == "dimenetpp" else {})}  # #37 item 16's opt-in torch.compile
         assert list(d[kind].items()) == list(want.items()), kind
         spec = ATOMIC_SPECS[kind]
         hints = typing.get_type_hints(spec)

@@ -490,6 +490,9 @@ class WorkerPool:
                     self._procs[r].join(timeout=1.0)
                     self._fail(self._dead_message(r, f"during {what}"))
                 if status == "error":
+                    died = self._died_meanwhile(r)  # the cause, where this error is a peer's lost socket
+                    if died is not None:
+                        self._fail(self._dead_message(died, f"during {what}"))
                     self._fail(f"inference worker {r} of {self.workers} raised during {what}:\n{body[0]}")
                 replies[r] = body
                 del pending[r]
@@ -500,6 +503,17 @@ class WorkerPool:
                 self._fail(f"inference worker(s) {sorted(pending)} of {self.workers} did not finish {what} "
                            f"within {timeout_s:.0f} s")
         return [replies[r] for r in range(self.workers)]
+
+    def _died_meanwhile(self, r: int, grace_s: float = 2.0) -> Optional[int]:
+        """Another worker than ``r`` that has died, waiting up to ``grace_s`` for its exit: when one worker
+        dies mid-collective its peers' collectives fail with a lost connection, and their error can reach
+        the client before the death is seen; the death, not the peer's error, is what to report."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [q for q in range(self.workers) if q != r and self._procs[q].exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                return dead[0] if dead else None
+            time.sleep(0.05)
 
     def _dead_message(self, r: int, when: str) -> str:
         p = self._procs[r]
