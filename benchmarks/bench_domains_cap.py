@@ -42,29 +42,12 @@ from pathlib import Path
 FLOAT32_RTOL = 1e-5
 
 
-def _status_mb(pid, key: str = "VmHWM") -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
-
-
 def _structure(args):
-    """The model file and the cube, as bench_domains builds them."""
-    import dataclasses
+    """The model file and the cube, as bench_domains builds them (the same seeds)."""
+    from bench_domains import fcc_cell, fresh_model
 
-    from ase.build import bulk
-    from ase.data import atomic_numbers, reference_states
-
-    from gnnpipe.atomic import data
-    from gnnpipe.atomic.modelfile import decode, untrained_payload
-
-    systems = data.generate(4, seed=0, progress=False)
-    mf = decode(untrained_payload(args.kind, systems, dtype=args.dtype, cutoff=args.cutoff, max_neighbors=None),
-                f"untrained {args.kind}")
-    mf = dataclasses.replace(mf, symmetric_edges=True)
-    metal = next(m for m in data.SLAB_METALS if atomic_numbers[m] in mf.elements)
-    atoms = bulk(metal, "fcc", a=reference_states[atomic_numbers[metal]]["a"], cubic=True).repeat((args.repeat,) * 3)
-    atoms.rattle(0.05, seed=1)
-    return mf, atoms
+    mf = fresh_model(args.kind, args.dtype, args.cutoff)
+    return mf, fcc_cell(mf, (args.repeat,) * 3)
 
 
 def estimate(mf, atoms, workers: int, dtype: str) -> float:
@@ -83,6 +66,7 @@ def one(args) -> dict:
     """One P in this (fresh) process; its workers join ``--cgroup``'s rank-<r> once started."""
     import numpy as np
 
+    from bench_domains import _status_mb
     from gnnpipe.atomic.inference import Predictor
     from gnnpipe.io import GnnPipeError
 
@@ -159,10 +143,8 @@ def main(argv=None) -> None:
         r = runs[-1]
         what = f"E {r['energy_eV']:.4f} eV" if r["computed"] else f"not computed: {r['refusal']}"
         if "estimate_call_mb" not in r:  # killed before it printed: the estimate from here
-            import bench_domains_cap as me
-
-            mf, atoms = me._structure(args)
-            r["estimate_call_mb"] = me.estimate(mf, atoms, workers, args.dtype)
+            mf, atoms = _structure(args)
+            r["estimate_call_mb"] = estimate(mf, atoms, workers, args.dtype)
         print(f"{r['atoms']} atoms, P={workers} {'uncapped (smoke)' if args.smoke else f'under {args.cap_mib} MiB a worker'}: estimate (the call) {r['estimate_call_mb']:.0f} MB, "
               f"used {[round(m) for m in r.get('cgroup_max_usage_mb_per_worker', [])]} MB, {what}", file=sys.stderr,
               flush=True)
