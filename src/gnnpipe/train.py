@@ -435,7 +435,7 @@ def _train(cfg: RunConfig, task: Task, engine, comm, att: _Attempt, device, prog
         task.check_epoch(engine, epoch, row, att.where())  # before the epoch is recorded or checkpointed
         history.append(row)
         if tc.checkpoint_every and (epoch + 1) % tc.checkpoint_every == 0 and epoch != tc.epochs - 1:
-            _checkpoint(task, engine, out_dir / "checkpoint.pt", epoch, cfg, ranks)  # never model.pt: see _checkpoint
+            _checkpoint(task, engine, out_dir / "checkpoint.pt", epoch, cfg, ranks, fp)  # never model.pt: see _checkpoint
             ckpt.save(out_dir, ranks, engine, device, epochs_done=epoch + 1, fingerprint=fp, run_id=cfg.run_id,
                       history=history, mlflow_run_id=att.mlflow_run_id)
         if att.epoch_log is not None:
@@ -449,7 +449,7 @@ def _train(cfg: RunConfig, task: Task, engine, comm, att: _Attempt, device, prog
     att.epoch = None
     if bar is not None:
         bar.close()
-    _checkpoint(task, engine, out_dir / "model.pt", tc.epochs - 1, cfg, ranks, finished=True)
+    _checkpoint(task, engine, out_dir / "model.pt", tc.epochs - 1, cfg, ranks, fp, finished=True)
     peak, = reduce([float(peak_memory_bytes(device))], "max")
     if rank != 0:
         return None
@@ -509,9 +509,10 @@ def _record(cfg, task: Task, engine, history, times, splits, last_eval, peak) ->
     return record
 
 
-def _checkpoint(task: Task, engine, path: Path, epoch: int, cfg: RunConfig, ranks: ckpt.World,
+def _checkpoint(task: Task, engine, path: Path, epoch: int, cfg: RunConfig, ranks: ckpt.World, fp: dict,
                 finished: bool = False) -> None:
-    """Save the weights after ``epoch`` with what they were trained from (``run_fingerprint``).
+    """Save the weights after ``epoch`` with what they were trained from (``fp``: the run's
+    ``run_fingerprint``, taken once at its start: an ``init_from`` file is hashed whole).
 
     Intermediate checkpoints go to ``checkpoint.pt``, the finished model alone to ``model.pt``
     (the train rule's output): a run killed half-way never leaves a partial ``model.pt`` that
@@ -522,7 +523,7 @@ def _checkpoint(task: Task, engine, path: Path, epoch: int, cfg: RunConfig, rank
     error = None
     if ranks.rank == 0:
         payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "epoch": epoch,
-                   "epochs_done": epoch + 1, "run_id": cfg.run_id, "config": to_dict(cfg), **run_fingerprint(cfg)}
+                   "epochs_done": epoch + 1, "run_id": cfg.run_id, "config": to_dict(cfg), **fp}
         if finished:
             task.final_payload(engine, payload)
         payload["digest"] = ckpt.digest(payload)  # a flipped bit is refused by evaluate.load_checkpoint
