@@ -35,10 +35,11 @@ def _slab():
     return slab
 
 
-@pytest.mark.parametrize("name", ["bulk", "slab", "small cell"])
+@pytest.mark.parametrize("name", ["bulk", "slab", "small cell", "tiny cell"])
 @pytest.mark.parametrize("parts", [2, 3, 4])
 def test_rank_sizes_count_the_atoms_layouts_views_of_the_same_owners(name, parts):
-    atoms, cutoff = {"bulk": (_cu((3, 3, 3)), 4.0), "slab": (_slab(), 4.0), "small cell": (_cu((1, 1, 1)), 4.0)}[name]
+    atoms, cutoff = {"bulk": (_cu((3, 3, 3)), 4.0), "slab": (_slab(), 4.0), "small cell": (_cu((1, 1, 1)), 4.0),
+                     "tiny cell": (_cu((1, 1, 1)), 6.0)}[name]  # every atom its own neighbour through many images
     b = _structure(atoms, cutoff)
     owner = domains.spatial_partition(b["pos"], b["cell"], b["pbc"], parts)
     whole = {**nb.system_graph(b["pos"], b["cell"], b["pbc"], cutoff), "z": b["z"], "pos": b["pos"],
@@ -49,6 +50,7 @@ def test_rank_sizes_count_the_atoms_layouts_views_of_the_same_owners(name, parts
         assert (g["atoms_own"], g["edges_own"], g["triplets_own"]) == (w["atoms_own"], w["edges_own"], w["triplets_own"])
         assert g["ring"] == w["atoms"]  # the ring's embeddings are the atoms halo
         assert w["kj"] <= g["halo_edges"]  # every input edge of a ring atom, the ones no own triplet reads too
+        assert {k: g[k] for k in halo.HALO_KEYS} == {k: w[k] for k in halo.HALO_KEYS}  # the halo rows, exactly
 
 
 def _measured():

@@ -229,10 +229,15 @@ class DomainsLayout(AtomsLayout):
         """Per worker of structure ``b`` (``z, pos, cell, pbc, cutoff``) at ``ways`` spatial domains (the
         decomposition's owners, ``domains.spatial_partition``): ``atoms_own``, ``edges_own`` (into them),
         ``triplets_own`` (of those edges), ``ring`` (the other atoms with an edge into them) and
-        ``halo_edges`` (the edges into the ring: the triplets' input edges a worker reads of others).
-        ``graph``: the structure's ``(src, dst)`` (``neighbors.radius_graph``), computed if None.
-        Counts only, O(E) on the client: a symmetric graph's edge ``j -> i`` has in-degree(j) - 1
-        triplets (every input edge of j but i's own reverse)."""
+        ``halo_edges`` (the edges into the ring: the triplets' input edges a worker reads of others),
+        and its halo rows (``halo.HALO_KEYS``, what ``halo.rank_sizes`` counts of the structure grouped
+        by the same owners): ``atoms`` (= ``ring``), ``swap`` (its edges from another worker's atom:
+        each one's reverse), ``kj`` (the edges into the ring but, for a ring atom with one edge into
+        the worker, that edge's reverse: the one input edge no own triplet reads) and ``ghosts`` (the
+        ring and the other workers' sources of the ``kj`` edges). ``graph``: the structure's
+        ``(src, dst)`` (``neighbors.radius_graph``), computed if None. Counts only, O(E) on the
+        client: a symmetric graph's edge ``j -> i`` has in-degree(j) - 1 triplets (every input edge
+        of j but i's own reverse)."""
         from .domains import spatial_partition
         from .neighbors import radius_graph
 
@@ -244,10 +249,20 @@ class DomainsLayout(AtomsLayout):
         deg = np.bincount(dst, minlength=n)
         into = owner[dst]
         cross = owner[src] != into
-        ring = np.unique(into[cross] * n + src[cross])  # (worker, ring atom) pairs
-        count = lambda r, w=None: np.bincount(r, weights=w, minlength=ways).astype(np.int64)  # noqa: E731
-        cols = (count(owner), count(into), count(into, deg[src] - 1), count(ring // n), count(ring // n, deg[ring % n]))
-        keys = ("atoms_own", "edges_own", "triplets_own", "ring", "halo_edges")
+        ring, into_ring = np.unique(into[cross] * n + src[cross], return_counts=True)  # (worker, ring atom) pairs
+        w, j = ring // n, ring % n
+        # the ghosts: every source k of an edge into a ring atom j of worker w, not w's own (an excluded
+        # reverse edge's source is w's own atom: no ghost either way)
+        order = np.argsort(dst, kind="stable")
+        starts = np.concatenate([[0], np.cumsum(deg)])
+        many = deg[j]
+        at = np.repeat(starts[j] - (np.cumsum(many) - many), many) + np.arange(int(many.sum()))
+        k, kw = src[order[at]], np.repeat(w, many)
+        ghosts = np.union1d(ring, (kw * n + k)[owner[k] != kw])
+        count = lambda r, v=None: np.bincount(r, weights=v, minlength=ways).astype(np.int64)  # noqa: E731
+        cols = (count(owner), count(into), count(into, deg[src] - 1), count(w), count(w, deg[j]), count(w),
+                count(into[cross]), count(w, deg[j] - (into_ring == 1)), count(ghosts // n))
+        keys = ("atoms_own", "edges_own", "triplets_own", "ring", "halo_edges", "atoms", "swap", "kj", "ghosts")
         return [{k: int(c[r]) for k, c in zip(keys, cols)} for r in range(ways)]
 
     def costs(self, kind, cfg, b: dict, ways: int, dtype_bytes: int, graph=None) -> dict:
