@@ -318,7 +318,8 @@ def _predict(a):
     if a.stats:
         write_json(a.stats, {"structures": done.count, "out": str(a.out), "workers": done.workers,
                              "threads": done.threads, "layout_asked": a.layout, "layouts": done.layouts,
-                             "rebuilds": done.rebuilds, "seconds": seconds, "energies": mf.energies})
+                             "rebuilds": done.rebuilds, "bytes": done.bytes, "seconds": seconds,
+                             "energies": mf.energies})
 
 
 #: ``gnnpipe predict --layout``'s values, without importing torch to list them: auto and
