@@ -397,3 +397,33 @@ def test_the_domains_layouts_ledger_of_a_call_equals_its_closed_form(slab_system
                 for k, v in p.last_bytes.items():
                     total[k] = total.get(k, 0) + v
             assert dict(p.bytes) == total
+
+
+@pytest.mark.slow
+def test_a_direct_heads_stress_adds_one_backward_pass_to_the_domains_layouts_ledger(slab_systems, one_thread):
+    """DimeNet++ with direct forces at 2 workers: a call with stress runs one backward pass through the
+    forward (its halo rows once more), without stress none; the ledger equals the closed form both times."""
+    import dataclasses
+
+    from helpers import tiny_atomic_model
+
+    from gnnpipe.atomic.atom_layouts import DOMAINS
+    from gnnpipe.atomic.inference import Predictor, structure_only
+
+    mf = dataclasses.replace(tiny_atomic_model(slab_systems, "dimenetpp", max_neighbors=None, force_head="direct"),
+                             symmetric_edges=True)
+    assert mf.config().force_head == "direct"
+    metal = next(z for z in mf.elements if z > 10)
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((3, 3, 2))
+    atoms.set_atomic_numbers([metal] * len(atoms))
+    atoms.rattle(0.05, seed=5)
+    got = {}
+    with Predictor(mf, workers=2, layout="domains") as p:
+        for stress in (True, False):
+            p.predict(atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc, stress)
+            b = {**structure_only(atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc, mf),
+                 "domains": p.domains, "rebuilt": stress}
+            got[stress] = DOMAINS.ledger_parts(p.last_bytes)
+            assert got[stress] == DOMAINS.call_bytes(mf.spec, mf.config(), b, 2, 8, stress), stress
+    halo_rows = got[False]["collectives"] - 2 * (2 - 1) * 8  # the forward's halo rows (less the energy all-reduce)
+    assert got[True]["collectives"] - got[False]["collectives"] == halo_rows > 0
