@@ -355,3 +355,75 @@ def test_more_workers_than_cores_are_refused_unless_oversubscribed_for_measureme
         inference.check_workers(9, oversubscribe=True)
     with pytest.raises(GnnPipeError, match="workers must be an integer >= 1"):
         inference.check_workers(0, oversubscribe=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dimenetpp", "gemnet_t"])
+@pytest.mark.parametrize("workers", [2, 3])
+def test_the_domains_layouts_ledger_of_a_call_equals_its_closed_form(slab_systems, kind, workers, one_thread):
+    """Real multi-worker calls in the domains layout, float64 and float32: a rebuild call with stress and
+    a call whose atoms moved less than half the skin (no rebuild, no Domain sent) without; the
+    predictor's ledger (``last_bytes``) equals ``DomainsLayout.call_bytes`` part by part, the workers'
+    collectives equal the atoms layout's closed form on the same owners' halo counts, and the
+    ledger's sum over the calls is ``Predictor.bytes``."""
+    from gnnpipe.atomic import halo
+    from gnnpipe.atomic.atom_layouts import DOMAINS
+    from gnnpipe.atomic.inference import Predictor, structure_only
+
+    mf = _tiny_uncapped(slab_systems, kind)
+    metal = next(z for z in mf.elements if z > 10)
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((3, 3, 2))
+    atoms.set_atomic_numbers([metal] * len(atoms))
+    atoms.rattle(0.05, seed=5)
+    moved = atoms.positions + np.random.default_rng(6).uniform(-0.2, 0.2, atoms.positions.shape)  # < skin / 2
+    spec, cfg = mf.spec, mf.config()
+    for dtype, nbytes in (("float64", 8), ("float32", 4)):
+        with Predictor(mf, workers=workers, layout="domains", dtype=dtype, oversubscribe=True) as p:
+            total = {}
+            for pos, stress, rebuilt in ((atoms.positions, True, True), (moved, False, False)):
+                p.predict(atoms.numbers, pos, atoms.cell.array, atoms.pbc, stress)
+                assert p.rebuilds == 1
+                b = {**structure_only(atoms.numbers, pos, atoms.cell.array, atoms.pbc, mf), "domains": p.domains,
+                     "rebuilt": rebuilt}
+                want = DOMAINS.call_bytes(spec, cfg, b, workers, nbytes, stress)
+                got = DOMAINS.ledger_parts(p.last_bytes)
+                assert got == want, (dtype, rebuilt)
+                assert (got["held"] > 0) == rebuilt and got["build"] > 0 and got["collectives"] > 0
+                sizes = DOMAINS.rank_sizes(b, workers)
+                halos = {k: sum(r[k] for r in sizes) for k in halo.HALO_KEYS}
+                assert got["collectives"] == halo.step_bytes(spec, cfg, [halos], [1], workers, nbytes, 0,
+                                                             training=False)
+                assert DOMAINS.step_bytes(spec, cfg, [b], workers, nbytes, stress=stress) == want["total"]
+                for k, v in p.last_bytes.items():
+                    total[k] = total.get(k, 0) + v
+            assert dict(p.bytes) == total
+
+
+@pytest.mark.slow
+def test_a_direct_heads_stress_adds_one_backward_pass_to_the_domains_layouts_ledger(slab_systems, one_thread):
+    """DimeNet++ with direct forces at 2 workers: a call with stress runs one backward pass through the
+    forward (its halo rows once more), without stress none; the ledger equals the closed form both times."""
+    import dataclasses
+
+    from helpers import tiny_atomic_model
+
+    from gnnpipe.atomic.atom_layouts import DOMAINS
+    from gnnpipe.atomic.inference import Predictor, structure_only
+
+    mf = dataclasses.replace(tiny_atomic_model(slab_systems, "dimenetpp", max_neighbors=None, force_head="direct"),
+                             symmetric_edges=True)
+    assert mf.config().force_head == "direct"
+    metal = next(z for z in mf.elements if z > 10)
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((3, 3, 2))
+    atoms.set_atomic_numbers([metal] * len(atoms))
+    atoms.rattle(0.05, seed=5)
+    got = {}
+    with Predictor(mf, workers=2, layout="domains") as p:
+        for stress in (True, False):
+            p.predict(atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc, stress)
+            b = {**structure_only(atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc, mf),
+                 "domains": p.domains, "rebuilt": stress}
+            got[stress] = DOMAINS.ledger_parts(p.last_bytes)
+            assert got[stress] == DOMAINS.call_bytes(mf.spec, mf.config(), b, 2, 8, stress), stress
+    halo_rows = got[False]["collectives"] - 2 * (2 - 1) * 8  # the forward's halo rows (less the energy all-reduce)
+    assert got[True]["collectives"] - got[False]["collectives"] == halo_rows > 0

@@ -35,10 +35,11 @@ def _slab():
     return slab
 
 
-@pytest.mark.parametrize("name", ["bulk", "slab", "small cell"])
+@pytest.mark.parametrize("name", ["bulk", "slab", "small cell", "tiny cell"])
 @pytest.mark.parametrize("parts", [2, 3, 4])
 def test_rank_sizes_count_the_atoms_layouts_views_of_the_same_owners(name, parts):
-    atoms, cutoff = {"bulk": (_cu((3, 3, 3)), 4.0), "slab": (_slab(), 4.0), "small cell": (_cu((1, 1, 1)), 4.0)}[name]
+    atoms, cutoff = {"bulk": (_cu((3, 3, 3)), 4.0), "slab": (_slab(), 4.0), "small cell": (_cu((1, 1, 1)), 4.0),
+                     "tiny cell": (_cu((1, 1, 1)), 6.0)}[name]  # every atom its own neighbour through many images
     b = _structure(atoms, cutoff)
     owner = domains.spatial_partition(b["pos"], b["cell"], b["pbc"], parts)
     whole = {**nb.system_graph(b["pos"], b["cell"], b["pbc"], cutoff), "z": b["z"], "pos": b["pos"],
@@ -49,6 +50,7 @@ def test_rank_sizes_count_the_atoms_layouts_views_of_the_same_owners(name, parts
         assert (g["atoms_own"], g["edges_own"], g["triplets_own"]) == (w["atoms_own"], w["edges_own"], w["triplets_own"])
         assert g["ring"] == w["atoms"]  # the ring's embeddings are the atoms halo
         assert w["kj"] <= g["halo_edges"]  # every input edge of a ring atom, the ones no own triplet reads too
+        assert {k: g[k] for k in halo.HALO_KEYS} == {k: w[k] for k in halo.HALO_KEYS}  # the halo rows, exactly
 
 
 def _measured():
@@ -127,11 +129,15 @@ def test_plan_atomic_prices_a_structure_in_the_domains_layout(tmp_path, capsys, 
                  "--cutoff", "3", "--mem-mb-per-worker", str(cap)]) in (0, None)
     out = capsys.readouterr().out.splitlines()
     assert "256 atoms" in out[0] and "domains layout" in out[0]
-    rows = {int(line.split()[0]): line for line in out[2:-1]}
+    rows = {int(line.split()[0]): line for line in out[2:-2]}
     assert sorted(rows) == [1, 2, 4] and rows[4].endswith("<- --workers")
     assert float(rows[1].split()[5].replace(",", "")) == pytest.approx(peak[0], abs=1)
     want = 1 if peak[0] <= cap else 2  # DimeNet++: 2; GemNet-T: 1 (its halo edges cost more than P = 2 saves here)
-    assert out[-1] == f"smallest P that fits --mem-mb-per-worker {cap}: {want}"
+    assert out[-2] == f"smallest P that fits --mem-mb-per-worker {cap}: {want}"
+    # the layout at --workers: the domains layout only where a worker's whole graph does not fit
+    from gnnpipe.atomic.atom_layouts import choose_for_structure
+    chosen = choose_for_structure(kind, cfg, b, 4, 4, cap * 2**20)
+    assert out[-1].startswith("layout at P = 4: " + ("edges or atoms" if chosen is None else chosen.name)), out[-1]
 
 
 @pytest.fixture(scope="module")
@@ -168,10 +174,75 @@ def test_a_bound_per_worker_refuses_too_few_workers_in_one_line_with_the_fewest_
         check_memory(mf, b, 2, 8, 10)
 
 
-def test_the_predictor_takes_a_bound_per_worker_in_the_domains_layout_only(uncapped_model):
+def test_the_predictor_takes_a_bound_per_worker_in_the_auto_and_domains_layouts_only(uncapped_model):
     from gnnpipe.atomic.inference import Predictor
 
-    with pytest.raises(GnnPipeError, match="priced in the domains layout only") as e:
-        Predictor(uncapped_model, mem_mb_per_worker=1000)
+    for kw in ({"workers": 1}, {"workers": 2, "layout": "atoms"}):
+        with pytest.raises(GnnPipeError, match="priced across workers in the auto and domains layouts only") as e:
+            Predictor(uncapped_model, mem_mb_per_worker=1000, **kw)
+        assert "\n" not in str(e.value)
+
+
+def _bounds(mf, b, ways):
+    """(the whole-structure layouts' estimate, the domains layout's) of a worker's peak, bytes."""
+    from gnnpipe.atomic.atom_layouts import whole_graph_counts, whole_memory
+
+    graph = nb.radius_graph(b["pos"], b["cell"], b["pbc"], b["cutoff"])
+    view = DOMAINS.costs(mf.spec, mf.config(), b, ways, 8)["memory"]
+    return DOMAINS.WORKER_RSS + whole_memory(*whole_graph_counts(graph, len(b["z"])), view), DOMAINS.WORKER_RSS + view
+
+
+def test_under_a_bound_auto_takes_the_domains_layout_only_where_the_whole_structure_does_not_fit(uncapped_model):
+    """``choose_for_structure``: a bound between the domains layout's estimate and the whole-structure
+    layouts' lower bound takes the domains layout; a bound above both leaves edges / atoms (None: chosen by
+    bytes); below both, one line naming the fewest workers that fit; a model that cannot use the domains
+    layout is refused in one line."""
+    from gnnpipe.atomic.atom_layouts import choose_for_structure
+    from gnnpipe.atomic.inference import structure_only
+
+    mf = uncapped_model
+    atoms = _metal_cell(mf, (4, 4, 4))
+    b = structure_only(atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc, mf)
+    whole, dom = _bounds(mf, b, 2)
+    assert dom < whole
+    # the whole graph's counts without triplet arrays equal the built graph's
+    from gnnpipe.atomic.atom_layouts import whole_graph_counts
+    g = nb.system_graph(b["pos"], b["cell"], b["pbc"], b["cutoff"])
+    assert whole_graph_counts((g["edge_src"], g["edge_dst"]), len(b["z"])) == (len(b["z"]), len(g["edge_src"]),
+                                                                               len(g["idx_kj"]))
+    kind, cfg = mf.spec, mf.config()
+    assert choose_for_structure(kind, cfg, b, 2, 8, (whole + dom) // 2) is DOMAINS
+    assert choose_for_structure(kind, cfg, b, 2, 8, whole) is None
+    with pytest.raises(GnnPipeError, match=r"no layout fits .* use workers=\d+ in the domains layout") as e:
+        choose_for_structure(kind, cfg, b, 2, 8, (DOMAINS.WORKER_RSS + dom) // 2)
     assert "\n" not in str(e.value)
+    with pytest.raises(GnnPipeError, match="cannot use the domains layout") as e:
+        choose_for_structure(kind, cfg, b, 2, 8, (whole + dom) // 2, domains=False)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_the_predictor_under_a_bound_takes_the_domains_layout_for_a_large_cell_and_not_for_a_small_one(
+        uncapped_model, one_thread):
+    """``Predictor(layout="auto", mem_mb_per_worker=...)`` at 2 workers: the 256-atom cell, over the bound in
+    the whole-structure layouts, goes to the domains layout (energy and forces equal one process, 1e-10; the
+    build kept on the next call without pricing again); a 32-atom cell that fits goes to edges / atoms."""
+    from gnnpipe.atomic.inference import Predictor, structure_only
+
+    mf = uncapped_model
+    large, small = _metal_cell(mf, (4, 4, 4)), _metal_cell(mf, (2, 2, 2))
+    b = structure_only(large.numbers, large.positions, large.cell.array, large.pbc, mf)
+    whole, dom = _bounds(mf, b, 2)
+    bs = structure_only(small.numbers, small.positions, small.cell.array, small.pbc, mf)
+    assert _bounds(mf, bs, 2)[0] < (whole + dom) // 2  # the small cell fits the bound in every layout
+    assert len(bs["z"]) == 32
+    one = Predictor(mf)
+    with Predictor(mf, workers=2, mem_mb_per_worker=int((whole + dom) / 2 / 2**20)) as two:
+        for atoms, want_layout in ((large, "domains"), (large, "domains"), (small, None)):
+            args = (atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc)
+            want, got = one.predict(*args), two.predict(*args)
+            assert (two.last_layout.name == "domains") == (want_layout == "domains"), two.last_layout.name
+            assert got.energy == pytest.approx(want.energy, abs=1e-10 * max(1.0, abs(want.energy)))
+            np.testing.assert_allclose(got.forces, want.forces, atol=1e-10 * max(1.0, np.abs(want.forces).max()))
+        assert two.rebuilds == 1
 

@@ -216,6 +216,39 @@ def test_a_domains_engine_reads_graph_counts_alone_and_builds_the_graphs_it_fits
     model = dataclasses.replace(graph.model, dimenetpp=dataclasses.replace(graph.model.spec, cutoff=3.5))
     smaller = AtomicEngine(dataclasses.replace(graph, model=model), None, None, torch.device("cpu"))
     assert "edge_src" in smaller.graphs and smaller.graphs["cutoff"] == 3.5
+    assert not isinstance(smaller.systems["pos"], data.H5Rows)  # the graphs rebuilt from every position
+
+
+def test_a_domains_engine_reads_the_positions_and_forces_of_its_batches_rows_alone(tmp_path):
+    """An engine in the domains layout (P = 2) leaves systems.h5's positions and forces in the file
+    (``data.H5Rows``) and reads a step batch's rows only: the batch (``_batch``, ``_graph_batch``) equals the
+    one of the whole read, and no more rows are read than the batch's atoms; every other array equals the
+    whole read's; index reads and the whole-array fallback give the same rows."""
+    from gnnpipe.atomic import data
+    from gnnpipe.atomic.atomic_engine import AtomicEngine
+
+    single, graph = _uncapped_runs(tmp_path, "dimenetpp", 2)
+    dom = AtomicEngine(graph, None, None, torch.device("cpu"))
+    full = data.read_systems(graph.systems_path)
+    assert all(isinstance(dom.systems[k], data.H5Rows) for k in data.ROW_ARRAYS)
+    for k in data.SYSTEM_ARRAYS:
+        if k not in data.ROW_ARRAYS:
+            np.testing.assert_array_equal(dom.systems[k], full[k], err_msg=k)
+    assert dom.energy_only == AtomicEngine(single, None, None, torch.device("cpu")).energy_only
+    ptr = full["atom_ptr"]
+    for ids in (dom.ids["train"][[2, 0, 5]], dom.ids["val"][:1]):
+        before = {k: dom.systems[k].read for k in data.ROW_ARRAYS}
+        got = dom._batch(ids)
+        want = data.batch_arrays(full, None, ids)
+        for k, v in want.items():
+            np.testing.assert_array_equal(got[k], v, err_msg=k)
+        atoms = int(sum(ptr[s + 1] - ptr[s] for s in ids))
+        assert all(dom.systems[k].read - before[k] == atoms for k in data.ROW_ARRAYS)
+        assert atoms < len(full["z"])
+    rows = np.array([7, 3, 4, 5, 40, 7])
+    for k in data.ROW_ARRAYS:
+        np.testing.assert_array_equal(dom.systems[k][rows], full[k][rows])
+        np.testing.assert_array_equal(np.asarray(dom.systems[k]), full[k])
 
 
 def _capped_step(rank: int, world: int, cfg):

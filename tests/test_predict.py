@@ -287,5 +287,10 @@ def test_predict_in_the_domains_layout_records_its_layout_and_rebuilds(slabs, mo
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert (stats["layouts"], stats["rebuilds"], stats["workers"], stats["layout_asked"]) == ({"domains": 4}, 2, 2,
                                                                                               "domains")
+    # the calls' ledger, by op: the two rebuilds' Domains held, every call's positions, build, halo and replies
+    from gnnpipe.atomic.atom_layouts import DOMAINS
+    parts = DOMAINS.ledger_parts(stats["bytes"])
+    assert all(parts[k] > 0 for k in DOMAINS.CALL_PARTS), parts
+    assert parts["replies"] == 4 * (2 * (8 + 72) + 24 * len(cell))  # energy, stress part and own forces, 4 calls
     assert cli.main(args + ["--out", str(tmp_path / "bad.extxyz"), "--workers", "2", "--layout", "metis"]) == 2
     assert capsys.readouterr().err.strip() == "gnnpipe: error: layout 'metis': one of auto, edges, atoms, domains"

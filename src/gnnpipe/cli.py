@@ -111,6 +111,25 @@ def _plan_domains(a):
         print(f"{p:>4} {r['atoms_own']:>10,} {r['edges_own']:>11,} {r['triplets_own']:>13,} {r['halo_edges']:>11,} "
               f"{(DOMAINS.WORKER_RSS + c['memory']) / 2**20:>10,.0f}" + ("  <- --workers" if p == a.workers else ""))
     print(f"smallest P that fits {bound}: {need}" if need else f"no P up to 256 fits {bound}")
+    print(_structure_layout(kind, mcfg, b, a.workers, nbytes, cap // a.workers if shared else cap, graph))
+
+
+def _structure_layout(kind, mcfg, b, workers: int, nbytes: int, cap: int, graph) -> str:
+    """The plan's layout at ``workers`` for one structure under ``cap`` bytes a worker
+    (``atom_layouts.choose_for_structure``): one line."""
+    from .atomic.atom_layouts import choose_for_structure
+
+    if workers == 1:
+        return "layout at P = 1: one process (no layout)"
+    try:
+        chosen = choose_for_structure(kind, mcfg, b, workers, nbytes, cap, graph)
+    except GnnPipeError as e:
+        return f"layout at P = {workers}: none fits ({e})"
+    if chosen is None:
+        return (f"layout at P = {workers}: edges or atoms (each worker's whole graph fits {cap / 2**20:,.0f} MB; "
+                "the predictor's auto takes the one of fewer bytes)")
+    return (f"layout at P = {workers}: {chosen.name} (the edges and atoms layouts' whole graph a worker does not fit "
+            f"{cap / 2**20:,.0f} MB, its regions do)")
 
 
 def _plan_atomic(a):
@@ -299,7 +318,8 @@ def _predict(a):
     if a.stats:
         write_json(a.stats, {"structures": done.count, "out": str(a.out), "workers": done.workers,
                              "threads": done.threads, "layout_asked": a.layout, "layouts": done.layouts,
-                             "rebuilds": done.rebuilds, "seconds": seconds, "energies": mf.energies})
+                             "rebuilds": done.rebuilds, "bytes": done.bytes, "seconds": seconds,
+                             "energies": mf.energies})
 
 
 #: ``gnnpipe predict --layout``'s values, without importing torch to list them: auto and

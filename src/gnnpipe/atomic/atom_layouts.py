@@ -36,7 +36,9 @@ layout.
   ``domains.domain_view``, with the group's collectives). Not in :data:`ATOM_LAYOUTS`: the
   predictor's :data:`PREDICT_LAYOUTS` holds it. Its ``costs`` are an inference call's
   (``rank_sizes`` from the decomposition's owners, the kind's ``inference_memory``; ``gnnpipe
-  plan-atomic --structure``), its ``step_bytes`` not there yet.
+  plan-atomic --structure``), its ``step_bytes`` an inference call's closed form (``call_bytes``: the
+  client's payloads, the build's all-gathers, the halo exchanges, the replies; what the predictor's
+  ledger counts).
   A training run's ``atom_layout: domains`` is :class:`DomainsTraining` (in :data:`TRAIN_LAYOUTS`, the
   config's names): every system of a batch cut into P domains, each rank building its regions from
   the batch's positions (``domains.batch_view``); its bytes and memory the atoms layout's closed forms
@@ -221,47 +223,133 @@ class DomainsLayout(AtomsLayout):
     #: a CPU inference worker's RSS before its first call (torch and the model; bench_domains: 242 MB)
     WORKER_RSS = 250 * 2**20
 
-    def step_bytes(self, *args, **kw) -> int:
-        raise GnnPipeError("the domains layout has no closed form of its bytes yet (#35 item 4)")
+    #: the ops of an inference call's ledger (``Predictor.last_bytes``, summed into these by :meth:`ledger_parts`)
+    CALL_PARTS = ("to_workers", "held", "build", "collectives", "replies")
+
+    def call_bytes(self, kind, cfg, b: dict, ways: int, dtype_bytes: int, stress: bool = False,
+                   rebuilt: Optional[bool] = None, graph=None, sizes: Optional[list] = None) -> dict:
+        """The closed form of one inference call's bytes on structure ``b`` at ``ways`` workers, by part
+        (:data:`CALL_PARTS`) and ``"total"``: what the predictor's ledger counts (``Predictor.last_bytes``),
+        the payloads' bytes, not the pickles' or gloo's framing. ``b``: arranged (:meth:`arrange`: its
+        decomposition and ``rebuilt``) or a structure (then decomposed with ``b["skin"]``, a rebuild).
+        With R_r worker r's region atoms, N the atoms, P the workers, b the model's dtype bytes and the
+        halo rows (``kj, swap, atoms, ghosts``) and boundary atoms B_q of :meth:`rank_sizes` (``sizes``,
+        computed if None)::
+
+            to_workers   24 · Σ_r R_r                           each region's positions (float64)
+            held         Σ_r 40 · R_r + P · (8·(P+1) + 91)      after a rebuild only: each worker's Domain
+                                                                (ids, z, images; ab, cell, pbc, rank, cutoff)
+            build        (P-1) · Σ_q (8 + 24·B_q                the build's two all-gathers: each worker's
+                                 + 8·(kj + swap + atoms + ghosts)_q)   Boundary and needs to the P - 1 others
+            collectives  halo.step_bytes(training=False)        the model's halo exchanges, forward and
+                         (+ b·K·Σ rows·w, direct head & stress)  force pass (a direct head's stress: one
+                                                                backward pass through the forward)
+            replies      P · (8 + 72·stress) + 24 · N           energy, own forces, dE/dε (float64)
+        """
+        from .parallel import collective_passes
+
+        if not b.get("domains") or "rebuilt" not in b:
+            b = self.arrange(b, ways)
+        if rebuilt is None:
+            rebuilt = bool(b["rebuilt"])
+        dec, p = b["domains"], ways
+        regions = [len(d.ids) for d in dec.domains]
+        sizes = sizes or self.rank_sizes(b, ways, graph)
+        halos = {k: sum(r[k] for r in sizes) for k in halo.HALO_KEYS}
+        collectives = halo.step_bytes(kind, cfg, [halos], [1], p, dtype_bytes, 0, training=False)
+        if stress and cfg.force_head != "gradient":
+            w = kind.halo_widths(cfg)
+            passes, _ = collective_passes(cfg.force_head, False)
+            collectives += dtype_bytes * passes * cfg.num_blocks * sum(halos[k] * w[k] for k in ("kj", "swap", "atoms"))
+        out = {"to_workers": 24 * sum(regions),
+               "held": rebuilt * (40 * sum(regions) + p * (8 * (p + 1) + 91)),
+               "build": (p - 1) * sum(8 + 24 * r["boundary"] + 8 * sum(r[k] for k in halo.HALO_KEYS) for r in sizes),
+               "collectives": collectives,
+               "replies": p * (8 + 72 * bool(stress)) + 24 * len(b["z"])}
+        out["total"] = sum(out.values())
+        return out
+
+    @classmethod
+    def ledger_parts(cls, ledger: dict) -> dict:
+        """A call's ledger (``Predictor.last_bytes``: the client's ``to_workers``, ``held``, ``replies`` and
+        the workers' ops) by :data:`CALL_PARTS`: every op of the workers' but the build's is ``collectives``."""
+        from .domains import OP_BUILD
+
+        out = {k: int(ledger.get(k, 0)) for k in ("to_workers", "held", "replies")}
+        out["build"] = int(ledger.get(OP_BUILD, 0))
+        out["collectives"] = sum(int(v) for k, v in ledger.items() if k not in out and k != OP_BUILD)
+        return {k: out[k] for k in cls.CALL_PARTS} | {"total": sum(out.values())}
+
+    def step_bytes(self, kind, cfg, batches: list, ways: int, dtype_bytes: int, params: int = 0,
+                   training: bool = False, forces: bool = True, stress: bool = False) -> int:
+        """One inference call's bytes (:meth:`call_bytes`'s total) on the structure ``batches[0]``; a training
+        step is the training layout's (``DOMAINS_TRAINING``), refused here in one line."""
+        if training or len(batches) != 1 or batches[0] is None or not forces:
+            raise GnnPipeError("the predictor's domains layout prices one inference call on one structure with "
+                               "forces: a training run's bytes are atom_layouts.DOMAINS_TRAINING's")
+        return self.call_bytes(kind, cfg, batches[0], ways, dtype_bytes, stress)["total"]
 
     @staticmethod
     def rank_sizes(b: dict, ways: int, graph=None) -> list[dict]:
         """Per worker of structure ``b`` (``z, pos, cell, pbc, cutoff``) at ``ways`` spatial domains (the
-        decomposition's owners, ``domains.spatial_partition``): ``atoms_own``, ``edges_own`` (into them),
+        owners of ``b["domains"]``, a kept decomposition, else ``domains.spatial_partition``'s): ``atoms_own``, ``edges_own`` (into them),
         ``triplets_own`` (of those edges), ``ring`` (the other atoms with an edge into them) and
-        ``halo_edges`` (the edges into the ring: the triplets' input edges a worker reads of others).
-        ``graph``: the structure's ``(src, dst)`` (``neighbors.radius_graph``), computed if None.
-        Counts only, O(E) on the client: a symmetric graph's edge ``j -> i`` has in-degree(j) - 1
-        triplets (every input edge of j but i's own reverse)."""
+        ``halo_edges`` (the edges into the ring: the triplets' input edges a worker reads of others),
+        and its halo rows (``halo.HALO_KEYS``, what ``halo.rank_sizes`` counts of the structure grouped
+        by the same owners): ``atoms`` (= ``ring``), ``swap`` (its edges from another worker's atom:
+        each one's reverse), ``kj`` (the edges into the ring but, for a ring atom with one edge into
+        the worker, that edge's reverse: the one input edge no own triplet reads) and ``ghosts`` (the
+        ring and the other workers' sources of the ``kj`` edges). ``graph``: the structure's
+        ``(src, dst)`` (``neighbors.radius_graph``), computed if None. Counts only, O(E) on the
+        client: a symmetric graph's edge ``j -> i`` has in-degree(j) - 1 triplets (every input edge
+        of j but i's own reverse)."""
         from .domains import spatial_partition
         from .neighbors import radius_graph
 
         if graph is None:
             graph = radius_graph(b["pos"], b["cell"], b["pbc"], b["cutoff"])
         src, dst = (np.asarray(a, dtype=np.int64) for a in graph[:2])
-        owner = spatial_partition(b["pos"], b["cell"], b["pbc"], ways)
+        dec = b.get("domains")
+        if dec is not None and len(dec.domains) == ways:  # a kept build's owners (atoms have moved since)
+            owner = np.empty(len(dec.order), dtype=np.int64)
+            owner[dec.order] = np.repeat(np.arange(ways), np.diff(dec.ab))
+        else:
+            owner = spatial_partition(b["pos"], b["cell"], b["pbc"], ways)
         n = len(owner)
         deg = np.bincount(dst, minlength=n)
         into = owner[dst]
         cross = owner[src] != into
-        ring = np.unique(into[cross] * n + src[cross])  # (worker, ring atom) pairs
-        count = lambda r, w=None: np.bincount(r, weights=w, minlength=ways).astype(np.int64)  # noqa: E731
-        cols = (count(owner), count(into), count(into, deg[src] - 1), count(ring // n), count(ring // n, deg[ring % n]))
-        keys = ("atoms_own", "edges_own", "triplets_own", "ring", "halo_edges")
+        ring, into_ring = np.unique(into[cross] * n + src[cross], return_counts=True)  # (worker, ring atom) pairs
+        w, j = ring // n, ring % n
+        # the ghosts: every source k of an edge into a ring atom j of worker w, not w's own (an excluded
+        # reverse edge's source is w's own atom: no ghost either way)
+        order = np.argsort(dst, kind="stable")
+        starts = np.concatenate([[0], np.cumsum(deg)])
+        many = deg[j]
+        at = np.repeat(starts[j] - (np.cumsum(many) - many), many) + np.arange(int(many.sum()))
+        k, kw = src[order[at]], np.repeat(w, many)
+        ghosts = np.union1d(ring, (kw * n + k)[owner[k] != kw])
+        count = lambda r, v=None: np.bincount(r, weights=v, minlength=ways).astype(np.int64)  # noqa: E731
+        cols = (count(owner), count(into), count(into, deg[src] - 1), count(w), count(w, deg[j]), count(w),
+                count(into[cross]), count(w, deg[j] - (into_ring == 1)), count(ghosts // n), count(owner[np.unique(j)]))
+        keys = ("atoms_own", "edges_own", "triplets_own", "ring", "halo_edges", "atoms", "swap", "kj", "ghosts",
+                "boundary")
         return [{k: int(c[r]) for k, c in zip(keys, cols)} for r in range(ways)]
 
-    def costs(self, kind, cfg, b: dict, ways: int, dtype_bytes: int, graph=None) -> dict:
+    def costs(self, kind, cfg, b: dict, ways: int, dtype_bytes: int, graph=None, priced: bool = True) -> dict:
         """One inference call on structure ``b`` at ``ways`` workers (not a training step): ``"memory"``
         the largest worker's estimated peak above its RSS before the call (the kind's
-        ``inference_memory`` on its :meth:`rank_sizes`), ``"sizes"`` those, ``"bytes"`` None (no
-        closed form yet)."""
+        ``inference_memory`` on its :meth:`rank_sizes`), ``"sizes"`` those, ``"bytes"`` the call's
+        closed form (:meth:`call_bytes`' total, a rebuild call without stress; ``"call"`` its parts;
+        ``priced`` False: None, no decomposition built)."""
         if kind.inference_memory is None:
             raise GnnPipeError(f"the domains layout has no memory estimate for {kind.name} yet (#35 item 4): "
                                "size it with a measured call (benchmarks/bench_domains.py)")
         sizes = self.rank_sizes(b, ways, graph)
         mem = max(kind.inference_memory(cfg, r["atoms_own"], r["edges_own"], r["triplets_own"], r["halo_edges"],
                                         dtype_bytes)["total"] for r in sizes)
-        return {"bytes": None, "memory": mem, "sizes": sizes}
+        call = self.call_bytes(kind, cfg, b, ways, dtype_bytes, sizes=sizes) if priced else None
+        return {"bytes": call and call["total"], "memory": mem, "sizes": sizes, "call": call}
 
     def smallest_fit(self, kind, cfg, b: dict, cap: int, dtype_bytes: int, most: int = 256, graph=None,
                      shared: bool = False):
@@ -273,7 +361,7 @@ class DomainsLayout(AtomsLayout):
             from .neighbors import radius_graph
             graph = radius_graph(b["pos"], b["cell"], b["pbc"], b["cutoff"])
         for ways in range(1, min(most, len(b["z"])) + 1):
-            peak = self.WORKER_RSS + self.costs(kind, cfg, b, ways, dtype_bytes, graph)["memory"]
+            peak = self.WORKER_RSS + self.costs(kind, cfg, b, ways, dtype_bytes, graph, priced=False)["memory"]
             if peak * (ways if shared else 1) <= cap:
                 return ways
         return None
@@ -345,5 +433,62 @@ def choose_layout(costs: dict, cap: Optional[int] = None) -> AtomLayout:
     return min(fits, key=lambda layout: costs[layout.name]["bytes"])  # min keeps the first of equals
 
 
+def whole_graph_counts(graph, n: int) -> tuple[int, int, int]:
+    """``(atoms, edges, triplets)`` of a structure from its symmetric, uncapped radius graph ``(src, dst)``
+    alone (O(E), no triplet arrays): an edge ``j -> i`` has in-degree(j) − 1 triplets."""
+    src, dst = (np.asarray(a, dtype=np.int64) for a in graph[:2])
+    deg = np.bincount(dst, minlength=n)
+    return n, len(src), int((deg[src] - 1).sum())
+
+
+def whole_memory(atoms: int, edges: int, triplets: int, view: int) -> int:
+    """A worker's estimated peak above its RSS in an inference call of the edges or atoms layout, whose
+    every worker receives the whole structure's graph: the graph's arrays (per atom ``z``, ``pos``,
+    ``system``, ``atom_order`` 40 bytes; per edge ``src``, ``dst``, ``shift``, ``id_swap`` 48; per
+    triplet ``idx_kj``, ``idx_ji`` 16) on top of ``view``, its view's estimate: the domains layout's
+    at the same P (``DOMAINS.costs``; a METIS part has about as many own rows and halo rows as a
+    spatial domain). The graph's arrays grow with the whole structure, not with N/P."""
+    return 40 * atoms + 48 * edges + 16 * triplets + view
+
+
+def choose_for_structure(kind, cfg, b: dict, ways: int, dtype_bytes: int, cap: int, graph=None,
+                         domains: bool = True) -> Optional[AtomLayout]:
+    """The layout a memory bound ``cap`` (bytes a worker, its RSS before the call included) leaves for one
+    structure ``b`` (``z, pos, cell, pbc, cutoff``) at ``ways`` workers, by this rule:
+
+    1. the whole-structure layouts (edges, atoms: every worker receives the whole graph) fit when
+       ``DOMAINS.WORKER_RSS + whole_memory`` does (the whole graph's arrays on the domains layout's
+       view estimate): then :data:`ATOM_LAYOUTS` (None is returned: the caller chooses between them
+       by bytes, as without a bound);
+    2. else the domains layout, when it may be used (``domains``: a symmetric, uncapped graph of the
+       project convention) and its largest worker's estimate (``DOMAINS.costs``) with that RSS fits:
+       the same view without the whole graph (its memory per worker falls as N/P);
+    3. else the bound fits no layout: refused in one line naming the fewest workers that fit in
+       the domains layout (or none).
+
+    ``graph``: the structure's radius graph ``(src, dst)``, computed if None (O(E), counts only)."""
+    from .neighbors import radius_graph
+
+    if graph is None:
+        graph = radius_graph(b["pos"], b["cell"], b["pbc"], b["cutoff"])
+    view = DOMAINS.costs(kind, cfg, b, ways, dtype_bytes, graph, priced=False)["memory"]
+    whole = DOMAINS.WORKER_RSS + whole_memory(*whole_graph_counts(graph, len(b["z"])), view)
+    if whole <= cap:
+        return None
+    mb = f"{cap / 2**20:,.0f} MB a worker"
+    if not domains:
+        raise GnnPipeError(f"{len(b['z']):,} atoms at workers={ways}: the edges and atoms layouts need an estimated "
+                           f"{whole / 2**20:,.0f} MB a worker (each holds the whole graph), over {mb}, and this "
+                           "model's graph (capped or not symmetric) cannot use the domains layout: use more memory")
+    if DOMAINS.WORKER_RSS + view <= cap:
+        return DOMAINS
+    need = DOMAINS.smallest_fit(kind, cfg, b, cap, dtype_bytes, graph=graph)
+    raise GnnPipeError(f"{len(b['z']):,} atoms at workers={ways}: no layout fits {mb} (the edges and atoms layouts "
+                       f"an estimated {whole / 2**20:,.0f} MB) " + (f"(gnnpipe plan-atomic --structure): use workers={need} "
+                                                              "in the domains layout" if need else
+                                                              "and no workers up to 256 fit: use a smaller model "
+                                                              "or a larger bound"))
+
+
 __all__ = ["AtomLayout", "EdgesLayout", "AtomsLayout", "DomainsLayout", "DomainsTraining", "EDGES", "ATOMS", "DOMAINS",
-           "DOMAINS_TRAINING", "ATOM_LAYOUTS", "TRAIN_LAYOUTS", "PREDICT_LAYOUTS", "layout_costs", "choose_layout"]
+           "DOMAINS_TRAINING", "ATOM_LAYOUTS", "TRAIN_LAYOUTS", "PREDICT_LAYOUTS", "layout_costs", "choose_layout", "whole_graph_counts", "whole_memory", "choose_for_structure"]

@@ -501,11 +501,12 @@ def run_data(cfg, init=None, counts_only: bool = False) -> tuple[dict, dict]:
     cutoff; otherwise (a smaller model cutoff rebuilds the graphs, a model file checks them) the whole."""
     from .data import read_graphs, read_systems
 
-    systems = read_systems(cfg.systems_path)
     if counts_only and init is None:
+        systems = read_systems(cfg.systems_path, rows=True)
         graphs = read_graphs(cfg.graph_path, expect_systems_hash=systems["content_hash"], counts_only=True)
         if cfg.model.spec.cutoff is None or cfg.model.spec.cutoff == graphs["cutoff"]:
             return systems, graphs
+    systems = read_systems(cfg.systems_path)
     graphs = read_graphs(cfg.graph_path, expect_systems_hash=systems["content_hash"])
     if init is None:
         return systems, model_graphs(graphs, systems, cfg.model.spec.cutoff, cfg.graph_path)

@@ -82,7 +82,10 @@ class GNNPipeCalculator(Calculator):
         ``rebuilds`` counts the decompositions); ``oversubscribe``: allow up to 4 workers per CPU core
         (time-shared: for measuring memory at P above the cores; default: at most the cores);
         ``mem_mb_per_worker``: MiB, with ``layout="domains"``: a structure whose estimated peak per
-        worker exceeds it is refused in one line naming the fewest workers that fit; ``min_distance``: Å, two
+        worker exceeds it is refused in one line naming the fewest workers that fit; with
+        ``layout="auto"``: a structure that does not fit in the edges and atoms layouts (every worker
+        holds its whole graph) goes to the domains layout if it fits there
+        (``atom_layouts.choose_for_structure``); ``min_distance``: Å, two
         atoms closer are refused (default 0.5, ``atoms.min_distance``'s); ``run``: the ``RunConfig``
         the model must belong to (default: a run directory's ``run.yaml``)."""
         super().__init__(**kwargs)

@@ -397,7 +397,8 @@ def read_forces(path) -> Optional[np.ndarray]:
 
 def has_forces(systems: dict) -> bool:
     """Whether the systems carry forces: a file of energies alone stores its forces as NaN (unknown)."""
-    return not np.isnan(systems["forces"]).any()
+    forces = systems["forces"]
+    return not (forces.any_nan() if isinstance(forces, H5Rows) else np.isnan(forces).any())
 
 
 # --------------------------------------------------------------------------- graphs
@@ -535,8 +536,62 @@ def write_systems(path, systems: dict, params: dict | None = None) -> str:
                                    "min_distance": float(systems.get("min_distance", MIN_DISTANCE))}, "systems")
 
 
-def read_systems(path) -> dict:
-    arrays, attrs = read_h5(path, "systems", SYSTEM_ARRAYS, "build_systems")
+#: the per-atom arrays ``read_systems(rows=True)`` leaves in the file, read by rows (48 of 57 bytes an atom)
+ROW_ARRAYS = ("pos", "forces")
+
+
+class H5Rows:
+    """One per-atom dataset of an HDF5 file, read by rows on demand (h5py slicing, the file opened per
+    read): ``rows[a0:a1]`` reads those rows only; an index array reads each run of consecutive rows it
+    holds; ``np.asarray(rows)`` (any other use) reads the whole dataset. ``read`` counts the rows read
+    (tests)."""
+
+    def __init__(self, path, name: str):
+        self.path, self.name, self.read = str(path), name, 0
+        with h5py.File(self.path, "r") as f:
+            self.shape, self.dtype = f[name].shape, f[name].dtype
+        self.ndim = len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key) -> np.ndarray:
+        with h5py.File(self.path, "r") as f:
+            ds = f[self.name]
+            if isinstance(key, slice) and key.step in (None, 1):
+                out = ds[key]
+            else:
+                idx = np.asarray(key)
+                idx = np.flatnonzero(idx) if idx.dtype == bool else idx.astype(np.int64).ravel()
+                idx = np.where(idx < 0, idx + self.shape[0], idx)
+                u, inv = np.unique(idx, return_inverse=True)
+                runs = np.split(u, np.flatnonzero(np.diff(u) != 1) + 1) if len(u) else []
+                got = [ds[int(r[0]):int(r[-1]) + 1] for r in runs]
+                out = (np.concatenate(got) if got else np.empty((0, *self.shape[1:]), self.dtype))[inv.ravel()]
+        self.read += len(out)
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
+
+    def any_nan(self, chunk: int = 1 << 18) -> bool:
+        """Whether a row holds a NaN, read ``chunk`` rows at a time."""
+        return any(np.isnan(self[a:a + chunk]).any() for a in range(0, self.shape[0], chunk))
+
+
+def read_systems(path, rows: bool = False) -> dict:
+    """The systems of ``systems.h5``, checked against its content hash. ``rows``: its ``ROW_ARRAYS`` left
+    in the file as :class:`H5Rows` (a training rank in the domains layout reads its batches' rows
+    only), the hash then unchecked (it covers the arrays not read), as ``read_graphs(counts_only=True)``."""
+    names = [n for n in SYSTEM_ARRAYS if not (rows and n in ROW_ARRAYS)]
+    arrays, attrs = read_h5(path, "systems", names, "build_systems", hashed=not rows)
+    if rows:
+        try:
+            arrays.update({n: H5Rows(path, n) for n in ROW_ARRAYS})
+        except (OSError, KeyError) as e:
+            raise GnnPipeError(f"{path}: unreadable systems.h5 ({e}); delete it and rerun the workflow "
+                               "(rule build_systems rebuilds it)") from None
     arrays["fixed"], arrays["pbc"] = arrays["fixed"].astype(bool), arrays["pbc"].astype(bool)
     return {**arrays, "source": attrs["source"], "content_hash": attrs["content_hash"], "path": str(path),
             "min_distance": float(attrs.get("min_distance", MIN_DISTANCE))}

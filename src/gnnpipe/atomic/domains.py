@@ -469,10 +469,33 @@ def domain_graph(dom: Domain, pos) -> RegionGraph:
     return renumber(region_graph(pos, dom.cell, dom.pbc, own, dom.cutoff, 2, images=dom.images), dom.ids)
 
 
+OP_BUILD = "domain_build"  # a call's two all-gathers of the distributed build (boundaries, needs): their payloads
+
+
+def payload_bytes(obj) -> int:
+    """The bytes of the arrays in ``obj`` (numpy arrays, in dicts, lists, tuples and dataclasses, at any
+    depth) plus 8 for every int or float field of a dataclass: what the domains layout's ledger counts
+    of a message (not the pickle's framing)."""
+    import dataclasses
+
+    if isinstance(obj, np.ndarray):
+        return int(obj.nbytes)
+    if isinstance(obj, dict):
+        return sum(payload_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(8 if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+                   else payload_bytes(v)
+                   for v in (getattr(obj, f.name) for f in dataclasses.fields(obj)))
+    return 0
+
+
 def domain_view(dom: Domain, pos, grp: EdgeGroup, dtype=torch.float64, device=None) -> HaloAtomGraph:
     """Worker ``grp.rank``'s view from its :class:`Domain` and its region's positions ``pos`` (this
     call's): the region graph rebuilt from them, then two all-gathers of the group (every rank's
-    :class:`Boundary`, every rank's needs; not counted in the ledger: per call, not per layer).
+    :class:`Boundary`, every rank's needs), counted in the ledger as ``OP_BUILD``: their payloads
+    (:func:`payload_bytes`), each rank's sent to the P - 1 others.
     Symmetric, uncapped graphs of the ``project`` convention (``region_graph``)."""
     import torch.distributed as dist
 
@@ -483,6 +506,8 @@ def domain_view(dom: Domain, pos, grp: EdgeGroup, dtype=torch.float64, device=No
     reg = region_needs(g, r, ab, bounds)
     needs = [None] * grp.size
     dist.all_gather_object(needs, reg.needs, group=grp.group)
+    mine = payload_bytes(bounds[r]) + payload_bytes(needs[r])
+    grp.comm.record(OP_BUILD, (grp.size - 1) * mine, payload_bytes(bounds) + payload_bytes(needs) - mine)
     return region_view(reg, needs, dom.z, pos, dom.ids, grp, dtype, device)
 
 
@@ -585,4 +610,4 @@ def batch_view(b: dict, grp: EdgeGroup, cutoff: float, dtype=torch.float64, devi
 
 __all__ = ["spatial_partition", "fractional", "region_graph", "renumber", "RegionGraph", "Boundary", "boundary",
            "Region", "region_needs", "region_view", "Domain", "Decomposition", "decompose", "domain_graph",
-           "domain_view", "batch_owners", "batch_region_graph", "batch_view"]
+           "domain_view", "payload_bytes", "OP_BUILD", "batch_owners", "batch_region_graph", "batch_view"]

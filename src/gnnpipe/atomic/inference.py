@@ -36,7 +36,16 @@ or graph-parallel across N persistent local worker processes.
   ``mem_mb_per_worker`` (domains layout): a structure whose estimated peak per worker at
   ``workers`` exceeds it is refused in one line naming the fewest workers that fit
   (:func:`check_memory`, at each new decomposition; the estimate needs the structure's radius graph
-  on the client, O(E), only when the bound is given).
+  on the client, O(E), only when the bound is given). ``auto`` with ``mem_mb_per_worker``
+  (:meth:`Predictor.bounded_layout`): a structure whose workers would exceed it in the edges and
+  atoms layouts (each holds the whole graph) and not in the domains layout is computed in the
+  domains layout (``atom_layouts.choose_for_structure``; a model whose graph the distributed build
+  cannot make, capped or not symmetric, is refused in one line instead); one that fits them is
+  chosen between them by bytes as without a bound.
+  **Bytes**: ``Predictor.last_bytes`` (the last call) and ``Predictor.bytes`` (the calls' sum) are the
+  ledger of the calls across workers, by op: the client's payloads (``to_workers``; ``held``: a
+  rebuild's Domain), the workers' replies and the workers' own communicator ops; the domains
+  layout's closed form is ``DomainsLayout.call_bytes`` (equal, test).
 
 **Checks and threads.** Every structure is checked before it is computed, as ``gnnpipe data``
 checks a dataset's (``atomic.checks.check_structure``: finite positions and cell, no degenerate
@@ -58,6 +67,7 @@ Energies in eV are ``scale · y + mean + Σ e_ref[z]`` (the model file's normali
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -236,7 +246,7 @@ def check_memory(mf: ModelFile, b: dict, workers: int, dtype_bytes: int, mem_mb_
 
     cap, kind, cfg = mem_mb_per_worker * 2**20, mf.spec, mf.config()
     graph = radius_graph(b["pos"], b["cell"], b["pbc"], b["cutoff"])
-    peak = DOMAINS.WORKER_RSS + DOMAINS.costs(kind, cfg, b, workers, dtype_bytes, graph)["memory"]
+    peak = DOMAINS.WORKER_RSS + DOMAINS.costs(kind, cfg, b, workers, dtype_bytes, graph, priced=False)["memory"]
     if peak <= cap:
         return
     need = DOMAINS.smallest_fit(kind, cfg, b, cap, dtype_bytes, graph=graph)
@@ -264,15 +274,19 @@ class Predictor:
             raise GnnPipeError(f"layout {layout!r}: one of auto, {', '.join(PREDICT_LAYOUTS.names())}")
         # the workers' layout (atom_layouts), None: chosen per structure (auto); the last call's
         self.layout = None if layout == "auto" else PREDICT_LAYOUTS[layout]
-        if self.layout is not None and self.layout.distributed_build and not (
-                model_file.max_neighbors is None and model_file.neighbors == "project" and model_file.symmetric_edges):
+        # the distributed build takes symmetric, uncapped graphs of the project convention only
+        self.builds_distributed = bool(model_file.max_neighbors is None and model_file.neighbors == "project"
+                                       and model_file.symmetric_edges)
+        if self.layout is not None and self.layout.distributed_build and not self.builds_distributed:
             raise GnnPipeError(f"layout {layout}: the distributed build takes symmetric, uncapped graphs of the project "
                                f"convention; this model file has max_neighbors {model_file.max_neighbors}, neighbors "
                                f"{model_file.neighbors}: use layout atoms")
-        if mem_mb_per_worker is not None and (self.layout is None or not self.layout.distributed_build
+        priced = workers > 1 and (self.layout is None or self.layout.distributed_build)
+        if mem_mb_per_worker is not None and (not priced or isinstance(mem_mb_per_worker, bool)
                                               or not isinstance(mem_mb_per_worker, int) or mem_mb_per_worker < 1):
-            raise GnnPipeError(f"mem_mb_per_worker {mem_mb_per_worker!r}: a whole number of MiB >= 1, priced in the "
-                               f"domains layout only (layout {layout!r}): use layout='domains' or leave it out")
+            raise GnnPipeError(f"mem_mb_per_worker {mem_mb_per_worker!r}: a whole number of MiB >= 1, priced across "
+                               f"workers in the auto and domains layouts only (layout {layout!r}, workers {workers}): "
+                               "use layout='auto' or 'domains' with workers > 1, or leave it out")
         self.mem_mb_per_worker = mem_mb_per_worker
         self.last_layout: Optional[AtomLayout] = None
         if not isinstance(skin, (int, float)) or not np.isfinite(skin) or skin < 0:
@@ -290,6 +304,13 @@ class Predictor:
         self.pool = WorkerPool(model_file, workers, device=self.device, dtype=self.dtype, threads=self.threads,
                                timeout_s=timeout_s) if workers > 1 else None
         self.calls = 0
+        # the byte ledger of the calls across workers, by op: the client's payloads to the workers
+        # (``to_workers``; ``held``: what a worker keeps, a rebuild's Domain), the workers' replies
+        # (``replies``: energy, own forces, dE/dε) and the workers' own ops (the communicator's ledger,
+        # summed over them); the arrays' bytes (``domains.payload_bytes``), not the pickles' framing.
+        # ``last_bytes`` the last call's; the domains layout's closed form: ``DomainsLayout.call_bytes``
+        self.bytes: collections.Counter = collections.Counter()
+        self.last_bytes: dict = {}
 
     @property
     def gradient_forces(self) -> bool:
@@ -304,15 +325,20 @@ class Predictor:
         if stress and not (np.all(pbc) and volume > 1e-12):
             raise GnnPipeError(f"{where}stress needs a 3-D periodic cell of non-zero volume "
                                f"(pbc {list(map(bool, np.broadcast_to(pbc, 3)))}, volume {volume:.3g} Å³)")
-        if self.pool is not None and self.layout is not None and self.layout.distributed_build:
+        chosen = self.layout
+        if self.pool is not None and chosen is None and self.mem_mb_per_worker:
+            chosen = self.bounded_layout(numbers, positions, cell, pbc, where)
+        if self.pool is not None and chosen is not None and chosen.distributed_build:
             b = structure_only(numbers, positions, cell, pbc, self.model_file)  # each worker builds its region's graph
             b.update(skin=self.skin, domains=self.domains)
         else:
             b = structure_graph(numbers, positions, cell, pbc, self.model_file)
         if self.pool is not None:
-            self.last_layout = self.choose_layout(b)
+            self.last_layout = chosen if chosen is not None else self.choose_layout(b)
             b = self.arrange(b, where)
             y, f, dy = self.pool.compute(b, stress, where, self.last_layout)
+            self.last_bytes = self.pool.last_bytes
+            self.bytes.update(self.last_bytes)
         else:
             from .parallel import single_graph
             g = single_graph(b, self.dtype, self.device)
@@ -336,7 +362,7 @@ class Predictor:
             raise GnnPipeError(f"{where}graph-parallel inference over {self.workers} workers needs at least "
                                f"{self.workers} edges, this structure has {edges} within the cutoff; use fewer workers")
         b = self.last_layout.arrange(b, self.workers)
-        if self.last_layout.distributed_build and b["rebuilt"] and self.mem_mb_per_worker:
+        if self.last_layout.distributed_build and b["rebuilt"] and self.mem_mb_per_worker and self.layout is not None:
             check_memory(self.model_file, b, self.workers, self.dtype.itemsize, self.mem_mb_per_worker, where)
         if self.last_layout.distributed_build:
             self.domains = b["domains"]
@@ -354,6 +380,27 @@ class Predictor:
         spec, cfg, db = self.model_file.spec, self.model_file.config(), torch.finfo(self.dtype).bits // 8
         return choose_layout({name: {"bytes": layout.step_bytes(spec, cfg, [b], self.workers, db, 0, training=False)}
                               for name, layout in ATOM_LAYOUTS.items()})
+
+    def bounded_layout(self, numbers, positions, cell, pbc, where: str = "") -> Optional[AtomLayout]:
+        """``auto`` under ``mem_mb_per_worker``: the domains layout when the whole-structure layouts (edges,
+        atoms) do not fit the bound and it does, None when they fit (then ``choose_layout`` by bytes),
+        refused in one line when none fits (``atom_layouts.choose_for_structure``'s rule). A kept
+        decomposition whose Verlet-skin rule holds keeps the domains layout without pricing again."""
+        from .atom_layouts import DOMAINS, choose_for_structure
+
+        if self.last_layout is DOMAINS and self.domains is not None and len(self.domains.domains) == self.workers \
+                and self.domains.holds(np.asarray(numbers, dtype=np.int64), positions, cell,
+                                       np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))):
+            return DOMAINS
+        if len(numbers) < self.workers:
+            return None
+        b = structure_only(numbers, positions, cell, pbc, self.model_file)
+        try:
+            return choose_for_structure(self.model_file.spec, self.model_file.config(), b, self.workers,
+                                        self.dtype.itemsize, self.mem_mb_per_worker * 2**20,
+                                        domains=self.builds_distributed)
+        except GnnPipeError as e:
+            raise GnnPipeError(f"{where}{e} (mem_mb_per_worker={self.mem_mb_per_worker})") from None
 
     def close(self) -> None:
         if self.pool is not None:
@@ -434,6 +481,7 @@ class WorkerPool:
                 pass  # that worker is dead: _gather names it
         self.pids = [p.pid for p in self._procs]
         self._broken: Optional[str] = None
+        self.last_bytes: dict = {}  # the last call's ledger (Predictor.bytes)
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._store)
         try:
             self._gather(start_timeout_s, "starting")
@@ -455,7 +503,13 @@ class WorkerPool:
         if self._broken:
             raise GnnPipeError(f"the inference workers stopped after an error ({self._broken}); create a new "
                                "calculator")
+        from .domains import payload_bytes
+
         msgs, blobs = layout.messages(b, self.workers), {}
+        ledger = collections.Counter()
+        for m in msgs:  # the client's payloads: every worker's message, and what it holds (a rebuild's Domain)
+            ledger["to_workers"] += payload_bytes({k: v for k, v in m.items() if k != "hold"})
+            ledger["held"] += payload_bytes(m.get("hold", {}))
         for r, c in enumerate(self._conns):
             if id(msgs[r]) not in blobs:  # one pickle of a message every worker gets
                 blobs[id(msgs[r])] = pickle.dumps((msgs[r], bool(stress), layout.name))
@@ -469,9 +523,13 @@ class WorkerPool:
             self._broken = "interrupted"
             _shutdown(self._procs, self._conns, None, grace_s=0.0)
             raise
+        for reply in replies:
+            ledger["replies"] += payload_bytes(list(reply[:3]))
+            ledger.update(reply[3])
+        self.last_bytes = dict(ledger)
         y = replies[0][0]
-        forces = layout.restore_order(np.concatenate([f for _, f, _ in replies]), b)  # the structure's atom order
-        dy = sum(d for _, _, d in replies) if stress else None
+        forces = layout.restore_order(np.concatenate([f for _, f, _, _ in replies]), b)  # the structure's atom order
+        dy = sum(d for _, _, d, _ in replies) if stress else None
         return y, forces, dy
 
     def _gather(self, timeout_s: Optional[float], what: str) -> list:
@@ -606,9 +664,11 @@ def _worker_main(rank: int, world: int, port: int, device: str, dtype, threads: 
                 os.kill(os.getpid(), signal.SIGKILL)
             b, stress, layout = msg
             held.update(b.pop("hold", {}))
+            grp.comm.set_epoch(calls)  # the call's traffic among the workers, filed under its number
             g = PREDICT_LAYOUTS[layout].shard({**held, **b}, grp, dtype, dev)
             y, f, dy = view_outputs(model, g, stress)
-            conn.send(("ok", _numpy(y), _numpy(f), _numpy(dy)))
+            sent = {op: row["sent"] for op, row in grp.comm.ledger.pop(calls, {}).items()}
+            conn.send(("ok", _numpy(y), _numpy(f), _numpy(dy), sent))
             calls += 1
     except (EOFError, KeyboardInterrupt):  # the client went away, or Ctrl-C reached the group
         pass

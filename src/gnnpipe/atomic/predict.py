@@ -11,7 +11,7 @@ system of a split of the training data (what ``evaluate`` writes, to check any c
   (``frame 3``, ``row id 7``). Across workers, ``layout`` chooses how they split a structure
   (``inference.Predictor``'s layouts); each frame records the layout that computed it and the
   domains layout's rebuild count so far (``info["layout"]``, ``info["rebuilds"]``), and
-  :class:`Predicted` sums them up (``gnnpipe predict --stats``).
+  :class:`Predicted` sums them up with the calls' bytes by op (``gnnpipe predict --stats``).
 * :func:`split_predictions` computes systems of ``systems.h5`` in batches over their
   ``graphs.h5`` rows (the engine's path, not the calculator's: an independent check), and
   :func:`write_predictions` / :func:`read_predictions` keep them in ``predictions.h5``
@@ -72,13 +72,15 @@ def _frames(path: Path):
 class Predicted:
     """What :func:`predict` did: ``count`` structures, how many each layout computed (``layouts``:
     ``"one process"`` at one worker, else the workers' layout's name), and the distributed build's
-    decompositions (``rebuilds``: the domains layout's Verlet-skin rule, the first included)."""
+    decompositions (``rebuilds``: the domains layout's Verlet-skin rule, the first included), and the
+    bytes its calls across workers moved, by op (``Predictor.bytes``; empty at one worker)."""
 
     count: int
     workers: int
     threads: int
     layouts: dict = field(default_factory=dict)
     rebuilds: int = 0
+    bytes: dict = field(default_factory=dict)
 
 
 def predict(model: Union[str, os.PathLike, ModelFile, Predictor], structures, out, *, workers: int = 1,
@@ -131,7 +133,8 @@ def predict(model: Union[str, os.PathLike, ModelFile, Predictor], structures, ou
             predictor.close()
     with atomic_path(out, ".extxyz") as tmp:
         ase.io.write(tmp, frames, format="extxyz")
-    return Predicted(len(frames), predictor.workers, predictor.threads, layouts, predictor.rebuilds)
+    return Predicted(len(frames), predictor.workers, predictor.threads, layouts, predictor.rebuilds,
+                     {k: int(v) for k, v in predictor.bytes.items()})
 
 
 # --------------------------------------------------------------------------- a split of the data

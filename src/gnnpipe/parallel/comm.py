@@ -96,6 +96,11 @@ class Communicator:
         row["recv"] += int(recv)
         row["calls"] += 1
 
+    def record(self, op: str, sent: int, recv: int) -> None:
+        """Count traffic that went around the communicator's own collectives (e.g. the payload arrays of
+        a ``dist.all_gather_object``) under ``op``, as one call."""
+        self._count(op, sent, recv)
+
     def _add_time(self, op: str, seconds: float) -> None:
         self._comm_s[self.epoch] += seconds
         self._comm_s_op[self.epoch][op] += seconds
