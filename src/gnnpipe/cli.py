@@ -376,7 +376,7 @@ def _fit_run(a):
 def _calibrate(a):
     from .planning.calibrate import calibrate_run, write_hardware
 
-    write_hardware(calibrate_run(a.run_config, a.hardware, clock=a.clock, cache=a.cache), a.out)
+    write_hardware(calibrate_run(a.run_config, a.hardware, clock=a.clock, cache=a.cache, records=a.records), a.out)
 
 
 def _plan_stats(a):
@@ -694,8 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser(
         "calibrate", help="fit a hardware profile's compute rates to a run's graph and model",
-        description="Time every distinct conv of the run's model forward and backward on samples "
-                    "of its graph (and the bare kernels), fit the cost model's compute rates "
+        description="Fit the layers that --records' train jobs timed as they trained, or else time "
+                    "every distinct conv of the run's model forward and backward on samples "
+                    "of its graph (and the bare kernels); fit the cost model's compute rates "
                     "(dense FLOP/s, sparse and elementwise values/s, random numbers/s, per-call "
                     "overhead) and write the profile with those rates as YAML. The links keep the "
                     "profile's values. A fit found in --cache is reused.")
@@ -708,6 +709,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory of fitted profiles keyed by what the fit depends on (this machine and "
                         "base profile, graph content, model, dtype, threads, clock): one found there is "
                         "reused, one fitted is added (the workflow: results/calibration_cache)")
+    c.add_argument("--records", nargs="*", default=[], metavar="METRICS_JSON",
+                   help="run records (results/runs/<run_id>/metrics.json) of train jobs of the same dataset and "
+                        "model: the layers they timed as they trained are fitted instead of timing samples here "
+                        "(a one-process run's rows give the rates, a parallel run's the cold-cache ratio); "
+                        "without a one-process run's rows, samples are timed as without --records")
     c.add_argument("--out", required=True, help="profile to write (YAML)")
     c.set_defaults(func=_calibrate, outputs=("out",))
 
