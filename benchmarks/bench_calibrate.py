@@ -486,7 +486,21 @@ def _record_predictions(records, fits: dict) -> list[dict]:
                                      dtype_bytes=m.get("dtype_bytes", 4), overlap=cfg.graph_parallel.overlap,
                                      balance=cfg.pipeline.balance, pipeline_cfg=cfg.pipeline)
                 for name, hw in fits.items()}
+        if cfg.mode == "single":  # its epoch again on this thread's CPU clock: the fits' clock, blind to the load
+            from gnnpipe.parallel.single import SingleEngine
+
+            torch.set_num_threads(cfg.training.threads_per_worker)  # as the run: an idle team's spin counts
+            eng = SingleEngine(cfg, None, None, torch.device("cpu"))
+            cpu = []
+            for e in range(4):
+                t0 = time.thread_time()
+                eng.train_epoch(e)
+                cpu.append(time.thread_time() - t0)
+            del eng
         rows.append({"run_id": m["run_id"], "mode": cfg.mode, "measured_s": m["epoch_time_s"],
+                     "measured_cpu_s": statistics.median(cpu[1:]) if cfg.mode == "single" else None,
+                     # rank 0's thread CPU in the epoch its train job timed its layers in
+                     "recorded_epoch_cpu_s": (m.get("layer_times") or {}).get("epoch_cpu_s"),
                      "measured_compute_s": m["epoch_time_breakdown_s"]["compute"],
                      "predicted_s": {k: e.epoch_s for k, e in pred.items()},
                      "predicted_compute_s": {k: e.compute_s for k, e in pred.items()}})
@@ -562,7 +576,10 @@ def fit_cost(run_yaml: str, hw_name: str, rounds: int, records=()) -> dict:
                   + (f"; as a job {row['job']['cpu_s']:.2f} s CPU, {row['job']['wall_s']:.2f} s wall, torch "
                      f"imported: {row['job']['imported_torch']}" if recs else ""))
             for p in row.get("records", []):
-                print(f"    {p['run_id']:40s} measured {p['measured_s']:.4f} s; predicted "
+                cpu = f" (thread CPU now {p['measured_cpu_s']:.4f} s)" if p["measured_cpu_s"] else ""
+                if p["recorded_epoch_cpu_s"]:
+                    cpu += f" (rank 0's thread CPU then {p['recorded_epoch_cpu_s']:.4f} s)"
+                print(f"    {p['run_id']:40s} measured {p['measured_s']:.4f} s{cpu}; predicted "
                       + ", ".join(f"{k} {v:.4f} s ({(v - p['measured_s']) / p['measured_s']:+.0%})"
                                   for k, v in p["predicted_s"].items()))
             out.append(row)

@@ -134,7 +134,7 @@ def test_calibrate_from_records_times_nothing_and_imports_no_torch(single_run, t
     hw = load_hardware(out)
     fit = hw.measured["calibration"]
     assert fit["source"] == "records" and fit["runs"] == {"single": [cfg.run_id], "graph": ["par"]}
-    assert fit["single_worker_speedup"] == pytest.approx(max(1.0, fit["cold_ratio"]))
+    assert fit["single_worker_speedup"] >= 1.0 and fit["cold_from"].startswith("the parallel runs")
     digest = str(read_graph_attrs(cfg.graph_path)["content_hash"])
     assert cal.find_calibration(out.parent, cfg.model, digest).name == hw.name == f"cpu-2core+{cfg.dataset_name}"
     assert [p.name[0] for p in (tmp_path / "cache").iterdir()] == ["r"]  # keyed by the records
@@ -168,7 +168,7 @@ def test_without_a_parallel_run_only_the_cold_pass_is_timed(single_run, monkeypa
     fit = hw.measured["calibration"]
     assert len(timed) == 1 and timed[0]["clock"] == "cpu"  # the cold pass, no warm pass
     assert fit["cold_from"] == "a cold pass timed by calibrate" and fit["runs"] == {"single": [cfg.run_id]}
-    assert hw.single_worker_speedup == pytest.approx(max(1.0, fit["cold_ratio"]))
+    assert hw.single_worker_speedup == pytest.approx(max(1.0, fit["single_epoch_s"]["cold"] / fit["single_epoch_s"]["warm"]))
 
 
 def test_records_without_rows_fall_back_to_timing_and_others_are_refused(single_run, tmp_path, monkeypatch):
@@ -182,3 +182,19 @@ def test_records_without_rows_fall_back_to_timing_and_others_are_refused(single_
     other.write_text(json.dumps({**record, "layers": 3}))
     with pytest.raises(GnnPipeError, match=r"other.json is a run of .* gcn 3x16 .*not of the run config's .* gcn 2x16"):
         cal.calibrate_run(cfg, "cpu-2core", records=[other])
+
+
+def test_the_cold_rows_sizes_tell_the_per_call_cost_from_the_rates():
+    """A single run's rows are all whole-graph calls (one size: a per-call cost cannot be told from a
+    per-value one); the parallel runs' calls on parts and chunks of other sizes can, fitted jointly
+    with the speed-up."""
+    coef = np.array([1e-10, 0.0, 0.0, 0.0, 5e-4])  # 10 GFLOP/s, 500 us a call
+    whole = [1e9, 0.0, 0.0, 0.0, 1.0]
+    warm = [{"what": "conv fwd", "work": whole, "seconds": float(np.dot(whole, coef)), "run": "s"}]
+    cold = [{"what": f"part {k}", "work": [k * 1e8, 0.0, 0.0, 0.0, 1.0], "run": "g",
+             "seconds": 1.25 * float(np.dot([k * 1e8, 0, 0, 0, 1], coef))} for k in (1, 2, 5)]
+    hw = cal.calibrate_records({"warm": warm, "cold": cold, "runs": {}}, ch.load_hardware("cpu-2core"))
+    fit = hw.measured["calibration"]
+    assert fit["warm_rates"]["layer_overhead_us"] == pytest.approx(500.0, rel=1e-3)
+    assert fit["warm_rates"]["dense_gflops"] == pytest.approx(10.0, rel=1e-3)
+    assert hw.single_worker_speedup == pytest.approx(1.25, rel=1e-3)

@@ -167,8 +167,9 @@ def _pieces(engine):
 def layer_timer(engine, epoch: int, on: bool):
     """Time the layers of ``engine`` while its ``epoch`` trains (``on``: this epoch and this rank
     record; else nothing is hooked). Yields a dict whose ``"layer_times"`` is set afterwards to
-    ``{"epoch", "clock", "mode", "rows"}`` (None where the engine's model cannot be timed: atomic
-    engines, MLP)."""
+    ``{"epoch", "clock", "threads", "whole_graph", "epoch_cpu_s", "rows"}`` (``epoch_cpu_s``: the
+    whole epoch on the same clock, this rank's; None where the engine's model cannot be timed:
+    atomic engines, MLP)."""
     found = _pieces(engine) if on else None
     result: dict = {"layer_times": None}
     if found is None:
@@ -177,9 +178,11 @@ def layer_timer(engine, epoch: int, on: bool):
     gnn, convs, raw_first, whole = found
     rows = int(engine.num_nodes) if whole else None
     timer = _Timer(gnn, convs, raw_first, backward=whole, rows=rows)
+    t0 = _now()
     try:
         yield result
     finally:
+        epoch_s = _now() - t0
         recorded = timer.close()
     result["layer_times"] = {"epoch": int(epoch), "clock": CLOCK, "threads": torch.get_num_threads(),
-                             "whole_graph": whole, "rows": recorded}
+                             "whole_graph": whole, "epoch_cpu_s": epoch_s, "rows": recorded}

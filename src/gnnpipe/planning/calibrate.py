@@ -307,44 +307,84 @@ def record_rows(cfg: RunConfig, records: Sequence[str | os.PathLike]) -> dict:
     return out
 
 
+#: The speed-ups :func:`joint_fit` searches: from 1 (cold no slower than warm) to this.
+MAX_SPEEDUP = 8.0
+
+
+def joint_fit(A: np.ndarray, t: np.ndarray, Ac: np.ndarray, tc: np.ndarray) -> tuple[float, np.ndarray]:
+    """(s, seconds per unit of work) that fit warm rows ``t = A c`` and cold rows ``tc = s Ac c``
+    together, by least relative error: for each ``s`` the rates are linear (:func:`fit_rates`), so
+    ``s`` is searched in [1, :data:`MAX_SPEEDUP`] (a grid, then golden sections around its best)."""
+    y = np.concatenate([t, tc])
+
+    def err(s):
+        c = fit_rates(np.vstack([A, Ac * s]), y)
+        return float(np.sum(((np.vstack([A, Ac * s]) @ c - y) / y) ** 2)), c
+
+    grid = np.geomspace(1.0, MAX_SPEEDUP, 25)
+    errs = [err(g)[0] for g in grid]
+    i = int(np.argmin(errs))
+    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    g = (np.sqrt(5.0) - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = err(a)[0], err(b)[0]
+    for _ in range(40):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = err(a)[0]
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = err(b)[0]
+    best = min((grid[i], errs[i]), ((a + b) / 2, err((a + b) / 2)[0]), key=lambda p: p[1])[0]
+    return float(best), err(best)[1]
+
+
 def calibrate_records(rows: dict, hw: Hardware, cold: Optional[Hardware] = None) -> Optional[Hardware]:
     """The compute rates fitted to the rows train jobs recorded (:func:`record_rows`), None
-    without warm rows: the warm rates by non-negative least squares on relative errors over the
-    warm rows (each piece of the model, forward and backward, on the whole graph), as
-    :func:`calibrate` fits its samples; the cold rates those times ``single_worker_speedup``, the
-    ratio of what the parallel runs' workers measured (their conv forwards) to what the warm
-    rates predict for the same work, or, without cold rows, of what ``cold`` (a cold pass timed
-    here) and the warm rates predict for the warm rows' work (the ratio of two predicted single
-    epochs, as :func:`calibrate_run` takes it)."""
+    without warm rows. Warm rows (a one-process run's pieces, forward and backward, on the whole
+    graph) are ``t = A c``, cold rows (the parallel runs' conv forwards on parts and chunks)
+    ``t = s A c``: the warm rates ``c`` and ``single_worker_speedup`` ``s`` are fitted together by
+    least relative error (:func:`joint_fit`; non-negative rates as :func:`calibrate` fits its
+    samples). The warm rows are all whole-graph calls of a few shapes, so only the cold rows' other
+    sizes tell a per-call cost from a per-value one. The profile's rates are the cold ones,
+    ``c s``. Without cold rows the warm rows alone are fitted, and ``s`` is the ratio of what
+    ``cold`` (a cold pass timed here; None: 1) and the warm rates predict for the warm rows' work
+    (the ratio of two predicted single epochs, as :func:`calibrate_run` takes it)."""
     warm = rows["warm"]
     if not warm:
         return None
     A = np.asarray([r["work"] for r in warm], dtype=float)
     t = np.asarray([r["seconds"] for r in warm], dtype=float)
-    coef = fit_rates(A, t)
-    pred = A @ coef
-    rel = (pred - t) / t
-    warm_epoch = float(pred.sum())
+    measured = [(f"{r['run']}: {r['what']}", float(r["seconds"]), r["work"]) for r in warm + rows["cold"]]
     if rows["cold"]:
         Ac = np.asarray([r["work"] for r in rows["cold"]], dtype=float)
         tc = np.asarray([r["seconds"] for r in rows["cold"]], dtype=float)
-        ratio, source = float(tc.sum() / max(float((Ac @ coef).sum()), 1e-300)), "parallel runs' conv forwards"
-    elif cold is not None:
+        speedup, coef = joint_fit(A, t, Ac, tc)
+        source = "the parallel runs' conv forwards, fitted with the rates"
+    else:
+        coef = fit_rates(A, t)
+    warm_epoch = float((A @ coef).sum())
+    if not rows["cold"] and cold is not None:
         cold_epoch = float(sum(Work(*r["work"][:3], calls=r["work"][4], rng=r["work"][3]).seconds(cold)
                                for r in warm))
-        ratio, source = cold_epoch / max(warm_epoch, 1e-300), "a cold pass timed by calibrate"
-    else:
-        ratio, source = 1.0, "none: no parallel run and no cold pass"
-    speedup = max(1.0, ratio)
+        speedup, source = max(1.0, cold_epoch / max(warm_epoch, 1e-300)), "a cold pass timed by calibrate"
+    elif not rows["cold"]:
+        speedup, source = 1.0, "none: no parallel run and no cold pass"
+    cold_rows = len(warm)  # the rows from here on are cold: their prediction is the cold rates'
+    pred = np.asarray([np.dot(w, coef) * (speedup if i >= cold_rows else 1.0) for i, (_, _, w) in enumerate(measured)])
+    secs = np.asarray([m[1] for m in measured])
+    rel = (pred - secs) / secs
     warm_rates = coef_rates(coef)
     rates = coef_rates(coef * speedup)
     fit = {"source": "records", "runs": rows["runs"], "clock": "cpu", "threads": 1,
-           "rates": rates, "warm_rates": warm_rates, "cold_ratio": ratio, "cold_from": source,
+           "rates": rates, "warm_rates": warm_rates, "cold_from": source,
            "single_worker_speedup": speedup,
            "single_epoch_s": {"cold": warm_epoch * speedup, "warm": warm_epoch},
            "median_abs_rel_error": float(np.median(np.abs(rel))), "max_abs_rel_error": float(np.max(np.abs(rel))),
-           "measurements": [{"what": f"{r['run']}: {r['what']}", "seconds": float(s), "predicted": float(p)}
-                            for r, s, p in zip(warm, t, pred)]}
+           "measurements": [{"what": nm, "seconds": sec, "predicted": float(p)}
+                            for (nm, sec, _), p in zip(measured, pred)]}
     return replace(hw, **rates, single_worker_speedup=speedup, measured={**hw.measured, "calibration": fit})
 
 
