@@ -32,7 +32,7 @@ def single_run(tmp_path_factory):
     from gnnpipe.train import run
 
     tmp = tmp_path_factory.mktemp("single")
-    cfg = run_cfg(tmp, {"kind": "gcn", "layers": 2, "hidden": 16, "dropout": 0.5}, epochs=4)
+    cfg = run_cfg(tmp, {"kind": "gcn", "layers": 2, "hidden": 16, "dropout": 0.5}, epochs=5)
     record = run(cfg, progress=False)
     out = Path(cfg.out_dir)
     (out / "run.yaml").write_text(dump_run_config(cfg))
@@ -64,17 +64,20 @@ def test_nnls_is_exact_on_small_problems():
 
 def test_a_single_train_job_records_each_piece_forward_and_backward_once(single_run):
     from gnnpipe.costmodel.work import layer_cost
-    from gnnpipe.layertimes import recorded_epoch
+    from gnnpipe.layertimes import recorded_epochs
     from gnnpipe.models.model import GNN
 
     cfg, record, _ = single_run
     lt = record["layer_times"]
-    assert lt["epoch"] == recorded_epoch(cfg.training.epochs, cfg.training.warmup_epochs)
+    assert lt["epochs"] == list(recorded_epochs(cfg.training.epochs, cfg.training.warmup_epochs)) == [1, 2, 3]
+    assert len(lt["epoch_cpu_s_per_epoch"]) == 3 and lt["epoch_cpu_s"] == sorted(lt["epoch_cpu_s_per_epoch"])[1]
     assert (lt["clock"], lt["threads"], lt["whole_graph"]) == ("cpu", 1, True)
     assert json.loads(Path(cfg.out_dir, "metrics.json").read_text())["layer_times"] == lt
     rows = {r["what"].split()[0] + " " + r["what"].split()[-1]: r for r in lt["rows"]}
     assert set(rows) == {"conv0 fwd", "conv0 bwd", "conv1 fwd", "conv1 bwd"}
-    assert all(r["calls"] == 1 and r["seconds"] > 0 for r in rows.values())  # one epoch, not every one
+    # one call an epoch, in three epochs: the median of the three
+    assert all(r["calls"] == 1 and len(r["seconds_per_epoch"]) == 3 and r["seconds"] == sorted(r["seconds_per_epoch"])[1]
+               for r in rows.values())
     # the work is the cost model's for that conv on the whole graph
     gnn = GNN(cfg.model, record["in_features"], 2)
     spec = gnn.convs[1].layer_spec(raw_input=False, params=0)
@@ -198,3 +201,11 @@ def test_the_cold_rows_sizes_tell_the_per_call_cost_from_the_rates():
     assert fit["warm_rates"]["layer_overhead_us"] == pytest.approx(500.0, rel=1e-3)
     assert fit["warm_rates"]["dense_gflops"] == pytest.approx(10.0, rel=1e-3)
     assert hw.single_worker_speedup == pytest.approx(1.25, rel=1e-3)
+
+
+def test_the_recorded_epochs_follow_the_warm_up_and_fit_in_the_run():
+    from gnnpipe.layertimes import recorded_epochs
+
+    assert list(recorded_epochs(10, 1)) == [1, 2, 3] and list(recorded_epochs(10, 0)) == [0, 1, 2]
+    assert list(recorded_epochs(3, 2)) == [0, 1, 2] and list(recorded_epochs(2, 5)) == [0, 1]
+    assert list(recorded_epochs(1, 0)) == [0]

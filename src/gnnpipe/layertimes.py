@@ -1,9 +1,9 @@
 """One epoch's layers timed by the training job itself, for the cost model's calibration.
 
-A node-model train job times, in one epoch it trains anyway (the first after its warm-up,
-:func:`recorded_epoch`), every call of its model's pieces on this thread's CPU clock, and
-counts each call's work with the cost model (``costmodel.work``): the run record keeps them
-as ``layer_times`` (:func:`layer_timer`). ``gnnpipe calibrate`` fits the compute rates to
+A node-model train job times, in epochs it trains anyway (three from the first after its
+warm-up, :func:`recorded_epochs`), every call of its model's pieces on this thread's CPU clock,
+and counts each call's work with the cost model (``costmodel.work``): the run record keeps them
+as ``layer_times`` (:func:`layer_timer`, each row's median over those epochs: :func:`merged`). ``gnnpipe calibrate`` fits the compute rates to
 those rows (``planning.calibrate.calibrate_records``) instead of timing samples of its own.
 
 * ``single`` (one process, the whole graph: the warm rates): every conv, the encoder and the
@@ -17,7 +17,7 @@ those rows (``planning.calibrate.calibrate_records``) instead of timing samples 
   chunks and parts. Backward there interleaves with the exchanges' own autograd functions, so
   it is not timed.
 
-Cheap: a clock read and a hook per call in one epoch, nothing else; the rows are each
+Cheap: a clock read and a hook per call in three epochs, nothing else; the rows are each
 piece's calls summed per distinct (piece, block size), so a 32-layer model records 64 rows.
 """
 
@@ -40,10 +40,33 @@ CLOCK = "cpu"
 _now = time.thread_time
 
 
-def recorded_epoch(epochs: int, warmup_epochs: int) -> int:
-    """The epoch a train job times its layers in: the first timed one (after the warm-up), or the
-    last when every epoch is warm-up."""
-    return min(max(int(warmup_epochs), 0), max(int(epochs) - 1, 0))
+#: Epochs a train job times its layers in (each row's seconds: their median), fewer if it has fewer.
+RECORDED_EPOCHS = 3
+
+
+def recorded_epochs(epochs: int, warmup_epochs: int) -> range:
+    """The epochs a train job times its layers in: :data:`RECORDED_EPOCHS` from the first timed
+    one (after the warm-up), or as many as it has from the last ones when the warm-up leaves fewer."""
+    first = max(0, min(max(int(warmup_epochs), 0), int(epochs) - RECORDED_EPOCHS))
+    return range(first, min(first + RECORDED_EPOCHS, int(epochs)))
+
+
+def merged(before: Optional[dict], now: Optional[dict]) -> Optional[dict]:
+    """The record of several recorded epochs (:func:`layer_timer`'s ``layer_times``, ``before``
+    None for the first): each row's ``seconds`` and ``epoch_cpu_s`` the median over the epochs
+    (their lists kept as ``seconds_per_epoch`` and ``epoch_cpu_s_per_epoch``), its work one epoch's."""
+    if now is None or before is None:
+        return now or before
+    import statistics
+
+    rows = {r["what"]: r for r in before["rows"]}
+    for r in now["rows"]:
+        old = rows.get(r["what"])
+        per = (old["seconds_per_epoch"] if old else []) + [r["seconds"]]
+        rows[r["what"]] = {**r, "seconds": float(statistics.median(per)), "seconds_per_epoch": per}
+    cpu = before["epoch_cpu_s_per_epoch"] + [now["epoch_cpu_s"]]
+    return {**now, "epochs": before["epochs"] + [now["epoch"]], "epoch_cpu_s": float(statistics.median(cpu)),
+            "epoch_cpu_s_per_epoch": cpu, "rows": list(rows.values())}
 
 
 def _work(w: Work) -> list[float]:
@@ -184,5 +207,8 @@ def layer_timer(engine, epoch: int, on: bool):
     finally:
         epoch_s = _now() - t0
         recorded = timer.close()
-    result["layer_times"] = {"epoch": int(epoch), "clock": CLOCK, "threads": torch.get_num_threads(),
-                             "whole_graph": whole, "epoch_cpu_s": epoch_s, "rows": recorded}
+    for r in recorded:
+        r["seconds_per_epoch"] = [r["seconds"]]
+    result["layer_times"] = {"epoch": int(epoch), "epochs": [int(epoch)], "clock": CLOCK,
+                             "threads": torch.get_num_threads(), "whole_graph": whole, "epoch_cpu_s": epoch_s,
+                             "epoch_cpu_s_per_epoch": [epoch_s], "rows": recorded}
