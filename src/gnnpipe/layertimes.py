@@ -1,10 +1,11 @@
-"""One epoch's layers timed by the training job itself, for the cost model's calibration.
+"""A model's layers timed by the training job itself, for the cost model's calibration.
 
 A node-model train job times, in epochs it trains anyway (three from the first after its
 warm-up, :func:`recorded_epochs`), every call of its model's pieces on this thread's CPU clock,
 and counts each call's work with the cost model (``costmodel.work``): the run record keeps them
-as ``layer_times`` (:func:`layer_timer`, each row's median over those epochs: :func:`merged`). ``gnnpipe calibrate`` fits the compute rates to
-those rows (``planning.calibrate.calibrate_records``) instead of timing samples of its own.
+as ``layer_times`` (:func:`layer_timer`; each row's median over those epochs, :func:`merged`).
+``gnnpipe calibrate`` fits the compute rates to those rows
+(``planning.calibrate.calibrate_records``) instead of timing samples of its own.
 
 * ``single`` (one process, the whole graph: the warm rates): every conv, the encoder and the
   decoder, forward and backward. A piece's forward is the time inside its module call; its
@@ -13,12 +14,13 @@ those rows (``planning.calibrate.calibrate_records``) instead of timing samples 
   runs a CPU graph on the thread that called ``backward``, one node after another, so the
   interval is that piece's backward and nothing else's.
 * the parallel modes (``graph``, ``pipeline``, ``hybrid``: a worker's share between exchanges,
-  the cold rates): rank 0's conv forwards called on a plain block (no narrow side), on its
-  chunks and parts. Backward there interleaves with the exchanges' own autograd functions, so
-  it is not timed.
+  and what the cold rates are fitted to): rank 0's conv forwards called on a plain block (no
+  narrow side), on its chunks and parts. Backward there interleaves with the exchanges' own
+  autograd functions, so it is not timed.
 
 Cheap: a clock read and a hook per call in three epochs, nothing else; the rows are each
-piece's calls summed per distinct (piece, block size), so a 32-layer model records 64 rows.
+piece's calls in an epoch summed per distinct (piece, block size), so a 32-layer model records
+66 rows in ``single`` (its convs forward and backward, its encoder and decoder).
 """
 
 from __future__ import annotations

@@ -460,7 +460,7 @@ def _train(cfg: RunConfig, task: Task, engine, comm, att: _Attempt, device, prog
     timed = [r for r in history if r["epoch"] >= tc.warmup_epochs or tc.epochs <= tc.warmup_epochs]
     record = _record(cfg, task, engine, history, [r["epoch_time_s"] for r in timed], timed, last_eval, int(peak))
     record.update(started_at=att.started_at, finished_at=_utc_now())  # this attempt's job, UTC
-    if layer_times is not None:  # one epoch's layers, timed as it trained (gnnpipe.layertimes)
+    if layer_times is not None:  # its layers, timed in the recorded epochs as it trained (gnnpipe.layertimes)
         record["layer_times"] = layer_times
     write_text(out_dir / "run.resolved.yaml", dump_run_config(cfg))
     write_json(out_dir / "metrics.json", record)  # kept even if MLflow fails below
