@@ -707,12 +707,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "machine; wall: wall-clock time (used anyway for several threads per worker)")
     c.add_argument("--cache", default=None,
                    help="directory of fitted profiles keyed by what the fit depends on (this machine and "
-                        "base profile, graph content, model, dtype, threads, clock): one found there is "
+                        "base profile, graph content, model, dtype, threads, clock; from --records: the base "
+                        "profile, graph content, model, dtype and the records' rows): one found there is "
                         "reused, one fitted is added (the workflow: results/calibration_cache)")
     c.add_argument("--records", nargs="*", default=[], metavar="METRICS_JSON",
                    help="run records (results/runs/<run_id>/metrics.json) of train jobs of the same dataset and "
                         "model: the layers they timed as they trained are fitted instead of timing samples here "
-                        "(a one-process run's rows give the rates, a parallel run's the cold-cache ratio); "
+                        "(a one-process run's rows and a parallel run's give the rates and the cold-to-warm "
+                        "speed-up together); "
                         "without a one-process run's rows, samples are timed as without --records")
     c.add_argument("--out", required=True, help="profile to write (YAML)")
     c.set_defaults(func=_calibrate, outputs=("out",))
