@@ -7,6 +7,8 @@
     python benchmarks/bench_calibrate.py --smoke --out /tmp/calibrate.json   # every measurement, tiny
     python benchmarks/bench_calibrate.py --fit results/runs/<run>/run.yaml --rounds 3 \
         --out results/benchmarks/fit.json      # what the workflow's calibrate costs, what it predicts
+    python benchmarks/bench_calibrate.py --fit results/runs/<run>/run.yaml --rounds 3 \
+        --records results/runs/<run>/metrics.json results/runs/<parallel run>/metrics.json  # ... from records
 
 Measurements (medians of ``--reps``, after a warm-up):
 
@@ -461,11 +463,83 @@ def check(graph_path: str, model_cfg, hw_name: str, epochs: int, threads: int,
             "calibration": fitted.measured["calibration"], "rows": rows}
 
 
-def fit_cost(run_yaml: str, hw_name: str, rounds: int) -> dict:
+def _record_predictions(records, fits: dict) -> list[dict]:
+    """Each run record's measured epoch against what each fitted profile in ``fits`` predicts for its
+    layout (its run.yaml beside it; METIS statistics cached beside the graph)."""
+    from gnnpipe.config import load_run_config
+    from gnnpipe.graph import read_graph_attrs
+    from gnnpipe.planning.predict import predict_layout
+    from gnnpipe.planning.shape import build_model, model_shape
+    from gnnpipe.planning.stats import cached_graph_stats
+
+    rows = []
+    for rec in records:
+        m = json.loads(Path(rec).read_text())
+        cfg = load_run_config(Path(rec).parent / "run.yaml")
+        attrs = read_graph_attrs(cfg.graph_path)
+        st = cached_graph_stats(cfg.graph_path, sorted({k for k in (cfg.ways, cfg.chunks) if k > 1}),
+                                method=cfg.partitioning.method, seed=cfg.partitioning.seed,
+                                balance_edges=cfg.partitioning.balance_edges,
+                                balance_nodes=cfg.partitioning.balance_nodes)
+        gnn = build_model(cfg.model, int(attrs["num_features"]), int(attrs["num_classes"]))
+        pred = {name: predict_layout(st, gnn, model_shape(gnn), hw, cfg.mode, cfg.stages, cfg.ways, cfg.chunks,
+                                     dtype_bytes=m.get("dtype_bytes", 4), overlap=cfg.graph_parallel.overlap,
+                                     balance=cfg.pipeline.balance, pipeline_cfg=cfg.pipeline)
+                for name, hw in fits.items()}
+        if cfg.mode == "single":  # its epoch again on this thread's CPU clock: the fits' clock, blind to the load
+            from gnnpipe.parallel.single import SingleEngine
+
+            torch.set_num_threads(cfg.training.threads_per_worker)  # as the run: an idle team's spin counts
+            eng = SingleEngine(cfg, None, None, torch.device("cpu"))
+            cpu = []
+            for e in range(4):
+                t0 = time.thread_time()
+                eng.train_epoch(e)
+                cpu.append(time.thread_time() - t0)
+            del eng
+        rows.append({"run_id": m["run_id"], "mode": cfg.mode, "measured_s": m["epoch_time_s"],
+                     "measured_cpu_s": statistics.median(cpu[1:]) if cfg.mode == "single" else None,
+                     # rank 0's thread CPU in the epoch its train job timed its layers in
+                     "recorded_epoch_cpu_s": (m.get("layer_times") or {}).get("epoch_cpu_s"),
+                     "measured_compute_s": m["epoch_time_breakdown_s"]["compute"],
+                     "predicted_s": {k: e.epoch_s for k, e in pred.items()},
+                     "predicted_compute_s": {k: e.compute_s for k, e in pred.items()}})
+    return rows
+
+
+def _calibrate_job(run_yaml: str, hw_name: str, records) -> dict:
+    """``gnnpipe calibrate --records`` as the workflow's job runs it (a process of its own, no
+    cache): its wall and CPU seconds (user + system of the child) and whether it imported torch."""
+    import resource
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        code = ("import sys; from gnnpipe.cli import main; rc = main(sys.argv[1:]); "
+                "print('torch' in sys.modules); sys.exit(rc)")
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        res = subprocess.run([sys.executable, "-c", code, "calibrate", "--run-config", run_yaml, "--hardware",
+                              hw_name, "--records", *records, "--out", f"{tmp}/fit.yaml"],
+                             capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
+        wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall_s": wall, "cpu_s": cpu, "imported_torch": res.stdout.strip().splitlines()[-1] == "True"}
+
+
+def fit_cost(run_yaml: str, hw_name: str, rounds: int, records=()) -> dict:
     """``calibrate_run`` of a run, ``rounds`` times: each fit's CPU seconds (this thread, and the
     process's; torch already imported, ~1.3 s that the workflow's calibrate job also pays) and
     wall seconds, and its predicted epochs of single, graph 1 x 2 and pipeline 2 x 1 with 8
-    chunks on the run's graph (METIS statistics, cached beside the graph)."""
+    chunks on the run's graph (METIS statistics, cached beside the graph).
+
+    ``records``: run records (metrics.json, run.yaml beside each) of that dataset and model whose
+    train jobs timed their layers: each round then also fits them (``calibrate_run(records=...)``),
+    in this process and as the workflow's job (``gnnpipe calibrate --records``, a process of its
+    own: its CPU seconds, imports included), in turns with the fit that times samples, and each
+    record's measured epoch is compared with what the two fits predict for its layout."""
     from gnnpipe.config import load_run_config, to_dict
     from gnnpipe.graph import read_graph_attrs
     from gnnpipe.planning.calibrate import calibrate_run
@@ -480,19 +554,39 @@ def fit_cost(run_yaml: str, hw_name: str, rounds: int) -> dict:
     shape = model_shape(gnn)
     layouts = {"single": ("single", 1, 1, 1), "graph 1x2": ("graph", 1, 2, 2),
                "pipeline 2x1 C=8": ("pipeline", 2, 1, 8)}
+    ways = {"samples": ()} if not records else {"samples": (), "records": tuple(records)}
     out = []
     for r in range(rounds):
-        load0 = os.getloadavg()[0]
-        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
-        hw = calibrate_run(cfg, hw_name)
-        row = {"round": r, "wall_s": time.perf_counter() - t0, "thread_cpu_s": time.thread_time() - c0,
-               "process_cpu_s": time.process_time() - p0, "load_avg_1min": [load0, os.getloadavg()[0]],
-               "single_worker_speedup": hw.single_worker_speedup,
-               "predicted_epoch_s": {k: predict_layout(stats, gnn, shape, hw, *v).epoch_s for k, v in layouts.items()}}
-        print(f"fit {r}: {row['thread_cpu_s']:.2f} s thread CPU, {row['wall_s']:.1f} s wall (load "
-              f"{load0:.1f}); predicted " + ", ".join(f"{k} {v:.3f} s" for k, v in row["predicted_epoch_s"].items()))
-        out.append(row)
-    return {"run_config": run_yaml, "graph": cfg.graph_path, "model": to_dict(cfg.model), "rounds": out}
+        for way, recs in ways.items():
+            load0 = os.getloadavg()[0]
+            t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+            hw = calibrate_run(cfg, hw_name, records=recs)
+            row = {"round": r, "fit": way, "wall_s": time.perf_counter() - t0,
+                   "thread_cpu_s": time.thread_time() - c0,
+                   "process_cpu_s": time.process_time() - p0, "load_avg_1min": [load0, os.getloadavg()[0]],
+                   "single_worker_speedup": hw.single_worker_speedup,
+                   "predicted_epoch_s": {k: predict_layout(stats, gnn, shape, hw, *v).epoch_s
+                                         for k, v in layouts.items()}}
+            if recs:
+                row["job"] = _calibrate_job(run_yaml, hw_name, recs)
+                row["records"] = _record_predictions(recs, {"samples": out[-1]["profile"], "records": hw})
+            row["profile"] = hw
+            print(f"fit {r} from {way}: {row['thread_cpu_s']:.2f} s thread CPU, {row['wall_s']:.1f} s wall (load "
+                  f"{load0:.1f}); predicted " + ", ".join(f"{k} {v:.3f} s" for k, v in row["predicted_epoch_s"].items())
+                  + (f"; as a job {row['job']['cpu_s']:.2f} s CPU, {row['job']['wall_s']:.2f} s wall, torch "
+                     f"imported: {row['job']['imported_torch']}" if recs else ""))
+            for p in row.get("records", []):
+                cpu = f" (thread CPU now {p['measured_cpu_s']:.4f} s)" if p["measured_cpu_s"] else ""
+                if p["recorded_epoch_cpu_s"]:
+                    cpu += f" (rank 0's thread CPU then {p['recorded_epoch_cpu_s']:.4f} s)"
+                print(f"    {p['run_id']:40s} measured {p['measured_s']:.4f} s{cpu}; predicted "
+                      + ", ".join(f"{k} {v:.4f} s ({(v - p['measured_s']) / p['measured_s']:+.0%})"
+                                  for k, v in p["predicted_s"].items()))
+            out.append(row)
+    for row in out:
+        row.pop("profile")
+    return {"run_config": run_yaml, "graph": cfg.graph_path, "model": to_dict(cfg.model), "records": list(records),
+            "rounds": out}
 
 
 def main(argv=None) -> int:
@@ -509,12 +603,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3, help="--check: calibrate/measure rounds; --fit: fits")
     ap.add_argument("--fit", metavar="RUN_YAML", help="time the workflow's calibration of this run")
+    ap.add_argument("--records", nargs="*", default=[], metavar="METRICS_JSON",
+                    help="--fit: also fit these run records' layer rows (in turns with the fit that times "
+                         "samples) and compare each record's measured epoch with both fits' predictions")
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="--check: time with wall clock, or thread CPU time (a shared machine)")
     ap.add_argument("--runs-dir", help="also compare these run records (metrics.json + run.yaml)")
     a = parse_args(ap, argv, reps=1)
     if a.fit:
-        res = fit_cost(a.fit, a.hardware, a.rounds)
+        res = fit_cost(a.fit, a.hardware, a.rounds, a.records)
     elif a.check:
         from gnnpipe.config import ModelConfig
 

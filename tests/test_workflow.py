@@ -63,6 +63,12 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
         assert f"results/runs/{rid}/predictions.h5" in out and f"results/runs/{rid}/relax.json" in out
     for d, m in fitted:
         assert f"results/cost_model/{d}/{m}.yaml" in out
+        # calibration fits the layers the train jobs of that dataset and model timed (#36)
+        cmd = next(l for l in out.splitlines() if l.startswith("Shell command:") and "gnnpipe calibrate" in l
+                   and f"cost_model/{d}/{m}.yaml" in l)
+        records = cmd[cmd.index("--records"):cmd.index("--out")].split()[1:]
+        assert sorted(records) == sorted(f"results/runs/{run_id(wf, s)}/metrics.json" for s in wf.runs
+                                         if (s.dataset, s.model) == (d, m)), cmd
     for store in stores:  # exactly the stores the runs read, at k = P (graph) or C (pipeline)
         assert f"output: {store}" in out
     for d in node:  # plan_stats reads the partitions the stores are made of, partitions only the others
@@ -406,6 +412,8 @@ def test_tiny_config_end_to_end(tmp_path):
         hw = load_hardware(results / "cost_model" / dataset / f"{model}.yaml")
         fit = hw.measured["calibration"]
         assert hw.name == f"cpu-2core+{dataset}" and f"`{hw.name}`" in report
+        # fitted to the layers its train jobs timed (#36): the single run's rows, the parallel runs' ratio
+        assert fit["source"] == "records" and "single" in fit["runs"] and set(fit["runs"]) - {"single"}, fit["runs"]
         assert fit["graph_hash"] == str(read_graph_attrs(graph_path)["content_hash"])
         assert fit["model"]["kind"] == wf.models[model].kind
         assert (results / "cost_model" / dataset / "plan-stats.json").is_file()

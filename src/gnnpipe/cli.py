@@ -396,7 +396,7 @@ def _fit_run(a):
 def _calibrate(a):
     from .planning.calibrate import calibrate_run, write_hardware
 
-    write_hardware(calibrate_run(a.run_config, a.hardware, clock=a.clock, cache=a.cache), a.out)
+    write_hardware(calibrate_run(a.run_config, a.hardware, clock=a.clock, cache=a.cache, records=a.records), a.out)
 
 
 def _plan_stats(a):
@@ -714,8 +714,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser(
         "calibrate", help="fit a hardware profile's compute rates to a run's graph and model",
-        description="Time every distinct conv of the run's model forward and backward on samples "
-                    "of its graph (and the bare kernels), fit the cost model's compute rates "
+        description="Fit the layers that --records' train jobs timed as they trained, or else time "
+                    "every distinct conv of the run's model forward and backward on samples "
+                    "of its graph (and the bare kernels); fit the cost model's compute rates "
                     "(dense FLOP/s, sparse and elementwise values/s, random numbers/s, per-call "
                     "overhead) and write the profile with those rates as YAML. The links keep the "
                     "profile's values. A fit found in --cache is reused.")
@@ -726,8 +727,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "machine; wall: wall-clock time (used anyway for several threads per worker)")
     c.add_argument("--cache", default=None,
                    help="directory of fitted profiles keyed by what the fit depends on (this machine and "
-                        "base profile, graph content, model, dtype, threads, clock): one found there is "
+                        "base profile, graph content, model, dtype, threads, clock; from --records: the base "
+                        "profile, graph content, model, dtype and the records' rows): one found there is "
                         "reused, one fitted is added (the workflow: results/calibration_cache)")
+    c.add_argument("--records", nargs="*", default=[], metavar="METRICS_JSON",
+                   help="run records (results/runs/<run_id>/metrics.json) of train jobs of the same dataset and "
+                        "model: the layers they timed as they trained are fitted instead of timing samples here "
+                        "(a one-process run's rows and a parallel run's give the rates and the cold-to-warm "
+                        "speed-up together); "
+                        "without a one-process run's rows, samples are timed as without --records")
     c.add_argument("--out", required=True, help="profile to write (YAML)")
     c.set_defaults(func=_calibrate, outputs=("out",))
 

@@ -57,6 +57,7 @@ from .checkpoint import run_fingerprint
 from .config import RunConfig, TrainingConfig, bounds, dump_run_config, to_dict
 from .engine import DTYPES, NonFiniteError
 from .io import GnnPipeError, write_json, write_text, write_torch
+from .layertimes import layer_timer, merged, recorded_epochs
 from .layout import ParallelDims
 from .parallel.groups import ProcessGroups, build_groups
 from .tasks import Task, task_for
@@ -404,6 +405,7 @@ def _train(cfg: RunConfig, task: Task, engine, comm, att: _Attempt, device, prog
         from tqdm import tqdm
         bar = tqdm(total=tc.epochs, initial=start, desc=f"train {cfg.run_id}", unit="epoch", file=sys.stderr,
                    disable=not sys.stderr.isatty() and not os.environ.get("GNNPIPE_PROGRESS"))
+    timed_epochs, layer_times = recorded_epochs(tc.epochs, tc.warmup_epochs), None
     for epoch in range(start, tc.epochs):
         att.epoch = epoch
         _fault_injection(att, epoch)
@@ -412,8 +414,10 @@ def _train(cfg: RunConfig, task: Task, engine, comm, att: _Attempt, device, prog
         if world > 1:
             dist.barrier()  # every rank starts the epoch together: the timing is the epoch's
         t0 = time.perf_counter()
-        stats = engine.train_epoch(epoch)
+        with layer_timer(engine, epoch, rank == 0 and epoch in timed_epochs) as timed_layers:  # calibration's rows
+            stats = engine.train_epoch(epoch)
         wall = time.perf_counter() - t0
+        layer_times = merged(layer_times, timed_layers["layer_times"])
         if not math.isfinite(stats.loss):  # the reduced loss: every rank stops here together
             raise NonFiniteError(f"{att.where()}: non-finite training loss ({stats.loss}): training "
                                  f"diverged (lower training.lr?)")
@@ -456,6 +460,8 @@ def _train(cfg: RunConfig, task: Task, engine, comm, att: _Attempt, device, prog
     timed = [r for r in history if r["epoch"] >= tc.warmup_epochs or tc.epochs <= tc.warmup_epochs]
     record = _record(cfg, task, engine, history, [r["epoch_time_s"] for r in timed], timed, last_eval, int(peak))
     record.update(started_at=att.started_at, finished_at=_utc_now())  # this attempt's job, UTC
+    if layer_times is not None:  # its layers, timed in the recorded epochs as it trained (gnnpipe.layertimes)
+        record["layer_times"] = layer_times
     write_text(out_dir / "run.resolved.yaml", dump_run_config(cfg))
     write_json(out_dir / "metrics.json", record)  # kept even if MLflow fails below
     from .tracking import log_training

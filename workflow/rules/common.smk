@@ -190,9 +190,15 @@ def plan_assignment_args(wildcards, input) -> str:
 
 
 def calibration_inputs(wildcards) -> dict:
-    """The run.yaml calibration fits to and, when it numbers nodes for locality, the order (rule locality)."""
+    """The run.yaml calibration fits to, the run records of every run of that dataset and model
+    with its dtype and one thread a worker (their train jobs timed their layers: calibration fits
+    those instead of timing its own samples), and, when it numbers nodes for locality, the order
+    (rule locality)."""
     run = RUNS[CALIBRATION_RUNS[(wildcards.dataset, wildcards.model)]]
-    inputs = {"run_config": f"{RESULTS}/runs/{run.run_id}/run.yaml"}
+    inputs = {"run_config": f"{RESULTS}/runs/{run.run_id}/run.yaml",
+              "records": [f"{RESULTS}/runs/{rid}/metrics.json" for rid, r in RUNS.items()
+                          if (r.dataset_name, r.model) == (run.dataset_name, run.model)
+                          and r.training.dtype == run.training.dtype and r.training.threads_per_worker == 1]}
     if run.locality_path:
         inputs["locality"] = run.locality_path
     return inputs

@@ -55,7 +55,9 @@ rule plan_stats:
 
 rule calibrate:
     """The cost model's hardware profile with its compute rates fitted, on this machine, to
-    a dataset's graph and a model (timed on the thread's CPU clock: other jobs may run)."""
+    a dataset's graph and a model: to the layers its train jobs timed as they trained (their
+    run records; it feeds only the report, which waits for them anyway), or, without a
+    one-process run's, to samples timed here (on the thread's CPU clock: other jobs may run)."""
     input:
         unpack(calibration_inputs),
         graph=f"{RESULTS}/data/{{dataset}}/graph.h5",
@@ -75,4 +77,4 @@ rule calibrate:
         "../../envs/gnnpipe.yaml"
     shell:
         "gnnpipe calibrate --run-config {input.run_config:q} --hardware {input.hardware:q}"
-        " --cache {params.cache:q} --out {output.profile:q} > {log:q} 2>&1"
+        " --cache {params.cache:q} --records {input.records:q} --out {output.profile:q} > {log:q} 2>&1"

@@ -94,7 +94,6 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[Hardware] = None
     if clock == "cpu" and threads != 1:
         raise GnnPipeError("calibrate: clock='cpu' times this thread only; use threads=1")
     import torch
-    from scipy.optimize import nnls
 
     from ..models.ops import gcn_aggregate
 
@@ -190,21 +189,13 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[Hardware] = None
 
     A = np.asarray(X, dtype=float)
     t = np.asarray(y, dtype=float)
-    scale = A.max(axis=0)
-    scale[scale == 0] = 1.0
-    coef, _ = nnls((A / scale) / t[:, None], np.ones_like(t))  # relative errors
-    coef = coef / scale  # seconds per unit of each kind of work
+    coef = fit_rates(A, t)
     pred = A @ coef
     base = hardware or Hardware(name="calibrated-cpu", workers_per_node=max(1, os.cpu_count() or 1),
                                    memory_gib=8.0, dense_gflops=1.0, sparse_gvalues=1.0,
                                    elementwise_gvalues=1.0, intra_bandwidth_gbs=1.0,
                                    intra_latency_us=50.0, nodes=1)
-    rates = {}
-    for key, c in (("dense_gflops", coef[0]), ("sparse_gvalues", coef[1]),
-                   ("elementwise_gvalues", coef[2]), ("random_gvalues", coef[3])):
-        if c > 0:
-            rates[key] = float(1.0 / c / 1e9)
-    rates["layer_overhead_us"] = float(coef[4] * 1e6)
+    rates = coef_rates(coef)
     rel = (pred - t) / t
     fit = {"threads": int(threads), "dtype": dtype, "clock": clock, "graph": graph.name, "model": to_dict(model_cfg),
            "rows": list(rows), "reps": reps,
@@ -214,6 +205,44 @@ def calibrate(graph, model_cfg: ModelConfig, hardware: Optional[Hardware] = None
            "measurements": [{"what": nm, "seconds": float(s), "predicted": float(pr)}
                             for nm, s, pr in zip(names, t, pred)]}
     return replace(base, **rates, measured={**base.measured, "calibration": fit})
+
+
+def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ||A x - b|| over x >= 0, exactly, for a handful of columns: the least-squares fit on
+    every subset of the columns, the best whose coefficients are all non-negative (the cost model
+    has 5 kinds of work: 31 small solves, no scipy import, which costs a fit from records more
+    than the fit)."""
+    n = A.shape[1]
+    best, best_r = np.zeros(n), float(np.dot(b, b))
+    for mask in range(1, 2 ** n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        x, *_ = np.linalg.lstsq(A[:, cols], b, rcond=None)
+        if np.all(x >= 0):
+            r = float(np.sum((A[:, cols] @ x - b) ** 2))
+            if r < best_r - 1e-12 * max(best_r, 1e-300):
+                best, best_r = np.zeros(n), r
+                best[cols] = x
+    return best
+
+
+def fit_rates(A: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Seconds per unit of each kind of work (the columns of ``A``: dense, sparse, elementwise,
+    random, calls) fitted to the times ``t`` by non-negative least squares on relative errors."""
+    scale = A.max(axis=0)
+    scale[scale == 0] = 1.0
+    return nnls((A / scale) / t[:, None], np.ones_like(t)) / scale
+
+
+def coef_rates(coef: np.ndarray) -> dict:
+    """A profile's rate fields from seconds per unit of each kind of work (a kind fitted to 0
+    keeps the profile's own rate)."""
+    rates = {}
+    for key, c in (("dense_gflops", coef[0]), ("sparse_gvalues", coef[1]),
+                   ("elementwise_gvalues", coef[2]), ("random_gvalues", coef[3])):
+        if c > 0:
+            rates[key] = float(1.0 / c / 1e9)
+    rates["layer_overhead_us"] = float(coef[4] * 1e6)
+    return rates
 
 
 #: What :func:`calibrate_run` times: 3 repeats (the median of 3 is as steady as of 5 on the
@@ -250,8 +279,127 @@ def calibration_key(hw: Hardware, graph_hash: str, cfg: RunConfig, clock: str) -
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def record_rows(cfg: RunConfig, records: Sequence[str | os.PathLike]) -> dict:
+    """The layer rows the train jobs of ``cfg``'s dataset and model recorded (run records,
+    ``metrics.json``, with ``layer_times``: ``gnnpipe.layertimes``): ``{"warm": [...], "cold":
+    [...], "runs": {mode: [run ids]}}``, ``warm`` from one-process runs on the whole graph, ``cold``
+    from parallel runs' workers. Only records timed on one compute thread's CPU clock count (a
+    record without rows, of an older train job, or of several threads adds nothing); a record of
+    another dataset, model or dtype is refused."""
+    out: dict = {"warm": [], "cold": [], "runs": {}}
+    for path in records:
+        try:
+            rec = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise GnnPipeError(f"calibrate --records: cannot read {path}: {e}") from None
+        ours = (cfg.dataset_name, cfg.model.kind, cfg.model.layers, cfg.model.hidden, DTYPE_BYTES[cfg.training.dtype])
+        theirs = tuple(rec.get(k) for k in ("dataset", "model", "layers", "hidden", "dtype_bytes"))
+        if theirs != ours:
+            raise GnnPipeError(f"calibrate --records: {path} is a run of {theirs[0]} {theirs[1]} {theirs[2]}x{theirs[3]} "
+                               f"({theirs[4]}-byte values), not of the run config's {ours[0]} {ours[1]} "
+                               f"{ours[2]}x{ours[3]} ({ours[4]}-byte); pass the records of that dataset and model")
+        lt = rec.get("layer_times") or {}
+        if not lt.get("rows") or lt.get("clock") != "cpu" or lt.get("threads", 1) != 1:
+            continue
+        kind = "warm" if lt.get("whole_graph") else "cold"
+        out[kind] += [{**r, "run": rec.get("run_id")} for r in lt["rows"] if r["seconds"] > 0]
+        out["runs"].setdefault(str(rec.get("mode")), []).append(rec.get("run_id"))
+    return out
+
+
+#: The speed-ups :func:`joint_fit` searches: from 1 (cold no slower than warm) to this.
+MAX_SPEEDUP = 8.0
+
+
+def joint_fit(A: np.ndarray, t: np.ndarray, Ac: np.ndarray, tc: np.ndarray) -> tuple[float, np.ndarray]:
+    """(s, seconds per unit of work) that fit warm rows ``t = A c`` and cold rows ``tc = s Ac c``
+    together, by least relative error: for each ``s`` the rates are linear (:func:`fit_rates`), so
+    ``s`` is searched in [1, :data:`MAX_SPEEDUP`] (a grid, then golden sections around its best)."""
+    y = np.concatenate([t, tc])
+
+    def err(s):
+        c = fit_rates(np.vstack([A, Ac * s]), y)
+        return float(np.sum(((np.vstack([A, Ac * s]) @ c - y) / y) ** 2)), c
+
+    grid = np.geomspace(1.0, MAX_SPEEDUP, 25)
+    errs = [err(g)[0] for g in grid]
+    i = int(np.argmin(errs))
+    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    g = (np.sqrt(5.0) - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = err(a)[0], err(b)[0]
+    for _ in range(40):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = err(a)[0]
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = err(b)[0]
+    best = min((grid[i], errs[i]), ((a + b) / 2, err((a + b) / 2)[0]), key=lambda p: p[1])[0]
+    return float(best), err(best)[1]
+
+
+def calibrate_records(rows: dict, hw: Hardware, cold: Optional[Hardware] = None) -> Optional[Hardware]:
+    """The compute rates fitted to the rows train jobs recorded (:func:`record_rows`), None
+    without warm rows. Warm rows (a one-process run's pieces, forward and backward, on the whole
+    graph) are ``t = A c``, cold rows (the parallel runs' conv forwards on parts and chunks)
+    ``t = s A c``: the warm rates ``c`` and ``single_worker_speedup`` ``s`` are fitted together by
+    least relative error (:func:`joint_fit`; non-negative rates as :func:`calibrate` fits its
+    samples). The warm rows are all whole-graph calls of a few shapes, so only the cold rows' other
+    sizes tell a per-call cost from a per-value one. The profile's rates are the cold ones,
+    ``c s``. Without cold rows the warm rows alone are fitted, and ``s`` is the ratio of what
+    ``cold`` (a cold pass timed here; None: 1) and the warm rates predict for the warm rows' work
+    (the ratio of two predicted single epochs, as :func:`calibrate_run` takes it)."""
+    warm = rows["warm"]
+    if not warm:
+        return None
+    A = np.asarray([r["work"] for r in warm], dtype=float)
+    t = np.asarray([r["seconds"] for r in warm], dtype=float)
+    measured = [(f"{r['run']}: {r['what']}", float(r["seconds"]), r["work"]) for r in warm + rows["cold"]]
+    if rows["cold"]:
+        Ac = np.asarray([r["work"] for r in rows["cold"]], dtype=float)
+        tc = np.asarray([r["seconds"] for r in rows["cold"]], dtype=float)
+        speedup, coef = joint_fit(A, t, Ac, tc)
+        source = "the parallel runs' conv forwards, fitted with the rates"
+    else:
+        coef = fit_rates(A, t)
+    warm_epoch = float((A @ coef).sum())
+    if not rows["cold"] and cold is not None:
+        cold_epoch = float(sum(Work(*r["work"][:3], calls=r["work"][4], rng=r["work"][3]).seconds(cold)
+                               for r in warm))
+        speedup, source = max(1.0, cold_epoch / max(warm_epoch, 1e-300)), "a cold pass timed by calibrate"
+    elif not rows["cold"]:
+        speedup, source = 1.0, "none: no parallel run and no cold pass"
+    cold_rows = len(warm)  # the rows from here on are cold: their prediction is the cold rates'
+    pred = np.asarray([np.dot(w, coef) * (speedup if i >= cold_rows else 1.0) for i, (_, _, w) in enumerate(measured)])
+    secs = np.asarray([m[1] for m in measured])
+    rel = (pred - secs) / secs
+    warm_rates = coef_rates(coef)
+    rates = coef_rates(coef * speedup)
+    fit = {"source": "records", "runs": rows["runs"], "clock": "cpu", "threads": 1,
+           "rates": rates, "warm_rates": warm_rates, "cold_from": source,
+           "single_worker_speedup": speedup,
+           "single_epoch_s": {"cold": warm_epoch * speedup, "warm": warm_epoch},
+           "median_abs_rel_error": float(np.median(np.abs(rel))), "max_abs_rel_error": float(np.max(np.abs(rel))),
+           "measurements": [{"what": nm, "seconds": sec, "predicted": float(p)}
+                            for (nm, sec, _), p in zip(measured, pred)]}
+    return replace(hw, **rates, single_worker_speedup=speedup, measured={**hw.measured, "calibration": fit})
+
+
+def records_key(hw: Hardware, graph_hash: str, cfg: RunConfig, rows: dict) -> str:
+    """The content key of a fit from records: the base profile, the graph's content, the model
+    config, dtype, and the rows themselves (the machine and what was timed are in the rows: a
+    retrained run's are new)."""
+    what = {"hardware": hw.as_dict(), "graph_hash": graph_hash, "model": to_dict(cfg.model),
+            "dtype": cfg.training.dtype, "rows": [rows["warm"], rows["cold"]], "cold_pass": not rows["cold"]}
+    return "r" + hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:31]
+
+
 def calibrate_run(run_config, hardware, *, clock: str = "cpu",
-                  cache: str | os.PathLike | None = None) -> Hardware:
+                  cache: str | os.PathLike | None = None,
+                  records: Sequence[str | os.PathLike] = ()) -> Hardware:
     """:func:`calibrate` on what one run trains: its graph, model, dtype and threads per
     worker. The result is named ``<profile>+<dataset>`` and keeps the profile's links; its
     ``measured["calibration"]`` records the model config and the graph's content hash, so
@@ -260,19 +408,25 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu",
     ``cache``: a directory of fitted profiles keyed by :func:`calibration_key`; a profile
     found there is reused (``measured["calibration"]["cached"]`` says so), one fitted here is
     written there (atomically), so a second run or config on the same graph and model pays
-    nothing."""
+    nothing.
+
+    ``records``: run records (``metrics.json``) of train jobs of this dataset and model. With a
+    one-process run's layer rows among them (:func:`record_rows`) the rates are fitted to those
+    (:func:`calibrate_records`; nothing is timed here, torch is not imported) and the cache key
+    is :func:`records_key`; only where no parallel run recorded its workers' convs is a cold pass
+    timed, for the cold-to-warm ratio."""
     cfg = run_config if isinstance(run_config, RunConfig) else load_run_config(run_config)
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
     threads = cfg.training.threads_per_worker
     if clock == "cpu" and threads != 1:
         clock = "wall"  # the CPU clock of one thread says nothing about a team of threads
     digest = str(read_graph_attrs(cfg.graph_path)["content_hash"])
-    cached = None
-    if cache is not None:
-        cached = Path(cache) / f"{calibration_key(hw, digest, cfg, clock)}.yaml"
-        if cached.is_file():
-            found = load_hardware(cached)
-            return _named(found, hw, cfg, {**found.measured["calibration"], "cached": str(cached)})
+    rows = record_rows(cfg, records) if records else None
+    if rows and rows["warm"] and threads == 1 and clock == "cpu":
+        return _from_records(cfg, hw, digest, rows, cache)
+    cached, found = _cached(cache, calibration_key(hw, digest, cfg, clock) if cache is not None else "", hw, cfg)
+    if found is not None:
+        return found
     # not at import, which every gnnpipe command pays (the parser reads CLOCKS): torch (stage
     # balancing), scipy (the locality order)
     from ..partition import node_order
@@ -302,6 +456,37 @@ def calibrate_run(run_config, hardware, *, clock: str = "cpu",
            "warm_rates": warm.measured["calibration"]["rates"], "warm_node_order": how, "single_epoch_s": epoch,
            "single_worker_speedup": speedup}
     fitted = replace(out, single_worker_speedup=speedup, measured={**out.measured, "calibration": fit})
+    if cached is not None:
+        write_hardware(fitted, cached)
+    return _named(fitted, hw, cfg, fit)
+
+
+def _cached(cache, key: str, hw: Hardware, cfg: RunConfig):
+    """(the cache file of ``key`` or None without a cache, the profile found there, named for
+    ``cfg``'s dataset, or None)."""
+    if cache is None:
+        return None, None
+    path = Path(cache) / f"{key}.yaml"
+    if not path.is_file():
+        return path, None
+    found = load_hardware(path)
+    return path, _named(found, hw, cfg, {**found.measured["calibration"], "cached": str(path)})
+
+
+def _from_records(cfg: RunConfig, hw: Hardware, digest: str, rows: dict, cache) -> Hardware:
+    """:func:`calibrate_run` from the train jobs' rows (cached under :func:`records_key`)."""
+    cached, found = _cached(cache, records_key(hw, digest, cfg, rows) if cache is not None else "", hw, cfg)
+    if found is not None:
+        return found
+    cold = None
+    if not rows["cold"]:  # no parallel run measured its workers: time the cold rates here
+        graph = read_graph(cfg.graph_path)
+        cold = calibrate(graph, cfg.model, hw, rows=RUN_ROWS, reps=RUN_REPS, threads=1,
+                         dtype=cfg.training.dtype, clock="cpu", block_rows=run_block_rows())
+    fitted = calibrate_records(rows, hw, cold)
+    fit = {**fitted.measured["calibration"], "graph": cfg.dataset_name, "graph_hash": digest,
+           "model": to_dict(cfg.model), "dtype": cfg.training.dtype}
+    fitted = replace(fitted, measured={**fitted.measured, "calibration": fit})
     if cached is not None:
         write_hardware(fitted, cached)
     return _named(fitted, hw, cfg, fit)

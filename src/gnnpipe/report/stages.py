@@ -42,11 +42,13 @@ EVALUATE_BOUND_EPOCHS = 2.0
 REPORT_BOUND_S = 10.0
 #: Why a stage over its bound costs what it does, and what the user can do about it.
 OVER_BECAUSE = {
-    "calibrate": ("a first fit times every distinct conv of the model, forward and backward, on blocks "
-                  "of the real graph, the pipeline's chunk against the whole graph, cold and warm, after "
-                  "importing torch; a fit found in results/calibration_cache costs only its start-up, "
-                  "and `cost_model.calibrate: false` skips it (the report then says the cost model is "
-                  "uncalibrated)"),
+    "calibrate": ("a first fit fits the layers its train jobs timed as they trained and imports no torch, "
+                  "unless no one-process run of that dataset and model recorded them (an older record, "
+                  "several threads a worker): then it times every distinct conv of the model, forward and "
+                  "backward, on blocks of the real graph, cold and warm, after importing torch (and the "
+                  "cold pass alone where no parallel run recorded its workers); a fit found in "
+                  "results/calibration_cache costs only its start-up, and `cost_model.calibrate: false` "
+                  "skips it (the report then says the cost model is uncalibrated)"),
     "evaluate": ("each is a process of its own: it imports torch, loads the graph and the checkpoint and "
                  "runs one exact full-graph pass, and imports MLflow's client and store (on a thread "
                  "meanwhile) to log the result; an epoch is only the training pass"),
