@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from .batch import AtomGraph, gradient_forces
 from .gemnet_config import GemNetTConfig
 from .gemnet_layers import (INV_SQRT2, CircularBasis, CircularDown, Dense, EfficientBilinear, RadialBasis,
-                            ResidualLayer, ScaleFactor, mlp, pad_triplets, triplet_slots)
+                            ResidualLayer, ScaleFactor, TripletRows, mlp, pad_triplets, triplet_slots)
 from .parallel import collective_passes
 
 
@@ -236,7 +236,7 @@ class GemNetT(nn.Module):
         # built once, shared by every block: the padded angular basis (E_loc, S, K) and the input rows of each
         # triplet slot (E_loc, K)
         sph_p = pad_triplets(self.circular(cos), g.idx_ji, g.triplet_rank, e).transpose(1, 2)
-        slots = triplet_slots(g.idx_kj, g.idx_ji, g.triplet_rank, e)
+        slots = TripletRows(triplet_slots(g.idx_kj, g.idx_ji, g.triplet_rank, e))
         bases = (self.mlp_rbf3(rbf), self.mlp_cbf3(rbf), sph_p, slots, self.mlp_rbf_h(rbf))
         rbf_out = self.mlp_rbf_out(rbf)
         h = self.atom_emb(g.z)  # (N, A): a lookup, replicated

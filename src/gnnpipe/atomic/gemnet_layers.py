@@ -343,6 +343,56 @@ def triplet_slots(idx_kj: Tensor, idx_ji: Tensor, rank: Tensor, num_edges: int) 
     return slots
 
 
+class TripletRows:
+    """The padded read of the triplets' input rows, ``(rows, w) -> (E·K, w)`` by ``triplet_slots``
+    (row 0 of ``[0; x]`` where an edge has fewer than K triplets), and its adjoint, the sum of each
+    slot's gradient into the row it read. Both are one pass each (``_PaddedGather``: ``index_select``;
+    ``_PaddedScatter``: ``embedding_bag`` over each row's readers, grouped by one stable sort of the
+    slots made once per forward and shared by every block) — not autograd's ``index`` and its
+    accumulating ``index_put`` (several times slower on CPU). Each is the other's backward, so a
+    double backward (GemNet-T) runs them too."""
+
+    def __init__(self, slots: Tensor):
+        self.slots = slots
+        self.flat = slots.reshape(-1)
+        self._bags: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def bags(self, rows: int) -> tuple[Tensor, Tensor]:
+        """(positions of the filled slots grouped by the row they read, each row's first position)."""
+        if rows not in self._bags:
+            order = torch.argsort(self.flat, stable=True)
+            counts = torch.bincount(self.flat, minlength=rows + 1)
+            self._bags[rows] = (order[int(counts[0]):], torch.cumsum(counts[1:], 0) - counts[1:])
+        return self._bags[rows]
+
+    def gather(self, x: Tensor) -> Tensor:
+        """(rows, w) -> (E, K, w)."""
+        return _PaddedGather.apply(x, self).view(*self.slots.shape, x.shape[1])
+
+
+class _PaddedGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, plan: TripletRows) -> Tensor:
+        ctx.plan, ctx.rows = plan, x.shape[0]
+        return torch.cat([x.new_zeros((1, x.shape[1])), x]).index_select(0, plan.flat)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return _PaddedScatter.apply(g, ctx.plan, ctx.rows), None
+
+
+class _PaddedScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: Tensor, plan: TripletRows, rows: int) -> Tensor:
+        ctx.plan = plan
+        pos, first = plan.bags(rows)
+        return torch.nn.functional.embedding_bag(pos, g.reshape(-1, g.shape[-1]), first, mode="sum")
+
+    @staticmethod
+    def backward(ctx, gg: Tensor):
+        return _PaddedGather.apply(gg, ctx.plan), None, None
+
+
 class EfficientBilinear(nn.Module):
     """Σ over an output edge's triplets of a bilinear form, in the efficient order.
 
@@ -354,7 +404,7 @@ class EfficientBilinear(nn.Module):
     computed as ``Σ_τ Y_τ ⊗ x_τ`` first (one padded (E, S, K) @ (E, K, I) product), then the
     radial projection and W, so no (T, C, ·) tensor is ever formed. The angular basis comes
     padded (built once per forward and shared by every block, as fairchem does), the input
-    messages as edge rows, padded here by one gather through ``triplet_slots`` (no (T, I) copy).
+    messages as edge rows, padded here by one gather through ``TripletRows`` (no (T, I) copy).
     """
 
     def __init__(self, emb_in: int, emb_cbf: int, emb_out: int):
@@ -362,11 +412,11 @@ class EfficientBilinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(emb_in, emb_cbf, emb_out))  # (I, C, O)
         he_orthogonal_(self.weight)
 
-    def forward(self, rad: Tensor, sph_p: Tensor, x: Tensor, slots: Tensor) -> Tensor:
+    def forward(self, rad: Tensor, sph_p: Tensor, x: Tensor, slots) -> Tensor:
         # rad (E, C, S), sph_p (E, S, K) per output edge; x (rows, I) the input edges' rows;
-        # slots (E, K) into [0; x] -> (E, O)
-        e, k = slots.shape
-        x_p = torch.cat([x.new_zeros((1, x.shape[1])), x])[slots.reshape(-1)].view(e, k, x.shape[1])  # (E, K, I)
+        # slots: a TripletRows (or its (E, K) slots into [0; x]) -> (E, O)
+        rows = slots if isinstance(slots, TripletRows) else TripletRows(slots)
+        x_p = rows.gather(x)  # (E, K, I)
         sum_k = torch.bmm(sph_p, x_p)  # (E, S, I)
         rs = torch.bmm(rad, sum_k)  # (E, C, I)
         return torch.einsum("eci,ico->eo", rs, self.weight)
