@@ -163,7 +163,7 @@ def test_efficient_bilinear_equals_a_naive_sum_and_fairchems_orientation(f64):
 
 
 def test_the_angular_basis_is_padded_once_and_atom_sums_keep_no_messages(f64):
-    """Issue #34's memory goal: autograd keeps one padded angular basis (E, S, K) for every block (it
+    """Issue #34's memory goal: autograd keeps one padded angular basis (E, K, S) for every block (it
     was built and kept per block), no (E, 2A + Ed) edge-embedding concatenation, and the sum of edge
     messages into atoms keeps its index alone (``index_add`` kept the messages too)."""
     b = _batch(5, dimers=0)
@@ -180,7 +180,7 @@ def test_the_angular_basis_is_padded_once_and_atom_sums_keep_no_messages(f64):
         out = model(g)
         (out["energy"].pow(2).sum() + out["forces"].pow(2).sum()).backward()
     kept = list(shapes.values())
-    assert kept.count((e, cfg.num_spherical, kmax)) == 1, kept
+    assert kept.count((e, kmax, cfg.num_spherical)) == 1, kept  # (E, K, S): _SlotSum keeps it untransposed
     assert (e, 2 * cfg.emb_size_atom + cfg.emb_size_edge) not in kept
     msg = torch.randn(e, 7, requires_grad=True)
     shapes.clear()
