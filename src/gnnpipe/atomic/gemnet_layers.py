@@ -43,7 +43,7 @@ def he_orthogonal_(w: Tensor) -> Tensor:
 
 class ScaledSiLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
-        return torch.nn.functional.silu(x) * (1 / 0.6)
+        return torch.nn.functional.silu(x).mul_(1 / 0.6)
 
 
 def _will_run(w: Tensor) -> bool:
@@ -75,7 +75,7 @@ class _DenseSiLU(torch.autograd.Function):
         z = torch.nn.functional.linear(x, w)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, w, z)
-        return torch.nn.functional.silu(z) * (1 / 0.6), z
+        return torch.nn.functional.silu(z).mul_(1 / 0.6), z
 
     @staticmethod
     def backward(ctx, g: Optional[Tensor], g_z: Optional[Tensor]):
@@ -151,11 +151,47 @@ class _SiLULinear(torch.autograd.Function):
         return gz, gw
 
 
+class _ResidualSiLU(torch.autograd.Function):
+    """A two-Dense residual layer ``(x + SiLU(SiLU(x W1^T)/0.6 · W2^T)/0.6)/√2`` as one node keeping
+    ``x``, ``z1 = x W1^T`` and ``z2`` (what ``_SiLULinear`` and the plain ops keep): the constants ride
+    on the weights (``W2/0.6`` forward; ``1/0.6²√2`` on W2's and z1's products backward: (out, in)
+    sized ops, not (rows, units) passes) and the skip connection's gradient on the GEMM that makes
+    x's (``addmm``'s beta), so backward runs 3 elementwise passes over the rows (two SiLU derivatives,
+    the inner activation recomputed) where the plain ops and ``_SiLULinear`` run 8. Same values up to
+    rounding; under ``create_graph`` its backward rebuilds z1 and z2 by differentiable torch ops, so a
+    second derivative is right too (at two GEMMs more)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+        z1 = torch.nn.functional.linear(x, w1)
+        z2 = torch.nn.functional.linear(torch.nn.functional.silu(z1), w2 * (1 / 0.6))
+        ctx.save_for_backward(x, w1, w2, z1, z2)
+        return torch.add(x, torch.nn.functional.silu(z2), alpha=1 / 0.6).mul_(INV_SQRT2)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, w1, w2, z1, z2 = ctx.saved_tensors
+        need_x, need_w1, need_w2 = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # a differentiable backward: z1, z2 rebuilt from the inputs, with their graph
+            z1 = torch.nn.functional.linear(x, w1)
+            z2 = torch.nn.functional.linear(torch.nn.functional.silu(z1), w2 * (1 / 0.6))
+        k = INV_SQRT2 / 0.6 ** 2  # out = x/√2 + SiLU(z2)/(0.6√2), z2 = SiLU(z1) W2^T / 0.6
+        h2 = _silu_grad(g, z2)  # ∂out/∂z2 = h2 / (0.6√2)
+        d_w2 = (h2.t() @ torch.nn.functional.silu(z1)) * k if need_w2 else None
+        d_x = d_w1 = None
+        if need_x or need_w1:
+            d_z1 = _silu_grad(h2 @ (w2 * k), z1)
+            d_w1 = d_z1.t() @ x if need_w1 else None
+            d_x = torch.addmm(g, d_z1, w1, beta=INV_SQRT2) if need_x else None
+        return d_x, d_w1, d_w2
+
+
 class ResidualLayer(nn.Module):
     """``(x + Dense(Dense(x))) / sqrt 2``.
 
     ``recompute``: each inner Dense's activation is recomputed in backward from its input
-    (``_SiLULinear``) rather than kept — one (rows, units) tensor less per inner pair, same values.
+    (``_ResidualSiLU`` for the usual two Dense, else ``_SiLULinear``) rather than kept — one (rows,
+    units) tensor less per inner pair, same values.
     Worth it for one backward (direct forces); under a double backward (gradient forces) the force
     pass would also compute the weight gradient it does not need, so GemNet-T leaves it off."""
 
@@ -166,11 +202,13 @@ class ResidualLayer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.recompute:
-            return (x + self.mlp(x)) * INV_SQRT2
+            return (x + self.mlp(x)).mul_(INV_SQRT2)
+        if len(self.mlp) == 2:
+            return _ResidualSiLU.apply(x, self.mlp[0].linear.weight, self.mlp[1].linear.weight)
         z = self.mlp[0].linear(x)
         for dense in self.mlp[1:]:
             z = _SiLULinear.apply(z, dense.linear.weight)
-        return (x + self.mlp[-1].act(z)) * INV_SQRT2
+        return (x + self.mlp[-1].act(z)).mul_(INV_SQRT2)
 
 
 def mlp(fan_in: int, units: int, residual_layers: int, recompute: bool = False) -> nn.Sequential:
