@@ -163,7 +163,7 @@ def test_efficient_bilinear_equals_a_naive_sum_and_fairchems_orientation(f64):
 
 
 def test_the_angular_basis_is_padded_once_and_atom_sums_keep_no_messages(f64):
-    """Issue #34's memory goal: autograd keeps one padded angular basis (E, S, K) for every block (it
+    """Issue #34's memory goal: autograd keeps one padded angular basis (E, K, S) for every block (it
     was built and kept per block), no (E, 2A + Ed) edge-embedding concatenation, and the sum of edge
     messages into atoms keeps its index alone (``index_add`` kept the messages too)."""
     b = _batch(5, dimers=0)
@@ -180,7 +180,7 @@ def test_the_angular_basis_is_padded_once_and_atom_sums_keep_no_messages(f64):
         out = model(g)
         (out["energy"].pow(2).sum() + out["forces"].pow(2).sum()).backward()
     kept = list(shapes.values())
-    assert kept.count((e, cfg.num_spherical, kmax)) == 1, kept
+    assert kept.count((e, kmax, cfg.num_spherical)) == 1, kept  # (E, K, S): _SlotSum keeps it untransposed
     assert (e, 2 * cfg.emb_size_atom + cfg.emb_size_edge) not in kept
     msg = torch.randn(e, 7, requires_grad=True)
     shapes.clear()
@@ -226,6 +226,66 @@ def test_fused_dense_nodes_are_exact_to_every_order_and_keep_less(f64):
             force_pass(f)(x, w)
         return len(ptrs)
     assert kept_rows(fused) < kept_rows(plain), (kept_rows(fused), kept_rows(plain))  # 4 against 9 at torch 2.13
+
+
+def test_triplet_nodes_are_exact_to_every_order(f64):
+    """#34 (time): the padded read of the triplets' input rows (``TripletRows``: one ``index_select``, its
+    adjoint one ``embedding_bag``), the triplet sum (``_SlotSum``) and the two-Dense residual layer
+    (``_ResidualSiLU``) against the plain ops — values, gradients, and gradcheck to second and third
+    order (GemNet-T differentiates them twice)."""
+    from gnnpipe.atomic.gemnet_layers import ResidualLayer, TripletRows, _ResidualSiLU, _SlotSum
+
+    g = single_graph(_batch(0, dimers=2))
+    e = g.num_local_edges
+    slots = triplet_slots(g.idx_kj, g.idx_ji, g.triplet_rank, e)
+    assert (slots == 0).any() and (slots > 0).any()  # both filled and empty slots
+    torch.manual_seed(0)
+    x = torch.randn(g.num_edges, 2, requires_grad=True)
+    rows = TripletRows(slots)
+    plain = torch.cat([x.new_zeros((1, 2)), x])[slots.reshape(-1)].view(*slots.shape, 2)
+    torch.testing.assert_close(rows.gather(x), plain, rtol=0, atol=0)
+    gp = torch.randn_like(plain)
+    torch.testing.assert_close(torch.autograd.grad(rows.gather(x), x, gp)[0],
+                               torch.autograd.grad(plain, x, gp)[0], rtol=1e-14, atol=1e-14)
+    assert torch.autograd.gradcheck(rows.gather, (x,)) and torch.autograd.gradgradcheck(rows.gather, (x,))
+
+    y = torch.randn(5, 7, 3, requires_grad=True)  # (E, K, S)
+    xp = torch.randn(5, 7, 4, requires_grad=True)  # (E, K, I)
+    torch.testing.assert_close(_SlotSum.apply(y, xp), torch.bmm(y.transpose(1, 2), xp), rtol=1e-14, atol=0)
+    assert torch.autograd.gradcheck(_SlotSum.apply, (y, xp)) and torch.autograd.gradgradcheck(_SlotSum.apply, (y, xp))
+
+    def force_pass(y, xp):  # a gradient in both inputs, the graph kept (GemNet-T's force pass), then differentiated
+        return torch.autograd.grad(_SlotSum.apply(y, xp).pow(2).sum(), (y, xp), create_graph=True)
+    assert torch.autograd.gradgradcheck(force_pass, (y, xp))
+
+    layer = ResidualLayer(4, recompute=True).double()
+    w1, w2 = layer.mlp[0].linear.weight, layer.mlp[1].linear.weight
+    h = torch.randn(6, 4, requires_grad=True)
+    want = (h + torch.nn.functional.silu(torch.nn.functional.silu(h @ w1.t()) / 0.6 @ w2.t()) / 0.6) / math.sqrt(2)
+    torch.testing.assert_close(layer(h), want, rtol=1e-14, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(layer(h).pow(2).sum(), (h, w1, w2)),
+                               torch.autograd.grad(want.pow(2).sum(), (h, w1, w2)), rtol=1e-13, atol=0)
+    args = (h, w1.detach().requires_grad_(), w2.detach().requires_grad_())
+    assert torch.autograd.gradcheck(_ResidualSiLU.apply, args) and torch.autograd.gradgradcheck(_ResidualSiLU.apply, args)
+
+
+def test_a_gemnet_t_step_runs_no_accumulating_index_put_on_padded_rows(f64):
+    """#34 (time): a GemNet-T training step (the force pass under ``create_graph``, then the loss's
+    backward) sums the padded slots' gradients into their rows by ``TripletRows``' adjoint, never by
+    autograd's accumulating ``index_put`` on (E·K, ·) values (several times slower on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b = _batch(0, dimers=2)
+    g = single_graph(b)
+    e, kmax = g.num_local_edges, int(g.triplet_rank.max()) + 1
+    model = _model("gradient")
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = model(g)
+        (out["energy"].pow(2).sum() + out["forces"].pow(2).sum()).backward()
+    puts = [ev.input_shapes for ev in prof.events() if ev.name in ("aten::index_put_", "aten::_index_put_impl_")]
+    assert puts, "the step was not profiled"
+    padded = [shapes for shapes in puts if any(len(s) == 2 and s[0] == e * kmax for s in shapes)]
+    assert not padded, padded
 
 
 # --------------------------------------------------------------------------- physics

@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from .batch import AtomGraph, gradient_forces
 from .gemnet_config import GemNetTConfig
 from .gemnet_layers import (INV_SQRT2, CircularBasis, CircularDown, Dense, EfficientBilinear, RadialBasis,
-                            ResidualLayer, ScaleFactor, mlp, pad_triplets, triplet_slots)
+                            ResidualLayer, ScaleFactor, TripletRows, mlp, pad_triplets, triplet_slots)
 from .parallel import collective_passes
 
 
@@ -151,7 +151,7 @@ class TripletInteraction(nn.Module):
         t = self.bilinear(rad3, sph_p, x_all, slots)  # (E_loc, Bt)
         t = self.scale_cbf_sum(t, ref=x_all[g.idx_kj] if self.scale_cbf_sum.fitting else x)  # ref: the (T_loc, Tr) inputs
         t_rev = g.gather_edges(t, "swap")[g.id_swap]  # (E_loc, Bt): the reverse edge's aggregate
-        return (self.up_ca(t_rev) + self.up_ac(t)) * INV_SQRT2
+        return (self.up_ca(t_rev) + self.up_ac(t)).mul_(INV_SQRT2)
 
 
 class InteractionBlock(nn.Module):
@@ -171,17 +171,17 @@ class InteractionBlock(nn.Module):
 
     def forward(self, h_own: Tensor, m: Tensor, bases: tuple, g: AtomGraph) -> tuple[Tensor, Tensor]:
         rbf3, rad3, sph_p, slots, rbf_h = bases
-        x = (self.dense_ca(m) + self.trip(m, rbf3, rad3, sph_p, slots, g)) * INV_SQRT2
+        x = (self.dense_ca(m) + self.trip(m, rbf3, rad3, sph_p, slots, g)).mul_(INV_SQRT2)
         for layer in self.layers_before_skip:
             x = layer(x)
-        m = (m + x) * INV_SQRT2
+        m = (m + x).mul_(INV_SQRT2)
         for layer in self.layers_after_skip:
             m = layer(m)
-        h_own = (h_own + self.atom_update(m, rbf_h, g)) * INV_SQRT2  # (N_own, A)
+        h_own = (h_own + self.atom_update(m, rbf_h, g)).mul_(INV_SQRT2)  # (N_own, A)
         m2 = self.concat(g.gather_atoms(h_own), m, g)  # every atom's row: all-gather
         for layer in self.residual_m:
             m2 = layer(m2)
-        return h_own, (m + m2) * INV_SQRT2
+        return h_own, (m + m2).mul_(INV_SQRT2)
 
 
 # --------------------------------------------------------------------------- the model
@@ -236,7 +236,7 @@ class GemNetT(nn.Module):
         # built once, shared by every block: the padded angular basis (E_loc, S, K) and the input rows of each
         # triplet slot (E_loc, K)
         sph_p = pad_triplets(self.circular(cos), g.idx_ji, g.triplet_rank, e).transpose(1, 2)
-        slots = triplet_slots(g.idx_kj, g.idx_ji, g.triplet_rank, e)
+        slots = TripletRows(triplet_slots(g.idx_kj, g.idx_ji, g.triplet_rank, e))
         bases = (self.mlp_rbf3(rbf), self.mlp_cbf3(rbf), sph_p, slots, self.mlp_rbf_h(rbf))
         rbf_out = self.mlp_rbf_out(rbf)
         h = self.atom_emb(g.z)  # (N, A): a lookup, replicated

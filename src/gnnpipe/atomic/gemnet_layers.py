@@ -43,7 +43,7 @@ def he_orthogonal_(w: Tensor) -> Tensor:
 
 class ScaledSiLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
-        return torch.nn.functional.silu(x) * (1 / 0.6)
+        return torch.nn.functional.silu(x).mul_(1 / 0.6)
 
 
 def _will_run(w: Tensor) -> bool:
@@ -75,7 +75,7 @@ class _DenseSiLU(torch.autograd.Function):
         z = torch.nn.functional.linear(x, w)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, w, z)
-        return torch.nn.functional.silu(z) * (1 / 0.6), z
+        return torch.nn.functional.silu(z).mul_(1 / 0.6), z
 
     @staticmethod
     def backward(ctx, g: Optional[Tensor], g_z: Optional[Tensor]):
@@ -99,18 +99,21 @@ class _DenseSiLUGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g: Tensor, z: Tensor, w: Tensor) -> Tensor:
         ctx.save_for_backward(g, z, w)
-        return _silu_grad(g * (1 / 0.6), z) @ w
+        return _silu_grad(g, z) @ (w * (1 / 0.6))  # the constant on W: an (out, in) op, not a pass over the rows
 
     @staticmethod
     def backward(ctx, gg: Tensor):
         g, z, w = ctx.saved_tensors
-        u = (gg @ w.t()) * (1 / 0.6)
+        u = gg @ (w.t() * (1 / 0.6))
         d_g = _silu_grad(u, z) if ctx.needs_input_grad[0] else None
         d_z = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1]:  # u ⊙ g ⊙ SiLU''(z), SiLU''(z) = s(1-s)(2 + z(1-2s)), s = sigmoid(z)
             s = torch.sigmoid(z)
-            d_z = u * g * (s * (1 - s) * (2 + z * (1 - 2 * s)))  # SiLU''(z) = s(1-s)(2 + z(1-2s))
-        d_w = _silu_grad(g * (1 / 0.6), z).t() @ gg if ctx.needs_input_grad[2] else None
+            if torch.is_grad_enabled():  # differentiable (a third derivative)
+                d_z = u * g * (s * (1 - s) * (2 + z * (1 - 2 * s)))
+            else:  # the same products in place: 7 passes over the rows after sigmoid, no temporaries
+                d_z = torch.addcmul(s, s, s, value=-1).mul_(torch.rsub(s, 1, alpha=2).mul_(z).add_(2)).mul_(u).mul_(g)
+        d_w = (_silu_grad(g, z).t() @ gg) * (1 / 0.6) if ctx.needs_input_grad[2] else None
         return d_g, d_z, d_w
 
 
@@ -151,11 +154,47 @@ class _SiLULinear(torch.autograd.Function):
         return gz, gw
 
 
+class _ResidualSiLU(torch.autograd.Function):
+    """A two-Dense residual layer ``(x + SiLU(SiLU(x W1^T)/0.6 · W2^T)/0.6)/√2`` as one node keeping
+    ``x``, ``z1 = x W1^T`` and ``z2`` (what ``_SiLULinear`` and the plain ops keep): the constants ride
+    on the weights (``W2/0.6`` forward; ``1/0.6²√2`` on W2's and z1's products backward: (out, in)
+    sized ops, not (rows, units) passes) and the skip connection's gradient on the GEMM that makes
+    x's (``addmm``'s beta), so backward runs 3 elementwise passes over the rows (two SiLU derivatives,
+    the inner activation recomputed) where the plain ops and ``_SiLULinear`` run 8. Same values up to
+    rounding; under ``create_graph`` its backward rebuilds z1 and z2 by differentiable torch ops, so a
+    second derivative is right too (at two GEMMs more)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+        z1 = torch.nn.functional.linear(x, w1)
+        z2 = torch.nn.functional.linear(torch.nn.functional.silu(z1), w2 * (1 / 0.6))
+        ctx.save_for_backward(x, w1, w2, z1, z2)
+        return torch.add(x, torch.nn.functional.silu(z2), alpha=1 / 0.6).mul_(INV_SQRT2)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, w1, w2, z1, z2 = ctx.saved_tensors
+        need_x, need_w1, need_w2 = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # a differentiable backward: z1, z2 rebuilt from the inputs, with their graph
+            z1 = torch.nn.functional.linear(x, w1)
+            z2 = torch.nn.functional.linear(torch.nn.functional.silu(z1), w2 * (1 / 0.6))
+        k = INV_SQRT2 / 0.6 ** 2  # out = x/√2 + SiLU(z2)/(0.6√2), z2 = SiLU(z1) W2^T / 0.6
+        h2 = _silu_grad(g, z2)  # ∂out/∂z2 = h2 / (0.6√2)
+        d_w2 = (h2.t() @ torch.nn.functional.silu(z1)) * k if need_w2 else None
+        d_x = d_w1 = None
+        if need_x or need_w1:
+            d_z1 = _silu_grad(h2 @ (w2 * k), z1)
+            d_w1 = d_z1.t() @ x if need_w1 else None
+            d_x = torch.addmm(g, d_z1, w1, beta=INV_SQRT2) if need_x else None
+        return d_x, d_w1, d_w2
+
+
 class ResidualLayer(nn.Module):
     """``(x + Dense(Dense(x))) / sqrt 2``.
 
     ``recompute``: each inner Dense's activation is recomputed in backward from its input
-    (``_SiLULinear``) rather than kept — one (rows, units) tensor less per inner pair, same values.
+    (``_ResidualSiLU`` for the usual two Dense, else ``_SiLULinear``) rather than kept — one (rows,
+    units) tensor less per inner pair, same values.
     Worth it for one backward (direct forces); under a double backward (gradient forces) the force
     pass would also compute the weight gradient it does not need, so GemNet-T leaves it off."""
 
@@ -166,11 +205,13 @@ class ResidualLayer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.recompute:
-            return (x + self.mlp(x)) * INV_SQRT2
+            return (x + self.mlp(x)).mul_(INV_SQRT2)
+        if len(self.mlp) == 2:
+            return _ResidualSiLU.apply(x, self.mlp[0].linear.weight, self.mlp[1].linear.weight)
         z = self.mlp[0].linear(x)
         for dense in self.mlp[1:]:
             z = _SiLULinear.apply(z, dense.linear.weight)
-        return (x + self.mlp[-1].act(z)) * INV_SQRT2
+        return (x + self.mlp[-1].act(z)).mul_(INV_SQRT2)
 
 
 def mlp(fan_in: int, units: int, residual_layers: int, recompute: bool = False) -> nn.Sequential:
@@ -343,6 +384,105 @@ def triplet_slots(idx_kj: Tensor, idx_ji: Tensor, rank: Tensor, num_edges: int) 
     return slots
 
 
+class TripletRows:
+    """The padded read of the triplets' input rows, ``(rows, w) -> (E·K, w)`` by ``triplet_slots``
+    (row 0 of ``[0; x]`` where an edge has fewer than K triplets), and its adjoint, the sum of each
+    slot's gradient into the row it read. Both are one pass each (``_PaddedGather``: ``index_select``;
+    ``_PaddedScatter``: ``embedding_bag`` over each row's readers, grouped by one stable sort of the
+    slots made once per forward and shared by every block) — not autograd's ``index`` and its
+    accumulating ``index_put`` (several times slower on CPU). Each is the other's backward, so a
+    double backward (GemNet-T) runs them too."""
+
+    def __init__(self, slots: Tensor):
+        self.slots = slots
+        self.flat = slots.reshape(-1)
+        self._bags: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def bags(self, rows: int) -> tuple[Tensor, Tensor]:
+        """(positions of the filled slots grouped by the row they read, each row's first position)."""
+        if rows not in self._bags:
+            order = torch.argsort(self.flat, stable=True)
+            counts = torch.bincount(self.flat, minlength=rows + 1)
+            self._bags[rows] = (order[int(counts[0]):], torch.cumsum(counts[1:], 0) - counts[1:])
+        return self._bags[rows]
+
+    def gather(self, x: Tensor) -> Tensor:
+        """(rows, w) -> (E, K, w)."""
+        return _PaddedGather.apply(x, self).view(*self.slots.shape, x.shape[1])
+
+
+class _PaddedGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, plan: TripletRows) -> Tensor:
+        ctx.plan, ctx.rows = plan, x.shape[0]
+        return torch.cat([x.new_zeros((1, x.shape[1])), x]).index_select(0, plan.flat)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return _PaddedScatter.apply(g, ctx.plan, ctx.rows), None
+
+
+class _PaddedScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: Tensor, plan: TripletRows, rows: int) -> Tensor:
+        ctx.plan = plan
+        pos, first = plan.bags(rows)
+        return torch.nn.functional.embedding_bag(pos, g.reshape(-1, g.shape[-1]), first, mode="sum")
+
+    @staticmethod
+    def backward(ctx, gg: Tensor):
+        return _PaddedGather.apply(gg, ctx.plan), None, None
+
+
+class _SlotSum(torch.autograd.Function):
+    """``Σ_k Y[e, k, s] x[e, k, i]`` for Y (E, K, S), x (E, K, I) -> (E, S, I), and its derivatives
+    ``dY = x g^T``, ``dx = Y g``, each product made in the order MKL's batched GEMM runs fast: an (E, K, S)
+    result with S columns is made as its (E, S, K) transpose (several times faster), every (E, K, ·)
+    gradient contiguous. Autograd's own ``bmm`` backward does neither, and in a double backward (GemNet-T)
+    hands the padded input messages their gradient as a transposed (E, I, K) view, added and copied
+    strided. The force pass's gradient is one ``_SlotSumGrad`` node (differentiable once more)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, x: Tensor) -> Tensor:
+        need_y, need_x = ctx.needs_input_grad
+        ctx.save_for_backward(y if need_x else None, x if need_y else None)  # dY reads x, dx reads Y
+        return torch.bmm(y.transpose(1, 2), x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        y, x = ctx.saved_tensors
+        need_y, need_x = ctx.needs_input_grad
+        if need_y and need_x:
+            dy_t, dx = _SlotSumGrad.apply(y, x, g)
+            return dy_t.transpose(1, 2), dx
+        return (torch.bmm(g, x.transpose(1, 2)).transpose(1, 2) if need_y else None,
+                torch.bmm(y, g) if need_x else None)
+
+
+class _SlotSumGrad(torch.autograd.Function):
+    """``(g x^T, Y g)``: ``_SlotSum``'s derivatives (the first as (E, S, K)), and their own derivatives
+    in the same layouts (the force loss's pass of a double backward)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, x: Tensor, g: Tensor):
+        ctx.save_for_backward(y, x, g)
+        ctx.set_materialize_grads(False)
+        return torch.bmm(g, x.transpose(1, 2)), torch.bmm(y, g)
+
+    @staticmethod
+    def backward(ctx, a: Optional[Tensor], b: Optional[Tensor]):
+        y, x, g = ctx.saved_tensors
+        need_y, need_x, need_g = ctx.needs_input_grad
+        d_y = torch.bmm(g, b.transpose(1, 2)).transpose(1, 2) if need_y and b is not None else None
+        d_x = torch.bmm(a.transpose(1, 2), g) if need_x and a is not None else None
+        d_g = None
+        if need_g:
+            d_g = torch.bmm(a, x) if a is not None else None
+            if b is not None:
+                d_g = torch.bmm(y.transpose(1, 2), b) if d_g is None else d_g.baddbmm_(y.transpose(1, 2), b)
+        return d_y, d_x, d_g
+
+
 class EfficientBilinear(nn.Module):
     """Σ over an output edge's triplets of a bilinear form, in the efficient order.
 
@@ -354,7 +494,7 @@ class EfficientBilinear(nn.Module):
     computed as ``Σ_τ Y_τ ⊗ x_τ`` first (one padded (E, S, K) @ (E, K, I) product), then the
     radial projection and W, so no (T, C, ·) tensor is ever formed. The angular basis comes
     padded (built once per forward and shared by every block, as fairchem does), the input
-    messages as edge rows, padded here by one gather through ``triplet_slots`` (no (T, I) copy).
+    messages as edge rows, padded here by one gather through ``TripletRows`` (no (T, I) copy).
     """
 
     def __init__(self, emb_in: int, emb_cbf: int, emb_out: int):
@@ -362,11 +502,11 @@ class EfficientBilinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(emb_in, emb_cbf, emb_out))  # (I, C, O)
         he_orthogonal_(self.weight)
 
-    def forward(self, rad: Tensor, sph_p: Tensor, x: Tensor, slots: Tensor) -> Tensor:
+    def forward(self, rad: Tensor, sph_p: Tensor, x: Tensor, slots) -> Tensor:
         # rad (E, C, S), sph_p (E, S, K) per output edge; x (rows, I) the input edges' rows;
-        # slots (E, K) into [0; x] -> (E, O)
-        e, k = slots.shape
-        x_p = torch.cat([x.new_zeros((1, x.shape[1])), x])[slots.reshape(-1)].view(e, k, x.shape[1])  # (E, K, I)
-        sum_k = torch.bmm(sph_p, x_p)  # (E, S, I)
+        # slots: a TripletRows (or its (E, K) slots into [0; x]) -> (E, O)
+        rows = slots if isinstance(slots, TripletRows) else TripletRows(slots)
+        x_p = rows.gather(x)  # (E, K, I)
+        sum_k = _SlotSum.apply(sph_p.transpose(1, 2), x_p)  # (E, S, I)
         rs = torch.bmm(rad, sum_k)  # (E, C, I)
         return torch.einsum("eci,ico->eo", rs, self.weight)
