@@ -86,8 +86,8 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
     count = count_line(runs, len(atomic_runs))
     stages = [] if benchmarks_dir is None else [
         "## Stages", "",
-        stage_times.stages_section(stage_times.collect(Path(benchmarks_dir), [Path(d).name for d in run_dirs]),
-                                   str(benchmarks_dir), {r.run_id: r["epoch_time_s"] for r in runs}), ""]
+        stage_times.stages_section(_stages(Path(benchmarks_dir), run_dirs, runs), str(benchmarks_dir),
+                                   {r.run_id: r["epoch_time_s"] for r in runs}), ""]
     runs = [r for r in runs if not atomic_report.is_atomic(r)]
     if not runs:
         write_text(out_md, "\n".join(["# GNNPipe report", "", count, "", *stages, atomic]))
@@ -192,3 +192,12 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
         atomic,
     ])
     write_text(out_md, text)
+
+
+def _stages(benchmarks_dir: Path, run_dirs, runs: list[Run]) -> list:
+    """The workflow's stages from its benchmark files, the train jobs' own evaluations (their run
+    records' ``evaluate_s``) counted as the evaluate stage (:func:`.stages.evaluations_in_training`)."""
+    collected = stage_times.collect(benchmarks_dir, [Path(d).name for d in run_dirs])
+    evaluations = {r.run_id: (float(r.record["evaluate_s"]), float(r.record.get("evaluate_cpu_s") or 0.0))
+                   for r in runs if r.record.get("evaluate_s") is not None}
+    return stage_times.evaluations_in_training(collected, evaluations)
