@@ -3,7 +3,9 @@
 Training in the pipeline mode reads stale embeddings; evaluation never does. The run's task
 (``tasks.task_for``) scores the checkpoint in one process (node classification: the whole model
 on the whole graph; S2EF and energy-only: every split's systems, and the test split's predictions),
-so that ``evaluate`` gives the same numbers whichever mode trained the weights.
+so that ``evaluate`` gives the same numbers whichever mode trained the weights. A node run's
+train job makes the same pass itself after training (``score``, from ``train.evaluate_finished``:
+#36); ``gnnpipe evaluate`` re-scores a model file, with every check.
 """
 
 from __future__ import annotations
