@@ -25,6 +25,7 @@ localrules:
     all,
     dataset_spec,
     run_config,
+    cost_predictions,
     report,
 
 

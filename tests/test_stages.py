@@ -75,7 +75,7 @@ def test_section_states_the_ratio_and_the_bound(bench):
     write(bench, "report/report.tsv", row(12.0, 300.0))
     text = stages_section(collect(bench, RUNS), "results/benchmarks")
     assert "* calibrate: 2.0 s a job = 0.08× a train job's 25.0 s (bound 0.1×), within." in text
-    assert "* report: 12.0 s (bound 10.0 s); **over**: it imports torch" in text
+    assert "* report: 12.0 s (bound 10.0 s); **over**: it draws the plots" in text
     assert "evaluate:" not in text  # no epoch times: nothing to hold it to
 
 

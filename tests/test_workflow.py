@@ -54,6 +54,7 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
         "all": 1, "dataset_spec": len(node) + len(atoms), "build_graph": len(node), "partition": len(stores),
         "materialize": len(stores), "build_systems": len(atoms), "atom_graphs": len(atoms),
         "run_config": len(runs), "report": 1, "plan_stats": len(node), "calibrate": len(fitted),
+        "cost_predictions": 1,  # the report's cost-model column, made with torch so that the report is not (#36)
         # the single engine's node order, once per graph (#36)
         "locality": len({r.dataset_name for r in runs.values() if r.locality_path}),
         # node runs: the train job writes eval.json itself (#36); atomic runs: eval.json and predictions.h5
@@ -178,7 +179,7 @@ def test_slurm_profile_places_a_multi_node_gpu_run(tmp_path):
 # Interpolations a rule's shell may leave unquoted: command lines built in common.smk from
 # constants and numbers (the launcher expands $SLURM_JOB_ID and $(hostname) in the job's shell), and
 # plan_stats's repeated ``--assignment K=FILE`` options, each quoted by shlex in common.smk.
-SHELL_FRAGMENTS = {"params.launch", "params.assignments"}
+SHELL_FRAGMENTS = {"params.launch", "params.assignments", "params.predictions"}
 
 
 def rule_shells() -> dict[str, str]:

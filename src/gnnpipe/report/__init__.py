@@ -49,7 +49,7 @@ from pathlib import Path
 from ..io import GnnPipeError, write_text
 from . import atomic as atomic_report, stages as stage_times, timing
 from .plots import plot_bytes, plot_curves, plot_mode_curves, plot_time_to_accuracy, plot_times, plot_vs_workers
-from .predictions import DEFAULT_HARDWARE, Prediction, Predictor
+from .predictions import DEFAULT_HARDWARE, Prediction, PredictionsFile, Predictor
 from .records import Run, aggregate, load_runs
 from .tables import (PREDICTION_HEADER, RUN_HEADER, TECHNIQUES_INTRO, TTA_INTRO, datasets_table, group_section,
                      group_slug, group_title, has_technique_ablation, md_table, overlap_note, pooled_section,
@@ -65,14 +65,16 @@ def count_line(runs: list[Run], atomic: int) -> str:
 
 def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
                  hardware=DEFAULT_HARDWARE, predict: bool = True, cost_model_dir=None,
-                 benchmarks_dir=None) -> None:
+                 benchmarks_dir=None, predictions=None) -> None:
     """Read the runs in ``run_dirs`` and write ``out_md`` and the PNGs in ``plots_dir``.
 
     ``hardware``: the profile (name, path or ``costmodel.Hardware``) the cost model
     predicts each run on; ``cost_model_dir``: the workflow's partition statistics and
     calibrated profiles (``Predictor``); ``predict=False`` leaves the predictions out
     (marked so); ``benchmarks_dir``: the workflow's benchmark files (``results/benchmarks``), for the
-    stages table (:mod:`.stages`; left out without it)."""
+    stages table (:mod:`.stages`; left out without it); ``predictions``: the file of the runs'
+    predictions made beforehand (``gnnpipe predict-costs``, :func:`.predictions.write_predictions`),
+    read instead of predicting here (``hardware`` and ``cost_model_dir`` are then the file's: no torch)."""
     if not run_dirs:
         raise GnnPipeError("no runs to report on")
 
@@ -94,7 +96,7 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
         return
 
     if predict:
-        predictor = Predictor(hardware, cost_model_dir)
+        predictor = PredictionsFile(predictions) if predictions is not None else Predictor(hardware, cost_model_dir)
         predictions = {r.run_id: predictor(r) for r in runs}
         hw_name = f"hardware profile `{predictor.name}`"
         if predictor.calibrated:

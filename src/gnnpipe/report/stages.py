@@ -60,8 +60,9 @@ OVER_BECAUSE = {
     "evaluate job": ("each is a process of its own: it imports torch, loads the graph and the checkpoint and "
                      "runs one exact full-graph pass, and imports MLflow's client and store (on a thread "
                      "meanwhile) to log the result; an epoch is only the training pass"),
-    "report": ("it imports torch and builds each run's model to predict its epoch with the cost model, "
-               "and draws the plots"),
+    "report": ("it draws the plots (matplotlib: every figure laid out and rendered), and without the "
+               "workflow's predictions file (rule cost_predictions) it imports torch and builds each run's "
+               "model to predict its epoch with the cost model"),
 }
 TRAINING = frozenset({"train"})
 #: Neither set-up nor training: relaxations with the trained model (IS2RS) are a task of their own.
@@ -166,7 +167,7 @@ def evaluations_in_training(stages: list[Stage], evaluations: dict) -> list[Stag
 
 RULE_ORDER = ("dataset_spec", "build_graph", "build_systems", "atom_graphs", "partition", "materialize",
               "locality", "run_config", "train", "evaluate", "evaluate_atomic", "relax", "plan_stats",
-              "calibrate", "report")
+              "calibrate", "cost_predictions", "report")
 
 
 def _s(x: float) -> str:
