@@ -4,8 +4,8 @@
 #   snakemake --profile profiles/slurm                     # on a Slurm cluster
 #   snakemake --cores 2 --configfile .test/config.yaml --replace-workflow-config
 #
-# DAG: dataset_spec -> build_graph -> partition -> materialize -> run_config -> train
-#      -> evaluate [-> relax, atomic runs] -> report   (docs/WORKFLOW.md)
+# DAG: dataset_spec -> build_graph -> partition -> materialize -> run_config -> train (node runs:
+#      + eval.json) [-> evaluate_atomic -> relax, atomic runs] -> report   (docs/WORKFLOW.md)
 from snakemake.utils import min_version
 
 min_version("8.0")
@@ -25,6 +25,7 @@ localrules:
     all,
     dataset_spec,
     run_config,
+    cost_predictions,
     report,
 
 

@@ -350,6 +350,41 @@ def test_cost_model_prediction_beside_each_run_and_unavailable_ones(tmp_path, gr
     cells = [c.strip() for c in ratio_row.strip("|").split("|")]
     assert cells[7] == fmt_ratio(est["graph"].bytes["total"] / est["pipeline"].bytes["total"])
 
+    # #36: the same predictions made beforehand (gnnpipe predict-costs) and read: the same report
+    from gnnpipe.report.predictions import write_predictions
+    from gnnpipe.report.records import load_runs
+
+    file = tmp_path / "predictions.json"
+    write_predictions(load_runs(dirs + [no_yaml, no_graph]), file, hw)
+    again = tmp_path / "again.md"
+    build_report(dirs + [no_yaml, no_graph], again, tmp_path / "plots", hardware="no-such-profile",
+                 predictions=file)
+    assert again.read_text() == text
+
+
+def test_a_predictions_file_is_read_and_checked(tmp_path):
+    """The report reads the workflow's predictions file (#36) instead of predicting; a run it lacks
+    is unavailable with the reason, and a file that is not one is refused in one line."""
+    from gnnpipe.report.predictions import PREDICTIONS_KIND, PredictionsFile
+
+    file = tmp_path / "predictions.json"
+    file.write_text(json.dumps({"kind": PREDICTIONS_KIND, "format_version": 1, "hardware": "cpu-2core+synth",
+                                "calibrated": ["cpu-2core+synth"],
+                                "runs": {"g2": {"bytes": 1e6, "epoch_s": 0.5, "compute_s": 0.4, "comm_s": 0.1,
+                                                "bubble_s": 0.0, "peak_mem_bytes": 1e8, "reason": None}}}))
+    dirs = [write_run(tmp_path / "runs", record(r, "graph", workers=2, ways=2)) for r in ("g2", "p9")]
+    out = tmp_path / "report.md"
+    build_report(dirs, out, tmp_path / "plots", predictions=file)
+    table = section(out.read_text(), "## Measured vs cost model")
+    assert "`cpu-2core+synth` with its compute rates fitted" in table and "1 of 2 runs predicted" in table
+    assert row_of(table, "g2")[7:9] == [fmt_s(0.1), fmt_s(0.5)]
+    assert "no prediction of this run (rerun the cost_predictions rule)" in row_of(table, "p9")[14]
+    for text in ("{", json.dumps({"kind": "other"}), json.dumps({"kind": PREDICTIONS_KIND, "format_version": 1})):
+        file.write_text(text)
+        with pytest.raises(GnnPipeError, match=r"predictions\.json: .*rerun the cost_predictions rule") as e:
+            PredictionsFile(file)
+        assert "\n" not in str(e.value)
+
 
 # --------------------------------------------------------------------------- pipeline techniques
 def _table(text: str) -> tuple[list[str], list[list[str]]]:

@@ -3,7 +3,7 @@
 import pytest
 
 from gnnpipe.io import GnnPipeError
-from gnnpipe.report.stages import collect, read_benchmark, stages_section
+from gnnpipe.report.stages import collect, evaluations_in_training, read_benchmark, stages_section
 
 # Snakemake's header (snakemake.benchmark.BenchmarkRecord.get_header), tab-separated, as it writes it
 HEADER = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time"
@@ -75,7 +75,7 @@ def test_section_states_the_ratio_and_the_bound(bench):
     write(bench, "report/report.tsv", row(12.0, 300.0))
     text = stages_section(collect(bench, RUNS), "results/benchmarks")
     assert "* calibrate: 2.0 s a job = 0.08× a train job's 25.0 s (bound 0.1×), within." in text
-    assert "* report: 12.0 s (bound 10.0 s); **over**: it imports torch" in text
+    assert "* report: 12.0 s (bound 10.0 s); **over**: it draws the plots" in text
     assert "evaluate:" not in text  # no epoch times: nothing to hold it to
 
 
@@ -86,6 +86,34 @@ def test_evaluate_against_two_epochs_of_its_run(bench):
             "**over**: each is a process of its own") in text
     text = stages_section(collect(bench, RUNS), "results/benchmarks", {run: 5.0})
     assert f"* evaluate: 0 of 1 jobs over 2 epochs of their run (the most: {run}, 7.0 s = 1.4 epochs), within." in text
+
+
+def test_the_train_jobs_own_evaluations_are_the_evaluate_stage(tmp_path):
+    """Node runs' train jobs evaluate their model (#36): no evaluate job, the run records' evaluate_s
+    and evaluate_cpu_s. Those seconds leave train's figures for an "evaluate (in train)" row, set-up
+    as before, held to 2 epochs of their run; a run with an evaluate job's file keeps the job's."""
+    single, graph = RUNS[0], RUNS[1]
+    write(tmp_path, "build_graph/synth.tsv", row(4.0, 300.0))
+    write(tmp_path, f"train/{single}.tsv", row(20.0, 400.0))  # CPU: 10.0 each
+    write(tmp_path, f"train/{graph}.tsv", row(30.0, 900.0))
+    stages = evaluations_in_training(collect(tmp_path, RUNS), {single: (0.5, 0.4), graph: (1.5, 1.0), "gone": (9, 9)})
+    by = {s.rule: s for s in stages}
+    assert [s.rule for s in stages] == ["build_graph", "train", "evaluate"]
+    assert (by["train"].jobs, by["train"].seconds, by["train"].cpu_s) == (2, 48.0, pytest.approx(23.6))
+    assert by["train"].job_seconds == {single: 19.5, graph: 28.5}
+    assert (by["evaluate"].jobs, by["evaluate"].seconds, by["evaluate"].cpu_s) == (2, 2.0, pytest.approx(1.4))
+    assert by["evaluate"].max_rss_mb is None and by["evaluate"].kind == "set-up"
+    text = stages_section(stages, "b", {single: 0.5, graph: 1.0})
+    assert "| evaluate (in train) | set-up | 2 | 2.0 | 1.4 | — |" in text
+    assert "| train | training | 2 | 48.0 | 23.6 | 900 |" in text
+    assert "Set-up 6.0 s ÷ training 48.0 s" in text  # build_graph 4 + evaluate 2
+    assert (f"* evaluate: 0 of 2 jobs over 2 epochs of their run (the most: {graph}, 1.5 s = 1.5 epochs), "
+            "within.") in text
+    # an evaluate job's file (an older workflow) wins for its run; nothing to move without train files
+    write(tmp_path, f"evaluate/{single}.tsv", row(6.0, 350.0))
+    by = {s.rule: s for s in evaluations_in_training(collect(tmp_path, RUNS), {single: (0.5, 0.4), graph: (1.5, 1.0)})}
+    assert (by["evaluate"].jobs, by["evaluate"].seconds, by["train"].seconds) == (2, 7.5, 48.5)
+    assert evaluations_in_training(collect(tmp_path / "none"), {single: (0.5, 0.4)}) == []
 
 
 def test_no_files_and_bad_files(tmp_path):
@@ -117,3 +145,15 @@ def test_the_report_has_the_stages_section(tmp_path):
     stages = text[text.index("## Stages"):text.index("## All runs")]
     assert text.index("## Datasets") < text.index("## Stages")
     assert "| train | training | 1 | 20.0 | 10.0 | 400 |" in stages and "= **0.30×** (within the bound" in stages
+
+    # #36: a node run's train job evaluated its model: no evaluate file, its record's evaluate_s
+    rec = {**record("synth-gcn2-single-p1-seed0", "single", model="gcn", layers=2, epoch_time=0.5),
+           "evaluate_s": 0.75, "evaluate_cpu_s": 0.5}
+    dirs = [write_run(tmp_path / "runs2", rec)]
+    (bench / "evaluate" / "synth-gcn2-single-p1-seed0.tsv").unlink()
+    build_report(dirs, out, tmp_path / "plots", predict=False, benchmarks_dir=bench)
+    stages = out.read_text()[out.read_text().index("## Stages"):]
+    assert "| train | training | 1 | 19.2 | 9.5 | 400 |" in stages  # 20 - 0.75 s, 10 - 0.5 CPU s
+    assert "| evaluate (in train) | set-up | 1 | 0.8 | 0.5 | — |" in stages
+    assert "* evaluate: 0 of 1 jobs over 2 epochs of their run (the most: synth-gcn2-single-p1-seed0, 0.8 s = " \
+           "1.5 epochs), within." in stages

@@ -4,6 +4,7 @@ Jobs that need no tensors (build_graph, partition, locality, plan_stats, and ``g
 which stays alive beside the training it started) must not import torch or MLflow for the
 command line's parser: ~3 s of CPU and ~200 MB resident each, measured on this machine."""
 
+import ast
 import json
 import subprocess
 import sys
@@ -73,12 +74,47 @@ def test_the_report_imports_no_torch_for_runs_it_cannot_predict(tmp_path):
          "epoch_time_breakdown_s": {"compute": 0.1, "comm": 0.0, "bubble": 0.0}, "comm_bytes_predicted": 0,
          "peak_mem_bytes": 10**6, "train_acc": 0.5, "val_acc": 0.5, "test_acc": 0.5, "final_loss": 1.0,
          "history": history}))
+    assert _report_imports(tmp_path, ["--run", "r1"], ("torch", "scipy")) == []
+    assert (tmp_path / "report.md").exists() and list((tmp_path / "plots").glob("*.png"))
+
+
+def _report_imports(tmp_path, args: list, modules: tuple) -> list:
+    """``gnnpipe report`` over ``tmp_path/runs`` (``args`` added) in a fresh process: which of ``modules``
+    it imported (it must succeed)."""
     code = ("import sys\n"
             "from gnnpipe.cli import main\n"
-            f"rc = main(['report', '--runs-dir', {str(tmp_path / 'runs')!r}, '--run', 'r1', '--out', "
-            f"{str(tmp_path / 'report.md')!r}, '--plots', {str(tmp_path / 'plots')!r}])\n"
-            "print(rc, sorted(m for m in ('torch', 'scipy') if m in sys.modules))\n")
+            f"rc = main(['report', '--runs-dir', {str(tmp_path / 'runs')!r}, '--out', "
+            f"{str(tmp_path / 'report.md')!r}, '--plots', {str(tmp_path / 'plots')!r}, *{args!r}])\n"
+            f"print(rc, sorted(m for m in {modules!r} if m in sys.modules))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
-    assert done.returncode == 0 and done.stdout.split("\n")[0] == "0 []", done.stderr
-    assert (tmp_path / "report.md").exists() and list((tmp_path / "plots").glob("*.png"))
+    assert done.returncode == 0 and done.stdout.startswith("0 "), done.stderr[-2000:]
+    return ast.literal_eval(done.stdout.split("\n")[0][2:])
+
+
+def test_the_report_with_the_workflows_predictions_imports_no_torch(tmp_path):
+    """#36: in the workflow the report reads the cost model's predictions (rule cost_predictions) and
+    imports no torch, even for runs it could predict (a run.yaml and its graph: the Predictor would
+    build their model); it reads the file's predictions. Without the file it predicts, with torch."""
+    import numpy as np
+
+    from gnnpipe.graph import Graph, csr_from_edges, write_graph
+    from gnnpipe.report.predictions import PREDICTIONS_KIND
+    from test_report import _with_run_yaml, record, write_run
+
+    n = 60
+    src = np.repeat(np.arange(n), 2)
+    indptr, indices = csr_from_edges(src, (src + np.tile([1, 2], n)) % n, n)
+    mask = np.arange(n) % 2 == 0
+    write_graph(tmp_path / "graph.h5", Graph(indptr, indices, np.ones((n, 8), np.float32), np.arange(n) % 3,
+                                             mask, ~mask, ~mask, num_classes=3, name="ring"))
+    rec = record("g2", "graph", model="gcn", layers=4, hidden=8, workers=2, ways=2)
+    _with_run_yaml(write_run(tmp_path / "runs", rec), rec, tmp_path / "graph.h5")
+    (tmp_path / "p.json").write_text(json.dumps(
+        {"kind": PREDICTIONS_KIND, "format_version": 1, "hardware": "cpu-2core", "calibrated": [],
+         "runs": {"g2": {"bytes": 123456789.0, "epoch_s": 0.5, "compute_s": 0.4, "comm_s": 0.1, "bubble_s": 0.0,
+                         "peak_mem_bytes": 1e8, "reason": None}}}))
+    for extra, torch in ((["--predictions", str(tmp_path / "p.json")], []), ([], ["torch"])):
+        assert _report_imports(tmp_path, extra, ("torch",)) == torch
+        assert ("1 of 1 runs predicted" in (tmp_path / "report.md").read_text()) and \
+            ("| 123 MB |" in (tmp_path / "report.md").read_text()) == bool(extra)

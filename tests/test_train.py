@@ -41,11 +41,18 @@ def test_single_run_writes_record_checkpoint_and_mlflow(tmp_path):
 
     ckpt = load_checkpoint(tmp_path / "results" / "runs" / cfg.run_id / "model.pt")
     assert ckpt["epoch"] == 29 and ckpt["epochs_done"] == 30 and all(isinstance(v, torch.Tensor) for v in ckpt["model"].values())
-    ev = evaluate_run(cfg)
-    assert ev["test_acc"] == pytest.approx(on_disk["test_acc"])
 
+    # the train job evaluated its finished model itself (#36): eval.json, its time in the record, MLflow
     import mlflow
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'results' / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["gnnpipe"])
+    in_train = json.loads((tmp_path / "results" / "runs" / cfg.run_id / "eval.json").read_text())
+    assert runs["metrics.eval/test_acc"].iloc[0] == in_train["test_acc"]
+    assert 0 < on_disk["evaluate_s"] < 30 and on_disk["evaluate_cpu_s"] > 0
+    ev = evaluate_run(cfg)  # the command on model.pt: the same file, number for number
+    assert ev == in_train and ev["checkpoint_epoch"] == 29
+    assert ev["test_acc"] == pytest.approx(on_disk["test_acc"])
+
     runs = mlflow.search_runs(experiment_names=["gnnpipe"])
     assert list(runs["run_id"]) == [record["mlflow_run_id"]]
     assert runs["metrics.eval/test_acc"].iloc[0] == pytest.approx(ev["test_acc"])

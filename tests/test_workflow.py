@@ -53,11 +53,14 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
     assert job_counts(out) == {
         "all": 1, "dataset_spec": len(node) + len(atoms), "build_graph": len(node), "partition": len(stores),
         "materialize": len(stores), "build_systems": len(atoms), "atom_graphs": len(atoms),
-        "run_config": len(runs), "train": len(runs), "report": 1, "plan_stats": len(node), "calibrate": len(fitted),
+        "run_config": len(runs), "report": 1, "plan_stats": len(node), "calibrate": len(fitted),
+        "cost_predictions": 1,  # the report's cost-model column, made with torch so that the report is not (#36)
         # the single engine's node order, once per graph (#36)
         "locality": len({r.dataset_name for r in runs.values() if r.locality_path}),
-        # atomic runs: eval.json and predictions.h5, then IS2RS (config relax:)
-        "evaluate": sum(not r.atomic for r in runs.values()), "evaluate_atomic": sum(r.atomic for r in runs.values()),
+        # node runs: the train job writes eval.json itself (#36); atomic runs: eval.json and predictions.h5
+        # in an evaluate job, then IS2RS (config relax:)
+        "train": sum(not r.atomic for r in runs.values()), "train_atomic": sum(r.atomic for r in runs.values()),
+        "evaluate_atomic": sum(r.atomic for r in runs.values()),
         "relax": sum(r.atomic for r in runs.values()) if wf.relax.systems else 0}
     for rid in (rid for rid, r in runs.items() if r.atomic):
         assert f"results/runs/{rid}/predictions.h5" in out and f"results/runs/{rid}/relax.json" in out
@@ -182,7 +185,7 @@ def test_slurm_profile_places_a_multi_node_gpu_run(tmp_path):
 # Interpolations a rule's shell may leave unquoted: command lines built in common.smk from
 # constants and numbers (the launcher expands $SLURM_JOB_ID and $(hostname) in the job's shell), and
 # plan_stats's repeated ``--assignment K=FILE`` options, each quoted by shlex in common.smk.
-SHELL_FRAGMENTS = {"params.launch", "params.assignments"}
+SHELL_FRAGMENTS = {"params.launch", "params.assignments", "params.predictions"}
 
 
 def rule_shells() -> dict[str, str]:
@@ -441,13 +444,16 @@ def test_tiny_config_end_to_end(tmp_path):
     # every job's benchmark file (Snakemake's TSV), summed per rule in the report's stages table
     bench = results / "benchmarks"
     for rid in runs:
-        for rule in ("run_config", "train", "evaluate"):
+        for rule in ("run_config", "train"):
             assert (bench / rule / f"{rid}.tsv").is_file(), (rule, rid)
     assert {p.name for p in bench.iterdir()} >= {"dataset_spec", "build_graph", "partition", "materialize",
-                                                   "plan_stats", "calibrate", "run_config", "train", "evaluate"}
+                                                   "plan_stats", "calibrate", "run_config", "train"}
+    assert not (bench / "evaluate").exists()  # node runs: no evaluate job, the train job evaluated (#36)
     assert (bench / "report" / "report.tsv").is_file()
     stages = report[report.index("## Stages"):report.index("## All runs")]
     assert f"| train | training | {len(runs)} |" in stages and "| build_graph | set-up | 1 |" in stages
+    assert f"| evaluate (in train) | set-up | {len(runs)} |" in stages
+    assert all(records[rid]["evaluate_s"] > 0 for rid in runs)
     assert re.search(r"Set-up [\d.]+ s ÷ training [\d.]+ s = \*\*[\d.]+×\*\*", stages), stages
 
     again = snakemake(tmp_path, TINY, "-n")

@@ -14,7 +14,9 @@
     gnnpipe predict     --run results/runs/<run_id> --structures in.extxyz --out out.extxyz [--workers N]
                         [--layout auto|edges|atoms|domains] [--stats predict.json]
     gnnpipe import-model --from fairchem gemnet_t.pt [--config gemnet.yml] [--scale-file s.json] --out model.pt
-    gnnpipe report      --runs-dir results/runs --out results/report.md
+    gnnpipe report      --runs-dir results/runs --out results/report.md [--predictions predictions.json]
+    gnnpipe predict-costs --runs-dir results/runs --cost-model-dir results/cost_model --out predictions.json
+                                                      (the cost model's predictions the report reads)
     gnnpipe runs        --config config/config.yaml   (list / resolve the configured runs)
     gnnpipe plan        --graph graph.h5 --hardware 8xgpu-pcie --workers 8 --layers 32
                                                       (predict and recommend a layout)
@@ -327,16 +329,32 @@ def _predict(a):
 PREDICT_LAYOUT_CHOICES = "auto, edges, atoms, domains"
 
 
-def _report(a):
-    from .report import build_report
-
+def _run_dirs(a) -> list[Path]:
+    """The run directories ``--runs-dir`` / ``--run`` name (report, predict-costs)."""
     runs = sorted(p.parent for p in Path(a.runs_dir).glob("*/metrics.json"))
     if a.run:
         runs = [Path(a.runs_dir) / r for r in a.run]
     if not runs:
         raise GnnPipeError(f"{a.runs_dir}: no run records (*/metrics.json); train some runs first")
-    build_report(runs, Path(a.out), Path(a.plots), hardware=a.hardware, cost_model_dir=a.cost_model_dir,
-                 benchmarks_dir=a.benchmarks)
+    return runs
+
+
+def _report(a):
+    from .report import build_report
+
+    build_report(_run_dirs(a), Path(a.out), Path(a.plots), hardware=a.hardware, cost_model_dir=a.cost_model_dir,
+                 benchmarks_dir=a.benchmarks, predictions=a.predictions)
+
+
+def _predict_costs(a):
+    from .report.atomic import is_atomic
+    from .report.predictions import write_predictions
+    from .report.records import load_runs
+
+    runs = [r for r in load_runs(_run_dirs(a)) if not is_atomic(r)]
+    doc = write_predictions(runs, Path(a.out), a.hardware, a.cost_model_dir)
+    done = sum(p["reason"] is None for p in doc["runs"].values())
+    print(f"{a.out}: {done} of {len(runs)} node runs predicted on {doc['hardware']}")
 
 
 def _runs(a):
@@ -650,7 +668,22 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--benchmarks", metavar="DIR",
                    help="the workflow's Snakemake benchmark files, DIR/<rule>/<job>.tsv: a table of each "
                         "stage's wall time and peak memory, set-up against training (default: none)")
+    r.add_argument("--predictions", metavar="FILE",
+                   help="the cost model's predictions of the runs, made beforehand (`gnnpipe predict-costs`): "
+                        "read instead of predicting (--hardware and --cost-model-dir are the file's; no torch)")
     r.set_defaults(func=_report, outputs=("out",), output_dirs=("plots",))
+
+    pc = sub.add_parser("predict-costs", help="the cost model's prediction of every run, for the report",
+                        description="Predict each node run's bytes, epoch time and its split and peak memory "
+                                    "with the cost model (as `gnnpipe report` does) into a JSON file that "
+                                    "`gnnpipe report --predictions` reads: the models are built here (torch), "
+                                    "not in the report.")
+    pc.add_argument("--runs-dir", default="results/runs")
+    pc.add_argument("--run", action="append", help="only these run ids (repeatable)")
+    pc.add_argument("--hardware", default="cpu-2core", help="as report's --hardware")
+    pc.add_argument("--cost-model-dir", metavar="DIR", help="as report's --cost-model-dir")
+    pc.add_argument("--out", required=True, help="the predictions file (JSON)")
+    pc.set_defaults(func=_predict_costs, outputs=("out",))
 
     s = sub.add_parser("runs", help="list the runs a workflow config defines",
                        description="Validate a workflow config and list its runs, or print one run's "

@@ -3,7 +3,9 @@
 Training in the pipeline mode reads stale embeddings; evaluation never does. The run's task
 (``tasks.task_for``) scores the checkpoint in one process (node classification: the whole model
 on the whole graph; S2EF and energy-only: every split's systems, and the test split's predictions),
-so that ``evaluate`` gives the same numbers whichever mode trained the weights.
+so that ``evaluate`` gives the same numbers whichever mode trained the weights. A node run's
+train job makes the same pass itself after training (``score``, from ``train.evaluate_finished``:
+#36); ``gnnpipe evaluate`` re-scores a model file, with every check.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Optional
 from .checkpoint import check_checkpoint, load_checkpoint
 from .config import RunConfig
 from .io import write_json
-from .tasks import task_for
+from .tasks import Task, task_for
 
 
 def evaluate_run(cfg: RunConfig, checkpoint: str | Path | None = None, out: str | Path | None = None,
@@ -37,13 +39,24 @@ def evaluate_run(cfg: RunConfig, checkpoint: str | Path | None = None, out: str 
     imports = _import_tracking() if mlflow_id else None
     state = load_checkpoint(checkpoint)
     check_checkpoint(state, cfg, checkpoint, final=not allow_partial)
-    result = task_for(cfg).evaluate(cfg, state, checkpoint, predictions=predictions, train_systems=train_systems)
-    result = {"run_id": cfg.run_id, "checkpoint_epoch": int(state.get("epoch", -1)), **result}
-    write_json(out, result)
+    result = score(cfg, state, checkpoint, out, predictions=predictions, train_systems=train_systems)
     if mlflow_id:
         imports.join()
         from .tracking import log_evaluation
         log_evaluation(cfg, mlflow_id, result, out)
+    return result
+
+
+def score(cfg: RunConfig, state: dict, checkpoint: str | Path, out: str | Path, *, task: Optional[Task] = None,
+          predictions: str | Path | None = None, train_systems: int | str | None = None) -> dict:
+    """The run's task scores the model ``state`` (a checkpoint's fields: ``model``, ``epoch`` and what
+    its task's payload adds) and ``eval.json`` is written (atomically) to ``out``: what ``evaluate_run``
+    does after its checks, and the train job after training with the model it holds (``train.py``;
+    ``checkpoint``: the file the state is, or will be, named by in messages)."""
+    result = (task or task_for(cfg)).evaluate(cfg, state, Path(checkpoint), predictions=predictions,
+                                              train_systems=train_systems)
+    result = {"run_id": cfg.run_id, "checkpoint_epoch": int(state.get("epoch", -1)), **result}
+    write_json(out, result)
     return result
 
 

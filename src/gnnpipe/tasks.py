@@ -14,7 +14,9 @@ The trainer (``train.py``) and ``evaluate`` drive any run through its task and i
   ``gnnpipe.habits``), after the row's evaluation and before it is recorded or checkpointed;
 * its final payload: what the finished ``model.pt`` carries beside the weights (``final_payload``:
   an atomic run's model file, ``atomic.modelfile``);
-* its ``evaluate``: the metrics of a checkpoint, in one process whatever mode trained it.
+* its ``evaluate``: the metrics of a checkpoint, in one process whatever mode trained it; whether
+  the train job runs it on the finished model itself (``evaluates_in_training``: ``eval.json`` comes
+  out of training, no process of its own) or leaves it to ``gnnpipe evaluate``.
 
 The tasks are entries of ``kinds.TASKS`` (the one registry mechanism, ``registry.Registry``):
 ``node_classification`` (a graph dataset: a node model, cross-entropy, accuracies), ``s2ef``
@@ -47,6 +49,8 @@ class Task(abc.ABC):
     metrics: tuple[str, ...] = ()  # the test split's metrics, at the top of the run record
     progress_metric: str = ""  # the evaluation's value the progress bar shows
     epoch_metrics: tuple[str, ...] = ()  # what an evaluation adds to an epoch's row, logged per epoch
+    #: the train job scores its finished model (``evaluate``, rank 0) and writes ``eval.json`` itself
+    evaluates_in_training: bool = False
 
     def prepare(self) -> None:
         """Process-wide set-up before anything is allocated."""
@@ -90,6 +94,7 @@ class NodeClassification(Task):
     loss = "the mean cross-entropy over all training nodes of the whole graph"
     progress_metric = "val_acc"
     epoch_metrics = ("train_acc", "val_acc", "test_acc")
+    evaluates_in_training = True  # one full-graph pass: a fraction of the evaluate job's start-up
 
     def prepare(self) -> None:
         retain_freed_memory()  # the epochs' (N, hidden) tensors reuse their pages (docs/ARCHITECTURE.md)

@@ -243,19 +243,23 @@ def mark_failed(cfg: RunConfig, run_id: str, error: str, rows: list[dict] = (), 
 
 
 def log_training(cfg: RunConfig, record: dict, out_dir: Path, run_id: str | None = None, *,
-                 metrics) -> str | None:
+                 metrics, evaluation: tuple[dict, Path] | None = None) -> str | None:
     """Log one finished training run (params, per-epoch ``metrics`` of its history, artifacts); return its id.
 
-    ``run_id``: the run ``start_training`` opened (else one is created now).
+    ``run_id``: the run ``start_training`` opened (else one is created now). ``evaluation``: the
+    train job's own evaluation of the finished model (its result and ``eval.json``), logged in the
+    same burst as ``log_evaluation`` logs one (``eval/<key>``, the file as an artifact).
     Writes ``out_dir/metrics.json`` (with ``mlflow_run_id`` set) before logging it. On any
-    failure: a warning, ``metrics.json`` with ``mlflow_run_id: null`` and ``mlflow_error``,
-    and None; never an exception (the training is done and must not be thrown away).
+    failure: a warning, ``metrics.json`` (and ``eval.json``) with ``mlflow_run_id: null`` and
+    ``mlflow_error``, and None; never an exception (the training is done and must not be thrown away).
     """
     try:
-        return _log_training(cfg, record, out_dir, run_id, metrics)
+        return _log_training(cfg, record, out_dir, run_id, metrics, evaluation)
     except Exception as e:
         record["mlflow_run_id"], record["mlflow_error"] = None, _one_line(e)
         write_json(out_dir / "metrics.json", record)
+        if evaluation is not None:
+            write_json(evaluation[1], {**evaluation[0], "mlflow_error": _one_line(e)})
         _warn("logging of the training run", e, out_dir / "metrics.json")
         return None
 
@@ -275,15 +279,15 @@ def _failing_run(client, rid: str):
         raise RuntimeError(f"MLflow run {rid} ended FAILED: {_one_line(e)}") from e
 
 
-def _log_training(cfg: RunConfig, record: dict, out_dir: Path, run_id: str | None, metrics) -> str:
+def _log_training(cfg: RunConfig, record: dict, out_dir: Path, run_id: str | None, metrics, evaluation) -> str:
     with _client(cfg) as (client, exp_id):
         rid = run_id or client.create_run(exp_id, run_name=cfg.run_id, tags=_tags(cfg)).info.run_id
         with _failing_run(client, rid):
-            _log_run(client, rid, cfg, record, out_dir, metrics)
+            _log_run(client, rid, cfg, record, out_dir, metrics, evaluation)
     return rid
 
 
-def _log_run(client, rid: str, cfg: RunConfig, record: dict, out_dir: Path, names) -> None:
+def _log_run(client, rid: str, cfg: RunConfig, record: dict, out_dir: Path, names, evaluation=None) -> None:
     from mlflow.entities import Metric, Param, RunTag
     import time as _time
 
@@ -299,6 +303,8 @@ def _log_run(client, rid: str, cfg: RunConfig, record: dict, out_dir: Path, name
             metrics.append(Metric(f"final/{key}", float(record["extra"][key]), now, 0))
     for k, v in record["epoch_time_breakdown_s"].items():
         metrics.append(Metric(f"final/epoch_{k}_s", float(v), now, 0))
+    if evaluation is not None:
+        metrics += _result_metrics(evaluation[0], "eval", now)
     for i in range(0, len(params), 100):
         client.log_batch(rid, params=params[i:i + 100])
     _log_metrics_batched(client, rid, metrics)
@@ -307,6 +313,8 @@ def _log_run(client, rid: str, cfg: RunConfig, record: dict, out_dir: Path, name
     write_json(out_dir / "metrics.json", record)  # the artifact carries its own run id
     for name in ("run.resolved.yaml", "metrics.json"):
         client.log_artifact(rid, str(out_dir / name))
+    if evaluation is not None:
+        client.log_artifact(rid, str(evaluation[1]))
     client.set_terminated(rid)
 
 
@@ -333,12 +341,16 @@ def _log_result(cfg: RunConfig, mlflow_run_id: str, result: dict, path: Path, pr
 
 def _log_metrics(cfg: RunConfig, mlflow_run_id: str, result: dict, path: Path, prefix: str) -> None:
     """One burst under the store's lock: the top-level numbers of ``result`` and the file."""
-    from mlflow.entities import Metric
     import time as _time
 
     with _client(cfg) as (client, _):
-        now = int(_time.time() * 1000)
-        client.log_batch(mlflow_run_id, metrics=[
-            Metric(f"{prefix}/{k}", float(v), now, 0) for k, v in result.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("checkpoint_epoch", "seed")])
+        client.log_batch(mlflow_run_id, metrics=_result_metrics(result, prefix, int(_time.time() * 1000)))
         client.log_artifact(mlflow_run_id, str(path))
+
+
+def _result_metrics(result: dict, prefix: str, now: int) -> list:
+    """The top-level numbers of an evaluation's (or relaxation's) ``result`` as ``<prefix>/<key>`` metrics."""
+    from mlflow.entities import Metric
+
+    return [Metric(f"{prefix}/{k}", float(v), now, 0) for k, v in result.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("checkpoint_epoch", "seed")]

@@ -453,22 +453,49 @@ def _train(cfg: RunConfig, task: Task, engine, comm, att: _Attempt, device, prog
     att.epoch = None
     if bar is not None:
         bar.close()
-    _checkpoint(task, engine, out_dir / "model.pt", tc.epochs - 1, cfg, ranks, fp, finished=True)
+    final = _checkpoint(task, engine, out_dir / "model.pt", tc.epochs - 1, cfg, ranks, fp, finished=True)
     peak, = reduce([float(peak_memory_bytes(device))], "max")
     if rank != 0:
         return None
+    evaluation = evaluate_finished(cfg, task, final, out_dir)  # eval.json (node runs), before the record
+    del final
     timed = [r for r in history if r["epoch"] >= tc.warmup_epochs or tc.epochs <= tc.warmup_epochs]
     record = _record(cfg, task, engine, history, [r["epoch_time_s"] for r in timed], timed, last_eval, int(peak))
     record.update(started_at=att.started_at, finished_at=_utc_now())  # this attempt's job, UTC
     if layer_times is not None:  # its layers, timed in the recorded epochs as it trained (gnnpipe.layertimes)
         record["layer_times"] = layer_times
+    if evaluation is not None:
+        record.update(evaluation["timing"])
     write_text(out_dir / "run.resolved.yaml", dump_run_config(cfg))
     write_json(out_dir / "metrics.json", record)  # kept even if MLflow fails below
     from .tracking import log_training
-    # sets record["mlflow_run_id"], rewrites metrics.json
-    log_training(cfg, record, out_dir, att.mlflow_run_id, metrics=row_metrics(task))
+    # sets record["mlflow_run_id"], rewrites metrics.json; the evaluation's metrics go in the same burst
+    log_training(cfg, record, out_dir, att.mlflow_run_id, metrics=row_metrics(task),
+                 evaluation=None if evaluation is None else (evaluation["result"], evaluation["path"]))
     ckpt.finish(out_dir)  # complete: a later train of this run starts from epoch 0
     return record
+
+
+#: what the run record says of the train job's own evaluation (``evaluate_finished``), beside its epochs
+EVALUATE_FIELDS = ("evaluate_s", "evaluate_cpu_s")
+
+
+def evaluate_finished(cfg: RunConfig, task: Task, final: dict, out_dir: Path) -> Optional[dict]:
+    """Rank 0, after the finished model is written: where the run's task scores it in training
+    (``Task.evaluates_in_training``), the exact pass ``gnnpipe evaluate`` makes (``evaluate.score``:
+    one process, the whole graph read once, never a stale embedding), on the weights in memory
+    (``final``: what ``model.pt`` holds, so no identity check is needed) into ``eval.json``. Returns
+    the result, its file and its timing (wall and this process's CPU seconds: the workflow's
+    *evaluate* stage, ``report.stages``), or None where the task leaves it to ``gnnpipe evaluate``."""
+    if not task.evaluates_in_training:
+        return None
+    from .evaluate import score
+
+    path = out_dir / "eval.json"
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = score(cfg, final, out_dir / "model.pt", path, task=task)
+    timing = dict(zip(EVALUATE_FIELDS, (time.perf_counter() - t0, time.process_time() - c0)))
+    return {"result": result, "path": path, "timing": timing}
 
 
 def epoch_line(cfg: RunConfig, row: dict) -> str:
@@ -516,7 +543,7 @@ def _record(cfg, task: Task, engine, history, times, splits, last_eval, peak) ->
 
 
 def _checkpoint(task: Task, engine, path: Path, epoch: int, cfg: RunConfig, ranks: ckpt.World, fp: dict,
-                finished: bool = False) -> None:
+                finished: bool = False) -> Optional[dict]:
     """Save the weights after ``epoch`` with what they were trained from (``fp``: the run's
     ``run_fingerprint``, taken once at its start: an ``init_from`` file is hashed whole).
 
@@ -524,9 +551,10 @@ def _checkpoint(task: Task, engine, path: Path, epoch: int, cfg: RunConfig, rank
     (the train rule's output): a run killed half-way never leaves a partial ``model.pt`` that
     ``evaluate`` or Snakemake would take for the result. The finished model also carries what its
     task adds (``Task.final_payload``: an atomic run's inference payload, ``atomic.modelfile``).
+    Returns what was written on rank 0 (None elsewhere).
     """
     state = engine.full_state_dict()  # collective in model-parallel modes: every rank calls it
-    error = None
+    error, payload = None, None
     if ranks.rank == 0:
         payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "epoch": epoch,
                    "epochs_done": epoch + 1, "run_id": cfg.run_id, "config": to_dict(cfg), **fp}
@@ -538,3 +566,4 @@ def _checkpoint(task: Task, engine, path: Path, epoch: int, cfg: RunConfig, rank
         except GnnPipeError as e:  # a full disk: every rank ends with this line, none waits for rank 0
             error = str(e)
     ranks.agree(error)
+    return payload

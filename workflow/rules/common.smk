@@ -156,6 +156,19 @@ def cost_model_inputs(wildcards) -> dict:
     return out
 
 
+PREDICTIONS = f"{COST_DIR}/predictions.json"  # written by cost_predictions, read by the report (#36)
+
+
+def report_predictions(wildcards) -> dict:
+    """The predictions file the report reads: none when the config has no node run to predict."""
+    return {"predictions": PREDICTIONS} if NODE_RUNS else {}
+
+
+def report_predictions_arg(wildcards, input) -> str:
+    """The report's ``--predictions FILE`` (quoted here), or nothing without node runs."""
+    return f"--predictions {shlex.quote(input.predictions)}" if NODE_RUNS else ""
+
+
 def whole_machine() -> int:
     """``--cores`` when jobs run on this machine (a job that takes them all runs alone);
     1 under a cluster executor, on the submitting side and inside the job alike (each job

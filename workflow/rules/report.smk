@@ -1,9 +1,36 @@
+rule cost_predictions:
+    """The cost model's prediction of every node run (bytes, epoch time and its split, peak memory)
+    on its graph's partition statistics and the profile fitted to its model: the report's
+    "measured vs cost model" column, made here so the report itself imports no torch (#36)."""
+    input:
+        unpack(cost_model_inputs),
+        metrics=[f"{RESULTS}/runs/{rid}/metrics.json" for rid in NODE_RUNS],
+        run_configs=[f"{RESULTS}/runs/{rid}/run.yaml" for rid in NODE_RUNS],
+    output:
+        predictions=PREDICTIONS,
+    log:
+        "logs/cost_model/predictions.log",
+    benchmark:
+        bench("cost_predictions", "cost_predictions"),
+    params:
+        runs=[arg for rid in NODE_RUNS for arg in ("--run", rid)],
+        runs_dir=lambda wildcards, input: os.path.dirname(os.path.dirname(input.metrics[0])),
+        cost_dir=lambda wildcards, output: os.path.dirname(output.predictions),
+    conda:
+        "../../envs/gnnpipe.yaml"
+    shell:
+        "gnnpipe predict-costs --runs-dir {params.runs_dir:q} {params.runs:q}"
+        " --hardware {input.hardware:q} --cost-model-dir {params.cost_dir:q} --out {output.predictions:q} > {log:q} 2>&1"
+
+
 rule report:
     """Tables over this config's runs (modes side by side, seeds pooled, graph ÷ pipeline and
-    ÷ hybrid, measured vs cost model) and plots; `snakemake --report` shows the plots."""
+    ÷ hybrid, measured vs cost model) and plots; `snakemake --report` shows the plots. It reads
+    the cost model's predictions (rule cost_predictions): it builds no model and imports no torch."""
     input:
         unpack(run_records),
         unpack(cost_model_inputs),
+        unpack(report_predictions),
     output:
         report=report(f"{RESULTS}/report.md", caption="../report/report_md.rst", category="Report"),
         plots=report(directory(f"{RESULTS}/plots"), patterns=["{name}.png"],
@@ -17,12 +44,13 @@ rule report:
         runs_dir=lambda wildcards, input: os.path.dirname(os.path.dirname(input.metrics[0])),
         cost_dir=COST_DIR,
         benchmarks=BENCHMARKS,  # every job upstream of this one has written its file
+        predictions=report_predictions_arg,  # quoted there (empty without node runs): not quoted
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
         "gnnpipe report --runs-dir {params.runs_dir:q} {params.runs:q}"
         " --hardware {input.hardware:q} --cost-model-dir {params.cost_dir:q} --benchmarks {params.benchmarks:q}"
-        " --out {output.report:q} --plots {output.plots:q} > {log:q} 2>&1"
+        " {params.predictions} --out {output.report:q} --plots {output.plots:q} > {log:q} 2>&1"
 
 
 rule plan_stats:

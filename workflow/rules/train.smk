@@ -16,13 +16,19 @@ rule run_config:
 
 rule train:
     """Train one run: one process (single) or torchrun over the run's workers, started by
-    `gnnpipe launch` (a run whose layout does not fit a worker's memory is refused first)."""
+    `gnnpipe launch` (a run whose layout does not fit a worker's memory is refused first).
+    A node run's job then evaluates its finished model itself, rank 0: the exact (non-stale)
+    full-graph pass `gnnpipe evaluate` makes, in the process that already holds torch, the
+    weights and MLflow's client (eval.json; its time is metrics.json's evaluate_s)."""
+    wildcard_constraints:
+        run_id=run_id_pattern(NODE_RUNS),
     input:
         unpack(run_inputs),
         init=init_from_input,
     output:
         metrics=f"{RESULTS}/runs/{{run_id}}/metrics.json",
         model=f"{RESULTS}/runs/{{run_id}}/model.pt",
+        evaluation=f"{RESULTS}/runs/{{run_id}}/eval.json",
     log:
         "logs/train/{run_id}.log",
     benchmark:
@@ -49,29 +55,14 @@ rule train:
         " -- {params.launch} train --run-config {input.run_config:q} > {log:q} 2>&1"
 
 
-rule evaluate:
-    """Exact (non-stale) full-graph inference from the trained model, in one process."""
+use rule train as train_atomic with:
+    """Train one atomic run (as train, without its evaluation: evaluate_atomic scores every split's
+    systems and writes the test split's predictions.h5, in a process of its own)."""
     wildcard_constraints:
-        run_id=run_id_pattern(NODE_RUNS),
-    input:
-        unpack(run_inputs),
-        model=f"{RESULTS}/runs/{{run_id}}/model.pt",
-        metrics=f"{RESULTS}/runs/{{run_id}}/metrics.json",
+        run_id=run_id_pattern(ATOMIC_RUNS),
     output:
-        evaluation=f"{RESULTS}/runs/{{run_id}}/eval.json",
-    log:
-        "logs/evaluate/{run_id}.log",
-    benchmark:
-        bench("evaluate", "{run_id}"),
-    threads: train_threads
-    resources:
-        mem_mb=train_resource("mem_mb"),
-        runtime=train_resource("runtime"),
-    conda:
-        "../../envs/gnnpipe.yaml"
-    shell:
-        "export OMP_NUM_THREADS={threads:q};"
-        " gnnpipe evaluate --run-config {input.run_config:q} --out {output.evaluation:q} > {log:q} 2>&1"
+        metrics=f"{RESULTS}/runs/{{run_id}}/metrics.json",
+        model=f"{RESULTS}/runs/{{run_id}}/model.pt",
 
 
 rule evaluate_atomic:

@@ -49,7 +49,7 @@ from pathlib import Path
 from ..io import GnnPipeError, write_text
 from . import atomic as atomic_report, stages as stage_times, timing
 from .plots import plot_bytes, plot_curves, plot_mode_curves, plot_time_to_accuracy, plot_times, plot_vs_workers
-from .predictions import DEFAULT_HARDWARE, Prediction, Predictor
+from .predictions import DEFAULT_HARDWARE, Prediction, PredictionsFile, Predictor
 from .records import Run, aggregate, load_runs
 from .tables import (PREDICTION_HEADER, RUN_HEADER, TECHNIQUES_INTRO, TTA_INTRO, datasets_table, group_section,
                      group_slug, group_title, has_technique_ablation, md_table, overlap_note, pooled_section,
@@ -65,14 +65,16 @@ def count_line(runs: list[Run], atomic: int) -> str:
 
 def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
                  hardware=DEFAULT_HARDWARE, predict: bool = True, cost_model_dir=None,
-                 benchmarks_dir=None) -> None:
+                 benchmarks_dir=None, predictions=None) -> None:
     """Read the runs in ``run_dirs`` and write ``out_md`` and the PNGs in ``plots_dir``.
 
     ``hardware``: the profile (name, path or ``costmodel.Hardware``) the cost model
     predicts each run on; ``cost_model_dir``: the workflow's partition statistics and
     calibrated profiles (``Predictor``); ``predict=False`` leaves the predictions out
     (marked so); ``benchmarks_dir``: the workflow's benchmark files (``results/benchmarks``), for the
-    stages table (:mod:`.stages`; left out without it)."""
+    stages table (:mod:`.stages`; left out without it); ``predictions``: the file of the runs'
+    predictions made beforehand (``gnnpipe predict-costs``, :func:`.predictions.write_predictions`),
+    read instead of predicting here (``hardware`` and ``cost_model_dir`` are then the file's: no torch)."""
     if not run_dirs:
         raise GnnPipeError("no runs to report on")
 
@@ -86,15 +88,15 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
     count = count_line(runs, len(atomic_runs))
     stages = [] if benchmarks_dir is None else [
         "## Stages", "",
-        stage_times.stages_section(stage_times.collect(Path(benchmarks_dir), [Path(d).name for d in run_dirs]),
-                                   str(benchmarks_dir), {r.run_id: r["epoch_time_s"] for r in runs}), ""]
+        stage_times.stages_section(_stages(Path(benchmarks_dir), run_dirs, runs), str(benchmarks_dir),
+                                   {r.run_id: r["epoch_time_s"] for r in runs}), ""]
     runs = [r for r in runs if not atomic_report.is_atomic(r)]
     if not runs:
         write_text(out_md, "\n".join(["# GNNPipe report", "", count, "", *stages, atomic]))
         return
 
     if predict:
-        predictor = Predictor(hardware, cost_model_dir)
+        predictor = PredictionsFile(predictions) if predictions is not None else Predictor(hardware, cost_model_dir)
         predictions = {r.run_id: predictor(r) for r in runs}
         hw_name = f"hardware profile `{predictor.name}`"
         if predictor.calibrated:
@@ -192,3 +194,12 @@ def build_report(run_dirs: list[Path], out_md: Path, plots_dir: Path, *,
         atomic,
     ])
     write_text(out_md, text)
+
+
+def _stages(benchmarks_dir: Path, run_dirs, runs: list[Run]) -> list:
+    """The workflow's stages from its benchmark files, the train jobs' own evaluations (their run
+    records' ``evaluate_s``) counted as the evaluate stage (:func:`.stages.evaluations_in_training`)."""
+    collected = stage_times.collect(benchmarks_dir, [Path(d).name for d in run_dirs])
+    evaluations = {r.run_id: (float(r.record["evaluate_s"]), float(r.record.get("evaluate_cpu_s") or 0.0))
+                   for r in runs if r.record.get("evaluate_s") is not None}
+    return stage_times.evaluations_in_training(collected, evaluations)

@@ -1,10 +1,17 @@
 """The cost model's prediction beside every run: :class:`Predictor` predicts a run from its
 ``run.yaml``, its graph's partition statistics and a hardware profile (calibrated to the
 run's model when the workflow fitted one) with :func:`gnnpipe.planning.predict.predict_layout`;
-a run it cannot predict gets an unavailable :class:`Prediction` with the reason."""
+a run it cannot predict gets an unavailable :class:`Prediction` with the reason.
+
+The prediction builds each run's model (torch: ~2 s of imports). The workflow makes them in a job
+of its own (rule ``cost_predictions``, ``gnnpipe predict-costs``: :func:`write_predictions`, a
+JSON file), and the report reads that file (:class:`PredictionsFile`, the same interface as a
+:class:`Predictor`), so ``gnnpipe report`` only reads files and draws (#36: ≤ 10 s for ten runs)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,3 +143,52 @@ class Predictor:
         return Prediction(bytes=float(est.bytes["total"]), epoch_s=float(est.epoch_s),
                           compute_s=float(est.compute_s), comm_s=float(est.comm_s),
                           bubble_s=float(est.bubble_s), peak_mem_bytes=float(est.peak_mem_bytes))
+
+
+#: ``kind`` of the file :func:`write_predictions` writes (``format_version`` 1)
+PREDICTIONS_KIND = "gnnpipe_cost_predictions"
+
+
+def write_predictions(runs: list[Run], out: Path, hardware=DEFAULT_HARDWARE, cost_model_dir=None) -> dict:
+    """Predict every run (a :class:`Predictor`) and write ``out`` (atomically): the profile's
+    name, the calibrated profiles used and each run's :class:`Prediction` by run id."""
+    from ..io import write_json
+
+    predictor = Predictor(hardware, cost_model_dir)
+    predicted = {r.run_id: dataclasses.asdict(predictor(r)) for r in runs}
+    doc = {"kind": PREDICTIONS_KIND, "format_version": 1, "hardware": predictor.name,
+           "calibrated": sorted(predictor.calibrated), "runs": predicted}
+    write_json(out, doc)
+    return doc
+
+
+class PredictionsFile:
+    """The predictions :func:`write_predictions` wrote, used as the :class:`Predictor` that made
+    them (``name``, ``calibrated``, a call per run): no torch. A run the file lacks is unavailable,
+    with the reason."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        fix = "rerun the cost_predictions rule (gnnpipe predict-costs)"
+        try:
+            doc = json.loads(self.path.read_text())
+        except OSError as e:
+            raise GnnPipeError(f"{self.path}: cannot read the cost model's predictions ({e.strerror or e}); "
+                               f"{fix}") from None
+        except ValueError:
+            raise GnnPipeError(f"{self.path}: not JSON; {fix}") from None
+        if not isinstance(doc, dict) or doc.get("kind") != PREDICTIONS_KIND or doc.get("format_version") != 1:
+            raise GnnPipeError(f"{self.path}: not a predictions file of this gnnpipe (kind {PREDICTIONS_KIND}, "
+                               f"format 1); {fix}")
+        names = {f.name for f in dataclasses.fields(Prediction)}
+        try:
+            self.runs = {rid: Prediction(**{k: v for k, v in p.items() if k in names})
+                         for rid, p in doc["runs"].items()}
+            self.name, self.calibrated = str(doc["hardware"]), set(doc["calibrated"])
+        except (KeyError, TypeError, AttributeError):
+            raise GnnPipeError(f"{self.path}: a predictions file without its runs, hardware or calibrated "
+                               f"profiles; {fix}") from None
+
+    def __call__(self, run: Run) -> Prediction:
+        return self.runs.get(run.run_id) or Prediction(
+            reason=f"{self.path}: no prediction of this run (rerun the cost_predictions rule)")

@@ -13,6 +13,11 @@ seconds (both summed over the job's processes, torchrun's workers included); a j
 Snakemake's first sample has ``NA`` there. A job's figures are the mean over its repeats. On a
 loaded machine the CPU seconds move less than the wall time: the table gives both.
 
+A node run's exact evaluation is no job of its own: its train job runs it after training
+(``train.evaluate_finished``) and its run record says how long it took (``evaluate_s``,
+``evaluate_cpu_s``). :func:`evaluations_in_training` moves those seconds out of the train rule's
+figures into an ``evaluate`` row marked *in train* (no peak RSS of its own: the train job's).
+
 The table: per rule, its jobs, their summed wall seconds and the largest peak RSS; then the
 set-up stages (every rule but ``train``, and ``relax``: IS2RS, a task of its own after training)
 summed against the training jobs', and their ratio against issue #36's bound (set-up ≤ 0.5×
@@ -49,11 +54,17 @@ OVER_BECAUSE = {
                   "cold pass alone where no parallel run recorded its workers); a fit found in "
                   "results/calibration_cache costs only its start-up, and `cost_model.calibrate: false` "
                   "skips it (the report then says the cost model is uncalibrated)"),
-    "evaluate": ("each is a process of its own: it imports torch, loads the graph and the checkpoint and "
-                 "runs one exact full-graph pass, and imports MLflow's client and store (on a thread "
-                 "meanwhile) to log the result; an epoch is only the training pass"),
-    "report": ("it imports torch and builds each run's model to predict its epoch with the cost model, "
-               "and draws the plots"),
+    "evaluate": ("the exact pass reads the whole graph again and builds the whole model in one process "
+                 "(rank 0 of the train job), then runs its forward pass on every node; an epoch of a "
+                 "model-parallel run is only each worker's share, and a small model's epoch costs less "
+                 "than reading the graph"),
+    # an evaluate job of its own (a workflow before #36 moved node runs' evaluation into training)
+    "evaluate job": ("each is a process of its own: it imports torch, loads the graph and the checkpoint and "
+                     "runs one exact full-graph pass, and imports MLflow's client and store (on a thread "
+                     "meanwhile) to log the result; an epoch is only the training pass"),
+    "report": ("it draws the plots (matplotlib: every figure laid out and rendered), and without the "
+               "workflow's predictions file (rule cost_predictions) it imports torch and builds each run's "
+               "model to predict its epoch with the cost model"),
 }
 TRAINING = frozenset({"train"})
 #: Neither set-up nor training: relaxations with the trained model (IS2RS) are a task of their own.
@@ -70,6 +81,7 @@ class Stage:
     max_rss_mb: Optional[float] = None  # None: no job of the rule lived long enough to be sampled
     cpu_s: float = 0.0  # the sampled jobs' CPU seconds
     job_seconds: dict = field(default_factory=dict)  # each job's wall seconds, by its file's name (a run id)
+    inside: Optional[str] = None  # the rule whose jobs ran this stage (evaluate: train), else its own jobs
 
     @property
     def kind(self) -> str:
@@ -128,9 +140,36 @@ def collect(bench_dir: Path, run_ids: Optional[Iterable[str]] = None) -> list[St
     return sorted(stages.values(), key=lambda s: (order.get(s.rule, len(order)), s.rule))
 
 
+def evaluations_in_training(stages: list[Stage], evaluations: dict) -> list[Stage]:
+    """``stages`` with the train jobs' own evaluations (``evaluations``: run id -> ``(wall s, CPU s)``,
+    the run records' ``evaluate_s`` and ``evaluate_cpu_s``) as an ``evaluate`` stage *inside* train:
+    their seconds leave the train rule's figures (its jobs' wall time holds them) and count as set-up,
+    as an evaluate job of their own did. A run with an evaluate job's file keeps that job's figures."""
+    by = {s.rule: s for s in stages}
+    train = by.get("train")
+    if train is None:
+        return stages
+    own = by["evaluate"].job_seconds if "evaluate" in by else {}
+    moved = {run: t for run, t in evaluations.items() if run in train.job_seconds and run not in own}
+    if not moved:
+        return stages
+    ev = by.get("evaluate") or Stage("evaluate")
+    ev.inside = "train" if not own else None
+    for run, (wall, cpu) in moved.items():
+        ev.jobs += 1
+        ev.seconds += wall
+        ev.cpu_s += cpu
+        ev.job_seconds[run] = wall
+        train.seconds -= wall
+        train.cpu_s = max(train.cpu_s - cpu, 0.0)
+        train.job_seconds[run] -= wall
+    order = {r: i for i, r in enumerate(RULE_ORDER)}
+    return sorted({**by, "evaluate": ev}.values(), key=lambda s: (order.get(s.rule, len(order)), s.rule))
+
+
 RULE_ORDER = ("dataset_spec", "build_graph", "build_systems", "atom_graphs", "partition", "materialize",
               "locality", "run_config", "train", "evaluate", "evaluate_atomic", "relax", "plan_stats",
-              "calibrate", "report")
+              "calibrate", "cost_predictions", "report")
 
 
 def _s(x: float) -> str:
@@ -143,7 +182,7 @@ def stages_section(stages: list[Stage], bench_dir: str, epochs: Optional[dict] =
     if not stages:
         return (f"No benchmark files under `{bench_dir}` (the workflow's rules write them: "
                 "`results/benchmarks/<rule>/<job>.tsv`), so no stage times.")
-    rows = [f"| {s.rule} | {s.kind} | {s.jobs} | {_s(s.seconds)} | {_s(s.cpu_s)} | "
+    rows = [f"| {s.rule}{f' (in {s.inside})' if s.inside else ''} | {s.kind} | {s.jobs} | {_s(s.seconds)} | {_s(s.cpu_s)} | "
             f"{'—' if s.max_rss_mb is None else f'{s.max_rss_mb:.0f}'} |" for s in stages]
     setup = sum(s.seconds for s in stages if s.kind == "set-up")
     training = sum(s.seconds for s in stages if s.kind == "training")
@@ -187,7 +226,8 @@ def stage_bounds(stages: list[Stage], epochs: Optional[dict] = None) -> list[str
         over = sum(r > EVALUATE_BOUND_EPOCHS for r in ratios.values())
         out.append(f"* evaluate: {over} of {len(ratios)} jobs over {EVALUATE_BOUND_EPOCHS:g} epochs of their run "
                    f"(the most: {worst}, {_s(ev.job_seconds[worst])} s = {ratios[worst]:.1f} epochs)"
-                   + (f"; **over**: {OVER_BECAUSE['evaluate']}." if over else ", within."))
+                   + (f"; **over**: {OVER_BECAUSE['evaluate' if ev.inside else 'evaluate job']}." if over
+                      else ", within."))
     cal, train = by.get("calibrate"), by.get("train")
     if cal is not None and train is not None and train.seconds > 0:
         c, t = cal.seconds / cal.jobs, train.seconds / train.jobs
@@ -207,5 +247,7 @@ def _intro(bench_dir: str) -> list[str]:
         f"Wall time, CPU time and peak resident memory of every job, from Snakemake's benchmark files (`{bench_dir}`; "
         "a job's processes summed, MB; — where a job ended before the first sample). *Set-up* is every "
         "stage but training (and IS2RS relaxations after it); a train job's time includes its own start-up. "
+        "An *(in train)* row is a stage the train jobs ran after training (a node run's exact evaluation, timed "
+        "in its run record): its seconds are taken out of train's. "
         "The report's own row, if any, is its previous run's. Issue #36 asks set-up ≤ "
         f"{SETUP_BOUND}× training."]
