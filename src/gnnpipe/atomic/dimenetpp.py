@@ -425,9 +425,11 @@ class InteractionPPBlock(nn.Module):
         a = (rad.reshape(n, s * r) @ w1).view(n, s, w1.shape[1] // s)  # (ΣG·Ki, S, B)
         c = _narrow_linear(self.lin_sbf2, a)  # (ΣG·Ki, S, I)
         m = g.gather_edges(x_kj)[tb.col_edge]  # (ΣG·Ki, I)
-        mc = (m.unsqueeze(1) * c).split(tb.sizes("columns"))  # per bucket (G·Ki, S, I)
+        mc = m.unsqueeze(1) * c  # (ΣG·Ki, S, I)
         out = [torch.bmm(a_, mc_.view(gb, ki * s, -1)).flatten(0, 1)  # (G·Ro, I)
-               for (gb, _, ki), a_, mc_ in zip(tb.shapes, ang, mc)]
+               for (gb, _, ki), a_, mc_ in zip(tb.shapes, ang, mc.split(tb.sizes("columns")))]
+        if not out:  # no local triplet: the gathered messages stay in the graph (gather_edges' backward is collective)
+            out = [mc.reshape(0, mc.shape[-1])]
         x_kj = torch.cat([*out, x_kj.new_zeros(1, x_kj.shape[-1])])[tb.edge_row]  # (E_loc, I)
         h = x_ji + silu(self.lin_up(x_kj))
         for layer in self.layers_before_skip:
@@ -498,7 +500,7 @@ class DimeNetPP(nn.Module):
         cos = torch.cat([torch.bmm(u.view(gb, ro, 3), w.view(gb, ki, 3).transpose(1, 2)).flatten()  # cos of the angle
                          for (gb, ro, ki), u, w in zip(tb.shapes, u_ji.split(tb.sizes("rows")),
                                                        u_kj.split(tb.sizes("columns")))]
-                        + [v.new_zeros(0)])  # (ΣG·Ro·Ki,)
+                        or [u_ji[:0, 0] + u_kj[:0, 0]])  # (ΣG·Ro·Ki,); no triplet: (0,), in the graph
         if not self.cfg.angle_gradient:  # fairchem's DimeNet++: angles of detached positions
             cos = cos.detach()
         rad = self.sbf.radial(d_kj)  # (ΣG·Ki, S, R)
