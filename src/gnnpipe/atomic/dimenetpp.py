@@ -210,7 +210,12 @@ class TripletBlocks:
     col_triplet: Tensor  # (ΣG·Ki,) the first local triplet reading the column's edge (its geometry; padding: 0)
     mask: Tensor  # (ΣG·Ro·Ki,) bool: the entry is a triplet
     edge_row: Tensor  # (E_loc,) flat row of each local edge, ΣG·Ro if it has no triplet
-    shapes: tuple  # ((G, Ro, Ki), ...) of each bucket
+    masks: list  # per bucket, ``mask``'s entries as (G, Ro, Ki): the buckets' shapes are theirs
+
+    @property
+    def shapes(self) -> tuple:
+        """((G, Ro, Ki), ...) of each bucket (tensor sizes: symbolic under ``torch.compile``)."""
+        return tuple(tuple(m.shape) for m in self.masks)
 
     def sizes(self, part: str) -> list[int]:
         """Each bucket's number of ``rows`` (G·Ro), ``columns`` (G·Ki) or ``entries`` (G·Ro·Ki)."""
@@ -249,8 +254,10 @@ def _exclusive_cumsum(x: Tensor) -> Tensor:
 
 
 @torch.compiler.disable  # data-dependent sizes (counts, nonzero): eager under ``compile`` too
-def triplet_blocks(g: AtomGraph) -> TripletBlocks:
-    """The :class:`TripletBlocks` of ``g``'s local triplets: index work linear in T_loc, sorts over edges only."""
+def triplet_blocks(g: AtomGraph, single: bool = False) -> TripletBlocks:
+    """The :class:`TripletBlocks` of ``g``'s local triplets: index work linear in T_loc, sorts over edges only.
+    ``single``: one bucket, every block as wide and as tall as the largest (``torch.compile`` traces one
+    layout whatever the batch: a bucket count would be a constant of the compiled code)."""
     if not torch.equal(g.edge_src[g.idx_ji], g.kj_dst):
         raise ValueError("a triplet k -> j -> i must have its output edge ji start where its input edge kj ends")
     t = g.num_local_triplets
@@ -265,12 +272,13 @@ def triplet_blocks(g: AtomGraph) -> TripletBlocks:
     n = len(centres)
     rslot, rcount = _slots(rcentre, n)
     cslot, ccount = _slots(ccentre, n)
-    ki = _block_width(ccount)  # each centre's columns, padded: its bucket's key
+    ki = torch.full_like(ccount, int(ccount.max()) if n else 0) if single else _block_width(ccount)  # padded columns
     order = torch.argsort(ki, stable=True)
     widths, per = torch.unique_consecutive(ki[order], return_counts=True)
     bucket = torch.empty(n, **long)
     bucket[order] = torch.repeat_interleave(torch.arange(len(widths), **long), per)
-    ro_b = _block_width(torch.zeros(len(widths), **long).scatter_reduce_(0, bucket, rcount, "amax"))
+    ro_b = torch.zeros(len(widths), **long).scatter_reduce_(0, bucket, rcount, "amax")
+    ro_b = ro_b if single else _block_width(ro_b)
     rank = torch.empty(n, **long)  # a centre's place in its bucket
     rank[order] = torch.arange(n, **long) - _exclusive_cumsum(per)[bucket[order]]
     ro, ki = ro_b[bucket], widths[bucket]  # each centre's block shape
@@ -291,7 +299,8 @@ def triplet_blocks(g: AtomGraph) -> TripletBlocks:
     mask[entry0[tc] + rslot[rinv] * ki[tc] + cslot[cinv]] = True
     edge_row = torch.full((g.num_local_edges,), num_rows, **long)
     edge_row[rows] = row
-    return TripletBlocks(row_edge, col_edge, col_triplet, mask, edge_row, shapes)
+    masks = [m.view(shape) for m, shape in zip(mask.split([b * r * k for b, r, k in shapes]), shapes)]
+    return TripletBlocks(row_edge, col_edge, col_triplet, mask, edge_row, masks)
 
 
 # --------------------------------------------------------------------------- blocks
@@ -492,7 +501,7 @@ class DimeNetPP(nn.Module):
         v = g.edge_vectors()  # (E_loc, 3)
         dist = v.norm(dim=-1)
         rbf = self.rbf(dist)  # (E_loc, R)
-        tb = triplet_blocks(g)
+        tb = triplet_blocks(g, single=torch.compiler.is_compiling())
         v_kj = g.kj_vectors()[tb.col_triplet]  # (ΣG·Ki, 3): PyG's pos_jk, from the view's geometry
         d_kj = v_kj.norm(dim=-1)
         u_ji = (v / dist.unsqueeze(-1))[tb.row_edge]  # (ΣG·Ro, 3): PyG's pos_ij, unit
