@@ -215,12 +215,13 @@ class TripletBlocks:
     @property
     def shapes(self) -> tuple:
         """((G, Ro, Ki), ...) of each bucket (tensor sizes: symbolic under ``torch.compile``)."""
-        return tuple(tuple(m.shape) for m in self.masks)
+        return tuple([tuple(m.shape) for m in self.masks])  # (no generator: torch.compile would break its graph)
 
     def sizes(self, part: str) -> list[int]:
         """Each bucket's number of ``rows`` (G·Ro), ``columns`` (G·Ki) or ``entries`` (G·Ro·Ki)."""
-        dims = {"rows": (0, 1), "columns": (0, 2), "entries": (0, 1, 2)}[part]
-        return [math.prod(shape[d] for d in dims) for shape in self.shapes]
+        if part == "rows":
+            return [g * r for g, r, _ in self.shapes]
+        return [g * k for g, _, k in self.shapes] if part == "columns" else [g * r * k for g, r, k in self.shapes]
 
     def count(self, part: str) -> int:
         return sum(self.sizes(part))
