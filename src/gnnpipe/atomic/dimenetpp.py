@@ -28,9 +28,11 @@ factor ``Y_l^0`` per triplet, and ``W_sbf2 W_sbf1`` is linear, so per block::
     scatter_{idx_ji}(t)[ji] = Σ_{kj, l} Y_l^0(angle(kj, ji)) · (m_all[kj] ⊙ c[kj, l])
 
 which, with the triplets of each centre atom j laid out as a dense (output edges × input edges)
-block (:class:`TripletBlocks`), is one batched matmul over centres. Memory kept for backward per
-block is then ~ S·I per distinct input edge instead of ~ 3·I per triplet (T/E ≈ 20 on slabs), and
-the activation's double backward is one op (:class:`_SiLU`).
+block (:class:`TripletBlocks`), is one batched matmul over centres (per bucket of centres of one
+block width, so that padding stays small where degrees vary: molecules of 3-13 atoms in one batch).
+Memory kept for backward per block is then ~ S·I per distinct input edge instead of ~ 3·I per
+triplet (T/E ≈ 20 on slabs, ≈ 7 on small molecules: about even there), and the activation's
+double backward is one op (:class:`_SiLU`).
 
 Forces: ``energy_and_forces`` — ``"gradient"`` (energy-conserving, ``-dE/dpos`` by autograd;
 ``create_graph=True`` for training on forces) or ``"direct"`` (an extra edge head:
@@ -182,26 +184,47 @@ class SphericalBasisLayer(nn.Module):
 # --------------------------------------------------------------------------- triplets as blocks
 @dataclass
 class TripletBlocks:
-    """The local triplets ``k -> j -> i`` as one dense (rows × columns) block per centre atom j.
+    """The local triplets ``k -> j -> i`` as one dense (rows × columns) block per centre atom j,
+    the centres bucketed by their number of columns.
 
     Rows are j's output edges ji (local) that hold a local triplet, columns its input edges kj
-    (gathered ids) that one references; both padded to the largest count over the G centres.
-    Every triplet is one (row, column) of its centre's block; other entries are masked out.
-    A sum over triplets into output edges is then one batched matmul over centres, and
-    whatever depends on the input edge alone is computed once per column, not per triplet.
+    (gathered ids) that one references. Every triplet is one (row, column) of its centre's block;
+    other entries are masked out. A sum over triplets into output edges is then one batched matmul
+    per bucket, and whatever depends on the input edge alone is computed once per column, not per
+    triplet. Bucket b holds G_b centres whose column counts round to the same width Ki_b
+    (:func:`_block_width`: exact up to 15, then at most 12.5 % more), each block padded to Ki_b
+    columns and to Ro_b rows (the width of the bucket's largest row count). Rows, columns and
+    entries are flat, bucket after bucket: bucket b's rows are ``row_edge.split(sizes("rows"))[b]``
+    viewed (G_b, Ro_b), and so on.
 
-    The padding is the price: G·Ro·Ki is 1.5-2.6 × T_loc on the EMT slabs at P = 1..8 (in-degree is
-    capped by ``max_neighbors``, out-degree is not: Ro = 33 where the mean is 22). A graph whose
-    degrees vary much more pays up to (max / mean)² in block entries; bucketing centres by row
-    count would bound it. Built per forward from the index arrays alone (a few ms at 10^5 triplets);
-    its place is ``AtomGraph``, built once per batch view with ``idx_kj``/``idx_ji``.
+    The padding is the price, and bucketing bounds it: on molecules (every atom's in-degree its
+    out-degree, degrees 2-13 in one batch) a single width would pad the columns 1.8 × and the
+    entries 3 × the triplets; here the columns are the distinct input edges and the entries
+    T_loc + the rows (the masked diagonal k = i). Built per forward from the index arrays alone
+    (a few ms at 10^5 triplets); its place is ``AtomGraph``, built once per batch view with
+    ``idx_kj``/``idx_ji``.
     """
 
-    row_edge: Tensor  # (G, Ro) local edge id of each row (padding: 0)
-    col_edge: Tensor  # (G, Ki) gathered edge id of each column (padding: 0)
-    col_triplet: Tensor  # (G, Ki) the first local triplet reading the column's edge (its geometry)
-    mask: Tensor  # (G, Ro, Ki) bool: the entry is a triplet
-    edge_row: Tensor  # (E_loc,) flat row g·Ro + r of each local edge, G·Ro if it has no triplet
+    row_edge: Tensor  # (ΣG·Ro,) local edge id of each row (padding: 0)
+    col_edge: Tensor  # (ΣG·Ki,) gathered edge id of each column (padding: 0)
+    col_triplet: Tensor  # (ΣG·Ki,) the first local triplet reading the column's edge (its geometry; padding: 0)
+    mask: Tensor  # (ΣG·Ro·Ki,) bool: the entry is a triplet
+    edge_row: Tensor  # (E_loc,) flat row of each local edge, ΣG·Ro if it has no triplet
+    masks: list  # per bucket, ``mask``'s entries as (G, Ro, Ki): the buckets' shapes are theirs
+
+    @property
+    def shapes(self) -> tuple:
+        """((G, Ro, Ki), ...) of each bucket (tensor sizes: symbolic under ``torch.compile``)."""
+        return tuple([tuple(m.shape) for m in self.masks])  # (no generator: torch.compile would break its graph)
+
+    def sizes(self, part: str) -> list[int]:
+        """Each bucket's number of ``rows`` (G·Ro), ``columns`` (G·Ki) or ``entries`` (G·Ro·Ki)."""
+        if part == "rows":
+            return [g * r for g, r, _ in self.shapes]
+        return [g * k for g, _, k in self.shapes] if part == "columns" else [g * r * k for g, r, k in self.shapes]
+
+    def count(self, part: str) -> int:
+        return sum(self.sizes(part))
 
 
 def _distinct(idx: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -211,18 +234,31 @@ def _distinct(idx: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return present.nonzero().squeeze(1), (torch.cumsum(present, 0) - 1)[idx]
 
 
-def _slots(centre: Tensor, num_centres: int) -> tuple[Tensor, int]:
-    """Each item's position among the items of its centre (items in increasing id), and the largest count."""
+def _slots(centre: Tensor, num_centres: int) -> tuple[Tensor, Tensor]:
+    """Each item's position among the items of its centre (items in increasing id), and each centre's count."""
     counts = torch.bincount(centre, minlength=num_centres)
     order = torch.argsort(centre, stable=True)
     slot = torch.empty_like(centre)
     slot[order] = torch.arange(len(centre), device=centre.device) - (torch.cumsum(counts, 0) - counts)[centre[order]]
-    return slot, int(counts.max()) if num_centres else 0
+    return slot, counts
+
+
+def _block_width(count: Tensor) -> Tensor:
+    """The block width of ``count`` rows or columns: ``count`` up to 15, above rounded up to a multiple
+    of 2^(⌊log2 count⌋ - 3) (at most 12.5 % padding, 8 widths an octave: few buckets whatever the degrees)."""
+    step = torch.exp2((torch.log2(count.clamp(min=1).double()).floor() - 3).clamp(min=0)).long()
+    return -(-count // step) * step
+
+
+def _exclusive_cumsum(x: Tensor) -> Tensor:
+    return torch.cumsum(x, 0) - x
 
 
 @torch.compiler.disable  # data-dependent sizes (counts, nonzero): eager under ``compile`` too
-def triplet_blocks(g: AtomGraph) -> TripletBlocks:
-    """The :class:`TripletBlocks` of ``g``'s local triplets: index work linear in T_loc, sorts over edges only."""
+def triplet_blocks(g: AtomGraph, single: bool = False) -> TripletBlocks:
+    """The :class:`TripletBlocks` of ``g``'s local triplets: index work linear in T_loc, sorts over edges only.
+    ``single``: one bucket, every block as wide and as tall as the largest (``torch.compile`` traces one
+    layout whatever the batch: a bucket count would be a constant of the compiled code)."""
     if not torch.equal(g.edge_src[g.idx_ji], g.kj_dst):
         raise ValueError("a triplet k -> j -> i must have its output edge ji start where its input edge kj ends")
     t = g.num_local_triplets
@@ -235,17 +271,37 @@ def triplet_blocks(g: AtomGraph) -> TripletBlocks:
     atom_centre[centres] = torch.arange(len(centres), **long)
     ccentre = atom_centre[g.kj_dst[first]]  # each column's: the atom its edge ends at
     n = len(centres)
-    rslot, ro = _slots(rcentre, n)
-    cslot, ki = _slots(ccentre, n)
-    row_edge, col_edge, col_triplet = (torch.zeros(n, w, **long) for w in (ro, ki, ki))
-    row_edge[rcentre, rslot] = rows
-    col_edge[ccentre, cslot] = cols
-    col_triplet[ccentre, cslot] = first
-    mask = torch.zeros(n, ro, ki, dtype=torch.bool, device=rows.device)
-    mask[rcentre[rinv], rslot[rinv], cslot[cinv]] = True
-    edge_row = torch.full((g.num_local_edges,), n * ro, **long)
-    edge_row[rows] = rcentre * ro + rslot
-    return TripletBlocks(row_edge, col_edge, col_triplet, mask, edge_row)
+    rslot, rcount = _slots(rcentre, n)
+    cslot, ccount = _slots(ccentre, n)
+    ki = torch.full_like(ccount, int(ccount.max()) if n else 0) if single else _block_width(ccount)  # padded columns
+    order = torch.argsort(ki, stable=True)
+    widths, per = torch.unique_consecutive(ki[order], return_counts=True)
+    bucket = torch.empty(n, **long)
+    bucket[order] = torch.repeat_interleave(torch.arange(len(widths), **long), per)
+    ro_b = torch.zeros(len(widths), **long).scatter_reduce_(0, bucket, rcount, "amax")
+    ro_b = ro_b if single else _block_width(ro_b)
+    rank = torch.empty(n, **long)  # a centre's place in its bucket
+    rank[order] = torch.arange(n, **long) - _exclusive_cumsum(per)[bucket[order]]
+    ro, ki = ro_b[bucket], widths[bucket]  # each centre's block shape
+    row0 = _exclusive_cumsum(per * ro_b)[bucket] + rank * ro  # each centre's first flat row, column, entry
+    col0 = _exclusive_cumsum(per * widths)[bucket] + rank * ki
+    entry0 = _exclusive_cumsum(per * ro_b * widths)[bucket] + rank * ro * ki
+    shapes = tuple(zip(per.tolist(), ro_b.tolist(), widths.tolist()))
+    num_rows = sum(b * r for b, r, _ in shapes)
+    num_cols = sum(b * k for b, _, k in shapes)
+    row_edge, col_edge, col_triplet = (torch.zeros(w, **long) for w in (num_rows, num_cols, num_cols))
+    row = row0[rcentre] + rslot
+    row_edge[row] = rows
+    col = col0[ccentre] + cslot
+    col_edge[col] = cols
+    col_triplet[col] = first
+    mask = torch.zeros(sum(b * r * k for b, r, k in shapes), dtype=torch.bool, device=rows.device)
+    tc = rcentre[rinv]  # each triplet's centre
+    mask[entry0[tc] + rslot[rinv] * ki[tc] + cslot[cinv]] = True
+    edge_row = torch.full((g.num_local_edges,), num_rows, **long)
+    edge_row[rows] = row
+    masks = [m.view(shape) for m, shape in zip(mask.split([b * r * k for b, r, k in shapes]), shapes)]
+    return TripletBlocks(row_edge, col_edge, col_triplet, mask, edge_row, masks)
 
 
 # --------------------------------------------------------------------------- blocks
@@ -366,21 +422,25 @@ class InteractionPPBlock(nn.Module):
             if lin.bias is not None and not lin.bias.is_meta:
                 nn.init.zeros_(lin.bias)
 
-    def forward(self, x: Tensor, rbf: Tensor, rad: Tensor, ang: Tensor, g: AtomGraph, tb: TripletBlocks) -> Tensor:
-        """``rad`` (G, Ki, S, R) the radial basis of each block column, ``ang`` (G, Ro, Ki·S) the angular
-        basis of each triplet (0 off the triplets): PyG's ``sbf`` is their product per triplet."""
+    def forward(self, x: Tensor, rbf: Tensor, rad: Tensor, ang: list, g: AtomGraph, tb: TripletBlocks) -> Tensor:
+        """``rad`` (ΣG·Ki, S, R) the radial basis of each block column, ``ang`` per bucket (G, Ro, Ki·S) the
+        angular basis of each triplet (0 off the triplets): PyG's ``sbf`` is their product per triplet."""
         x_ji = silu(self.lin_ji(x))  # (E_loc, H)
         x_kj = silu(self.lin_kj(x)) * _narrow_linear(self.lin_rbf2, _narrow_linear(self.lin_rbf1, rbf))
         x_kj = silu(self.lin_down(x_kj))  # (E_loc, I)
         # t = m[kj] ⊙ W_sbf2 W_sbf1 (rad[kj] ⊗ ang) summed into ji: the radial factor and m meet once
         # per input edge, and the sum over (kj, l) is one matmul per centre: no (T, I) tensor at all
-        g_, k_, s, r = rad.shape
+        n, s, r = rad.shape
         w1 = torch.block_diag(*self.lin_sbf1.weight.view(-1, s, r).permute(1, 2, 0))  # (S·R, S·B): W_sbf1 per l
-        a = (rad.reshape(g_ * k_, s * r) @ w1).view(g_, k_, s, w1.shape[1] // s)  # (G, Ki, S, B)
-        c = _narrow_linear(self.lin_sbf2, a)  # (G, Ki, S, I)
-        m = g.gather_edges(x_kj)[tb.col_edge]  # (G, Ki, I)
-        out = torch.bmm(ang, (m.unsqueeze(2) * c).flatten(1, 2))  # (G, Ro, I)
-        x_kj = torch.cat([out.reshape(-1, out.shape[-1]), out.new_zeros(1, out.shape[-1])])[tb.edge_row]  # (E_loc, I)
+        a = (rad.reshape(n, s * r) @ w1).view(n, s, w1.shape[1] // s)  # (ΣG·Ki, S, B)
+        c = _narrow_linear(self.lin_sbf2, a)  # (ΣG·Ki, S, I)
+        m = g.gather_edges(x_kj)[tb.col_edge]  # (ΣG·Ki, I)
+        mc = m.unsqueeze(1) * c  # (ΣG·Ki, S, I)
+        out = [torch.bmm(a_, mc_.view(gb, ki * s, -1)).flatten(0, 1)  # (G·Ro, I)
+               for (gb, _, ki), a_, mc_ in zip(tb.shapes, ang, mc.split(tb.sizes("columns")))]
+        if not out:  # no local triplet: the gathered messages stay in the graph (gather_edges' backward is collective)
+            out = [mc.reshape(0, mc.shape[-1])]
+        x_kj = torch.cat([*out, x_kj.new_zeros(1, x_kj.shape[-1])])[tb.edge_row]  # (E_loc, I)
         h = x_ji + silu(self.lin_up(x_kj))
         for layer in self.layers_before_skip:
             h = layer(h)
@@ -442,15 +502,20 @@ class DimeNetPP(nn.Module):
         v = g.edge_vectors()  # (E_loc, 3)
         dist = v.norm(dim=-1)
         rbf = self.rbf(dist)  # (E_loc, R)
-        tb = triplet_blocks(g)
-        v_kj = g.kj_vectors()[tb.col_triplet]  # (G, Ki, 3): PyG's pos_jk, from the view's geometry
+        tb = triplet_blocks(g, single=torch.compiler.is_compiling())
+        v_kj = g.kj_vectors()[tb.col_triplet]  # (ΣG·Ki, 3): PyG's pos_jk, from the view's geometry
         d_kj = v_kj.norm(dim=-1)
-        u_ji = (v / dist.unsqueeze(-1))[tb.row_edge]  # (G, Ro, 3): PyG's pos_ij, unit
-        cos = torch.bmm(u_ji, (v_kj / d_kj.unsqueeze(-1)).transpose(1, 2))  # (G, Ro, Ki): cos of the angle
+        u_ji = (v / dist.unsqueeze(-1))[tb.row_edge]  # (ΣG·Ro, 3): PyG's pos_ij, unit
+        u_kj = v_kj / d_kj.unsqueeze(-1)
+        cos = torch.cat([torch.bmm(u.view(gb, ro, 3), w.view(gb, ki, 3).transpose(1, 2)).flatten()  # cos of the angle
+                         for (gb, ro, ki), u, w in zip(tb.shapes, u_ji.split(tb.sizes("rows")),
+                                                       u_kj.split(tb.sizes("columns")))]
+                        or [u_ji[:0, 0] + u_kj[:0, 0]])  # (ΣG·Ro·Ki,); no triplet: (0,), in the graph
         if not self.cfg.angle_gradient:  # fairchem's DimeNet++: angles of detached positions
             cos = cos.detach()
-        rad = self.sbf.radial(d_kj)  # (G, Ki, S, R)
-        ang = (self.sbf.angular(cos) * tb.mask.unsqueeze(-1)).flatten(2)  # (G, Ro, Ki·S)
+        rad = self.sbf.radial(d_kj)  # (ΣG·Ki, S, R)
+        ang = (self.sbf.angular(cos) * tb.mask.unsqueeze(-1)).split(tb.sizes("entries"))  # per bucket (G·Ro·Ki, S)
+        ang = [a.view(gb, ro, ki * a.shape[-1]) for (gb, ro, ki), a in zip(tb.shapes, ang)]  # (G, Ro, Ki·S)
         x = self.emb(g.z, rbf, g.edge_dst, g.edge_src)
         p = self.output_blocks[0](x, rbf, g)  # (N_own, out)
         for inter, out in zip(self.interaction_blocks, self.output_blocks[1:]):

@@ -51,10 +51,13 @@ def step_bytes(cfg, edges: Sequence[int], atoms: Sequence[int], systems: Sequenc
 #: Default padded block counts per worker, per ceil(E/P) local edges or ceil(T/P) local triplets, when
 #: the caller does not pass the measured ones (``block_counts``). Measured on the EMT slabs
 #: (``data.generate``; cutoff 4.5 Å / 12 neighbours and 5 Å / 24; batches of 1-16 systems, P = 1-8,
-#: the largest way): block rows G·Ro 1.2-1.6 × E_loc at P = 1, up to 3.0 at P = 8; block entries
-#: G·Ro·Ki 1.3-1.7 × T_loc at P = 1, up to 3.4 at P = 8 (a centre's rows split over ways, its
-#: columns not); block columns G·Ki 1.01-1.10 × E_loc at P = 1, more where a system is split over
-#: ways (see memory_per_worker).
+#: the largest way) with the blocks bucketed by width (#37): block rows ΣG·Ro 1.00-1.02 × E_loc at
+#: P = 1, up to 2.1 at P = 8; block entries ΣG·Ro·Ki 1.06-1.10 × T_loc at P = 1, up to 2.2 at P = 8
+#: (a centre's rows split over ways, its columns not); block columns ΣG·Ki 1.00-1.02 × E_loc at P = 1,
+#: more where a system is split over ways (see memory_per_worker). The values below were fitted to the
+#: single-width blocks before (rows 1.2-1.6, entries 1.3-1.7, columns 1.01-1.10 at P = 1) and are kept:
+#: upper bounds now at P = 1 (larger than measured: estimates on their defaults are conservative), and
+#: ``INFERENCE_FRACTION`` was fitted against them.
 ROWS_PER_EDGE = 1.5
 ENTRIES_PER_TRIPLET = 1.6
 COLUMNS_PER_EDGE = 1.1
@@ -62,41 +65,47 @@ COLUMNS_PER_EDGE = 1.1
 
 def block_counts(b: dict, ways: int) -> dict:
     """The padded :class:`~gnnpipe.atomic.dimenetpp.TripletBlocks` sizes of batch ``b`` split ``ways``
-    ways, each the largest over the ways: ``rows`` G·Ro, ``columns`` G·Ki, ``entries`` G·Ro·Ki
+    ways, each the largest over the ways: ``rows`` ΣG·Ro, ``columns`` ΣG·Ki, ``entries`` ΣG·Ro·Ki (sums over the buckets)
     (the keyword arguments of :func:`memory_per_worker`). Index work only, no model."""
     out = {"rows": 0, "columns": 0, "entries": 0}
     for way in range(ways):
         tb = triplet_blocks(shard_graph(b, ways, way, None))
-        (g, ro), ki = tb.row_edge.shape, tb.col_edge.shape[1]
-        for key, n in (("rows", g * ro), ("columns", g * ki), ("entries", g * ro * ki)):
-            out[key] = max(out[key], n)
+        for key in out:
+            out[key] = max(out[key], tb.count(key))
     return out
 
 
 def saved_bytes_by_rows(model, g, step: Callable[[], None]) -> dict:
     """Bytes autograd keeps for backward while ``step()`` runs (e.g. a training step's forward and
     backward on ``g``), by what the tensors' rows are, as :func:`memory_per_worker` counts them:
-    ``edge`` (local edges, and padded block rows G·Ro), ``column`` (block columns G·Ki, also flattened
-    with the S orders), ``entry`` (block entries G·Ro·Ki), ``atom`` (the view's atoms or own atoms),
+    ``edge`` (local edges, and padded block rows ΣG·Ro), ``column`` (block columns ΣG·Ki, also flattened
+    with the S orders), ``entry`` (block entries ΣG·Ro·Ki), ``atom`` (the view's atoms or own atoms),
     ``other``. Floating tensors only, each storage once (its whole size; a view counts once),
     ``model``'s parameters not. The block sizes and the model's widths must not coincide, except
     rows and columns: on a symmetric graph in one process a centre has as many output edges as
     input edges (Ro = Ki), and their parts are one, ``edge+column``."""
     tb = triplet_blocks(g)
-    (gc, ro), ki, s = tb.row_edge.shape, tb.col_edge.shape[1], model.cfg.num_spherical
+    s = model.cfg.num_spherical
+    nrow, ncol, nent = (tb.count(p) for p in ("rows", "columns", "entries"))
     rows = {g.num_local_edges: "edge", g.num_atoms: "atom", g.atom_hi - g.atom_lo: "atom"}
-    atom_widths = {model.cfg.hidden_channels, model.cfg.out_emb_channels, 1, 3}  # (N, w) where G = N
-    if gc * ro in rows or gc * ki in rows or atom_widths & {ro, ki, ki * s}:
-        raise ValueError(f"ambiguous rows: G·Ro = {gc}·{ro}, G·Ki = {gc}·{ki}, {rows}, widths {atom_widths}")
-    merged = ro == ki
+    atom_widths = {model.cfg.hidden_channels, model.cfg.out_emb_channels, 1, 3}  # (N, w) where a bucket's G = N
+    flat = [{nent}, {nrow, nrow + 1} | {ncol, ncol * s}, set(rows)]  # flat tensors' first sizes, by part
+    if sum(map(len, flat)) != len(set().union(*flat)) or len({nrow, nrow + 1, ncol, ncol * s}) < 3 + (nrow != ncol) \
+            or any(rows.get(gb) == "atom" and atom_widths & {ro, ki, ki * s} for gb, ro, ki in tb.shapes):
+        raise ValueError(f"ambiguous rows: blocks {tb.shapes}, {rows}, widths {atom_widths}")
+    merged = nrow == ncol and all(ro == ki for _, ro, ki in tb.shapes)
+    entry = [[gb, ro, ki] for gb, ro, ki in tb.shapes] + [[gb, ro, ki * s] for gb, ro, ki in tb.shapes]
+    row = [[gb, ro] for gb, ro, _ in tb.shapes]
+    column = [[gb, ki] for gb, _, ki in tb.shapes] + [[gb, ki * s] for gb, _, ki in tb.shapes]
 
-    def kind(d: list) -> str:
-        if d[:3] == [gc, ro, ki] or d == [gc, ro, ki * s]:
-            return "entry"  # the angular basis (G, Ro, Ki·S) and its recurrence (G, Ro, Ki)
-        if d[:2] == [gc, ro] or d[0] in (gc * ro, gc * ro + 1):
-            return "edge+column" if merged else "edge"  # block rows: the per-block (G, Ro, I) sums
-        if d[:2] in ([gc, ki], [gc, ki * s]) or d[:3] == [gc, 3, ki] or d[0] in (gc * ki, gc * ki * s):
-            return "edge+column" if merged else "column"  # per input edge: radial basis, messages (G, Ki, S, I)
+    def kind(t: torch.Tensor) -> str:
+        d = list((t if t._base is None else t._base).shape)  # a bucket's view: its flat tensor's rows
+        if d[0] == nent or d[:3] in entry:
+            return "entry"  # the angular basis (ΣG·Ro·Ki, S) and its recurrence, a bucket's (G, Ro, Ki[·S])
+        if d[0] in (nrow, nrow + 1) or d[:2] in row:
+            return "edge+column" if merged else "edge"  # block rows: the (G, Ro, I) sums
+        if d[0] in (ncol, ncol * s) or d[:2] in column or d[1:] in ([3, ki] for _, _, ki in tb.shapes):
+            return "edge+column" if merged else "column"  # per input edge: radial basis, messages
         part = rows.get(d[0], "other")
         return "edge+column" if merged and part == "edge" else part
 
@@ -107,7 +116,7 @@ def saved_bytes_by_rows(model, g, step: Callable[[], None]) -> dict:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen and t.numel() and t.is_floating_point():
             seen.add(ptr)
-            out[kind(list(t.shape))] += t.untyped_storage().nbytes()
+            out[kind(t)] += t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
@@ -123,15 +132,15 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
     for backward, by what their rows are (none is per triplet: ``dimenetpp`` lays the triplets out as
     dense per-centre blocks, :class:`~gnnpipe.atomic.dimenetpp.TripletBlocks`):
 
-    * **edge**: per local edge (``ceil(E/P)``), and per padded block row (G·Ro, ``rows``: an output
+    * **edge**: per local edge (``ceil(E/P)``), and per padded block row (ΣG·Ro, ``rows``: an output
       edge of a centre; default ``ROWS_PER_EDGE``·E_loc);
-    * **column**: per padded block column (G·Ki, ``columns``: a distinct input edge read by the
-      way's triplets, padded to the largest in-degree; default ``COLUMNS_PER_EDGE``·E_loc). The
+    * **column**: per padded block column (ΣG·Ki, ``columns``: a distinct input edge read by the
+      way's triplets, padded to its bucket's width; default ``COLUMNS_PER_EDGE``·E_loc). The
       radial basis and each block's per-column messages live here. The default holds when a way's
       edges cover whole systems; a system split over ways reads the input edges of atoms across
       the cut as well (one 13-atom slab at P = 8: 8 × E_loc, at most ~1.1 × E): pass the measured
       counts (``block_counts``; ``engine.plan_ways``/``gnnpipe plan-atomic`` do);
-    * **entry**: per block entry (G·Ro·Ki, ``entries``, 1.3-3.4 × T_loc; default
+    * **entry**: per block entry (ΣG·Ro·Ki, ``entries``, 1.06-2.2 × T_loc; default
       ``ENTRIES_PER_TRIPLET``·T_loc): the angular basis and its Legendre recurrence, shared by
       all blocks;
     * **atom**: per own atom (``ceil(N/P)``): the output blocks' MLPs (after ``sum_atoms``);
