@@ -219,9 +219,9 @@ def test_the_model_file_is_an_input_of_the_train_job(tmp_path, imported):
               "models": {"ft": {"kind": "gemnet_t", "init_from": str(imported)}},
               "training": {"epochs": 1}, "runs": [{"mode": "single", "dataset": "oc", "model": "ft"}]}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    res = snakemake(tmp_path, tmp_path / "config.yaml", "-n", "--until", "train")
+    res = snakemake(tmp_path, tmp_path / "config.yaml", "-n", "--until", "train_atomic")  # an atomic run's train rule
     assert res.returncode == 0, res.stderr
-    train = res.stdout[res.stdout.index("rule train:"):]
+    train = res.stdout[res.stdout.index("rule train_atomic:"):]
     assert str(imported) in train[:train.index("output:")]
 
 

@@ -280,7 +280,8 @@ def _subcommands():
 
 
 OUTPUT_DESTS = {"out", "stats", "predictions", "trajectories", "plots"}  # what a command writes where the user says
-NOT_OUTPUTS = {("plan", "stats")}  # gnnpipe plan --stats: a statistics JSON it reads
+NOT_OUTPUTS = {("plan", "stats"), ("report", "predictions")}  # files they read: plan --stats a statistics JSON,
+# report --predictions the cost model's predictions (rule cost_predictions)
 
 
 def _outputs(command, parser) -> set:
