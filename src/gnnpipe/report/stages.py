@@ -136,8 +136,7 @@ def collect(bench_dir: Path, run_ids: Optional[Iterable[str]] = None) -> list[St
         st.job_seconds[path.stem] = wall
         if rss is not None:
             st.max_rss_mb = rss if st.max_rss_mb is None else max(st.max_rss_mb, rss)
-    order = {r: i for i, r in enumerate(RULE_ORDER)}
-    return sorted(stages.values(), key=lambda s: (order.get(s.rule, len(order)), s.rule))
+    return _in_rule_order(stages.values())
 
 
 def evaluations_in_training(stages: list[Stage], evaluations: dict) -> list[Stage]:
@@ -163,13 +162,18 @@ def evaluations_in_training(stages: list[Stage], evaluations: dict) -> list[Stag
         train.seconds -= wall
         train.cpu_s = max(train.cpu_s - cpu, 0.0)
         train.job_seconds[run] -= wall
-    order = {r: i for i, r in enumerate(RULE_ORDER)}
-    return sorted({**by, "evaluate": ev}.values(), key=lambda s: (order.get(s.rule, len(order)), s.rule))
+    return _in_rule_order({**by, "evaluate": ev}.values())
 
 
 RULE_ORDER = ("dataset_spec", "build_graph", "build_systems", "atom_graphs", "partition", "materialize",
               "locality", "run_config", "train", "evaluate", "evaluate_atomic", "relax", "plan_stats",
               "calibrate", "cost_predictions", "report")
+
+
+def _in_rule_order(stages: Iterable[Stage]) -> list[Stage]:
+    """The stages in the workflow's order (:data:`RULE_ORDER`), rules it does not list last by name."""
+    order = {r: i for i, r in enumerate(RULE_ORDER)}
+    return sorted(stages, key=lambda s: (order.get(s.rule, len(order)), s.rule))
 
 
 def _s(x: float) -> str:
