@@ -318,8 +318,9 @@ def joint_fit(A: np.ndarray, t: np.ndarray, Ac: np.ndarray, tc: np.ndarray) -> t
     y = np.concatenate([t, tc])
 
     def err(s):
-        c = fit_rates(np.vstack([A, Ac * s]), y)
-        return float(np.sum(((np.vstack([A, Ac * s]) @ c - y) / y) ** 2)), c
+        rows = np.vstack([A, Ac * s])
+        c = fit_rates(rows, y)
+        return float(np.sum(((rows @ c - y) / y) ** 2)), c
 
     grid = np.geomspace(1.0, MAX_SPEEDUP, 25)
     errs = [err(g)[0] for g in grid]
