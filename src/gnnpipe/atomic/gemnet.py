@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from .batch import AtomGraph, gradient_forces
 from .gemnet_config import GemNetTConfig
 from .gemnet_layers import (INV_SQRT2, CircularBasis, CircularDown, Dense, EfficientBilinear, RadialBasis,
-                            ResidualLayer, ScaleFactor, TripletRows, mlp, pad_triplets, triplet_slots)
+                            ResidualLayer, ScaleFactor, TripletRows, TripletSum, mlp, pad_triplets, triplet_slots)
 from .parallel import collective_passes
 
 
@@ -237,6 +237,8 @@ class GemNetT(nn.Module):
         # triplet slot (E_loc, K)
         sph_p = pad_triplets(self.circular(cos), g.idx_ji, g.triplet_rank, e).transpose(1, 2)
         slots = TripletRows(triplet_slots(g.idx_kj, g.idx_ji, g.triplet_rank, e))
+        if not sph_p.requires_grad:  # dT, or energy only: the triplet sum as one sparse product (TripletSum)
+            slots = TripletSum(sph_p, slots)
         bases = (self.mlp_rbf3(rbf), self.mlp_cbf3(rbf), sph_p, slots, self.mlp_rbf_h(rbf))
         rbf_out = self.mlp_rbf_out(rbf)
         h = self.atom_emb(g.z)  # (N, A): a lookup, replicated
@@ -352,8 +354,10 @@ def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int,
       per interaction block ``(24 + 6·(...))·Ed + 2·(1 + S + C)·Tr + 3·Bt``, per
       output block ``3·Ed``, once ``8·Ed + 7·R + 6·Rb + 2·C·S``;
     * per padded triplet slot (E_loc·K_max ≈ ``padding``·T_loc, K_max the most triplets of one
-      edge): the padded angular basis, ``S`` once (built once, shared by the blocks), and (T) the
-      padded input messages ``Tr`` per block; per triplet ``3·S + 11`` (T only);
+      edge): (T) the padded angular basis, ``S`` once (built once, shared by the blocks), and the
+      padded input messages ``Tr`` per block; per triplet ``3·S + 11``; (dT) the two matrices of
+      ``TripletSum`` (built once, held for backward outside autograd's saved tensors): ``S`` values
+      and ``S`` int32 column indices per slot and per triplet;
     * per atom: each of the 2K + 1 atom MLPs ``Ed + (a + 4·num_atom)·A`` (T: ``6·num_atom``,
       a = 2; dT: a = 1), ``A`` per output block, and the K + 1 edge embeddings' atom rows ``A``
       (their atom halves are projected per atom, then gathered: no (E, 2A) rows), T also ``2K·Ed``;
@@ -369,7 +373,8 @@ def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int,
     if c.force_head == "direct":
         per_block = (11 + 3 * res) * ed + (1 + s + cb) * tr + 2 * bt
         per_edge = k * per_block + (k + 1) * (5 + 3 * c.num_atom) * ed + 2 * ed + r + 3 * rb + cb * s
-        per_slot, per_triplet, mlp_a, res_a, atom_ed = s, 0, 1, 4, 0
+        per_slot = per_triplet = s * (1 + 4 / b)  # TripletSum's A (padded) and A^T: values, int32 columns
+        mlp_a, res_a, atom_ed = 1, 4, 0
     else:
         per_block = (24 + 6 * res) * ed + 2 * (1 + s + cb) * tr + 3 * bt
         per_edge = k * per_block + (k + 1) * 3 * ed + 8 * ed + 7 * r + 6 * rb + 2 * cb * s
