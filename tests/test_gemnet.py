@@ -293,6 +293,37 @@ def test_triplet_nodes_are_exact_to_every_order(f64):
     assert torch.autograd.gradcheck(_ResidualSiLU.apply, args) and torch.autograd.gradgradcheck(_ResidualSiLU.apply, args)
 
 
+@pytest.mark.parametrize("head", ["gradient", "direct"])
+def test_scale_factors_folded_into_weights_give_the_modules_step(head, f64):
+    """#34 (time): outside fitting, the radial gates' scale factors ride on their (Ed, Rb) weights (the
+    triplet input's ``scale_rbf``; dT's force output, whose gate, scale factor and ``out_forces`` are one
+    (Ed, Rb) weight). With factors far from 1, a step equals the one that calls the modules (what fitting
+    runs: folding is off while ``fit_scale_factors`` traces), values and every parameter gradient."""
+    from gnnpipe.atomic.gemnet_layers import ScaleFactor
+
+    b = _batch(2, dimers=2)
+    model = _model(head)
+    factors = [m for m in model.modules() if isinstance(m, ScaleFactor)]
+    torch.manual_seed(3)
+    for f in factors:
+        f.scale_factor.fill_(0.3 + 2 * torch.rand(()).item())
+
+    def step(fold: bool):
+        for f in factors:
+            f._seen = None if fold else []  # a list: as while tracing, so the modules are called
+        try:
+            model.zero_grad(set_to_none=True)
+            out = model(single_graph(b))
+            (out["energy"].pow(2).sum() + out["forces"].pow(2).sum()).backward()
+            return [out["energy"].detach(), out["forces"].detach()] + [p.grad.clone() for p in model.parameters()]
+        finally:
+            for f in factors:
+                f._seen = None
+    assert all(f.foldable for f in factors)
+    for a, c in zip(step(True), step(False)):
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-14 * float(c.abs().max()))
+
+
 def test_a_gemnet_t_step_runs_no_accumulating_index_put_on_padded_rows(f64):
     """#34 (time): a GemNet-T training step (the force pass under ``create_graph``, then the loss's
     backward) sums the padded slots' gradients into their rows by ``TripletRows``' adjoint, never by

@@ -138,7 +138,10 @@ class _LinearSiLU(torch.autograd.Function):
         if torch.is_grad_enabled():
             z = torch.nn.functional.linear(x, w)
         gz = _silu_grad(g, z)
-        return (gz @ (w * (1 / 0.6)) if need_x else None), ((gz.t() @ x) * (1 / 0.6) if need_w else None)
+        if gz.shape[0] <= w.shape[1] and not torch.is_grad_enabled():  # few rows: the 1/0.6 on gz, in place
+            gz.mul_(1 / 0.6)
+            return (gz @ w if need_x else None), (gz.t() @ x if need_w else None)
+        return (gz @ (w * (1 / 0.6)) if need_x else None), ((gz.t() @ x).mul_(1 / 0.6) if need_w else None)
 
 
 class Dense(nn.Module):
@@ -212,7 +215,7 @@ class _ResidualSiLU(torch.autograd.Function):
         h2 = _silu_grad(g, z2)  # ∂out/∂z2 = h2 / (0.6√2)
         if not torch.is_grad_enabled() and need_x and need_w1 and need_w2:  # the usual case, in two row buffers
             a1 = torch.nn.functional.silu(z1)
-            d_w2 = (h2.t() @ a1) * k
+            d_w2 = (h2.t() @ a1).mul_(k)
             d_z1 = torch.mm(h2, w2 * k, out=a1)  # a1 read: its buffer takes h2 W2 k, then d_z1 in place
             torch.ops.aten.silu_backward.grad_input(d_z1, z1, grad_input=d_z1)
             d_w1 = d_z1.t() @ x
@@ -277,6 +280,15 @@ class ScaleFactor(nn.Module):
     def fitting(self) -> bool:
         """Whether ``fit_scale_factors`` is fitting this factor now (the only time ``ref`` is read)."""
         return self._stats is not None
+
+    @property
+    def foldable(self) -> bool:
+        """Whether a caller may fold ``s`` into a neighbouring linear op instead of calling this module
+        (not while ``fit_scale_factors`` traces or fits: it reads the calls)."""
+        return self._stats is None and self._seen is None
+
+    def value(self, dtype) -> Tensor:
+        return self.scale_factor.to(dtype)
 
     def forward(self, x: Tensor, ref: Tensor) -> Tensor:
         x = x * self.scale_factor.to(x.dtype)
