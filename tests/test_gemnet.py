@@ -140,6 +140,22 @@ def test_efficient_bilinear_equals_a_naive_sum_and_fairchems_orientation(f64):
     naive = per.new_zeros((e, per.shape[1])).index_add(0, g.idx_ji, per)
     torch.testing.assert_close(got, naive, rtol=1e-12, atol=1e-12)
 
+    # #34: with an angular basis that needs no gradient (dT), the triplet sum is one sparse product
+    # (TripletSum): the same values, the same gradient in the input rows and the radial part, and its
+    # adjoint pair is differentiable to second order
+    from gnnpipe.atomic.gemnet_layers import TripletRows, TripletSum
+    plan = TripletSum(sph_p, TripletRows(slots))
+    xg, radg = x.clone().requires_grad_(), rad.clone().requires_grad_()
+    sparse = trip.bilinear(radg, sph_p, xg, plan)
+    torch.testing.assert_close(sparse, naive, rtol=1e-12, atol=1e-12)
+    gout = torch.randn_like(sparse)
+    torch.testing.assert_close(torch.autograd.grad(sparse, (xg, radg), gout),
+                               torch.autograd.grad(trip.bilinear(radg, sph_p, xg, slots), (xg, radg), gout),
+                               rtol=1e-12, atol=1e-13)
+    assert torch.autograd.gradcheck(plan, (xg,)) and torch.autograd.gradgradcheck(plan, (xg,))
+    wide = torch.randn(e + 3, x.shape[1], requires_grad=True)  # more rows than edges (a rank's gathered rows)
+    torch.testing.assert_close(plan(wide), torch.bmm(sph_p, TripletRows(slots).gather(wide)), rtol=1e-12, atol=1e-13)
+
     # fairchem's order, edge by edge: X[c->a] = Σ_{b->a != c->a} bilinear(rad(d_ca), Y(cos φ_cab), x_ba)
     dst, swap = g.edge_dst.tolist(), g.id_swap
     v = g.edge_vectors()
@@ -163,9 +179,11 @@ def test_efficient_bilinear_equals_a_naive_sum_and_fairchems_orientation(f64):
 
 
 def test_the_angular_basis_is_padded_once_and_atom_sums_keep_no_messages(f64):
-    """Issue #34's memory goal: autograd keeps one padded angular basis (E, K, S) for every block (it
-    was built and kept per block), no (E, 2A + Ed) edge-embedding concatenation, and the sum of edge
-    messages into atoms keeps its index alone (``index_add`` kept the messages too)."""
+    """Issue #34's memory goal: GemNet-dT's autograd keeps no padded angular basis (E, K, S) per block (it
+    was built and kept per block, then once; now its triplet sums are one sparse product, ``TripletSum``,
+    whose matrices are built once per forward outside autograd) and no padded rows at all, no
+    (E, 2A + Ed) edge-embedding concatenation, and the sum of edge messages
+    into atoms keeps its index alone (``index_add`` kept the messages too)."""
     b = _batch(5, dimers=0)
     g = single_graph(b)
     e, kmax = g.num_local_edges, int(g.triplet_rank.max()) + 1
@@ -180,7 +198,7 @@ def test_the_angular_basis_is_padded_once_and_atom_sums_keep_no_messages(f64):
         out = model(g)
         (out["energy"].pow(2).sum() + out["forces"].pow(2).sum()).backward()
     kept = list(shapes.values())
-    assert kept.count((e, kmax, cfg.num_spherical)) == 1, kept  # (E, K, S): _SlotSum keeps it untransposed
+    assert not [s for s in kept if len(s) == 3 and s[:2] == (e, kmax)], kept  # no (E, K, ·) padded rows
     assert (e, 2 * cfg.emb_size_atom + cfg.emb_size_edge) not in kept
     msg = torch.randn(e, 7, requires_grad=True)
     shapes.clear()
@@ -190,11 +208,11 @@ def test_the_angular_basis_is_padded_once_and_atom_sums_keep_no_messages(f64):
 
 
 def test_fused_dense_nodes_are_exact_to_every_order_and_keep_less(f64):
-    """#34: ``_DenseSiLU`` (GemNet-T's Dense) and ``_SiLULinear`` (dT's residual layers) against the
+    """#34: ``_DenseSiLU`` (GemNet-T's Dense), ``_LinearSiLU`` (dT's) and ``_SiLULinear`` against the
     plain ops — values, gradients, a force loss's double backward (gradcheck to third order) — and a
     Dense's force pass keeps fewer (rows, out) tensors than the plain ops (whose SiLU backward is composite
     under ``create_graph``)."""
-    from gnnpipe.atomic.gemnet_layers import _DenseSiLU, _SiLULinear
+    from gnnpipe.atomic.gemnet_layers import _DenseSiLU, _LinearSiLU, _SiLULinear
 
     torch.manual_seed(0)
     x = torch.randn(6, 4, requires_grad=True)
@@ -212,6 +230,12 @@ def test_fused_dense_nodes_are_exact_to_every_order_and_keep_less(f64):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=0)
         torch.testing.assert_close(torch.autograd.grad(a.pow(2).sum(), (x, w)),
                                    torch.autograd.grad(b.pow(2).sum(), (x, w)), rtol=1e-12, atol=0)
+    # dT's Dense: one node, the 1/0.6 on W in backward; the plain ops' values and gradients, and differentiable
+    a, b = _LinearSiLU.apply(x, w), plain(x, w)
+    torch.testing.assert_close(a, b, rtol=1e-14, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(a.pow(2).sum(), (x, w)),
+                               torch.autograd.grad(b.pow(2).sum(), (x, w)), rtol=1e-13, atol=0)
+    assert torch.autograd.gradcheck(_LinearSiLU.apply, (x, w)) and torch.autograd.gradgradcheck(_LinearSiLU.apply, (x, w))
     z = torch.randn(6, 4, requires_grad=True)
     assert torch.autograd.gradcheck(_SiLULinear.apply, (z, w)) and torch.autograd.gradgradcheck(_SiLULinear.apply, (z, w))
 
@@ -267,6 +291,37 @@ def test_triplet_nodes_are_exact_to_every_order(f64):
                                torch.autograd.grad(want.pow(2).sum(), (h, w1, w2)), rtol=1e-13, atol=0)
     args = (h, w1.detach().requires_grad_(), w2.detach().requires_grad_())
     assert torch.autograd.gradcheck(_ResidualSiLU.apply, args) and torch.autograd.gradgradcheck(_ResidualSiLU.apply, args)
+
+
+@pytest.mark.parametrize("head", ["gradient", "direct"])
+def test_scale_factors_folded_into_weights_give_the_modules_step(head, f64):
+    """#34 (time): outside fitting, the radial gates' scale factors ride on their (Ed, Rb) weights (the
+    triplet input's ``scale_rbf``; dT's force output, whose gate, scale factor and ``out_forces`` are one
+    (Ed, Rb) weight). With factors far from 1, a step equals the one that calls the modules (what fitting
+    runs: folding is off while ``fit_scale_factors`` traces), values and every parameter gradient."""
+    from gnnpipe.atomic.gemnet_layers import ScaleFactor
+
+    b = _batch(2, dimers=2)
+    model = _model(head)
+    factors = [m for m in model.modules() if isinstance(m, ScaleFactor)]
+    torch.manual_seed(3)
+    for f in factors:
+        f.scale_factor.fill_(0.3 + 2 * torch.rand(()).item())
+
+    def step(fold: bool):
+        for f in factors:
+            f._seen = None if fold else []  # a list: as while tracing, so the modules are called
+        try:
+            model.zero_grad(set_to_none=True)
+            out = model(single_graph(b))
+            (out["energy"].pow(2).sum() + out["forces"].pow(2).sum()).backward()
+            return [out["energy"].detach(), out["forces"].detach()] + [p.grad.clone() for p in model.parameters()]
+        finally:
+            for f in factors:
+                f._seen = None
+    assert all(f.foldable for f in factors)
+    for a, c in zip(step(True), step(False)):
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-14 * float(c.abs().max()))
 
 
 def test_a_gemnet_t_step_runs_no_accumulating_index_put_on_padded_rows(f64):
@@ -382,7 +437,10 @@ def test_the_registry_builds_both_kinds_on_one_protocol(f64):
 def test_memory_estimate_is_within_5_percent_of_a_measured_step(f64):
     """memory_per_worker's edge, triplet and atom parts against the activations autograd keeps
     (distinct storages) in a training step of each head, at widths the constants were not
-    derived at."""
+    derived at (dT: with the matrices ``TripletSum`` holds for backward)."""
+    from unittest import mock
+
+    from gnnpipe.atomic.gemnet_layers import TripletSum
     b = _batch(5, dimers=0)
     cfg = dataclasses.replace(preset("small", cutoff=CUTOFF), emb_size_edge=24, emb_size_atom=16)
     g = single_graph(b)
@@ -402,9 +460,20 @@ def test_memory_estimate_is_within_5_percent_of_a_measured_step(f64):
                 part = "triplet" if dims[0] == e and kmax in dims[1:] and x.dim() == 3 else rows[dims[0]]
                 saved[part] += x.untyped_storage().nbytes()
             return x
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        mats: list = []  # dT: TripletSum's matrices, held for backward outside autograd's saved tensors
+        original = TripletSum.matrices
+
+        def matrices(plan, rows):
+            out = original(plan, rows)
+            if not any(out[0] is m[0] for m in mats):
+                mats.append(out)
+            return out
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), \
+                mock.patch.object(TripletSum, "matrices", matrices):
             out = model(g)
             (out["energy"].pow(2).sum() + out["forces"].pow(2).sum()).backward()
+        assert bool(mats) == (head == "direct")
+        saved["triplet"] += sum(t.nbytes for m in mats for a in m for t in (a.values(), a.col_indices()))
         padding = g.num_local_edges * (int(g.triplet_rank.max()) + 1) / t
         est = memory_per_worker(model.cfg, n, e, t, 1, dtype_bytes=8, padding=padding)
         for part in saved:

@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from .batch import AtomGraph, gradient_forces
 from .gemnet_config import GemNetTConfig
 from .gemnet_layers import (INV_SQRT2, CircularBasis, CircularDown, Dense, EfficientBilinear, RadialBasis,
-                            ResidualLayer, ScaleFactor, TripletRows, mlp, pad_triplets, triplet_slots)
+                            ResidualLayer, ScaleFactor, TripletRows, TripletSum, mlp, pad_triplets, triplet_slots)
 from .parallel import collective_passes
 
 
@@ -124,8 +124,14 @@ class OutputBlock(AtomUpdate):
         if not (self.direct and forces):
             return energy, None
         x = self.mlp_forces(m)
-        x = self.scale_rbf_forces(x * self.dense_rbf_forces(rbf), ref=x)
-        return energy, self.out_forces(x)
+        sf = self.scale_rbf_forces
+        if not sf.foldable:
+            x = sf(x * self.dense_rbf_forces(rbf), ref=x)
+            return energy, self.out_forces(x)
+        # out_forces(s · x ⊙ (rbf W^T)) = Σ_q rbf_q (x M)_q, M = diag(s w_out) W (Ed, Rb): (E, Rb) products
+        # where the plain order makes three (E, Ed) ones (and their gradients); the same sum, reassociated
+        w, w_out = self.dense_rbf_forces.linear.weight, self.out_forces.linear.weight  # (Ed, Rb), (1, Ed)
+        return energy, ((x @ (w * (w_out.t() * sf.value(x.dtype)))) * rbf).sum(-1, keepdim=True)
 
 
 class TripletInteraction(nn.Module):
@@ -146,7 +152,10 @@ class TripletInteraction(nn.Module):
 
     def forward(self, m: Tensor, rbf3: Tensor, rad3: Tensor, sph_p: Tensor, slots: Tensor, g: AtomGraph) -> Tensor:
         x = self.dense_ba(m)
-        x = self.down(self.scale_rbf(x * self.mlp_rbf(rbf3), ref=x))  # (E_loc, Tr)
+        if self.scale_rbf.foldable:  # the scale factor on the (Ed, Rb) weight, not on (E_loc, Ed) rows
+            x = self.down(x * torch.nn.functional.linear(rbf3, self.mlp_rbf.linear.weight * self.scale_rbf.value(x.dtype)))
+        else:
+            x = self.down(self.scale_rbf(x * self.mlp_rbf(rbf3), ref=x))  # (E_loc, Tr)
         x_all = g.gather_edges(x)  # the rows idx_kj reads: all-gather
         t = self.bilinear(rad3, sph_p, x_all, slots)  # (E_loc, Bt)
         t = self.scale_cbf_sum(t, ref=x_all[g.idx_kj] if self.scale_cbf_sum.fitting else x)  # ref: the (T_loc, Tr) inputs
@@ -237,6 +246,8 @@ class GemNetT(nn.Module):
         # triplet slot (E_loc, K)
         sph_p = pad_triplets(self.circular(cos), g.idx_ji, g.triplet_rank, e).transpose(1, 2)
         slots = TripletRows(triplet_slots(g.idx_kj, g.idx_ji, g.triplet_rank, e))
+        if not sph_p.requires_grad:  # dT, or energy only: the triplet sum as one sparse product (TripletSum)
+            slots = TripletSum(sph_p, slots)
         bases = (self.mlp_rbf3(rbf), self.mlp_cbf3(rbf), sph_p, slots, self.mlp_rbf_h(rbf))
         rbf_out = self.mlp_rbf_out(rbf)
         h = self.atom_emb(g.z)  # (N, A): a lookup, replicated
@@ -344,7 +355,8 @@ def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int,
       and pre-activation, a residual layer 3 rows of its width (its inner activation is recomputed
       in backward, ``gemnet_layers.ResidualLayer``), a product both factors; per interaction block
       ``(11 + 3·(before + after + concat))·Ed + (1 + S + C)·Tr + 2·Bt``, per output block
-      ``(5 + 3·num_atom)·Ed``, once ``2·Ed + R + 3·Rb + C·S``;
+      ``(3 + 3·num_atom)·Ed`` (the force output folds its radial gate and scale factor into one
+      (Ed, Rb) weight: no (E, Ed) products), once ``2·Ed + R + 3·Rb + C·S``;
     * the gradient head (T) keeps the graph of the force pass as well: measured with
       ``saved_tensors_hooks`` (distinct storages), by finite differences in every width (each Dense
       with activation one ``_DenseSiLU``, whose force-pass node keeps only its incoming gradient),
@@ -352,8 +364,10 @@ def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int,
       per interaction block ``(24 + 6·(...))·Ed + 2·(1 + S + C)·Tr + 3·Bt``, per
       output block ``3·Ed``, once ``8·Ed + 7·R + 6·Rb + 2·C·S``;
     * per padded triplet slot (E_loc·K_max ≈ ``padding``·T_loc, K_max the most triplets of one
-      edge): the padded angular basis, ``S`` once (built once, shared by the blocks), and (T) the
-      padded input messages ``Tr`` per block; per triplet ``3·S + 11`` (T only);
+      edge): (T) the padded angular basis, ``S`` once (built once, shared by the blocks), and the
+      padded input messages ``Tr`` per block; per triplet ``3·S + 11``; (dT) the two matrices of
+      ``TripletSum`` (built once, held for backward outside autograd's saved tensors): ``S`` values
+      and ``S`` int32 column indices per slot and per triplet;
     * per atom: each of the 2K + 1 atom MLPs ``Ed + (a + 4·num_atom)·A`` (T: ``6·num_atom``,
       a = 2; dT: a = 1), ``A`` per output block, and the K + 1 edge embeddings' atom rows ``A``
       (their atom halves are projected per atom, then gathered: no (E, 2A) rows), T also ``2K·Ed``;
@@ -368,8 +382,9 @@ def memory_per_worker(cfg: GemNetTConfig, atoms: int, edges: int, triplets: int,
     res = c.num_before_skip + c.num_after_skip + c.num_concat
     if c.force_head == "direct":
         per_block = (11 + 3 * res) * ed + (1 + s + cb) * tr + 2 * bt
-        per_edge = k * per_block + (k + 1) * (5 + 3 * c.num_atom) * ed + 2 * ed + r + 3 * rb + cb * s
-        per_slot, per_triplet, mlp_a, res_a, atom_ed = s, 0, 1, 4, 0
+        per_edge = k * per_block + (k + 1) * (3 + 3 * c.num_atom) * ed + 2 * ed + r + 3 * rb + cb * s
+        per_slot = per_triplet = s * (1 + 4 / b)  # TripletSum's A (padded) and A^T: values, int32 columns
+        mlp_a, res_a, atom_ed = 1, 4, 0
     else:
         per_block = (24 + 6 * res) * ed + 2 * (1 + s + cb) * tr + 3 * bt
         per_edge = k * per_block + (k + 1) * 3 * ed + 8 * ed + 7 * r + 6 * rb + 2 * cb * s

@@ -18,6 +18,7 @@ efficient bilinear triplet layer. Written from the paper and fairchem-core's ``m
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import contextmanager
 from typing import Iterable, Optional
 
@@ -117,10 +118,36 @@ class _DenseSiLUGrad(torch.autograd.Function):
         return d_g, d_z, d_w
 
 
+class _LinearSiLU(torch.autograd.Function):
+    """``SiLU(x W^T) / 0.6`` for one backward (GemNet-dT's Denses), keeping ``x``, ``W`` and ``z = x W^T``
+    (what the plain ops keep): backward makes ``g ⊙ SiLU'(z)`` once and puts the ``1/0.6`` on W and on
+    W's (out, in) gradient — two (rows, out) passes fewer than the plain ops' backward (their ``g / 0.6``
+    and its buffer). Under ``create_graph`` it rebuilds ``z`` from its inputs and differentiates the
+    plain formula, so higher derivatives are right too."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:
+        z = torch.nn.functional.linear(x, w)
+        ctx.save_for_backward(x, w, z)
+        return torch.nn.functional.silu(z).mul_(1 / 0.6)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, w, z = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad
+        if torch.is_grad_enabled():
+            z = torch.nn.functional.linear(x, w)
+        gz = _silu_grad(g, z)
+        if gz.shape[0] <= w.shape[1] and not torch.is_grad_enabled():  # few rows: the 1/0.6 on gz, in place
+            gz.mul_(1 / 0.6)
+            return (gz @ w if need_x else None), (gz.t() @ x if need_w else None)
+        return (gz @ (w * (1 / 0.6)) if need_x else None), ((gz.t() @ x).mul_(1 / 0.6) if need_w else None)
+
+
 class Dense(nn.Module):
     """``act(x W^T)``, no bias; ``act`` = scaled SiLU or the identity. ``fused`` (set by GemNet-T, whose
     forces are a gradient): with the activation, one ``_DenseSiLU`` — the same values, a smaller force-pass
-    graph; a model with one backward gains nothing from it and runs the plain ops, which are faster there."""
+    graph; a model with one backward (dT) runs ``_LinearSiLU``, which is faster there."""
 
     def __init__(self, fan_in: int, fan_out: int, activation: bool = True):
         super().__init__()
@@ -133,7 +160,9 @@ class Dense(nn.Module):
         if self.fused and isinstance(self.act, ScaledSiLU):
             w = self.linear.weight
             return _DenseSiLU.apply(x, w.view_as(w) if w.requires_grad else w)[0]  # a view: see _will_run
-        return self.act(self.linear(x))
+        if isinstance(self.act, ScaledSiLU):
+            return _LinearSiLU.apply(x, self.linear.weight)
+        return self.linear(x)
 
 
 class _SiLULinear(torch.autograd.Function):
@@ -158,18 +187,22 @@ class _ResidualSiLU(torch.autograd.Function):
     """A two-Dense residual layer ``(x + SiLU(SiLU(x W1^T)/0.6 · W2^T)/0.6)/√2`` as one node keeping
     ``x``, ``z1 = x W1^T`` and ``z2`` (what ``_SiLULinear`` and the plain ops keep): the constants ride
     on the weights (``W2/0.6`` forward; ``1/0.6²√2`` on W2's and z1's products backward: (out, in)
-    sized ops, not (rows, units) passes) and the skip connection's gradient on the GEMM that makes
-    x's (``addmm``'s beta), so backward runs 3 elementwise passes over the rows (two SiLU derivatives,
-    the inner activation recomputed) where the plain ops and ``_SiLULinear`` run 8. Same values up to
-    rounding; under ``create_graph`` its backward rebuilds z1 and z2 by differentiable torch ops, so a
-    second derivative is right too (at two GEMMs more)."""
+    sized ops, not (rows, units) passes), so backward runs 4 elementwise passes over the rows (two SiLU
+    derivatives, the inner activation recomputed, the skip connection's gradient added) where the plain
+    ops and ``_SiLULinear`` run 8. Forward and (one backward) backward write their rows into buffers they
+    made and have read (2 and 2 (rows, units) allocations, not 4 and 5): fresh buffers cost page faults
+    and cache misses that showed as ~2 % of a GemNet-dT step. Same values up to rounding; under
+    ``create_graph`` its backward rebuilds z1 and z2 by differentiable torch ops, so a second
+    derivative is right too (at two GEMMs more)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
         z1 = torch.nn.functional.linear(x, w1)
-        z2 = torch.nn.functional.linear(torch.nn.functional.silu(z1), w2 * (1 / 0.6))
+        a = torch.nn.functional.silu(z1)
+        z2 = torch.nn.functional.linear(a, w2 * (1 / 0.6))
         ctx.save_for_backward(x, w1, w2, z1, z2)
-        return torch.add(x, torch.nn.functional.silu(z2), alpha=1 / 0.6).mul_(INV_SQRT2)
+        a = torch.ops.aten.silu.out(z2, out=a)  # a read: the output is made in its buffer
+        return torch.add(x, a, alpha=1 / 0.6, out=a).mul_(INV_SQRT2)
 
     @staticmethod
     def backward(ctx, g: Tensor):
@@ -180,6 +213,13 @@ class _ResidualSiLU(torch.autograd.Function):
             z2 = torch.nn.functional.linear(torch.nn.functional.silu(z1), w2 * (1 / 0.6))
         k = INV_SQRT2 / 0.6 ** 2  # out = x/√2 + SiLU(z2)/(0.6√2), z2 = SiLU(z1) W2^T / 0.6
         h2 = _silu_grad(g, z2)  # ∂out/∂z2 = h2 / (0.6√2)
+        if not torch.is_grad_enabled() and need_x and need_w1 and need_w2:  # the usual case, in two row buffers
+            a1 = torch.nn.functional.silu(z1)
+            d_w2 = (h2.t() @ a1).mul_(k)
+            d_z1 = torch.mm(h2, w2 * k, out=a1)  # a1 read: its buffer takes h2 W2 k, then d_z1 in place
+            torch.ops.aten.silu_backward.grad_input(d_z1, z1, grad_input=d_z1)
+            d_w1 = d_z1.t() @ x
+            return torch.mm(d_z1, w1, out=h2).add_(g, alpha=INV_SQRT2), d_w1, d_w2  # h2 read: d_x in its buffer
         d_w2 = (h2.t() @ torch.nn.functional.silu(z1)) * k if need_w2 else None
         d_x = d_w1 = None
         if need_x or need_w1:
@@ -240,6 +280,15 @@ class ScaleFactor(nn.Module):
     def fitting(self) -> bool:
         """Whether ``fit_scale_factors`` is fitting this factor now (the only time ``ref`` is read)."""
         return self._stats is not None
+
+    @property
+    def foldable(self) -> bool:
+        """Whether a caller may fold ``s`` into a neighbouring linear op instead of calling this module
+        (not while ``fit_scale_factors`` traces or fits: it reads the calls)."""
+        return self._stats is None and self._seen is None
+
+    def value(self, dtype) -> Tensor:
+        return self.scale_factor.to(dtype)
 
     def forward(self, x: Tensor, ref: Tensor) -> Tensor:
         x = x * self.scale_factor.to(x.dtype)
@@ -434,6 +483,71 @@ class _PaddedScatter(torch.autograd.Function):
         return _PaddedGather.apply(gg, ctx.plan), None, None
 
 
+class TripletSum:
+    """``Σ_k Y[e, k, s] x[slot(e, k), i]`` — the triplet sum of ``EfficientBilinear`` — as one sparse
+    product ``A x`` for an angular basis ``Y`` that needs no gradient (GemNet-dT's step, any energy-only
+    step: the positions need none), and its adjoint ``A^T g``: ``A`` is (E·S, rows) in CSR, row
+    ``(e, s)`` holding ``Y[e, k, s]`` at column ``slot(e, k)`` for each of the K slots (empty slots: 0
+    at column 0), ``A^T`` its transpose (T·S entries, grouped by the input row as ``TripletRows.bags``).
+    Both are built once per forward (per row count) and shared by every block; no padded (E, K, I)
+    input messages are gathered, kept or scattered back (what the padded gather and ``_SlotSum`` do).
+    Same sums, in another order (float64: to rounding)."""
+
+    def __init__(self, sph_p: Tensor, rows: TripletRows):
+        self.y = sph_p.detach().contiguous()  # (E, S, K): A's values in row order
+        self.rows = rows
+        self._mats: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def matrices(self, rows: int) -> tuple[Tensor, Tensor]:
+        """(A, A^T) for ``rows`` input rows, int32 indices."""
+        if rows not in self._mats:
+            e, s, k = self.y.shape
+            idx = torch.int32
+            col = (self.rows.slots - 1).clamp_(min=0).to(idx)  # (E, K): slot -> input row (empty: row 0, value 0)
+            a = _csr(torch.arange(e * s + 1, dtype=idx) * k, col[:, None, :].expand(e, s, k).reshape(-1),
+                     self.y.reshape(-1), (e * s, rows))
+            pos, first = self.rows.bags(rows)  # filled slots e·K + k grouped by the row they read
+            counts = torch.diff(first, append=first.new_tensor([pos.numel()]))
+            col_t = ((pos // max(k, 1))[:, None] * s + torch.arange(s)).reshape(-1).to(idx)
+            val_t = self.y.transpose(1, 2).reshape(e * k, s).index_select(0, pos).reshape(-1)
+            crow_t = torch.cat([counts.new_zeros(1), (counts * s).cumsum(0)]).to(idx)
+            self._mats[rows] = (a, _csr(crow_t, col_t, val_t, (rows, e * s)))
+        return self._mats[rows]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """(rows, I) input rows -> (E, S, I)."""
+        e, s, _ = self.y.shape
+        return _SparseSum.apply(x, self).view(e, s, x.shape[1])
+
+
+def _csr(crow: Tensor, col: Tensor, val: Tensor, size: tuple) -> Tensor:
+    with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state": products are all it is used for
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support")
+        return torch.sparse_csr_tensor(crow, col, val, size, check_invariants=False)
+
+
+class _SparseSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, plan: TripletSum) -> Tensor:
+        ctx.plan, ctx.rows = plan, x.shape[0]
+        return plan.matrices(x.shape[0])[0] @ x
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return _SparseSumT.apply(g.reshape(-1, g.shape[-1]), ctx.plan, ctx.rows), None
+
+
+class _SparseSumT(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: Tensor, plan: TripletSum, rows: int) -> Tensor:
+        ctx.plan = plan
+        return plan.matrices(rows)[1] @ g
+
+    @staticmethod
+    def backward(ctx, gg: Tensor):
+        return _SparseSum.apply(gg, ctx.plan), None, None
+
+
 class _SlotSum(torch.autograd.Function):
     """``Σ_k Y[e, k, s] x[e, k, i]`` for Y (E, K, S), x (E, K, I) -> (E, S, I), and its derivatives
     ``dY = x g^T``, ``dx = Y g``, each product made in the order MKL's batched GEMM runs fast: an (E, K, S)
@@ -504,9 +618,12 @@ class EfficientBilinear(nn.Module):
 
     def forward(self, rad: Tensor, sph_p: Tensor, x: Tensor, slots) -> Tensor:
         # rad (E, C, S), sph_p (E, S, K) per output edge; x (rows, I) the input edges' rows;
-        # slots: a TripletRows (or its (E, K) slots into [0; x]) -> (E, O)
-        rows = slots if isinstance(slots, TripletRows) else TripletRows(slots)
-        x_p = rows.gather(x)  # (E, K, I)
-        sum_k = _SlotSum.apply(sph_p.transpose(1, 2), x_p)  # (E, S, I)
+        # slots: a TripletRows (or its (E, K) slots into [0; x]), or a TripletSum of sph_p -> (E, O)
+        if isinstance(slots, TripletSum):  # Y needs no gradient: one sparse product, no padded rows
+            sum_k = slots(x)  # (E, S, I)
+        else:
+            rows = slots if isinstance(slots, TripletRows) else TripletRows(slots)
+            x_p = rows.gather(x)  # (E, K, I)
+            sum_k = _SlotSum.apply(sph_p.transpose(1, 2), x_p)  # (E, S, I)
         rs = torch.bmm(rad, sum_k)  # (E, C, I)
         return torch.einsum("eci,ico->eo", rs, self.weight)
