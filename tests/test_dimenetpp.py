@@ -162,7 +162,8 @@ def test_energy_only_steps_equal_the_steps_that_differentiate_positions(head, f6
         e = model(view, forces=False)["energy"]
         e.pow(2).sum().backward()
         out.append([e.detach()] + [p.grad for p in model.parameters() if p.grad is not None])  # (no force head)
-    assert len(out[0]) == len(out[1]) == 1 + len(list(m.parameters())) - (len(list(model.force_block.parameters())) if model.force_block else 0)
+    head_params = len(list(model.force_block.parameters())) if model.force_block else 0
+    assert len(out[0]) == len(out[1]) == 1 + len(list(m.parameters())) - head_params
     for a, ref in zip(*out):
         torch.testing.assert_close(a, ref, rtol=1e-12, atol=1e-12 * float(ref.abs().max()))
     assert float(out[0][0].abs().min()) > 0 and all(float(p.abs().max()) > 0 for p in out[0][1:])

@@ -446,7 +446,7 @@ class InteractionPPBlock(nn.Module):
         # t = m[kj] ⊙ W_sbf2 W_sbf1 (rad[kj] ⊗ ang) summed into ji: the radial factor and m meet once
         # per input edge, and the sum over (kj, l) is one matmul per centre: no (T, I) tensor at all
         s, _, r = rad.shape
-        w = self.lin_sbf1.weight.view(-1, s, r).permute(1, 2, 0) @ self.lin_sbf2.weight.T  # (S, R, I): W_sbf2 W_sbf1 per l
+        w = self.lin_sbf1.weight.view(-1, s, r).permute(1, 2, 0) @ self.lin_sbf2.weight.T  # (S, R, I): per l
         m = g.gather_edges(x_kj).index_select(0, tb.col_edge)  # (ΣG·Ki, I)
         mc = (torch.bmm(rad, w) * m).transpose(0, 1).contiguous()  # (ΣG·Ki, S, I)
         out = [torch.bmm(a_, mc_.view(gb, ki * s, -1)).flatten(0, 1)  # (G·Ro, I)
