@@ -139,9 +139,13 @@ class AtomGraph:
         deformed by ``strain`` if set."""
         return self._strained(self.pos[self.edge_dst] - self.pos[self.edge_src] - self.edge_shift)
 
-    def kj_vectors(self) -> Tensor:
-        """(T_loc, 3) the edge vector of each local triplet's input edge ``k -> j``."""
-        return self._strained(self.pos[self.kj_dst] - self.pos[self.kj_src] - self.kj_shift)
+    def kj_vectors(self, triplets: Optional[Tensor] = None) -> Tensor:
+        """(T_loc, 3) the edge vector of each local triplet's input edge ``k -> j``; of the local triplets
+        ``triplets`` (ids) alone if given."""
+        if triplets is None:
+            return self._strained(self.pos[self.kj_dst] - self.pos[self.kj_src] - self.kj_shift)
+        return self._strained(self.pos[self.kj_dst[triplets]] - self.pos[self.kj_src[triplets]]
+                              - self.kj_shift[triplets])
 
     def _strained(self, v: Tensor) -> Tensor:
         return v if self.strain is None else v + v @ self.strain  # v (I + ε)

@@ -516,7 +516,7 @@ class DimeNetPP(nn.Module):
         dist = v.norm(dim=-1)
         rbf = self.rbf(dist)  # (E_loc, R)
         tb = triplet_blocks(g, single=torch.compiler.is_compiling())
-        v_kj = g.kj_vectors()[tb.col_triplet]  # (ΣG·Ki, 3): PyG's pos_jk, from the view's geometry
+        v_kj = g.kj_vectors(tb.col_triplet)  # (ΣG·Ki, 3): PyG's pos_jk, from the view's geometry
         d_kj = v_kj.norm(dim=-1)
         u_ji = (v / dist.unsqueeze(-1))[tb.row_edge]  # (ΣG·Ro, 3): PyG's pos_ij, unit
         u_kj = v_kj / d_kj.unsqueeze(-1)
@@ -532,9 +532,9 @@ class DimeNetPP(nn.Module):
         act = silu if _geometry_requires_grad(g) else F.silu
         x = self.emb(g.z, rbf, g.edge_dst, g.edge_src, act)
         p = self.output_blocks[0](x, rbf, g, act)  # (N_own, out)
-        for inter, out in zip(self.interaction_blocks, self.output_blocks[1:]):
+        for k, inter in enumerate(self.interaction_blocks):  # (no output_blocks[1:]: a new ModuleList a call)
             x = inter(x, rbf, rad, ang, g, tb, act)
-            p = p + out(x, rbf, g, act)
+            p = p + self.output_blocks[k + 1](x, rbf, g, act)
         return g.sum_systems(p), x, rbf
 
     def forward(self, g: AtomGraph) -> Tensor:
