@@ -132,6 +132,43 @@ def test_silu_is_twice_differentiable():
     assert torch.autograd.gradcheck(silu, (x,)) and torch.autograd.gradgradcheck(silu, (x,))
 
 
+def test_sum_rows_is_an_accumulating_sum_twice_differentiable():
+    """The edges -> atoms sum (index_add forward, index_select backward, keeping the index alone) is the
+    accumulating index_put it replaced, and its gradient and the gradient's gradient are right."""
+    from gnnpipe.atomic.batch import sum_rows
+    msg = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([2, 0, 2, 1, 4, 2, 0, 4, 4])
+    ref = torch.zeros(5, 4, dtype=torch.float64).index_put((index,), msg, accumulate=True)
+    torch.testing.assert_close(sum_rows(msg, index, 5), ref, rtol=0, atol=1e-15)
+    f = lambda m: sum_rows(m, index, 5).sin()  # noqa: E731 - nonlinear: a second derivative to check
+    assert torch.autograd.gradcheck(f, (msg,)) and torch.autograd.gradgradcheck(f, (msg,))
+
+
+@pytest.mark.parametrize("head", ["gradient", "direct"])
+def test_energy_only_steps_equal_the_steps_that_differentiate_positions(head, f64):
+    """With no gradient of the geometry the activations are autograd's own silu (no Python Function):
+    the energies and every parameter gradient equal those of the same loss with positions requiring
+    grad (the force path's _SiLU), to rounding."""
+    from gnnpipe.atomic.dimenetpp import DimeNetPPModel, _geometry_requires_grad
+    b = molecules(6, periodic_cell=3.2, sizes=(4, 5))
+    m = _model(head)
+    model = DimeNetPPModel(m.cfg).double()
+    model.load_state_dict(m.state_dict())
+    g = single_graph(b)
+    out = []
+    for view in (g, with_pos(g, g.pos.clone().requires_grad_(True))):
+        model.zero_grad(set_to_none=True)
+        assert _geometry_requires_grad(view) == view.pos.requires_grad
+        e = model(view, forces=False)["energy"]
+        e.pow(2).sum().backward()
+        out.append([e.detach()] + [p.grad for p in model.parameters() if p.grad is not None])  # (no force head)
+    head_params = len(list(model.force_block.parameters())) if model.force_block else 0
+    assert len(out[0]) == len(out[1]) == 1 + len(list(m.parameters())) - head_params
+    for a, ref in zip(*out):
+        torch.testing.assert_close(a, ref, rtol=1e-12, atol=1e-12 * float(ref.abs().max()))
+    assert float(out[0][0].abs().min()) > 0 and all(float(p.abs().max()) > 0 for p in out[0][1:])
+
+
 def _block_entries(tb):
     """(flat row, flat column) of every entry of ``tb``'s blocks, in the mask's order."""
     rows, cols, r0, c0 = [], [], 0, 0

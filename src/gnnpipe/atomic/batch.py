@@ -66,11 +66,27 @@ import torch
 from torch import Tensor
 
 
+class _SumRows(torch.autograd.Function):
+    """``index_add`` forward, ``index_select`` backward, keeping the index alone for backward (autograd's
+    ``index_add`` keeps ``msg`` too; an accumulating ``index_put`` keeps the index alone but sorts it, in
+    its forward and in its gradient's: 3x slower forward + backward for (E, 128) -> (N, 128) here). Its
+    backward is differentiable (``index_select``): a double backward (gradient forces) runs through it."""
+
+    @staticmethod
+    def forward(ctx, msg: Tensor, index: Tensor, rows: int) -> Tensor:
+        ctx.save_for_backward(index)
+        return msg.new_zeros((rows, *msg.shape[1:])).index_add_(0, index, msg)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        index, = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
 def sum_rows(msg: Tensor, index: Tensor, rows: int) -> Tensor:
-    """``(E, ...)`` messages summed into ``rows`` rows by ``index`` (an accumulating ``index_put``:
-    autograd keeps its index alone, where ``index_add`` keeps ``msg`` too): every layout's edges ->
-    atoms sum (``AtomGraph``, ``halo.HaloAtomGraph``)."""
-    return msg.new_zeros((rows, *msg.shape[1:])).index_put((index,), msg, accumulate=True)
+    """``(E, ...)`` messages summed into ``rows`` rows by ``index`` (:class:`_SumRows`: autograd keeps
+    its index alone): every layout's edges -> atoms sum (``AtomGraph``, ``halo.HaloAtomGraph``)."""
+    return _SumRows.apply(msg, index, rows)
 
 
 @dataclass
@@ -123,9 +139,13 @@ class AtomGraph:
         deformed by ``strain`` if set."""
         return self._strained(self.pos[self.edge_dst] - self.pos[self.edge_src] - self.edge_shift)
 
-    def kj_vectors(self) -> Tensor:
-        """(T_loc, 3) the edge vector of each local triplet's input edge ``k -> j``."""
-        return self._strained(self.pos[self.kj_dst] - self.pos[self.kj_src] - self.kj_shift)
+    def kj_vectors(self, triplets: Optional[Tensor] = None) -> Tensor:
+        """(T_loc, 3) the edge vector of each local triplet's input edge ``k -> j``; of the local triplets
+        ``triplets`` (ids) alone if given."""
+        if triplets is None:
+            return self._strained(self.pos[self.kj_dst] - self.pos[self.kj_src] - self.kj_shift)
+        return self._strained(self.pos[self.kj_dst[triplets]] - self.pos[self.kj_src[triplets]]
+                              - self.kj_shift[triplets])
 
     def _strained(self, v: Tensor) -> Tensor:
         return v if self.strain is None else v + v @ self.strain  # v (I + ε)

@@ -24,15 +24,19 @@ That is the math (PyG's order of operations). The triplet lines are computed wit
 (T_loc, ·) tensor: ``sbf`` is a product of a radial factor of the input edge alone and an angular
 factor ``Y_l^0`` per triplet, and ``W_sbf2 W_sbf1`` is linear, so per block::
 
-    c[kj, l]  = W_sbf2 (W_sbf1[:, l, :] rad[kj, l, :])             per input edge  (·, S, I)
+    c[kj, l]  = (W_sbf2 W_sbf1[:, l, :]) rad[kj, l, :]             per input edge  (·, S, I)
     scatter_{idx_ji}(t)[ji] = Σ_{kj, l} Y_l^0(angle(kj, ji)) · (m_all[kj] ⊙ c[kj, l])
 
 which, with the triplets of each centre atom j laid out as a dense (output edges × input edges)
 block (:class:`TripletBlocks`), is one batched matmul over centres (per bucket of centres of one
 block width, so that padding stays small where degrees vary: molecules of 3-13 atoms in one batch).
-Memory kept for backward per block is then ~ S·I per distinct input edge instead of ~ 3·I per
-triplet (T/E ≈ 20 on slabs, ≈ 7 on small molecules: about even there), and the activation's
-double backward is one op (:class:`_SiLU`).
+The two basis layers are multiplied first, ``W_sbf2 W_sbf1[:, l, :]`` (I × R per order l, a few
+thousand numbers), so ``c`` is one batched product over l with no (·, S, B) tensor: its backward is
+one more (``rad_l^T`` times the gradient, per l) where two narrow products (B = 8 columns) and the
+block-diagonal W_sbf1's were. Memory kept for backward per block is then ~ S·I per distinct input
+edge instead of ~ 3·I per triplet (T/E ≈ 20 on slabs, ≈ 7 on small molecules: about even there),
+and the activation's double backward is one op (:class:`_SiLU`) where forces are differentiated
+(autograd's own ``F.silu`` elsewhere: :func:`_geometry_requires_grad`).
 
 Forces: ``energy_and_forces`` — ``"gradient"`` (energy-conserving, ``-dE/dpos`` by autograd;
 ``create_graph=True`` for training on forces) or ``"direct"`` (an extra edge head:
@@ -348,6 +352,14 @@ def silu(x: Tensor) -> Tensor:
     return _SiLU.apply(x)
 
 
+def _geometry_requires_grad(g: AtomGraph) -> bool:
+    """Whether a gradient with respect to ``g``'s geometry (positions, strain) can be taken: gradient
+    forces or stress, differentiated again when training on them. Only then is :class:`_SiLU` worth its
+    Python Function per activation; otherwise (energy-only steps, the direct force head) autograd's own
+    ``F.silu``, the same values and gradients, recorded as one C++ node (3-4 % of an energy-only step)."""
+    return g.pos.requires_grad or (g.strain is not None and g.strain.requires_grad)
+
+
 def _narrow_linear(lin: Linear, x: Tensor) -> Tensor:
     """``lin(x)`` for a layer with few inputs applied to many rows (the bases: R, B = 6-8 wide).
 
@@ -378,14 +390,14 @@ class EmbeddingBlock(nn.Module):
         if not self.emb.weight.is_meta:
             nn.init.uniform_(self.emb.weight, -math.sqrt(3), math.sqrt(3))
 
-    def forward(self, z: Tensor, rbf: Tensor, i: Tensor, j: Tensor) -> Tensor:  # -> (E_loc, H)
+    def forward(self, z: Tensor, rbf: Tensor, i: Tensor, j: Tensor, act=silu) -> Tensor:  # -> (E_loc, H)
         """``act(W [h_{z_i}, h_{z_j}, act(W_rbf rbf)])`` with W's two element parts applied to the
         element table (95 rows), not per edge: they do not depend on positions, so the force pass
         and its double backward skip them."""
         w_i, w_j, w_rbf = self.lin.weight.split(self.emb.embedding_dim, dim=1)
         h = self.emb.weight  # (95, H)
-        x_rbf = F.linear(silu(_narrow_linear(self.lin_rbf, rbf)), w_rbf, self.lin.bias)  # (E_loc, H)
-        return silu((h @ w_i.T)[z[i]] + (h @ w_j.T)[z[j]] + x_rbf)
+        x_rbf = F.linear(act(_narrow_linear(self.lin_rbf, rbf)), w_rbf, self.lin.bias)  # (E_loc, H)
+        return act((h @ w_i.T).index_select(0, z[i]) + (h @ w_j.T).index_select(0, z[j]) + x_rbf)
 
 
 class ResidualLayer(nn.Module):
@@ -396,8 +408,8 @@ class ResidualLayer(nn.Module):
             _glorot_orthogonal(lin.weight)
             nn.init.zeros_(lin.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return x + silu(self.lin2(silu(self.lin1(x))))
+    def forward(self, x: Tensor, act=silu) -> Tensor:
+        return x + act(self.lin2(act(self.lin1(x))))
 
 
 class InteractionPPBlock(nn.Module):
@@ -422,31 +434,32 @@ class InteractionPPBlock(nn.Module):
             if lin.bias is not None and not lin.bias.is_meta:
                 nn.init.zeros_(lin.bias)
 
-    def forward(self, x: Tensor, rbf: Tensor, rad: Tensor, ang: list, g: AtomGraph, tb: TripletBlocks) -> Tensor:
-        """``rad`` (ΣG·Ki, S, R) the radial basis of each block column, ``ang`` per bucket (G, Ro, Ki·S) the
-        angular basis of each triplet (0 off the triplets): PyG's ``sbf`` is their product per triplet."""
-        x_ji = silu(self.lin_ji(x))  # (E_loc, H)
-        x_kj = silu(self.lin_kj(x)) * _narrow_linear(self.lin_rbf2, _narrow_linear(self.lin_rbf1, rbf))
-        x_kj = silu(self.lin_down(x_kj))  # (E_loc, I)
+    def forward(self, x: Tensor, rbf: Tensor, rad: Tensor, ang: list, g: AtomGraph, tb: TripletBlocks,
+                act=silu) -> Tensor:
+        """``rad`` (S, ΣG·Ki, R) the radial basis of each block column (the orders first: one product per
+        order), ``ang`` per bucket (G, Ro, Ki·S) the angular basis of each triplet (0 off the triplets):
+        PyG's ``sbf`` is their product per triplet. ``act``: :func:`silu` or ``F.silu``."""
+        x_ji = act(self.lin_ji(x))  # (E_loc, H)
+        # W_rbf2 W_rbf1 first (H × R), applied as _narrow_linear does: one product with the basis rows, no (E, B)
+        x_kj = act(self.lin_kj(x)) * (rbf @ (self.lin_rbf1.weight.T @ self.lin_rbf2.weight.T))
+        x_kj = act(self.lin_down(x_kj))  # (E_loc, I)
         # t = m[kj] ⊙ W_sbf2 W_sbf1 (rad[kj] ⊗ ang) summed into ji: the radial factor and m meet once
         # per input edge, and the sum over (kj, l) is one matmul per centre: no (T, I) tensor at all
-        n, s, r = rad.shape
-        w1 = torch.block_diag(*self.lin_sbf1.weight.view(-1, s, r).permute(1, 2, 0))  # (S·R, S·B): W_sbf1 per l
-        a = (rad.reshape(n, s * r) @ w1).view(n, s, w1.shape[1] // s)  # (ΣG·Ki, S, B)
-        c = _narrow_linear(self.lin_sbf2, a)  # (ΣG·Ki, S, I)
-        m = g.gather_edges(x_kj)[tb.col_edge]  # (ΣG·Ki, I)
-        mc = m.unsqueeze(1) * c  # (ΣG·Ki, S, I)
+        s, _, r = rad.shape
+        w = self.lin_sbf1.weight.view(-1, s, r).permute(1, 2, 0) @ self.lin_sbf2.weight.T  # (S, R, I): per l
+        m = g.gather_edges(x_kj).index_select(0, tb.col_edge)  # (ΣG·Ki, I)
+        mc = (torch.bmm(rad, w) * m).transpose(0, 1).contiguous()  # (ΣG·Ki, S, I)
         out = [torch.bmm(a_, mc_.view(gb, ki * s, -1)).flatten(0, 1)  # (G·Ro, I)
                for (gb, _, ki), a_, mc_ in zip(tb.shapes, ang, mc.split(tb.sizes("columns")))]
         if not out:  # no local triplet: the gathered messages stay in the graph (gather_edges' backward is collective)
             out = [mc.reshape(0, mc.shape[-1])]
-        x_kj = torch.cat([*out, x_kj.new_zeros(1, x_kj.shape[-1])])[tb.edge_row]  # (E_loc, I)
-        h = x_ji + silu(self.lin_up(x_kj))
+        x_kj = torch.cat([*out, x_kj.new_zeros(1, x_kj.shape[-1])]).index_select(0, tb.edge_row)  # (E_loc, I)
+        h = x_ji + act(self.lin_up(x_kj))
         for layer in self.layers_before_skip:
-            h = layer(h)
-        h = silu(self.lin(h)) + x
+            h = layer(h, act)
+        h = act(self.lin(h)) + x
         for layer in self.layers_after_skip:
-            h = layer(h)
+            h = layer(h, act)
         return h
 
 
@@ -467,14 +480,14 @@ class OutputPPBlock(nn.Module):
         if not self.lin.weight.is_meta:
             nn.init.zeros_(self.lin.weight)  # PyG's DimeNet++ default output_initializer="zeros"
 
-    def mlp(self, x: Tensor) -> Tensor:
+    def mlp(self, x: Tensor, act=silu) -> Tensor:
         x = self.lin_up(x)
         for lin in self.lins:
-            x = silu(lin(x))
+            x = act(lin(x))
         return self.lin(x)
 
-    def forward(self, x: Tensor, rbf: Tensor, g: AtomGraph) -> Tensor:
-        return self.mlp(g.edges_to_atoms(_narrow_linear(self.lin_rbf, rbf) * x))
+    def forward(self, x: Tensor, rbf: Tensor, g: AtomGraph, act=silu) -> Tensor:
+        return self.mlp(g.edges_to_atoms(_narrow_linear(self.lin_rbf, rbf) * x), act)
 
 
 # --------------------------------------------------------------------------- the model
@@ -503,7 +516,7 @@ class DimeNetPP(nn.Module):
         dist = v.norm(dim=-1)
         rbf = self.rbf(dist)  # (E_loc, R)
         tb = triplet_blocks(g, single=torch.compiler.is_compiling())
-        v_kj = g.kj_vectors()[tb.col_triplet]  # (ΣG·Ki, 3): PyG's pos_jk, from the view's geometry
+        v_kj = g.kj_vectors(tb.col_triplet)  # (ΣG·Ki, 3): PyG's pos_jk, from the view's geometry
         d_kj = v_kj.norm(dim=-1)
         u_ji = (v / dist.unsqueeze(-1))[tb.row_edge]  # (ΣG·Ro, 3): PyG's pos_ij, unit
         u_kj = v_kj / d_kj.unsqueeze(-1)
@@ -513,14 +526,15 @@ class DimeNetPP(nn.Module):
                         or [u_ji[:0, 0] + u_kj[:0, 0]])  # (ΣG·Ro·Ki,); no triplet: (0,), in the graph
         if not self.cfg.angle_gradient:  # fairchem's DimeNet++: angles of detached positions
             cos = cos.detach()
-        rad = self.sbf.radial(d_kj)  # (ΣG·Ki, S, R)
+        rad = self.sbf.radial(d_kj).transpose(0, 1).contiguous()  # (S, ΣG·Ki, R)
         ang = (self.sbf.angular(cos) * tb.mask.unsqueeze(-1)).split(tb.sizes("entries"))  # per bucket (G·Ro·Ki, S)
         ang = [a.view(gb, ro, ki * a.shape[-1]) for (gb, ro, ki), a in zip(tb.shapes, ang)]  # (G, Ro, Ki·S)
-        x = self.emb(g.z, rbf, g.edge_dst, g.edge_src)
-        p = self.output_blocks[0](x, rbf, g)  # (N_own, out)
-        for inter, out in zip(self.interaction_blocks, self.output_blocks[1:]):
-            x = inter(x, rbf, rad, ang, g, tb)
-            p = p + out(x, rbf, g)
+        act = silu if _geometry_requires_grad(g) else F.silu
+        x = self.emb(g.z, rbf, g.edge_dst, g.edge_src, act)
+        p = self.output_blocks[0](x, rbf, g, act)  # (N_own, out)
+        for k, inter in enumerate(self.interaction_blocks):  # (no output_blocks[1:]: a new ModuleList a call)
+            x = inter(x, rbf, rad, ang, g, tb, act)
+            p = p + self.output_blocks[k + 1](x, rbf, g, act)
         return g.sum_systems(p), x, rbf
 
     def forward(self, g: AtomGraph) -> Tensor:

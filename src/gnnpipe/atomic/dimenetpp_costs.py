@@ -79,7 +79,7 @@ def saved_bytes_by_rows(model, g, step: Callable[[], None]) -> dict:
     """Bytes autograd keeps for backward while ``step()`` runs (e.g. a training step's forward and
     backward on ``g``), by what the tensors' rows are, as :func:`memory_per_worker` counts them:
     ``edge`` (local edges, and padded block rows ΣG·Ro), ``column`` (block columns ΣG·Ki, also flattened
-    with the S orders), ``entry`` (block entries ΣG·Ro·Ki), ``atom`` (the view's atoms or own atoms),
+    with the S orders or after them: (S, ΣG·Ki, ·)), ``entry`` (block entries ΣG·Ro·Ki), ``atom`` (the view's atoms or own atoms),
     ``other``. Floating tensors only, each storage once (its whole size; a view counts once),
     ``model``'s parameters not. The block sizes and the model's widths must not coincide, except
     rows and columns: on a symmetric graph in one process a centre has as many output edges as
@@ -91,6 +91,7 @@ def saved_bytes_by_rows(model, g, step: Callable[[], None]) -> dict:
     atom_widths = {model.cfg.hidden_channels, model.cfg.out_emb_channels, 1, 3}  # (N, w) where a bucket's G = N
     flat = [{nent}, {nrow, nrow + 1} | {ncol, ncol * s}, set(rows)]  # flat tensors' first sizes, by part
     if sum(map(len, flat)) != len(set().union(*flat)) or len({nrow, nrow + 1, ncol, ncol * s}) < 3 + (nrow != ncol) \
+            or s in set().union(*flat) \
             or any(rows.get(gb) == "atom" and atom_widths & {ro, ki, ki * s} for gb, ro, ki in tb.shapes):
         raise ValueError(f"ambiguous rows: blocks {tb.shapes}, {rows}, widths {atom_widths}")
     merged = nrow == ncol and all(ro == ki for _, ro, ki in tb.shapes)
@@ -100,6 +101,8 @@ def saved_bytes_by_rows(model, g, step: Callable[[], None]) -> dict:
 
     def kind(t: torch.Tensor) -> str:
         d = list((t if t._base is None else t._base).shape)  # a bucket's view: its flat tensor's rows
+        if d[:2] == [s, ncol]:
+            return "edge+column" if merged else "column"  # per input edge, the S orders first: radial basis, messages
         if d[0] == nent or d[:3] in entry:
             return "entry"  # the angular basis (ΣG·Ro·Ki, S) and its recurrence, a bucket's (G, Ro, Ki[·S])
         if d[0] in (nrow, nrow + 1) or d[:2] in row:
@@ -153,10 +156,10 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
     ================  ===================================================  ==============================
     rows              gradient forces (double backward)                    direct forces
     ================  ===================================================  ==============================
-    local edge        K(22H + 8nH + 4I + 2B) + 12H + 7R + 33               K(11H + 4nH + 2I + B) + 8H
+    local edge        K(22H + 8nH + 5I) + 12H + 7R + 33                    K(11H + 4nH + 2I) + 8H
                                                                            + (2L+1)O + 2R + 9
     block row         K·I + 3                                              0
-    block column      K((4S+1)I + 2SB) + (3S+17)SR - 8R + 35               K((S+1)I + SB) + SR
+    block column      K(4S+1)I + (3S+17)SR - 8R + 35                       K(S+1)I + SR
     block entry       4S - 5 (S >= 3; 2S at S = 2)                         S
     own atom          (K+1)(H + (4L+2)O) + 5                               (K+1)(H + (2L+1)O) + 4
     ================  ===================================================  ==============================
@@ -171,9 +174,14 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
     not), by row kind, on 2 EMT slabs at 30 random sizes per head (K 1-4, H 36-56, I 10-20,
     B 4-8, O 36-60, S 2-8, R 2-8, L 1-3, n 0-4): a least-squares fit in the products above is
     exact (integer coefficients, residual < 1e-10 elements per row), and holds at P = 2 and 4
-    (``benchmarks/bench_atomic.py`` prints the estimate per part beside the measurement).
+    (``benchmarks/bench_atomic.py`` prints the estimate per part beside the measurement). Since
+    #37 the per-column messages come from the radial basis by one product per order l (W_sbf2 W_sbf1
+    per l), with no (·, S, B) tensor, and the edges' basis by one (W_rbf2 W_rbf1), with no (E, B) one:
+    per block, the block-column rows lost ``2SB`` (gradient) and ``SB`` (direct), the local edges
+    ``2B`` and gained ``I`` (gradient: the gathers' double backward) or lost ``B`` (direct); the
+    changes measured the same way, against the code before, at 8-12 sizes per head.
     Not counted: index arrays (the graph's 4 int64 per triplet, the blocks' bool mask per entry)
-    and parameter-sized copies (transposed weights, W_sbf1's block diagonal), < 1 % here.
+    and parameter-sized copies (transposed weights, W_sbf2 W_sbf1 per order), < 1 % here.
 
     The direct step keeps about half the gradient step's memory (0.48 at the default sizes on the
     slabs; the old per-triplet estimate took a third). An estimate for sizing (tests: each part within 15 % of a measured step of each
@@ -190,15 +198,15 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
     columns = COLUMNS_PER_EDGE * e_loc if columns is None else columns
     entries = ENTRIES_PER_TRIPLET * t_loc if entries is None else entries
     if cfg.force_head == "gradient":
-        per_edge = k * (22 * h + 8 * res * h + 4 * i + 2 * be) + 12 * h + 7 * r + 33
+        per_edge = k * (22 * h + 8 * res * h + 5 * i) + 12 * h + 7 * r + 33
         per_row = k * i + 3
-        per_column = k * ((4 * s + 1) * i + 2 * s * be) + (3 * s + 17) * s * r - 8 * r + 35
+        per_column = k * (4 * s + 1) * i + (3 * s + 17) * s * r - 8 * r + 35
         per_entry = max(4 * s - 5, 2 * s)
         per_atom = (k + 1) * (h + (4 * lo + 2) * o) + 5
     else:
-        per_edge = k * (11 * h + 4 * res * h + 2 * i + be) + 8 * h + (2 * lo + 1) * o + 2 * r + 9
+        per_edge = k * (11 * h + 4 * res * h + 2 * i) + 8 * h + (2 * lo + 1) * o + 2 * r + 9
         per_row = 0
-        per_column = k * ((s + 1) * i + s * be) + s * r
+        per_column = k * (s + 1) * i + s * r
         per_entry = s
         per_atom = (k + 1) * (h + (2 * lo + 1) * o) + 4
     out = {"parameters": 4 * count_parameters(cfg) * b,
