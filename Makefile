@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml requirements/cpu.lock.txt
 venv: $(STAMP)
 
 # --rerun-incomplete: a job cut short (Ctrl-C, a killed node) is redone, not a hard stop;
-# --show-failed-logs: a failed job's log (its one-line reason) on the terminal, not only in logs/
+# --show-failed-logs: a failed job's log (its one-line reason) on the terminal, not only in results/logs/
 run: $(STAMP)
 	$(VENV)/bin/snakemake --cores $(CORES) --rerun-incomplete --show-failed-logs --configfile config/config.yaml
 

@@ -115,8 +115,8 @@ def workflow_config(data: Path, results: Path, epochs: int, names=tuple(RUNS)) -
 
 def outcome(cfg, status: dict) -> dict:
     """A run's end: its test metrics and baselines (eval.json, else metrics.json), or the guard's line."""
-    out_dir, work = Path(cfg.out_dir), Path(cfg.out_dir).parents[2]
-    log = (work / "logs" / "train" / f"{cfg.run_id}.log").read_text()
+    out_dir = Path(cfg.out_dir)  # <results>/runs/<run_id>; its log is <results>/logs/train/<run_id>.log
+    log = (out_dir.parents[1] / "logs" / "train" / f"{cfg.run_id}.log").read_text()
     stop = next((line for line in log.splitlines() if line.startswith("gnnpipe: error:")), None)
     res = {"run_id": cfg.run_id, "lr": cfg.model.spec.lr, "habits": "defaults" if cfg.model.spec.ema_decay else "none",
            "mlflow_status": status.get(cfg.run_id, (None,))[0], "stopped": stop,

@@ -671,14 +671,14 @@ def test_killed_worker_under_snakemake_then_rerun_completes(tmp_path):
     finally:
         del os.environ["GNNPIPE_TEST_KILL"]
     assert res.returncode != 0
-    log = (tmp_path / "logs" / "train" / f"{rid}.log").read_text()
+    log = (out.parents[1] / "logs" / "train" / f"{rid}.log").read_text()
     assert "rank 0: the worker group broke: rank 1 (pid " in log, log[-3000:]
     assert not (out / "model.pt").exists() and not (out / "metrics.json").exists()
     assert json.loads((out / "resume" / "manifest.json").read_text())["epochs_done"] == 2
 
     res = snakemake(tmp_path, tmp_path / "config.yaml", "--cores", "2", target)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resuming" in (tmp_path / "logs" / "train" / f"{rid}.log").read_text()
+    assert "resuming" in (out.parents[1] / "logs" / "train" / f"{rid}.log").read_text()
     rec = json.loads((out / "metrics.json").read_text())
     assert [r["epoch"] for r in rec["history"]] == list(range(6)) and (out / "eval.json").exists()
     res = snakemake(tmp_path, tmp_path / "config.yaml", "-n", target)
@@ -727,7 +727,7 @@ def test_snakemake_killed_with_its_workers_then_unlocked_and_resumed(tmp_path):
     assert snakemake(tmp_path, tmp_path / "config.yaml", "--unlock").returncode == 0
     res = snakemake(tmp_path, tmp_path / "config.yaml", "--cores", "2", target)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resuming" in (tmp_path / "logs" / "train" / f"{cfg.run_id}.log").read_text()
+    assert "resuming" in (out.parents[1] / "logs" / "train" / f"{cfg.run_id}.log").read_text()
     run, = mlflow_runs(cfg)
     assert run.info.status == "FINISHED" and (out / "eval.json").exists()
 

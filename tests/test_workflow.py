@@ -244,7 +244,7 @@ def test_results_with_spaces_and_shell_characters_work(tmp_path):
     res = snakemake(work, write_config(tmp_path, edit), "--cores", "2", timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert not (work / "X").exists() and not (work / "my").exists() and not (work / "r").exists()
-    assert sorted(p.name for p in work.iterdir()) == sorted([".snakemake", "logs", results])
+    assert sorted(p.name for p in work.iterdir()) == sorted([".snakemake", results])  # logs too: results/logs
     out = work / results
     assert (out / "report.md").is_file() and json.loads(next(out.glob("runs/*/eval.json")).read_text())["test_acc"]
 
@@ -369,7 +369,7 @@ def test_tiny_config_end_to_end(tmp_path):
     wf = load_workflow_config(yaml.safe_load(TINY.read_text()))
     runs = resolve_runs(wf)
     res = snakemake(tmp_path, TINY, "--cores", "2", timeout=900)
-    logs = "\n".join(f"== {p}\n{p.read_text()[-3000:]}" for p in sorted((tmp_path / "logs").rglob("*.log")))
+    logs = "\n".join(f"== {p}\n{p.read_text()[-3000:]}" for p in sorted((tmp_path / "results" / "logs").rglob("*.log")))
     assert res.returncode == 0, res.stderr[-5000:] + logs
 
     results = tmp_path / "results"
@@ -400,7 +400,7 @@ def test_tiny_config_end_to_end(tmp_path):
         else:  # halo / chunk traffic crossed the wire, and the ledger agrees with the closed form
             assert rec["comm_bytes_per_epoch"] == rec["comm_bytes_predicted"] > 0
             assert ev["test_acc"] == pytest.approx(rec["test_acc"], abs=0.02)
-        assert (tmp_path / "logs" / "train" / f"{rid}.log").is_file()
+        assert (tmp_path / "results" / "logs" / "train" / f"{rid}.log").is_file()
         records[rid] = rec
     # the cost model: a profile fitted per (dataset, model with graph layers), named in the
     # report; the partition statistics are the rule's output, not a cache beside graph.h5

@@ -104,6 +104,9 @@ def relax_reference(wildcards) -> str:
 
 # ----------------------------------------------------------------------------- targets
 BENCHMARKS = f"{RESULTS}/benchmarks"
+# Each job's log, beside the outputs of its config: two configs (`results:`) run in one checkout
+# never write each other's logs (they did under one top-level logs/).
+LOGS = f"{RESULTS}/logs"
 
 
 def bench(rule: str, job: str) -> str:

@@ -3,7 +3,7 @@ rule dataset_spec:
     output:
         spec=f"{RESULTS}/data/{{dataset}}/dataset.yaml",
     log:
-        "logs/data/{dataset}.spec.log",
+        f"{LOGS}/data/{{dataset}}.spec.log",
     benchmark:
         bench("dataset_spec", "{dataset}"),
     params:
@@ -22,7 +22,7 @@ rule build_graph:
         graph=f"{RESULTS}/data/{{dataset}}/graph.h5",
         stats=f"{RESULTS}/data/{{dataset}}/stats.json",
     log:
-        "logs/data/{dataset}.log",
+        f"{LOGS}/data/{{dataset}}.log",
     benchmark:
         bench("build_graph", "{dataset}"),
     conda:
@@ -41,7 +41,7 @@ rule build_systems:
         systems=f"{RESULTS}/data/{{dataset}}/systems.h5",
         stats=f"{RESULTS}/data/{{dataset}}/systems-stats.json",
     log:
-        "logs/data/{dataset}.systems.log",
+        f"{LOGS}/data/{{dataset}}.systems.log",
     benchmark:
         bench("build_systems", "{dataset}"),
     conda:
@@ -59,7 +59,7 @@ rule atom_graphs:
         graphs=f"{RESULTS}/data/{{dataset}}/graphs.h5",
         stats=f"{RESULTS}/data/{{dataset}}/graphs-stats.json",
     log:
-        "logs/data/{dataset}.graphs.log",
+        f"{LOGS}/data/{{dataset}}.graphs.log",
     benchmark:
         bench("atom_graphs", "{dataset}"),
     params:

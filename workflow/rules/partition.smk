@@ -6,7 +6,7 @@ rule partition:
         assignment=f"{RESULTS}/partitions/{{dataset}}/{{method}}-{{parts}}.npy",
         stats=f"{RESULTS}/partitions/{{dataset}}/{{method}}-{{parts}}.json",
     log:
-        "logs/partition/{dataset}/{method}-{parts}.log",
+        f"{LOGS}/partition/{{dataset}}/{{method}}-{{parts}}.log",
     benchmark:
         bench("partition", "{dataset}/{method}-{parts}"),
     params:
@@ -29,7 +29,7 @@ rule materialize:
     output:
         store=store_path(RESULTS, "{dataset}", "{method}", "{parts}"),
     log:
-        "logs/materialize/{dataset}/{method}-{parts}.log",
+        f"{LOGS}/materialize/{{dataset}}/{{method}}-{{parts}}.log",
     benchmark:
         bench("materialize", "{dataset}/{method}-{parts}"),
     conda:
@@ -47,7 +47,7 @@ rule locality:
     output:
         order=locality_path(RESULTS, "{dataset}"),
     log:
-        "logs/partition/{dataset}/locality.log",
+        f"{LOGS}/partition/{{dataset}}/locality.log",
     benchmark:
         bench("locality", "{dataset}"),
     params:

@@ -9,7 +9,7 @@ rule cost_predictions:
     output:
         predictions=PREDICTIONS,
     log:
-        "logs/cost_model/predictions.log",
+        f"{LOGS}/cost_model/predictions.log",
     benchmark:
         bench("cost_predictions", "cost_predictions"),
     params:
@@ -36,7 +36,7 @@ rule report:
         plots=report(directory(f"{RESULTS}/plots"), patterns=["{name}.png"],
                      caption="../report/plots.rst", category="Plots"),
     log:
-        "logs/report.log",
+        f"{LOGS}/report.log",
     benchmark:
         bench("report", "report"),
     params:
@@ -62,7 +62,7 @@ rule plan_stats:
     output:
         stats=f"{COST_DIR}/{{dataset}}/plan-stats.json",
     log:
-        "logs/cost_model/{dataset}.plan-stats.log",
+        f"{LOGS}/cost_model/{{dataset}}.plan-stats.log",
     benchmark:
         bench("plan_stats", "{dataset}"),
     params:
@@ -93,7 +93,7 @@ rule calibrate:
     output:
         profile=f"{COST_DIR}/{{dataset}}/{{model}}.yaml",
     log:
-        "logs/cost_model/{dataset}.{model}.calibrate.log",
+        f"{LOGS}/cost_model/{{dataset}}.{{model}}.calibrate.log",
     benchmark:
         bench("calibrate", "{dataset}/{model}"),
     params:

@@ -3,7 +3,7 @@ rule run_config:
     output:
         run_config=f"{RESULTS}/runs/{{run_id}}/run.yaml",
     log:
-        "logs/runs/{run_id}.run_config.log",
+        f"{LOGS}/runs/{{run_id}}.run_config.log",
     benchmark:
         bench("run_config", "{run_id}"),
     params:
@@ -30,7 +30,7 @@ rule train:
         model=f"{RESULTS}/runs/{{run_id}}/model.pt",
         evaluation=f"{RESULTS}/runs/{{run_id}}/eval.json",
     log:
-        "logs/train/{run_id}.log",
+        f"{LOGS}/train/{{run_id}}.log",
     benchmark:
         bench("train", "{run_id}"),
     threads: timed_threads
@@ -78,7 +78,7 @@ rule evaluate_atomic:
         evaluation=f"{RESULTS}/runs/{{run_id}}/eval.json",
         predictions=f"{RESULTS}/runs/{{run_id}}/predictions.h5",
     log:
-        "logs/evaluate/{run_id}.log",
+        f"{LOGS}/evaluate/{{run_id}}.log",
     benchmark:
         bench("evaluate_atomic", "{run_id}"),
     threads: train_threads
@@ -108,7 +108,7 @@ rule relax:
         relax=f"{RESULTS}/runs/{{run_id}}/relax.json",
         trajectories=directory(f"{RESULTS}/runs/{{run_id}}/relax"),
     log:
-        "logs/relax/{run_id}.log",
+        f"{LOGS}/relax/{{run_id}}.log",
     benchmark:
         bench("relax", "{run_id}"),
     threads: 1
