@@ -288,10 +288,11 @@ class ScaleFactor(nn.Module):
         return self._stats is None and self._seen is None
 
     def value(self, dtype) -> Tensor:
+        """``s`` in ``dtype``: what :meth:`forward` multiplies by, and what a fold puts on a weight."""
         return self.scale_factor.to(dtype)
 
     def forward(self, x: Tensor, ref: Tensor) -> Tensor:
-        x = x * self.scale_factor.to(x.dtype)
+        x = x * self.value(x.dtype)
         if self._seen is not None and self not in self._seen:
             self._seen.append(self)
         if self._stats is not None and x.shape[0] > 1 and ref.shape[0] > 1:
