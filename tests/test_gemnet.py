@@ -461,19 +461,19 @@ def test_memory_estimate_is_within_5_percent_of_a_measured_step(f64):
                 saved[part] += x.untyped_storage().nbytes()
             return x
         mats: list = []  # dT: TripletSum's matrices, held for backward outside autograd's saved tensors
-        original = TripletSum.matrices
+        original = TripletSum.matrix
 
-        def matrices(plan, rows):
-            out = original(plan, rows)
-            if not any(out[0] is m[0] for m in mats):
+        def matrix(plan, rows, adjoint=False):
+            out = original(plan, rows, adjoint)
+            if not any(out is m for m in mats):
                 mats.append(out)
             return out
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), \
-                mock.patch.object(TripletSum, "matrices", matrices):
+                mock.patch.object(TripletSum, "matrix", matrix):
             out = model(g)
             (out["energy"].pow(2).sum() + out["forces"].pow(2).sum()).backward()
         assert bool(mats) == (head == "direct")
-        saved["triplet"] += sum(t.nbytes for m in mats for a in m for t in (a.values(), a.col_indices()))
+        saved["triplet"] += sum(t.nbytes for m in mats for t in (m.values(), m.col_indices()))
         padding = g.num_local_edges * (int(g.triplet_rank.max()) + 1) / t
         est = memory_per_worker(model.cfg, n, e, t, 1, dtype_bytes=8, padding=padding)
         for part in saved:

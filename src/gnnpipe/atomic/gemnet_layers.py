@@ -490,30 +490,35 @@ class TripletSum:
     step: the positions need none), and its adjoint ``A^T g``: ``A`` is (E·S, rows) in CSR, row
     ``(e, s)`` holding ``Y[e, k, s]`` at column ``slot(e, k)`` for each of the K slots (empty slots: 0
     at column 0), ``A^T`` its transpose (T·S entries, grouped by the input row as ``TripletRows.bags``).
-    Both are built once per forward (per row count) and shared by every block; no padded (E, K, I)
-    input messages are gathered, kept or scattered back (what the padded gather and ``_SlotSum`` do).
+    Each is built at most once per forward (per row count; ``A^T`` only when a backward runs) and
+    shared by every block; no padded (E, K, I) input messages are gathered, kept or scattered back
+    (what the padded gather and ``_SlotSum`` do).
     Same sums, in another order (float64: to rounding)."""
 
     def __init__(self, sph_p: Tensor, rows: TripletRows):
         self.y = sph_p.detach().contiguous()  # (E, S, K): A's values in row order
         self.rows = rows
-        self._mats: dict[int, tuple[Tensor, Tensor]] = {}
+        self._mats: dict[tuple[int, bool], Tensor] = {}
 
-    def matrices(self, rows: int) -> tuple[Tensor, Tensor]:
-        """(A, A^T) for ``rows`` input rows, int32 indices."""
-        if rows not in self._mats:
+    def matrix(self, rows: int, adjoint: bool = False) -> Tensor:
+        """``A`` (or, ``adjoint``, ``A^T``) for ``rows`` input rows, int32 indices, each built on its first
+        use: a forward that is never differentiated (inference, no_grad) builds no ``A^T``."""
+        if (rows, adjoint) not in self._mats:
             e, s, k = self.y.shape
             idx = torch.int32
-            col = (self.rows.slots - 1).clamp_(min=0).to(idx)  # (E, K): slot -> input row (empty: row 0, value 0)
-            a = _csr(torch.arange(e * s + 1, dtype=idx) * k, col[:, None, :].expand(e, s, k).reshape(-1),
-                     self.y.reshape(-1), (e * s, rows))
-            pos, first = self.rows.bags(rows)  # filled slots e·K + k grouped by the row they read
-            counts = torch.diff(first, append=first.new_tensor([pos.numel()]))
-            col_t = ((pos // max(k, 1))[:, None] * s + torch.arange(s)).reshape(-1).to(idx)
-            val_t = self.y.transpose(1, 2).reshape(e * k, s).index_select(0, pos).reshape(-1)
-            crow_t = torch.cat([counts.new_zeros(1), (counts * s).cumsum(0)]).to(idx)
-            self._mats[rows] = (a, _csr(crow_t, col_t, val_t, (rows, e * s)))
-        return self._mats[rows]
+            if not adjoint:
+                col = (self.rows.slots - 1).clamp_(min=0).to(idx)  # (E, K): slot -> input row (empty: row 0, value 0)
+                m = _csr(torch.arange(e * s + 1, dtype=idx) * k, col[:, None, :].expand(e, s, k).reshape(-1),
+                         self.y.reshape(-1), (e * s, rows))
+            else:
+                pos, first = self.rows.bags(rows)  # filled slots e·K + k grouped by the row they read
+                counts = torch.diff(first, append=first.new_tensor([pos.numel()]))
+                col_t = ((pos // max(k, 1))[:, None] * s + torch.arange(s)).reshape(-1).to(idx)
+                val_t = self.y.transpose(1, 2).reshape(e * k, s).index_select(0, pos).reshape(-1)
+                crow_t = torch.cat([counts.new_zeros(1), (counts * s).cumsum(0)]).to(idx)
+                m = _csr(crow_t, col_t, val_t, (rows, e * s))
+            self._mats[rows, adjoint] = m
+        return self._mats[rows, adjoint]
 
     def __call__(self, x: Tensor) -> Tensor:
         """(rows, I) input rows -> (E, S, I)."""
@@ -531,7 +536,7 @@ class _SparseSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, plan: TripletSum) -> Tensor:
         ctx.plan, ctx.rows = plan, x.shape[0]
-        return plan.matrices(x.shape[0])[0] @ x
+        return plan.matrix(x.shape[0]) @ x
 
     @staticmethod
     def backward(ctx, g: Tensor):
@@ -542,7 +547,7 @@ class _SparseSumT(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g: Tensor, plan: TripletSum, rows: int) -> Tensor:
         ctx.plan = plan
-        return plan.matrices(rows)[1] @ g
+        return plan.matrix(rows, adjoint=True) @ g
 
     @staticmethod
     def backward(ctx, gg: Tensor):
