@@ -90,6 +90,29 @@ def test_dry_run_of_the_default_config_lists_every_stage(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
+def _calibrate_threads(out: str) -> dict:
+    """{model: threads} of the calibrate jobs in a dry run's listing (Snakemake prints threads above 1)."""
+    jobs = {}
+    for block in re.split(r"^(?=\[|rule |localrule )", out, flags=re.M):  # a job: its rule line to the next
+        if block.startswith("rule calibrate:"):
+            model = re.search(r"model=(\w+)", block)[1]
+            found = re.search(r"^\s+threads: (\d+)$", block, re.M)
+            jobs[model] = int(found[1]) if found else 1
+    return jobs
+
+
+def test_calibration_fitting_the_train_jobs_records_takes_one_thread_timing_takes_the_machine(tmp_path):
+    """Calibration from the train jobs' records times nothing: one thread, beside other jobs. Where
+    it times samples itself (no parallel run of the model recorded its workers), it runs alone."""
+    cfg = write_config(tmp_path, lambda c: c.update(runs=[
+        {"mode": "single", "dataset": "tiny", "model": "gcnii4"},
+        {"mode": "graph", "dataset": "tiny", "model": "gcnii4", "workers": 2},
+        {"mode": "single", "dataset": "tiny", "model": "gcn2"}]))
+    res = snakemake(tmp_path, cfg, "-n", "--cores", "2")
+    assert res.returncode == 0, res.stderr
+    assert _calibrate_threads(res.stdout + res.stderr) == {"gcnii4": 1, "gcn2": 2}
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c["training"].update(epochz=3),
      "config.training: unknown key 'epochz' (known: checkpoint_every, clip_grad_norm, dist_timeout_s, dtype,"),

@@ -220,6 +220,19 @@ def calibration_inputs(wildcards) -> dict:
     return inputs
 
 
+def calibration_threads(wildcards) -> int:
+    """1 where calibration fits the train jobs' own timings and times nothing (a one-process run
+    and a parallel run of the dataset and model recorded their layers, one thread a worker, on the
+    CPU clock: planning.calibrate.calibrate_run); the whole machine where it times samples itself
+    (a job beside it would share the caches and memory bandwidth it is timing)."""
+    run = RUNS[CALIBRATION_RUNS[(wildcards.dataset, wildcards.model)]]
+    peers = [r for rid, r in RUNS.items() if (r.dataset_name, r.model) == (run.dataset_name, run.model)
+             and r.training.dtype == run.training.dtype and r.training.threads_per_worker == 1]
+    from_records = (run.training.threads_per_worker == 1 and run.model.kind != "mlp"
+                    and any(r.mode == "single" for r in peers) and any(r.workers > 1 for r in peers))
+    return 1 if from_records else whole_machine()
+
+
 # ----------------------------------------------------------------------------- data
 def dataset_spec_text(wildcards) -> str:
     """The dataset's config as YAML: what dataset.yaml holds (and its rerun trigger). Only its

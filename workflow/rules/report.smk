@@ -98,9 +98,9 @@ rule calibrate:
         bench("calibrate", "{dataset}/{model}"),
     params:
         cache=f"{RESULTS}/calibration_cache",  # content-keyed: another config or rerun on the same graph reuses a fit
-    # alone on the machine: a job beside it would share the caches and memory bandwidth
-    # it is timing (tens of seconds on a 10^5-node graph, once per graph and model: cached)
-    threads: whole_machine()
+    # from the train jobs' records: a fraction of a second, one thread; timing its own samples
+    # (tens of seconds on a 10^5-node graph, once per graph and model: cached): alone on the machine
+    threads: calibration_threads
     conda:
         "../../envs/gnnpipe.yaml"
     shell:
