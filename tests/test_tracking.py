@@ -183,6 +183,28 @@ def test_epochs_are_logged_while_the_run_trains_and_once_each(tmp_path, monkeypa
     assert "warning" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("first_cause", [True, False])
+def test_the_failed_runs_error_is_the_cause_not_a_peers_broken_group(tmp_path, monkeypatch, first_cause):
+    """Every rank of a failed job marks the run, in whatever order their exits reach the store: the
+    error kept is the rank's that failed, never another rank's "the worker group broke"."""
+    from mlflow.tracking import MlflowClient
+
+    from gnnpipe import tracking
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = _cfg(tmp_path, 0)
+    Path(cfg.out_dir).mkdir(parents=True)
+    (Path(cfg.out_dir) / "run.resolved.yaml").write_text("x: 1\n")
+    rid = tracking.start_training(cfg, None, resumed_at=0)
+    cause = "rank 1: epoch 2: NonFiniteError: loss is nan"
+    broke = "rank 0: epoch 2: the worker group broke: rank 1 died (Connection closed by peer)"
+    marks = [(cause, False), (broke, True)] if first_cause else [(broke, True), (cause, False)]
+    for line, consequence in marks:
+        assert tracking.mark_failed(cfg, rid, line, consequence=consequence)
+    run = MlflowClient(tracking_uri=tracking.tracking_uri(cfg)).get_run(rid)
+    assert run.info.status == "FAILED" and run.data.tags["gnnpipe.error"] == cause
+
+
 def test_a_failing_store_stops_the_epoch_bursts_with_one_warning(tmp_path, monkeypatch, capsys):
     from gnnpipe import tracking
 

@@ -223,17 +223,25 @@ def start_training(cfg: RunConfig, prior: str | None, *, resumed_at: int, supers
 FAIL_LOCK_WAIT_S = 10.0
 
 
-def mark_failed(cfg: RunConfig, run_id: str, error: str, rows: list[dict] = (), metrics=()) -> bool:
+def mark_failed(cfg: RunConfig, run_id: str, error: str, rows: list[dict] = (), metrics=(),
+                consequence: bool = False) -> bool:
     """End ``run_id`` FAILED with ``error`` as its ``gnnpipe.error`` tag (any rank, on the way
     out of a failed attempt), after the epochs' ``rows`` not yet logged (``EpochLog.pending``, its
-    ``metrics``);
+    ``metrics``). ``consequence``: ``error`` is this rank's view of another's failure (the worker
+    group broke): it does not replace the error a rank already ended the run with, which is the
+    cause (every rank marks the run, in whatever order their exits reach the store; under the
+    store's lock, so the check and the write are one step);
     never raises, waits at most ``FAIL_LOCK_WAIT_S`` for the lock.
     False: it could not (a warning is printed; the next attempt records the outcome)."""
     try:
         with _client(cfg, lock_wait=FAIL_LOCK_WAIT_S) as (client, _):
             with contextlib.suppress(Exception):  # the curve is a bonus; the outcome is not
                 _log_metrics_batched(client, run_id, _row_metrics(client, run_id, list(rows), metrics))
-            client.set_tag(run_id, "gnnpipe.error", error[:5000])
+            run = client.get_run(run_id)
+            ended = run.info.status == "FAILED" and run.data.tags.get("gnnpipe.error")
+            if not (ended and (consequence or run.data.tags.get("gnnpipe.error_is_consequence") != "true")):
+                client.set_tag(run_id, "gnnpipe.error", error[:5000])
+                client.set_tag(run_id, "gnnpipe.error_is_consequence", str(consequence).lower())
             client.set_terminated(run_id, status="FAILED")
         return True
     except Exception as e:

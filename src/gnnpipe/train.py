@@ -230,7 +230,7 @@ def _failure(att: _Attempt, e: BaseException) -> BaseException:
         line = line if line.startswith("rank") else f"rank {att.rank}: {line}"
         log = att.epoch_log
         rows, names = (log.pending, log.metrics) if log is not None else ((), ())
-        if not mark_failed(att.cfg, att.mlflow_run_id, line, rows, names):
+        if not mark_failed(att.cfg, att.mlflow_run_id, line, rows, names, consequence=isinstance(out, WorkerLost)):
             ckpt.note_unrecorded_failure(att.cfg.out_dir, line)
     return out
 
