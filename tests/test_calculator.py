@@ -124,6 +124,20 @@ def test_a_fairchem_models_graph_is_built_in_the_calculators_dtype(slabs):
         assert np.all(f[alone] == 0) and np.abs(f[1 - alone]).max() > 1e-3, dtype
 
 
+def test_from_file_reads_a_model_file(tmp_path, slabs):
+    """``GNNPipeCalculator.from_file``: a model file outside any run directory (import-model's --out)."""
+    from gnnpipe.atomic.modelfile import save_model_file
+
+    mf = tiny_atomic_model(slabs, "gemnet_t")
+    save_model_file(tmp_path / "model.pt", mf.payload())
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True)
+    atoms.rattle(0.05, seed=0)
+    atoms.calc = GNNPipeCalculator.from_file(tmp_path / "model.pt")
+    want = atoms.copy()
+    want.calc = GNNPipeCalculator(mf)
+    assert atoms.get_potential_energy() == want.get_potential_energy()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_calculator_equals_the_batched_predictions_of_evaluate(slabs, models, kind):
     """Per system, the calculator (one structure, graph rebuilt from positions) = the batched path
