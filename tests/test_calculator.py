@@ -107,6 +107,37 @@ def test_a_fairchem_models_graph_is_fairchems(slabs):
     assert len(project["edge_src"]) == 1612
 
 
+def test_a_fairchem_models_graph_is_built_in_the_calculators_dtype(slabs):
+    """fairchem's model builds its graph from positions in its own dtype: the calculator in float64 gets
+    fairchem's float64 graph, in float32 its float32 one. Cap 1 on a line of three atoms, the centre
+    (2) between atom 0 at +(1 + 1e-9) Å and atom 1 at -1 Å: float32 ties the two (the lower source, 0,
+    is nominated and keeps the only edge), float64 nominates the nearer, 1; the atom left out feels no
+    force. (The calculator built fairchem's float32 graph in float64 too: 6e-2 off fairchem's float64
+    energy on a one-atom Cu cell.)"""
+    mf = tiny_atomic_model(slabs, "gemnet_t", cutoff=1.5, max_neighbors=1, neighbors="fairchem")
+    z = int(slabs["z"][0])
+    atoms = Atoms(numbers=[z] * 3, positions=[[1.0 + 1e-9, 0, 0], [-1.0, 0, 0], [0, 0, 0]], pbc=False)
+    for dtype, alone in (("float64", 0), ("float32", 1)):
+        a = atoms.copy()
+        a.calc = GNNPipeCalculator(mf, dtype=dtype)
+        f = a.get_forces()
+        assert np.all(f[alone] == 0) and np.abs(f[1 - alone]).max() > 1e-3, dtype
+
+
+def test_from_file_reads_a_model_file(tmp_path, slabs):
+    """``GNNPipeCalculator.from_file``: a model file outside any run directory (import-model's --out)."""
+    from gnnpipe.atomic.modelfile import save_model_file
+
+    mf = tiny_atomic_model(slabs, "gemnet_t")
+    save_model_file(tmp_path / "model.pt", mf.payload())
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True)
+    atoms.rattle(0.05, seed=0)
+    atoms.calc = GNNPipeCalculator.from_file(tmp_path / "model.pt")
+    want = atoms.copy()
+    want.calc = GNNPipeCalculator(mf)
+    assert atoms.get_potential_energy() == want.get_potential_energy()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_calculator_equals_the_batched_predictions_of_evaluate(slabs, models, kind):
     """Per system, the calculator (one structure, graph rebuilt from positions) = the batched path

@@ -149,6 +149,21 @@ def test_ema_shadow_weights_are_preferred_and_prefixes_are_any(tmp_path):
         import_checkpoint(ckpt)
 
 
+@pytest.mark.parametrize("kind", ["gemnet_t", "dimenetpp"])
+def test_an_unknown_or_missing_key_is_named_when_the_checkpoint_has_an_ema(tmp_path, kind):
+    """With EMA weights (checkpoint.pt), a key too many or too few is named, as without: the EMA's count
+    check ran first and refused "88 shadow weights for the model's 89", naming no key."""
+    model, sd, section = fairchem_model(kind)
+    extra = "int_blocks.0.extra.weight" if kind == "gemnet_t" else "lin_extra.weight"
+    gone = next(k for k in trainable_keys(kind, sd) if k.endswith("weight"))
+    for name, edited, message in ((
+            "u", {**sd, extra: torch.zeros(2)}, rf"1 state_dict key\(s\) match no parameter of the project's .*{extra}"), (
+            "m", {k: v for k, v in sd.items() if k != gone}, r"1 parameter\(s\) of the project's .* have no weights")):
+        shadow = [sd[k] for k in trainable_keys(kind, sd)]  # the EMA of the model's own parameters
+        ckpt = save_fairchem(tmp_path / f"{name}.pt", edited, section, ema={"decay": 0.9, "shadow_params": shadow})
+        _refused(lambda: import_checkpoint(ckpt), message)
+
+
 def test_scale_factors_from_a_scale_file_its_extras_reported_and_unfitted_ones_the_identity(tmp_path, capsys):
     model, sd, section = fairchem_model("gemnet_t")
     fitted = {k: float(v) for k, v in sd.items() if k.endswith("scale_factor")}

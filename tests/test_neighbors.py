@@ -204,6 +204,42 @@ def test_fairchem_keeps_an_atoms_own_image_if_nominated_and_negative():
     assert len(g["id_swap"]) == 4 and sorted(g["id_swap"][g["id_swap"]]) == [0, 1, 2, 3]
 
 
+def test_fairchem_shifts_are_fairchems_float32_offsets():
+    """fairchem's models add ``cell_offsets.float() @ cell.float()`` to their edge vectors (float32,
+    whatever the model's dtype): the fairchem convention's shifts are those numbers, which differ from
+    ``n @ cell`` by float32's rounding (a float64 model fed ``n @ cell`` missed fairchem's energies by
+    up to 2e-5 of a gp-gemnet-dT's); reverse edges keep exactly the negated shift."""
+    pos = np.random.default_rng(1).random((3, 3)) @ SKEWED
+    src, dst, shift = nb.radius_graph(pos, SKEWED, True, 5.0, 20, "fairchem")
+    image = np.rint(shift @ np.linalg.inv(SKEWED))
+    assert np.array_equal(shift, shift.astype(np.float32).astype(np.float64))  # float32 numbers
+    assert not np.array_equal(shift, image @ SKEWED) and np.allclose(shift, image @ SKEWED, atol=1e-5)
+    g = nb.system_graph(pos, SKEWED, True, 5.0, 20, "fairchem")
+    assert np.array_equal(g["edge_shift"][g["id_swap"]], -g["edge_shift"])
+    directed = nb.directed_graph(pos, SKEWED, True, 5.0, 20, "fairchem")[2]  # DimeNet++'s graph: the same shifts
+    assert np.array_equal(directed, directed.astype(np.float32).astype(np.float64))
+
+
+def test_fairchem_in_float64_ranks_by_float64_distances():
+    """Cap 1: the centre (2, at 0) has atom 0 at +(1 + 1e-9) and atom 1 at -1. fairchem's model in
+    float32 sees them tie (equal float32 squared distances; the short row keeps the listed order) and
+    nominates the lower source, 0; in float64 its squared distances are float64 and it nominates the
+    nearer, 1. A float64 model must get the float64 graph (the float32 one missed fairchem's float64
+    energies by up to 6e-2 on bulk cells, where an atom's own images at ±n tie)."""
+    off = (np.zeros((3, 3)), False, 1.5, 1)
+    pos = _line([1.0 + 1e-9, -1.0, 0.0])
+
+    def nominated(dtype):
+        src, dst, _ = nb.directed_graph(pos, *off, "fairchem", dtype=dtype)
+        return {int(j) for j, i in zip(src, dst) if i == 2}
+
+    assert nominated("float32") == {0} and nominated("float64") == {1}
+    assert _pairs(*nb.radius_graph(pos, *off, "fairchem", dtype="float64")[:2]) == {(1, 2), (2, 1)}
+    assert _pairs(*nb.radius_graph(pos, *off, "fairchem")[:2]) == {(0, 2), (2, 0)}  # float32, the default
+    with pytest.raises(GnnPipeError, match="fairchem's graph in 'float16': float32 or float64"):
+        nb.radius_graph(pos, *off, "fairchem", dtype="float16")
+
+
 @pytest.mark.parametrize("rattle, fairchem, directed, project", [(0.05, 1588, 1600, 1612), (0.0, 1598, 1600, 1652)])
 def test_fairchem_edge_counts_on_cu_bulk(rattle, fairchem, directed, project):
     """Cu bulk, 2x2x2 cubic cells (32 atoms), 6 Å / 50 neighbours: the counts of fairchem-core

@@ -2,7 +2,8 @@
 
     from gnnpipe.ase import GNNPipeCalculator          # also gnnpipe.atomic.calculator
 
-    calc = GNNPipeCalculator.from_run("results/runs/<run_id>")        # or a model file
+    calc = GNNPipeCalculator.from_run("results/runs/<run_id>")        # or a model file:
+    calc = GNNPipeCalculator.from_file("gemnet-dT.pt")                 # (gnnpipe import-model's --out)
     atoms.calc = calc
     atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
 
@@ -114,6 +115,12 @@ class GNNPipeCalculator(Calculator):
     @classmethod
     def from_run(cls, path: Union[str, Path], device: str = "cpu", workers: int = 1, **kwargs) -> "GNNPipeCalculator":
         """From a run directory (``results/runs/<id>``: its finished ``model.pt``) or a model file."""
+        return cls(path, device=device, workers=workers, **kwargs)
+
+    @classmethod
+    def from_file(cls, path: Union[str, Path], device: str = "cpu", workers: int = 1, **kwargs) -> "GNNPipeCalculator":
+        """From a model file (``gnnpipe import-model``'s ``--out``, a run's ``model.pt``): ``from_run``'s
+        other name, for a file that belongs to no run directory."""
         return cls(path, device=device, workers=workers, **kwargs)
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:

@@ -245,6 +245,30 @@ def trainable_keys(kind: str, keys) -> list[str]:
             and ".seq_energy." not in k]
 
 
+def unknown_keys(unknown: list, model: str, where: str) -> GnnPipeError:
+    return GnnPipeError(f"{where}: {len(unknown)} state_dict key(s) match no parameter of the project's {model}: "
+                        f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
+
+
+def missing_keys(missing: list, kind: str, where: str) -> GnnPipeError:
+    return GnnPipeError(f"{where}: {len(missing)} parameter(s) of the project's {kind} have no weights in the "
+                        f"checkpoint: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+
+def check_names(sd: dict, target: dict, kind: str, where: str) -> None:
+    """Refuse unknown and missing names before the EMA is read: its count check would otherwise speak
+    for them (one key too many was refused as "the EMA has 88 shadow weights for the model's 89
+    trainable parameters", naming no key). Scale factors may come from other sources (``fill_scales``)."""
+    names = {k: gemnet_key(k) for k in sd if k not in GEMNET_OFFSETS} if kind == "gemnet_t" else {k: k for k in sd}
+    unknown = [k for k, name in names.items() if name not in target]
+    if unknown:
+        raise unknown_keys(unknown, "GemNet" if kind == "gemnet_t" else "DimeNet++", where)
+    have = set(names.values())
+    missing = [k for k in target if k not in have and not k.endswith("scale_factor")]
+    if missing:
+        raise missing_keys(missing, kind, where)
+
+
 def apply_ema(ema, sd: dict, kind: str, where: str) -> bool:
     """Replace the trainable tensors of ``sd`` (fairchem names) by the EMA's shadow weights, in
     place; False when the checkpoint has none."""
@@ -320,8 +344,7 @@ def map_gemnet(sd: dict, target: dict, num_radial: int, where: str) -> tuple[dic
             continue
         out[name], origin[name] = t, key
     if unknown:
-        raise GnnPipeError(f"{where}: {len(unknown)} state_dict key(s) match no parameter of the project's GemNet: "
-                           f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
+        raise unknown_keys(unknown, "GemNet", where)
     return out, {k for k in out if k.endswith("scale_factor")}
 
 
@@ -351,8 +374,7 @@ def fill_scales(out: dict, target: dict, sources: list[tuple[str, dict]], where:
 def check_complete(out: dict, target: dict, kind: str, where: str) -> dict:
     missing = [k for k in target if k not in out]
     if missing:
-        raise GnnPipeError(f"{where}: {len(missing)} parameter(s) of the project's {kind} have no weights in the "
-                           f"checkpoint: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        raise missing_keys(missing, kind, where)
     bad = [f"{k} {tuple(out[k].shape)} vs {tuple(v.shape)}" for k, v in target.items()
            if tuple(out[k].shape) != tuple(v.shape)]
     if bad:
@@ -433,6 +455,7 @@ def import_checkpoint(path, config: Optional[str] = None, scale_file: Optional[s
     with torch.device("meta"):
         target = spec.build(cfg).state_dict()  # names and shapes, nothing allocated
     sd = strip_prefix(state["state_dict"])
+    check_names(sd, target, kind, where)
     used_ema = apply_ema(state.get("ema"), sd, kind, where)
     ignored, unfitted = [], []
     if kind == "gemnet_t":
@@ -447,11 +470,7 @@ def import_checkpoint(path, config: Optional[str] = None, scale_file: Optional[s
                                f"{sf or 'scales.json'}")
         ignored, unfitted = fill_scales(out, target, sources, where)
     else:
-        out = dict(sd)
-        unknown = [k for k in out if k not in target]
-        if unknown:
-            raise GnnPipeError(f"{where}: {len(unknown)} state_dict key(s) match no parameter of the project's "
-                               f"DimeNet++: {', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
+        out = dict(sd)  # its names are the project's (check_names)
     weights = check_complete(out, target, kind, where)
     norm = normalizer(state, full, where)
     num_elements = int(attrs.get("num_elements", 83)) if kind == "gemnet_t" else modelfile.NUM_ELEMENTS - 1

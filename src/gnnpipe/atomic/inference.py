@@ -164,14 +164,16 @@ class Prediction:
 
 
 # --------------------------------------------------------------------------- the graph
-def structure_graph(numbers, positions, cell, pbc, mf: ModelFile) -> dict:
-    """One structure's batch arrays (``parallel.shard_graph``'s input) with the model's graph settings."""
+def structure_graph(numbers, positions, cell, pbc, mf: ModelFile, dtype: str = "float32") -> dict:
+    """One structure's batch arrays (``parallel.shard_graph``'s input) with the model's graph settings
+    (``dtype``: the model's, computing; a ``fairchem`` graph is the one fairchem's model builds in it)."""
     from . import neighbors
 
     pos = np.ascontiguousarray(positions, dtype=np.float64).reshape(-1, 3)
     cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
     pbc = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))
-    g = neighbors.system_graph(pos, cell, pbc, mf.cutoff, mf.max_neighbors, mf.neighbors, symmetric=mf.symmetric_edges)
+    g = neighbors.system_graph(pos, cell, pbc, mf.cutoff, mf.max_neighbors, mf.neighbors, symmetric=mf.symmetric_edges,
+                               dtype=dtype)
     z = np.asarray(numbers, dtype=np.int64)
     return {**g, "z": z, "pos": pos, "system": np.zeros(len(z), dtype=np.int64), "num_systems": 1}
 
@@ -332,7 +334,7 @@ class Predictor:
             b = structure_only(numbers, positions, cell, pbc, self.model_file)  # each worker builds its region's graph
             b.update(skin=self.skin, domains=self.domains)
         else:
-            b = structure_graph(numbers, positions, cell, pbc, self.model_file)
+            b = structure_graph(numbers, positions, cell, pbc, self.model_file, str(self.dtype).removeprefix("torch."))
         if self.pool is not None:
             self.last_layout = chosen if chosen is not None else self.choose_layout(b)
             b = self.arrange(b, where)

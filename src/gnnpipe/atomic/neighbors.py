@@ -23,7 +23,8 @@ Conventions (those of ``AtomGraph``):
     that nominated it).
   - ``fairchem``: the graph fairchem's GemNet-T/-dT computes on (fairchem-core 1.x,
     ``radius_graph_pbc`` + ``GemNetT.reorder_symmetric_edges``), reproduced edge for edge. Each
-    target nominates its ``max_neighbors`` nearest by fairchem's float32 squared distance
+    target nominates its ``max_neighbors`` nearest by fairchem's squared distance, in float32 (in
+    float64 from float64 positions and float32 offsets for a float64 model: ``dtype``)
     (``|pos_i - (pos_j + n @ cell)|² <= cutoff²`` and ``> 1e-4``, images ``|n_k| <=
     ceil(cutoff / h_k)`` with ``h_k`` the cell's height along axis k), strictly: among equal
     distances at the cut, the order of ``torch.sort`` (not stable) over each target's
@@ -34,7 +35,8 @@ Conventions (those of ``AtomGraph``):
     nominated and is lexicographically negative. The set depends on the numbering of the atoms
     and an atom may keep fewer than its ``max_neighbors`` nearest (on Cu bulk, 32 atoms
     rattled, 6 Å / 50: 1,588 edges where ``project`` keeps 1,612). ``directed_graph`` gives
-    the nominated edges as they are, the graph fairchem's DimeNet++ computes on.
+    the nominated edges as they are, the graph fairchem's DimeNet++ computes on. The shifts are
+    fairchem's float32 offsets (``_fairchem_shifts``), not ``n @ cell``.
 
   The project's default differs because its graph should be a property of the structure:
   ``fairchem`` drops a pair when the higher-numbered atom did not nominate it, so renumbering
@@ -132,22 +134,22 @@ def triplet_rank(idx_ji, num_edges: int) -> np.ndarray:
     return rank
 
 
-def radius_graph(pos, cell, pbc, cutoff: float, max_neighbors: int | None = None, convention: str = "project"
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def radius_graph(pos, cell, pbc, cutoff: float, max_neighbors: int | None = None, convention: str = "project",
+                 dtype: str = "float32") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Symmetric edges ``j -> i`` with ``0 < |pos_i - pos_j - shift| < cutoff`` (see the module
     docstring for the order and the cap; ``convention`` ``fairchem``: fairchem's GemNet graph, see
-    there). Returns ``src`` (j), ``dst`` (i), ``shift`` (E, 3)."""
+    there, as fairchem's model computes it in ``dtype``). Returns ``src`` (j), ``dst`` (i), ``shift`` (E, 3)."""
     import vesin
 
     pos, cell, pbc = _inputs(pos, cell, pbc, max_neighbors, convention)
     if len(pos) < 2 and not pbc.any():
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 3))
     if convention == "fairchem":
-        i, j, image = _fairchem_nominated(pos, cell, pbc, cutoff, max_neighbors)
+        i, j, image = _fairchem_nominated(pos, cell, pbc, cutoff, max_neighbors, dtype)
         first = (j < i) | ((j == i) & _earlier(image))  # GemNet keeps the edges a -> b with a < b, then mirrors
         i, j, image = np.concatenate([i[first], j[first]]), np.concatenate([j[first], i[first]]), \
             np.concatenate([image[first], -image[first]])
-        return _in_order(pos, cell, i, j, image)
+        return _in_order(pos, cell, i, j, image, fairchem=True)
     nl = vesin.NeighborList(cutoff=float(cutoff), full_list=True)
     i, j, image = nl.compute(pos, cell if pbc.any() else np.zeros((3, 3)), pbc.tolist(), "ijS")
     i, j, image = i.astype(np.int64), j.astype(np.int64), image.astype(np.int64).reshape(-1, 3)
@@ -165,15 +167,15 @@ def radius_graph(pos, cell, pbc, cutoff: float, max_neighbors: int | None = None
     return j, i, shift
 
 
-def directed_graph(pos, cell, pbc, cutoff: float, max_neighbors: int | None = None, convention: str = "project"
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def directed_graph(pos, cell, pbc, cutoff: float, max_neighbors: int | None = None, convention: str = "project",
+                   dtype: str = "float32") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The per-target cut, not symmetric where the cap binds: each target's nominated neighbours
     alone, ``src`` (j), ``dst`` (i), ``shift`` in the order of ``radius_graph``. ``project``: the
     graphs of ``graphs.h5`` format 1 (the uncapped edges, each target's first ``max_neighbors``);
-    ``fairchem``: the edges of fairchem's ``radius_graph_pbc`` (its DimeNet++ graph)."""
+    ``fairchem``: the edges of fairchem's ``radius_graph_pbc`` (its DimeNet++ graph) in ``dtype``."""
     pos, cell, pbc = _inputs(pos, cell, pbc, max_neighbors, convention)
     if convention == "fairchem":
-        return _in_order(pos, cell, *_fairchem_nominated(pos, cell, pbc, cutoff, max_neighbors))
+        return _in_order(pos, cell, *_fairchem_nominated(pos, cell, pbc, cutoff, max_neighbors, dtype), fairchem=True)
     src, dst, shift = radius_graph(pos, cell, pbc, cutoff)
     if max_neighbors is not None:
         keep = np.arange(len(dst)) - np.searchsorted(dst, dst) < max_neighbors  # rank among the target's
@@ -187,10 +189,11 @@ def _earlier(image: np.ndarray) -> np.ndarray:
         ((image[:, 0] == 0) & (image[:, 1] == 0) & (image[:, 2] < 0))
 
 
-def _in_order(pos, cell, i, j, image) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _in_order(pos, cell, i, j, image, fairchem: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Edges ``j -> i`` (image ``n``) as ``(src, dst, shift)`` in the module's order (target, distance,
-    source, image), the distances as the project's convention computes them."""
-    shift = image @ cell
+    source, image), the distances as the project's convention computes them. ``fairchem``: the shifts
+    are fairchem's (``_fairchem_shifts``), not ``n @ cell``."""
+    shift = _fairchem_shifts(cell, image) if fairchem else image @ cell
     d = np.linalg.norm(pos[i] - pos[j] - shift, axis=1)
     order = np.lexsort((image[:, 2], image[:, 1], image[:, 0], j, d, i))
     return j[order], i[order], shift[order].reshape(-1, 3)
@@ -226,21 +229,42 @@ def _fairchem_offsets(cell: np.ndarray, pbc: np.ndarray, cutoff: float):
     return np.array([int(r.max()) for r in rep]), offsets[0].numpy()
 
 
-def _fairchem_nominated(pos, cell, pbc, cutoff: float, max_neighbors: int | None):
+def _fairchem_shifts(cell: np.ndarray, image: np.ndarray) -> np.ndarray:
+    """(E, 3) the shifts fairchem's models add to ``pos[j] - pos[i]`` (``get_pbc_distances``:
+    ``cell_offsets.float() @ cell.float()``, float32 whatever the model's dtype), as float64 numbers.
+    A float64 model then sees fairchem's own edge vectors, not ``n @ cell`` (they differ by float32's
+    rounding: up to 2e-5 of the energy of a gp-gemnet-dT model on a Pt slab); negated images give
+    exactly negated shifts, so reverse edges and own images still match."""
+    import torch
+
+    if not len(image):
+        return np.zeros((0, 3))
+    n = torch.from_numpy(np.ascontiguousarray(image, dtype=np.float32)).view(-1, 1, 3)
+    c = torch.tensor(cell, dtype=torch.float32).view(1, 3, 3).expand(len(n), 3, 3)
+    return n.bmm(c).view(-1, 3).numpy().astype(np.float64)
+
+
+def _fairchem_nominated(pos, cell, pbc, cutoff: float, max_neighbors: int | None, dtype: str = "float32"):
     """fairchem's ``radius_graph_pbc`` with ``enforce_max_neighbors_strictly`` (what GemNet-T and
     DimeNet++ call): ``(i, j, image)`` of the edges ``j -> i`` it returns, in its order (target,
     source, image). Candidates come from vesin at a slightly larger radius; which of them fairchem
-    keeps is decided with its own float32 arithmetic: the squared distance ``|pos_i - (pos_j + n @
-    cell)|²`` in float32 (``<= cutoff²``, ``> 1e-4``), images within its range, and per target the
+    keeps is decided with its own arithmetic: the squared distance ``|pos_i - (pos_j + n @ cell)|²``
+    in ``dtype`` (``<= cutoff²``, ``> 1e-4``), images within its range, and per target the
     ``max_neighbors`` first of ``torch.sort`` (not stable; on the CPU, as fairchem's calculator runs it)
-    over a row of the targets' common width."""
+    over a row of the targets' common width. ``dtype``: the precision of fairchem's positions (its
+    model's): ``float64`` takes the positions as they are and the squared distances and their sort in
+    float64 (the offsets stay float32, as fairchem's), which decides near-ties otherwise than float32
+    (an atom's own images at ``±n`` tie exactly in float32; in float64 their rounding differs)."""
     import torch
     import vesin
 
     if len(pos) < 2 and not pbc.any():
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 3), np.int64)
     rep, offsets = _fairchem_offsets(cell, pbc, cutoff)
-    pos32 = pos.astype(np.float32)
+    fdtype = np.dtype(dtype)  # fairchem's positions, squared distances and sort table
+    if fdtype not in (np.float32, np.float64):
+        raise GnnPipeError(f"neighbors: fairchem's graph in {dtype!r}: float32 or float64")
+    posf = pos.astype(fdtype)
     # vesin's radius: above the cutoff by more than float32's rounding of positions and offsets can move a distance
     margin = 1e-3 + 1e-6 * (np.abs(pos).max(initial=0.0) + np.abs(offsets).sum(axis=0).max(initial=0.0))
     nl = vesin.NeighborList(cutoff=float(cutoff) + margin, full_list=True)
@@ -249,7 +273,7 @@ def _fairchem_nominated(pos, cell, pbc, cutoff: float, max_neighbors: int | None
     inside = np.all(np.abs(image) <= rep, axis=1)
     i, j, image = i[inside], j[inside], image[inside]
     col = ((image[:, 0] + rep[0]) * (2 * rep[1] + 1) + image[:, 1] + rep[1]) * (2 * rep[2] + 1) + image[:, 2] + rep[2]
-    diff = pos32[i] - (pos32[j] + offsets[:, col].T)  # float32, as fairchem: pos1 - (pos2 + offset)
+    diff = posf[i] - (posf[j] + offsets[:, col].T)  # as fairchem: pos1 - (pos2 + offset), offsets float32
     d2 = torch.from_numpy((diff[:, 0] * diff[:, 0] + diff[:, 1] * diff[:, 1]) + diff[:, 2] * diff[:, 2])
     ok = (torch.le(d2, cutoff * cutoff) & torch.gt(d2, 0.0001)).numpy()
     order = np.lexsort((col[ok], j[ok], i[ok]))  # fairchem's candidate order
@@ -261,7 +285,7 @@ def _fairchem_nominated(pos, cell, pbc, cutoff: float, max_neighbors: int | None
     keep = count[i] <= max_neighbors
     over = np.nonzero(count > max_neighbors)[0]
     for rows in np.array_split(over, -(-len(over) // 4096)):  # torch.sort sorts row by row: chunks change nothing
-        table = np.full((len(rows), width), np.inf, dtype=np.float32)
+        table = np.full((len(rows), width), np.inf, dtype=fdtype)
         mine = np.repeat(np.arange(len(rows)), count[rows])
         first = np.repeat(start[rows], count[rows])
         slot = np.arange(len(first)) - np.repeat(np.cumsum(count[rows]) - count[rows], count[rows])
@@ -272,12 +296,13 @@ def _fairchem_nominated(pos, cell, pbc, cutoff: float, max_neighbors: int | None
 
 
 def system_graph(pos, cell, pbc, cutoff: float, max_neighbors: int | None = None, convention: str = "project",
-                 symmetric: bool = True) -> dict:
+                 symmetric: bool = True, dtype: str = "float32") -> dict:
     """One system's symmetric radius graph and the index sets models declare (local ids):
     ``edge_src, edge_dst, edge_shift, id_swap, idx_kj, idx_ji`` (``triplet_rank`` is derived
     from ``idx_ji`` when a batch is sharded). ``symmetric`` false: the per-target cut
-    (``directed_graph``), without ``id_swap``."""
-    src, dst, shift = (radius_graph if symmetric else directed_graph)(pos, cell, pbc, cutoff, max_neighbors, convention)
+    (``directed_graph``), without ``id_swap``. ``dtype``: the model's, for the ``fairchem`` convention."""
+    src, dst, shift = (radius_graph if symmetric else directed_graph)(pos, cell, pbc, cutoff, max_neighbors, convention,
+                                                                      dtype)
     kj, ji = triplets(src, dst, shift) if len(src) else (np.zeros(0, np.int64), np.zeros(0, np.int64))
     out = {"edge_src": src, "edge_dst": dst, "edge_shift": shift, "idx_kj": kj, "idx_ji": ji}
     return {**out, "id_swap": reverse_edges(src, dst, shift)} if symmetric else out
