@@ -32,7 +32,9 @@ or the import is refused in one line naming the keys. Specials:
   source fits (0 in fairchem: *not fitted*, skipped) is the identity here (1.0). Names the model
   does not have (``gemnet-xl.json``'s six ``IntBlock_k_sum``) are reported as ignored, as fairchem
   logs them;
-* the Gaussian centres (``...rbf.offset``, buffers) are checked against ``linspace(0, 1, R)``;
+* the Gaussian centres (``...rbf.offset``, buffers) are checked against ``linspace(0, 1, R)``; the
+  model keeps their precision (``GemNetTConfig.gaussian_centres``: a float32 checkpoint's centres are
+  float32 numbers, and fairchem's model reads them so even in float64, its width their float32 spacing);
 * ``OutputBlock.seq_energy`` is an alias of ``layers`` (two keys, one tensor): both must agree.
 
 **Normaliser** (fairchem's ``Normalizer.denorm``): ``E = rmsd_E · y + mean_E (+ Σ elementref[z])``,
@@ -47,6 +49,7 @@ graphs must be built the way fairchem builds them (``radius_graph_pbc`` + ``reor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -319,15 +322,25 @@ def scale_key(name: str) -> Optional[str]:
     return None
 
 
-def map_gemnet(sd: dict, target: dict, num_radial: int, where: str) -> tuple[dict, set]:
-    """fairchem GemNet tensors -> the project's state dict; the scale-factor keys it filled."""
-    out, origin, unknown = {}, {}, []
+def gaussian_centres(t: torch.Tensor) -> str:
+    """``GemNetTConfig.gaussian_centres`` of a checkpoint's centres ``t`` (already checked to be
+    linspace(0, 1, R)): ``float32`` where they are float32 numbers (a float32 checkpoint, or a float32
+    model cast to float64 before saving), ``float64`` where they are float64's linspace."""
+    rounded = torch.linspace(0, 1, t.numel(), dtype=torch.float32)
+    return "float32" if t.dtype != torch.float64 or torch.equal(t, rounded.to(t.dtype)) else "float64"
+
+
+def map_gemnet(sd: dict, target: dict, num_radial: int, where: str) -> tuple[dict, set, str]:
+    """fairchem GemNet tensors -> the project's state dict; the scale-factor keys it filled; the
+    precision of its Gaussians' centres (:func:`gaussian_centres`)."""
+    out, origin, unknown, centres = {}, {}, [], set()
     for key, t in sd.items():
         if key in GEMNET_OFFSETS:
             want = torch.linspace(0, 1, num_radial, dtype=torch.float64)
             if t.shape != want.shape or not torch.allclose(t.to(torch.float64), want, atol=1e-6):
                 raise GnnPipeError(f"{where}: {key} is not linspace(0, 1, {num_radial}); only Gaussians with "
                                    "fairchem's default centres are importable")
+            centres.add(gaussian_centres(t))
             continue
         name = gemnet_key(key)
         if name not in target:
@@ -345,7 +358,11 @@ def map_gemnet(sd: dict, target: dict, num_radial: int, where: str) -> tuple[dic
         out[name], origin[name] = t, key
     if unknown:
         raise unknown_keys(unknown, "GemNet", where)
-    return out, {k for k in out if k.endswith("scale_factor")}
+    if len(centres) > 1:
+        raise GnnPipeError(f"{where}: {' and '.join(GEMNET_OFFSETS)} hold the Gaussians' centres in float32 and "
+                           "float64; the checkpoint was edited")
+    # none in the state dict: fairchem builds them in the default dtype, float32
+    return out, {k for k in out if k.endswith("scale_factor")}, centres.pop() if centres else "float32"
 
 
 def fill_scales(out: dict, target: dict, sources: list[tuple[str, dict]], where: str) -> tuple[list, list]:
@@ -459,7 +476,8 @@ def import_checkpoint(path, config: Optional[str] = None, scale_file: Optional[s
     used_ema = apply_ema(state.get("ema"), sd, kind, where)
     ignored, unfitted = [], []
     if kind == "gemnet_t":
-        out, in_sd = map_gemnet(sd, target, cfg.num_radial, where)
+        out, in_sd, centres = map_gemnet(sd, target, cfg.num_radial, where)
+        cfg = dataclasses.replace(cfg, gaussian_centres=centres)
         given = state.get("scale_dict") or {}
         sources = [("the checkpoint's scale_dict", {str(k): _value(v) for k, v in given.items()})]
         if scale_file is not None:

@@ -200,7 +200,7 @@ class GemNetT(nn.Module):
     def __init__(self, cfg: GemNetTConfig):
         super().__init__()
         self.cfg = c = cfg
-        self.radial = RadialBasis(c.num_radial, c.cutoff, c.envelope_exponent)
+        self.radial = RadialBasis(c.num_radial, c.cutoff, c.envelope_exponent, c.gaussian_centres)
         self.circular = CircularBasis(c.num_spherical)
         # shared across blocks (fairchem divides their gradients by the number of users: shared_parameters)
         self.mlp_rbf3 = Dense(c.num_radial, c.emb_size_rbf, activation=False)

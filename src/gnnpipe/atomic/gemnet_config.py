@@ -39,3 +39,7 @@ class GemNetTConfig:
     envelope_exponent: int = 5
     num_elements: int = 95  # embedding rows, indexed by z (fairchem: 83, indexed by z - 1)
     force_head: Literal["gradient", "direct"] = "direct"  # gradient: GemNet-T (-dE/dpos); direct: GemNet-dT
+    #: the Gaussians' centres linspace(0, 1, R) and width 1/(R-1): float64, or (an imported fairchem model
+    #: whose checkpoint holds them in float32) rounded to float32 as fairchem's float64 model still holds
+    #: them, the width from their float32 spacing (torch_geometric's GaussianSmearing); set by import-model
+    gaussian_centres: Literal["float64", "float32"] = "float64"
