@@ -119,29 +119,70 @@ class _DenseSiLUGrad(torch.autograd.Function):
 
 
 class _LinearSiLU(torch.autograd.Function):
-    """``SiLU(x W^T) / 0.6`` for one backward (GemNet-dT's Denses), keeping ``x``, ``W`` and ``z = x W^T``
-    (what the plain ops keep): backward makes ``g ⊙ SiLU'(z)`` once and puts the ``1/0.6`` on W and on
-    W's (out, in) gradient — two (rows, out) passes fewer than the plain ops' backward (their ``g / 0.6``
-    and its buffer). Under ``create_graph`` it rebuilds ``z`` from its inputs and differentiates the
-    plain formula, so higher derivatives are right too."""
+    """``SiLU(x W^T) · k`` for one backward (GemNet-dT's Denses; k = 1/0.6, or that times a constant the
+    caller folds in), keeping ``x``, ``W`` and ``z = x W^T`` (what the plain ops keep): backward makes
+    ``g ⊙ SiLU'(z)`` once and puts ``k`` on W and on W's (out, in) gradient — two (rows, out) passes fewer
+    than the plain ops' backward (their ``g · k`` and its buffer). Under ``create_graph`` it rebuilds ``z``
+    from its inputs and differentiates the plain formula, so higher derivatives are right too."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, k: float = 1 / 0.6) -> Tensor:
         z = torch.nn.functional.linear(x, w)
         ctx.save_for_backward(x, w, z)
-        return torch.nn.functional.silu(z).mul_(1 / 0.6)
+        ctx.k = k
+        return torch.nn.functional.silu(z).mul_(k)
 
     @staticmethod
     def backward(ctx, g: Tensor):
         x, w, z = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad
+        need_x, need_w = ctx.needs_input_grad[:2]
+        k = ctx.k
         if torch.is_grad_enabled():
             z = torch.nn.functional.linear(x, w)
         gz = _silu_grad(g, z)
-        if gz.shape[0] <= w.shape[1] and not torch.is_grad_enabled():  # few rows: the 1/0.6 on gz, in place
-            gz.mul_(1 / 0.6)
-            return (gz @ w if need_x else None), (gz.t() @ x if need_w else None)
-        return (gz @ (w * (1 / 0.6)) if need_x else None), ((gz.t() @ x).mul_(1 / 0.6) if need_w else None)
+        if gz.shape[0] <= w.shape[1] and not torch.is_grad_enabled():  # few rows: k on gz, in place
+            gz.mul_(k)
+            return (gz @ w if need_x else None), (gz.t() @ x if need_w else None), None
+        return (gz @ (w * k) if need_x else None), ((gz.t() @ x).mul_(k) if need_w else None), None
+
+
+class _EdgeDenseSiLU(torch.autograd.Function):
+    """GemNet-dT's edge embedding ``SiLU([h_src, h_dst, x] W^T) / 0.6`` as one node: ``z = (h W_s^T)[src]
+    + (h W_d^T)[dst] + x W_x^T`` (the atom halves projected on the N atom rows), the two gathered rows
+    summed by one ``embedding_bag`` into z's buffer and the edge half added there by ``addmm_``; it keeps
+    ``h, x, W, z``. Against the plain ops (two gathers, two sums, an activation and its 1/0.6, the weight
+    sliced three ways and concatenated): 4 passes over the (E, out) rows fewer forward, 1 backward, no
+    accumulating ``index_put`` (its gathers' adjoint: two ``index_add_`` here) and one (out, 2A + F)
+    weight gradient, not three zero-padded slices summed. Under ``create_graph`` it rebuilds ``z``
+    differentiably, so higher derivatives are right too."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, x: Tensor, w: Tensor, src: Tensor, dst: Tensor) -> Tensor:
+        a = h.shape[1]
+        hw = torch.stack([h @ w[:, :a].t(), h @ w[:, a:2 * a].t()], 1).view(2 * h.shape[0], -1)  # (2N, out)
+        rows = torch.stack([2 * src, 2 * dst + 1], 1)  # (E, 2): each edge's source and target rows of hw
+        z = torch.nn.functional.embedding_bag(rows, hw, mode="sum").addmm_(x, w[:, 2 * a:].t())
+        ctx.save_for_backward(h, x, w, z, rows)
+        return torch.nn.functional.silu(z).mul_(1 / 0.6)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        h, x, w, z, rows = ctx.saved_tensors
+        need_h, need_x, need_w = ctx.needs_input_grad[:3]
+        a, k = h.shape[1], 1 / 0.6
+        ws, wd, wx = w[:, :a], w[:, a:2 * a], w[:, 2 * a:]
+        if torch.is_grad_enabled():
+            z = (h @ ws.t())[rows[:, 0] // 2] + (h @ wd.t())[rows[:, 1] // 2] + x @ wx.t()
+        gz = _silu_grad(g, z)
+        d_x = gz @ (wx * k) if need_x else None
+        d_h = d_w = None
+        if need_h or need_w:
+            ghw = gz.new_zeros((2 * h.shape[0], gz.shape[1])).index_add(0, rows[:, 0], gz).index_add(0, rows[:, 1], gz)
+            ghw = (ghw * k).view(h.shape[0], 2, -1)  # (N, 2, out): the atom rows' gradients
+            gs, gd = ghw[:, 0], ghw[:, 1]
+            d_h = gs @ ws + gd @ wd if need_h else None
+            d_w = torch.cat([gs.t() @ h, gd.t() @ h, (gz.t() @ x) * k], 1) if need_w else None
+        return d_h, d_x, d_w, None, None
 
 
 class Dense(nn.Module):
@@ -156,13 +197,17 @@ class Dense(nn.Module):
         self.fused = False
         he_orthogonal_(self.linear.weight)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, scale: float = 1.0) -> Tensor:
+        """``act(x W^T) · scale``: a constant the caller would multiply the output by rides on ``_LinearSiLU``'s
+        1/0.6 (no pass over the rows, none for its gradient); the other paths multiply."""
         if self.fused and isinstance(self.act, ScaledSiLU):
             w = self.linear.weight
-            return _DenseSiLU.apply(x, w.view_as(w) if w.requires_grad else w)[0]  # a view: see _will_run
-        if isinstance(self.act, ScaledSiLU):
-            return _LinearSiLU.apply(x, self.linear.weight)
-        return self.linear(x)
+            y = _DenseSiLU.apply(x, w.view_as(w) if w.requires_grad else w)[0]  # a view: see _will_run
+        elif isinstance(self.act, ScaledSiLU):
+            return _LinearSiLU.apply(x, self.linear.weight, scale / 0.6)
+        else:
+            y = self.linear(x)
+        return y if scale == 1.0 else y * scale
 
 
 class _SiLULinear(torch.autograd.Function):
