@@ -54,6 +54,13 @@ def _will_run(w: Tensor) -> bool:
     return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(w).node)
 
 
+def _mm(a: Tensor, b: Tensor, alpha: float, out: Optional[Tensor] = None) -> Tensor:
+    """``alpha · a b`` with the constant applied by the GEMM itself (BLAS's alpha; beta = 0, so the 0-d
+    ``input`` is never read): no scaled copy of a weight and no pass over the product. Differentiable."""
+    kw = {} if out is None else {"out": out}
+    return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=alpha, **kw)
+
+
 def _silu_grad(g: Tensor, z: Tensor) -> Tensor:
     """``g ⊙ SiLU'(z)``: ATen's fused kernel, or (when autograd records it, which that kernel does not
     allow) the formula ``SiLU'(z) = s (1 + z (1 - s))``, s = sigmoid(z)."""
@@ -121,8 +128,8 @@ class _DenseSiLUGrad(torch.autograd.Function):
 class _LinearSiLU(torch.autograd.Function):
     """``SiLU(x W^T) · k`` for one backward (GemNet-dT's Denses; k = 1/0.6, or that times a constant the
     caller folds in), keeping ``x``, ``W`` and ``z = x W^T`` (what the plain ops keep): backward makes
-    ``g ⊙ SiLU'(z)`` once and puts ``k`` on W and on W's (out, in) gradient — two (rows, out) passes fewer
-    than the plain ops' backward (their ``g · k`` and its buffer). Under ``create_graph`` it rebuilds ``z``
+    ``g ⊙ SiLU'(z)`` once and puts ``k`` on its two products (the GEMM's alpha, ``_mm``) — two (rows, out)
+    passes fewer than the plain ops' backward (their ``g · k`` and its buffer). Under ``create_graph`` it rebuilds ``z``
     from its inputs and differentiates the plain formula, so higher derivatives are right too."""
 
     @staticmethod
@@ -143,7 +150,7 @@ class _LinearSiLU(torch.autograd.Function):
         if gz.shape[0] <= w.shape[1] and not torch.is_grad_enabled():  # few rows: k on gz, in place
             gz.mul_(k)
             return (gz @ w if need_x else None), (gz.t() @ x if need_w else None), None
-        return (gz @ (w * k) if need_x else None), ((gz.t() @ x).mul_(k) if need_w else None), None
+        return (_mm(gz, w, k) if need_x else None), (_mm(gz.t(), x, k) if need_w else None), None
 
 
 class _EdgeDenseSiLU(torch.autograd.Function):
@@ -174,14 +181,14 @@ class _EdgeDenseSiLU(torch.autograd.Function):
         if torch.is_grad_enabled():
             z = (h @ ws.t())[rows[:, 0] // 2] + (h @ wd.t())[rows[:, 1] // 2] + x @ wx.t()
         gz = _silu_grad(g, z)
-        d_x = gz @ (wx * k) if need_x else None
+        d_x = _mm(gz, wx, k) if need_x else None
         d_h = d_w = None
         if need_h or need_w:
             ghw = gz.new_zeros((2 * h.shape[0], gz.shape[1])).index_add(0, rows[:, 0], gz).index_add(0, rows[:, 1], gz)
             ghw = (ghw * k).view(h.shape[0], 2, -1)  # (N, 2, out): the atom rows' gradients
             gs, gd = ghw[:, 0], ghw[:, 1]
             d_h = gs @ ws + gd @ wd if need_h else None
-            d_w = torch.cat([gs.t() @ h, gd.t() @ h, (gz.t() @ x) * k], 1) if need_w else None
+            d_w = torch.cat([gs.t() @ h, gd.t() @ h, _mm(gz.t(), x, k)], 1) if need_w else None
         return d_h, d_x, d_w, None, None
 
 
@@ -231,10 +238,10 @@ class _SiLULinear(torch.autograd.Function):
 class _ResidualSiLU(torch.autograd.Function):
     """A two-Dense residual layer ``(x + SiLU(SiLU(x W1^T)/0.6 · W2^T)/0.6)/√2`` as one node keeping
     ``x``, ``z1 = x W1^T`` and ``z2`` (what ``_SiLULinear`` and the plain ops keep): the constants ride
-    on the weights (``W2/0.6`` forward; ``1/0.6²√2`` on W2's and z1's products backward: (out, in)
-    sized ops, not (rows, units) passes), so backward runs 4 elementwise passes over the rows (two SiLU
-    derivatives, the inner activation recomputed, the skip connection's gradient added) where the plain
-    ops and ``_SiLULinear`` run 8. Forward and (one backward) backward write their rows into buffers they
+    on the products (``1/0.6`` on z2's forward; ``1/0.6²√2`` on W2's and z1's backward: the GEMM's alpha,
+    ``_mm``, not (rows, units) passes nor scaled weight copies), so backward runs 4 elementwise passes over
+    the rows (two SiLU derivatives, the inner activation recomputed, the skip connection's gradient added)
+    where the plain ops and ``_SiLULinear`` run 8. Forward and (one backward) backward write their rows into buffers they
     made and have read (2 and 2 (rows, units) allocations, not 4 and 5): fresh buffers cost page faults
     and cache misses that showed as ~2 % of a GemNet-dT step. Same values up to rounding; under
     ``create_graph`` its backward rebuilds z1 and z2 by differentiable torch ops, so a second
@@ -244,7 +251,7 @@ class _ResidualSiLU(torch.autograd.Function):
     def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
         z1 = torch.nn.functional.linear(x, w1)
         a = torch.nn.functional.silu(z1)
-        z2 = torch.nn.functional.linear(a, w2 * (1 / 0.6))
+        z2 = _mm(a, w2.t(), 1 / 0.6)
         ctx.save_for_backward(x, w1, w2, z1, z2)
         a = torch.ops.aten.silu.out(z2, out=a)  # a read: the output is made in its buffer
         return torch.add(x, a, alpha=1 / 0.6, out=a).mul_(INV_SQRT2)
@@ -260,8 +267,8 @@ class _ResidualSiLU(torch.autograd.Function):
         h2 = _silu_grad(g, z2)  # ∂out/∂z2 = h2 / (0.6√2)
         if not torch.is_grad_enabled() and need_x and need_w1 and need_w2:  # the usual case, in two row buffers
             a1 = torch.nn.functional.silu(z1)
-            d_w2 = (h2.t() @ a1).mul_(k)
-            d_z1 = torch.mm(h2, w2 * k, out=a1)  # a1 read: its buffer takes h2 W2 k, then d_z1 in place
+            d_w2 = _mm(h2.t(), a1, k)
+            d_z1 = _mm(h2, w2, k, out=a1)  # a1 read: its buffer takes h2 W2 k, then d_z1 in place
             torch.ops.aten.silu_backward.grad_input(d_z1, z1, grad_input=d_z1)
             d_w1 = d_z1.t() @ x
             return torch.mm(d_z1, w1, out=h2).add_(g, alpha=INV_SQRT2), d_w1, d_w2  # h2 read: d_x in its buffer
