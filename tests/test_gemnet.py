@@ -252,6 +252,38 @@ def test_fused_dense_nodes_are_exact_to_every_order_and_keep_less(f64):
     assert kept_rows(fused) < kept_rows(plain), (kept_rows(fused), kept_rows(plain))  # 4 against 9 at torch 2.13
 
 
+def test_edge_embedding_node_and_folded_constants_are_exact_to_every_order(f64):
+    """#34 (time): GemNet-dT's edge embedding as one node (``_EdgeDenseSiLU``: gathered atom projections
+    summed by ``embedding_bag``, the edge half added in place) against the plain ops, and ``_LinearSiLU``
+    with a constant folded into its 1/0.6 (``Dense(x, scale)``) against the output times it — values,
+    gradients, gradcheck to second order."""
+    from gnnpipe.atomic.gemnet_layers import _EdgeDenseSiLU, _LinearSiLU
+
+    torch.manual_seed(0)
+    n, e, a, f, out = 4, 9, 3, 2, 5
+    h = torch.randn(n, a, requires_grad=True)
+    x = torch.randn(e, f, requires_grad=True)
+    w = torch.randn(out, 2 * a + f, requires_grad=True)
+    src, dst = torch.randint(0, n, (e,)), torch.randint(0, n, (e,))
+    plain = torch.nn.functional.silu(torch.cat([h[src], h[dst], x], 1) @ w.t()) / 0.6
+    node = _EdgeDenseSiLU.apply(h, x, w, src, dst)
+    torch.testing.assert_close(node, plain, rtol=1e-14, atol=1e-15)
+    gy = torch.randn_like(plain)
+    torch.testing.assert_close(torch.autograd.grad(node, (h, x, w), gy), torch.autograd.grad(plain, (h, x, w), gy),
+                               rtol=1e-13, atol=1e-14)
+    fn = lambda h, x, w: _EdgeDenseSiLU.apply(h, x, w, src, dst)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (h, x, w)) and torch.autograd.gradgradcheck(fn, (h, x, w))
+
+    c, w = 1 / math.sqrt(2), w[:, :f].detach().requires_grad_()
+    y, want = _LinearSiLU.apply(x, w, c / 0.6), _LinearSiLU.apply(x, w) * c
+    torch.testing.assert_close(y, want, rtol=1e-14, atol=0)
+    gy = torch.randn_like(y)
+    torch.testing.assert_close(torch.autograd.grad(y, (x, w), gy), torch.autograd.grad(want, (x, w), gy),
+                               rtol=1e-13, atol=1e-14)
+    fn = lambda x, w: _LinearSiLU.apply(x, w, c / 0.6)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w)) and torch.autograd.gradgradcheck(fn, (x, w))
+
+
 def test_triplet_nodes_are_exact_to_every_order(f64):
     """#34 (time): the padded read of the triplets' input rows (``TripletRows``: one ``index_select``, its
     adjoint one ``embedding_bag``), the triplet sum (``_SlotSum``) and the two-Dense residual layer

@@ -52,7 +52,8 @@ from torch import Tensor, nn
 from .batch import AtomGraph, gradient_forces
 from .gemnet_config import GemNetTConfig
 from .gemnet_layers import (INV_SQRT2, CircularBasis, CircularDown, Dense, EfficientBilinear, RadialBasis,
-                            ResidualLayer, ScaleFactor, TripletRows, TripletSum, mlp, pad_triplets, triplet_slots)
+                            ResidualLayer, ScaleFactor, TripletRows, TripletSum, _EdgeDenseSiLU, mlp, pad_triplets,
+                            triplet_slots)
 from .parallel import collective_passes
 
 
@@ -88,6 +89,8 @@ class EdgeEmbedding(nn.Module):
 
     def forward(self, h: Tensor, x: Tensor, g: AtomGraph) -> Tensor:
         w, a = self.dense.linear.weight, self.atom  # (out, 2A + F)
+        if not self.dense.fused:  # GemNet-dT: one node (gemnet_layers._EdgeDenseSiLU), the same sums
+            return _EdgeDenseSiLU.apply(h, x, w, g.edge_src, g.edge_dst)
         hw = torch.nn.functional.linear(h, torch.cat([w[:, :a], w[:, a:2 * a]])).view(h.shape[0], 2, -1)  # (N, 2, out)
         return self.dense.act(hw[g.edge_src, 0] + hw[g.edge_dst, 1] + torch.nn.functional.linear(x, w[:, 2 * a:]))
 
@@ -150,7 +153,9 @@ class TripletInteraction(nn.Module):
         self.up_ca = Dense(c.emb_size_bil_trip, ed)
         self.up_ac = Dense(c.emb_size_bil_trip, ed)
 
-    def forward(self, m: Tensor, rbf3: Tensor, rad3: Tensor, sph_p: Tensor, slots: Tensor, g: AtomGraph) -> Tensor:
+    def forward(self, m: Tensor, rbf3: Tensor, rad3: Tensor, sph_p: Tensor, slots: Tensor, g: AtomGraph,
+                scale: float = 1.0) -> Tensor:
+        """``scale``: a constant multiplying the message (dT: on up_ca's and up_ac's activations, no pass)."""
         x = self.dense_ba(m)
         if self.scale_rbf.foldable:  # the scale factor on the (Ed, Rb) weight, not on (E_loc, Ed) rows
             x = self.down(x * torch.nn.functional.linear(rbf3, self.mlp_rbf.linear.weight * self.scale_rbf.value(x.dtype)))
@@ -160,7 +165,9 @@ class TripletInteraction(nn.Module):
         t = self.bilinear(rad3, sph_p, x_all, slots)  # (E_loc, Bt)
         t = self.scale_cbf_sum(t, ref=x_all[g.idx_kj] if self.scale_cbf_sum.fitting else x)  # ref: the (T_loc, Tr) inputs
         t_rev = g.gather_edges(t, "swap")[g.id_swap]  # (E_loc, Bt): the reverse edge's aggregate
-        return (self.up_ca(t_rev) + self.up_ac(t)).mul_(INV_SQRT2)
+        if self.up_ca.fused:  # GemNet-T (_DenseSiLU): the plain order
+            return (self.up_ca(t_rev) + self.up_ac(t)).mul_(INV_SQRT2 * scale)
+        return self.up_ca(t_rev, INV_SQRT2 * scale).add_(self.up_ac(t, INV_SQRT2 * scale))
 
 
 class InteractionBlock(nn.Module):
@@ -180,7 +187,10 @@ class InteractionBlock(nn.Module):
 
     def forward(self, h_own: Tensor, m: Tensor, bases: tuple, g: AtomGraph) -> tuple[Tensor, Tensor]:
         rbf3, rad3, sph_p, slots, rbf_h = bases
-        x = (self.dense_ca(m) + self.trip(m, rbf3, rad3, sph_p, slots, g)).mul_(INV_SQRT2)
+        if self.dense_ca.fused:  # GemNet-T (_DenseSiLU): the plain order
+            x = (self.dense_ca(m) + self.trip(m, rbf3, rad3, sph_p, slots, g)).mul_(INV_SQRT2)
+        else:  # dT: the 1/√2 on the three Denses' activations (_LinearSiLU), no pass over the rows nor its gradient
+            x = self.dense_ca(m, INV_SQRT2).add_(self.trip(m, rbf3, rad3, sph_p, slots, g, INV_SQRT2))
         for layer in self.layers_before_skip:
             x = layer(x)
         m = (m + x).mul_(INV_SQRT2)

@@ -54,6 +54,13 @@ def _will_run(w: Tensor) -> bool:
     return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(w).node)
 
 
+def _mm(a: Tensor, b: Tensor, alpha: float, out: Optional[Tensor] = None) -> Tensor:
+    """``alpha · a b`` with the constant applied by the GEMM itself (BLAS's alpha; beta = 0, so the 0-d
+    ``input`` is never read): no scaled copy of a weight and no pass over the product. Differentiable."""
+    kw = {} if out is None else {"out": out}
+    return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=alpha, **kw)
+
+
 def _silu_grad(g: Tensor, z: Tensor) -> Tensor:
     """``g ⊙ SiLU'(z)``: ATen's fused kernel, or (when autograd records it, which that kernel does not
     allow) the formula ``SiLU'(z) = s (1 + z (1 - s))``, s = sigmoid(z)."""
@@ -119,29 +126,70 @@ class _DenseSiLUGrad(torch.autograd.Function):
 
 
 class _LinearSiLU(torch.autograd.Function):
-    """``SiLU(x W^T) / 0.6`` for one backward (GemNet-dT's Denses), keeping ``x``, ``W`` and ``z = x W^T``
-    (what the plain ops keep): backward makes ``g ⊙ SiLU'(z)`` once and puts the ``1/0.6`` on W and on
-    W's (out, in) gradient — two (rows, out) passes fewer than the plain ops' backward (their ``g / 0.6``
-    and its buffer). Under ``create_graph`` it rebuilds ``z`` from its inputs and differentiates the
-    plain formula, so higher derivatives are right too."""
+    """``SiLU(x W^T) · k`` for one backward (GemNet-dT's Denses; k = 1/0.6, or that times a constant the
+    caller folds in), keeping ``x``, ``W`` and ``z = x W^T`` (what the plain ops keep): backward makes
+    ``g ⊙ SiLU'(z)`` once and puts ``k`` on its two products (the GEMM's alpha, ``_mm``) — two (rows, out)
+    passes fewer than the plain ops' backward (their ``g · k`` and its buffer). Under ``create_graph`` it rebuilds ``z``
+    from its inputs and differentiates the plain formula, so higher derivatives are right too."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, k: float = 1 / 0.6) -> Tensor:
         z = torch.nn.functional.linear(x, w)
         ctx.save_for_backward(x, w, z)
-        return torch.nn.functional.silu(z).mul_(1 / 0.6)
+        ctx.k = k
+        return torch.nn.functional.silu(z).mul_(k)
 
     @staticmethod
     def backward(ctx, g: Tensor):
         x, w, z = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad
+        need_x, need_w = ctx.needs_input_grad[:2]
+        k = ctx.k
         if torch.is_grad_enabled():
             z = torch.nn.functional.linear(x, w)
         gz = _silu_grad(g, z)
-        if gz.shape[0] <= w.shape[1] and not torch.is_grad_enabled():  # few rows: the 1/0.6 on gz, in place
-            gz.mul_(1 / 0.6)
-            return (gz @ w if need_x else None), (gz.t() @ x if need_w else None)
-        return (gz @ (w * (1 / 0.6)) if need_x else None), ((gz.t() @ x).mul_(1 / 0.6) if need_w else None)
+        if gz.shape[0] <= w.shape[1] and not torch.is_grad_enabled():  # few rows: k on gz, in place
+            gz.mul_(k)
+            return (gz @ w if need_x else None), (gz.t() @ x if need_w else None), None
+        return (_mm(gz, w, k) if need_x else None), (_mm(gz.t(), x, k) if need_w else None), None
+
+
+class _EdgeDenseSiLU(torch.autograd.Function):
+    """GemNet-dT's edge embedding ``SiLU([h_src, h_dst, x] W^T) / 0.6`` as one node: ``z = (h W_s^T)[src]
+    + (h W_d^T)[dst] + x W_x^T`` (the atom halves projected on the N atom rows), the two gathered rows
+    summed by one ``embedding_bag`` into z's buffer and the edge half added there by ``addmm_``; it keeps
+    ``h, x, W, z``. Against the plain ops (two gathers, two sums, an activation and its 1/0.6, the weight
+    sliced three ways and concatenated): 4 passes over the (E, out) rows fewer forward, 1 backward, no
+    accumulating ``index_put`` (its gathers' adjoint: two ``index_add_`` here) and one (out, 2A + F)
+    weight gradient, not three zero-padded slices summed. Under ``create_graph`` it rebuilds ``z``
+    differentiably, so higher derivatives are right too."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, x: Tensor, w: Tensor, src: Tensor, dst: Tensor) -> Tensor:
+        a = h.shape[1]
+        hw = torch.stack([h @ w[:, :a].t(), h @ w[:, a:2 * a].t()], 1).view(2 * h.shape[0], -1)  # (2N, out)
+        rows = torch.stack([2 * src, 2 * dst + 1], 1)  # (E, 2): each edge's source and target rows of hw
+        z = torch.nn.functional.embedding_bag(rows, hw, mode="sum").addmm_(x, w[:, 2 * a:].t())
+        ctx.save_for_backward(h, x, w, z, rows)
+        return torch.nn.functional.silu(z).mul_(1 / 0.6)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        h, x, w, z, rows = ctx.saved_tensors
+        need_h, need_x, need_w = ctx.needs_input_grad[:3]
+        a, k = h.shape[1], 1 / 0.6
+        ws, wd, wx = w[:, :a], w[:, a:2 * a], w[:, 2 * a:]
+        if torch.is_grad_enabled():
+            z = (h @ ws.t())[rows[:, 0] // 2] + (h @ wd.t())[rows[:, 1] // 2] + x @ wx.t()
+        gz = _silu_grad(g, z)
+        d_x = _mm(gz, wx, k) if need_x else None
+        d_h = d_w = None
+        if need_h or need_w:
+            ghw = gz.new_zeros((2 * h.shape[0], gz.shape[1])).index_add(0, rows[:, 0], gz).index_add(0, rows[:, 1], gz)
+            ghw = (ghw * k).view(h.shape[0], 2, -1)  # (N, 2, out): the atom rows' gradients
+            gs, gd = ghw[:, 0], ghw[:, 1]
+            d_h = gs @ ws + gd @ wd if need_h else None
+            d_w = torch.cat([gs.t() @ h, gd.t() @ h, _mm(gz.t(), x, k)], 1) if need_w else None
+        return d_h, d_x, d_w, None, None
 
 
 class Dense(nn.Module):
@@ -156,13 +204,17 @@ class Dense(nn.Module):
         self.fused = False
         he_orthogonal_(self.linear.weight)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, scale: float = 1.0) -> Tensor:
+        """``act(x W^T) · scale``: a constant the caller would multiply the output by rides on ``_LinearSiLU``'s
+        1/0.6 (no pass over the rows, none for its gradient); the other paths multiply."""
         if self.fused and isinstance(self.act, ScaledSiLU):
             w = self.linear.weight
-            return _DenseSiLU.apply(x, w.view_as(w) if w.requires_grad else w)[0]  # a view: see _will_run
-        if isinstance(self.act, ScaledSiLU):
-            return _LinearSiLU.apply(x, self.linear.weight)
-        return self.linear(x)
+            y = _DenseSiLU.apply(x, w.view_as(w) if w.requires_grad else w)[0]  # a view: see _will_run
+        elif isinstance(self.act, ScaledSiLU):
+            return _LinearSiLU.apply(x, self.linear.weight, scale / 0.6)
+        else:
+            y = self.linear(x)
+        return y if scale == 1.0 else y * scale
 
 
 class _SiLULinear(torch.autograd.Function):
@@ -186,10 +238,10 @@ class _SiLULinear(torch.autograd.Function):
 class _ResidualSiLU(torch.autograd.Function):
     """A two-Dense residual layer ``(x + SiLU(SiLU(x W1^T)/0.6 · W2^T)/0.6)/√2`` as one node keeping
     ``x``, ``z1 = x W1^T`` and ``z2`` (what ``_SiLULinear`` and the plain ops keep): the constants ride
-    on the weights (``W2/0.6`` forward; ``1/0.6²√2`` on W2's and z1's products backward: (out, in)
-    sized ops, not (rows, units) passes), so backward runs 4 elementwise passes over the rows (two SiLU
-    derivatives, the inner activation recomputed, the skip connection's gradient added) where the plain
-    ops and ``_SiLULinear`` run 8. Forward and (one backward) backward write their rows into buffers they
+    on the products (``1/0.6`` on z2's forward; ``1/0.6²√2`` on W2's and z1's backward: the GEMM's alpha,
+    ``_mm``, not (rows, units) passes nor scaled weight copies), so backward runs 4 elementwise passes over
+    the rows (two SiLU derivatives, the inner activation recomputed, the skip connection's gradient added)
+    where the plain ops and ``_SiLULinear`` run 8. Forward and (one backward) backward write their rows into buffers they
     made and have read (2 and 2 (rows, units) allocations, not 4 and 5): fresh buffers cost page faults
     and cache misses that showed as ~2 % of a GemNet-dT step. Same values up to rounding; under
     ``create_graph`` its backward rebuilds z1 and z2 by differentiable torch ops, so a second
@@ -199,7 +251,7 @@ class _ResidualSiLU(torch.autograd.Function):
     def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
         z1 = torch.nn.functional.linear(x, w1)
         a = torch.nn.functional.silu(z1)
-        z2 = torch.nn.functional.linear(a, w2 * (1 / 0.6))
+        z2 = _mm(a, w2.t(), 1 / 0.6)
         ctx.save_for_backward(x, w1, w2, z1, z2)
         a = torch.ops.aten.silu.out(z2, out=a)  # a read: the output is made in its buffer
         return torch.add(x, a, alpha=1 / 0.6, out=a).mul_(INV_SQRT2)
@@ -215,8 +267,8 @@ class _ResidualSiLU(torch.autograd.Function):
         h2 = _silu_grad(g, z2)  # ∂out/∂z2 = h2 / (0.6√2)
         if not torch.is_grad_enabled() and need_x and need_w1 and need_w2:  # the usual case, in two row buffers
             a1 = torch.nn.functional.silu(z1)
-            d_w2 = (h2.t() @ a1).mul_(k)
-            d_z1 = torch.mm(h2, w2 * k, out=a1)  # a1 read: its buffer takes h2 W2 k, then d_z1 in place
+            d_w2 = _mm(h2.t(), a1, k)
+            d_z1 = _mm(h2, w2, k, out=a1)  # a1 read: its buffer takes h2 W2 k, then d_z1 in place
             torch.ops.aten.silu_backward.grad_input(d_z1, z1, grad_input=d_z1)
             d_w1 = d_z1.t() @ x
             return torch.mm(d_z1, w1, out=h2).add_(g, alpha=INV_SQRT2), d_w1, d_w2  # h2 read: d_x in its buffer
