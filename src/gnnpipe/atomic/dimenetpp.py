@@ -352,6 +352,77 @@ def silu(x: Tensor) -> Tensor:
     return _SiLU.apply(x)
 
 
+def _triplet_sum_graph(m_all: Tensor, w: Tensor, rad: Tensor, ang: list, tb: TripletBlocks) -> Tensor:
+    """:func:`triplet_sum` as autograd records it op by op (differentiable twice: gradient forces)."""
+    s = rad.shape[0]
+    m = m_all.index_select(0, tb.col_edge)  # (ΣG·Ki, I)
+    mc = (torch.bmm(rad, w) * m).transpose(0, 1).contiguous()  # (ΣG·Ki, S, I)
+    out = [torch.bmm(a_, mc_.view(gb, ki * s, -1)).flatten(0, 1)  # (G·Ro, I)
+           for (gb, _, ki), a_, mc_ in zip(tb.shapes, ang, mc.split(tb.sizes("columns")))]
+    if not out:  # no local triplet: the gathered messages stay in the graph (gather_edges' backward is collective)
+        out = [mc.reshape(0, mc.shape[-1])]
+    return torch.cat([*out, m.new_zeros(1, m.shape[-1])]).index_select(0, tb.edge_row)  # (E_loc, I)
+
+
+class _TripletSum(torch.autograd.Function):
+    """:func:`triplet_sum` as one node, for a geometry that needs no gradient (energy-only steps, the
+    direct force head): the same products, but each result written once into a buffer of its final
+    layout (the (ΣG·Ki, S, I) messages, the rows of every bucket) rather than made and then copied,
+    transposed or concatenated, and the backward's three (S, ΣG·Ki, I) passes are two. Not
+    differentiable twice (``once_differentiable``): gradient forces take :func:`_triplet_sum_graph`."""
+
+    @staticmethod
+    def forward(ctx, m_all: Tensor, w: Tensor, rad: Tensor, ang: list, tb: TripletBlocks) -> Tensor:
+        s, k, _ = rad.shape
+        i = w.shape[-1]
+        m = m_all.index_select(0, tb.col_edge)  # (ΣG·Ki, I)
+        c = torch.bmm(rad, w)  # (S, ΣG·Ki, I)
+        mc = torch.mul(c.transpose(0, 1), m.unsqueeze(1), out=m.new_empty(k, s, i))  # (ΣG·Ki, S, I)
+        rows = m.new_empty(tb.count("rows") + 1, i)
+        rows[-1] = 0  # the row of edges that hold no triplet
+        for (gb, ro, ki), a, r0, r1, c0, c1 in _bucket_slices(tb, ang):
+            torch.bmm(a, mc[c0:c1].view(gb, ki * s, i), out=rows[r0:r1].view(gb, ro, i))
+        ctx.save_for_backward(m, c, rad)
+        ctx.ang, ctx.tb, ctx.num_edges = ang, tb, m_all.shape[0]
+        return rows.index_select(0, tb.edge_row)  # (E_loc, I)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        m, c, rad = ctx.saved_tensors
+        tb = ctx.tb
+        s, k, i = c.shape
+        grows = grad.new_zeros(tb.count("rows") + 1, i).index_add_(0, tb.edge_row, grad)
+        gmc = grad.new_empty(k, s, i)  # d/d(mc): A^T times each bucket's rows
+        for (gb, ro, ki), a, r0, r1, c0, c1 in _bucket_slices(tb, ctx.ang):
+            torch.bmm(a.transpose(1, 2), grows[r0:r1].view(gb, ro, i), out=gmc[c0:c1].view(gb, ki * s, i))
+        gw = None
+        if ctx.needs_input_grad[1]:  # d/dw = rad_l^T (gmc_l ⊙ m), per l
+            gw = torch.bmm(rad.transpose(1, 2), torch.mul(gmc.transpose(0, 1), m, out=grad.new_empty(s, k, i)))
+        gm = gmc.mul_(c.transpose(0, 1)).sum(1)  # d/dm = Σ_l gmc_l ⊙ c_l
+        gm_all = grad.new_zeros(ctx.num_edges, i).index_add_(0, tb.col_edge, gm)
+        return gm_all, gw, None, None, None
+
+
+def _bucket_slices(tb: TripletBlocks, ang: list):
+    """Per bucket: its shape (G, Ro, Ki), its angular block and its [first, last) flat row and column."""
+    r0 = c0 = 0
+    for (gb, ro, ki), a in zip(tb.shapes, ang):
+        yield (gb, ro, ki), a, r0, r0 + gb * ro, c0, c0 + gb * ki
+        r0, c0 = r0 + gb * ro, c0 + gb * ki
+
+
+def triplet_sum(m_all: Tensor, w: Tensor, rad: Tensor, ang: list, tb: TripletBlocks) -> Tensor:
+    """(E_loc, I): ``Σ_{kj, l} Y_l^0(angle) · (m_all[kj] ⊙ (W_l^T rad[kj, l]))`` into each output edge ji
+    (the module docstring), over ``tb``'s buckets. ``m_all`` (E, I) the gathered messages, ``w`` (S, R, I),
+    ``rad`` (S, ΣG·Ki, R) and ``ang`` per bucket (G, Ro, Ki·S) as ``InteractionPPBlock.forward`` gets them.
+    One autograd node (:class:`_TripletSum`) unless the bases need a gradient (gradient forces: the
+    geometry's) or ``torch.compile`` traces it (its out= products are not traced)."""
+    if rad.requires_grad or any(a.requires_grad for a in ang) or torch.compiler.is_compiling():
+        return _triplet_sum_graph(m_all, w, rad, ang, tb)
+    return _TripletSum.apply(m_all, w, rad, ang, tb)
+
+
 def _geometry_requires_grad(g: AtomGraph) -> bool:
     """Whether a gradient with respect to ``g``'s geometry (positions, strain) can be taken: gradient
     forces or stress, differentiated again when training on them. Only then is :class:`_SiLU` worth its
@@ -447,13 +518,7 @@ class InteractionPPBlock(nn.Module):
         # per input edge, and the sum over (kj, l) is one matmul per centre: no (T, I) tensor at all
         s, _, r = rad.shape
         w = self.lin_sbf1.weight.view(-1, s, r).permute(1, 2, 0) @ self.lin_sbf2.weight.T  # (S, R, I): per l
-        m = g.gather_edges(x_kj).index_select(0, tb.col_edge)  # (ΣG·Ki, I)
-        mc = (torch.bmm(rad, w) * m).transpose(0, 1).contiguous()  # (ΣG·Ki, S, I)
-        out = [torch.bmm(a_, mc_.view(gb, ki * s, -1)).flatten(0, 1)  # (G·Ro, I)
-               for (gb, _, ki), a_, mc_ in zip(tb.shapes, ang, mc.split(tb.sizes("columns")))]
-        if not out:  # no local triplet: the gathered messages stay in the graph (gather_edges' backward is collective)
-            out = [mc.reshape(0, mc.shape[-1])]
-        x_kj = torch.cat([*out, x_kj.new_zeros(1, x_kj.shape[-1])]).index_select(0, tb.edge_row)  # (E_loc, I)
+        x_kj = triplet_sum(g.gather_edges(x_kj), w, rad, ang, tb)  # (E_loc, I)
         h = x_ji + act(self.lin_up(x_kj))
         for layer in self.layers_before_skip:
             h = layer(h, act)
