@@ -231,11 +231,17 @@ class TripletBlocks:
         return sum(self.sizes(part))
 
 
+def _at(x: Tensor, idx: Tensor) -> Tensor:
+    """``x[idx]`` for a 1-D ``idx``: ``index_select`` (advanced indexing costs several times more a call
+    on the index arrays here, about 30 of them a build)."""
+    return x.index_select(0, idx)
+
+
 def _distinct(idx: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """The distinct values of ``idx`` (in [0, n)) in increasing order, and each entry's position
     among them: a presence mask and its prefix sum, linear in ``len(idx)`` (no sort)."""
     present = torch.zeros(n, dtype=torch.bool, device=idx.device).index_fill_(0, idx, True)
-    return present.nonzero().squeeze(1), (torch.cumsum(present, 0) - 1)[idx]
+    return present.nonzero().squeeze(1), _at(torch.cumsum(present, 0) - 1, idx)
 
 
 def _slots(centre: Tensor, num_centres: int) -> tuple[Tensor, Tensor]:
@@ -243,7 +249,8 @@ def _slots(centre: Tensor, num_centres: int) -> tuple[Tensor, Tensor]:
     counts = torch.bincount(centre, minlength=num_centres)
     order = torch.argsort(centre, stable=True)
     slot = torch.empty_like(centre)
-    slot[order] = torch.arange(len(centre), device=centre.device) - (torch.cumsum(counts, 0) - counts)[centre[order]]
+    slot.index_copy_(0, order, torch.arange(len(centre), device=centre.device)
+                     - _at(_exclusive_cumsum(counts), _at(centre, order)))
     return slot, counts
 
 
@@ -263,47 +270,47 @@ def triplet_blocks(g: AtomGraph, single: bool = False) -> TripletBlocks:
     """The :class:`TripletBlocks` of ``g``'s local triplets: index work linear in T_loc, sorts over edges only.
     ``single``: one bucket, every block as wide and as tall as the largest (``torch.compile`` traces one
     layout whatever the batch: a bucket count would be a constant of the compiled code)."""
-    if not torch.equal(g.edge_src[g.idx_ji], g.kj_dst):
+    if not torch.equal(_at(g.edge_src, g.idx_ji), g.kj_dst):
         raise ValueError("a triplet k -> j -> i must have its output edge ji start where its input edge kj ends")
     t = g.num_local_triplets
     rows, rinv = _distinct(g.idx_ji, g.num_local_edges)  # output edges ji, the rows
     cols, cinv = _distinct(g.idx_kj, g.num_edges)  # input edges kj, the columns
     long = dict(dtype=torch.long, device=rows.device)
     first = torch.full((len(cols),), t, **long).scatter_reduce_(0, cinv, torch.arange(t, **long), "amin")
-    centres, rcentre = _distinct(g.edge_src[rows], g.num_atoms)  # the atoms j, each row's
+    centres, rcentre = _distinct(_at(g.edge_src, rows), g.num_atoms)  # the atoms j, each row's
     atom_centre = torch.full((g.num_atoms,), -1, **long)
-    atom_centre[centres] = torch.arange(len(centres), **long)
-    ccentre = atom_centre[g.kj_dst[first]]  # each column's: the atom its edge ends at
+    atom_centre.index_copy_(0, centres, torch.arange(len(centres), **long))
+    ccentre = _at(atom_centre, _at(g.kj_dst, first))  # each column's: the atom its edge ends at
     n = len(centres)
     rslot, rcount = _slots(rcentre, n)
     cslot, ccount = _slots(ccentre, n)
     ki = torch.full_like(ccount, int(ccount.max()) if n else 0) if single else _block_width(ccount)  # padded columns
     order = torch.argsort(ki, stable=True)
-    widths, per = torch.unique_consecutive(ki[order], return_counts=True)
+    widths, per = torch.unique_consecutive(_at(ki, order), return_counts=True)
     bucket = torch.empty(n, **long)
-    bucket[order] = torch.repeat_interleave(torch.arange(len(widths), **long), per)
+    bucket.index_copy_(0, order, torch.repeat_interleave(torch.arange(len(widths), **long), per))
     ro_b = torch.zeros(len(widths), **long).scatter_reduce_(0, bucket, rcount, "amax")
     ro_b = ro_b if single else _block_width(ro_b)
     rank = torch.empty(n, **long)  # a centre's place in its bucket
-    rank[order] = torch.arange(n, **long) - _exclusive_cumsum(per)[bucket[order]]
-    ro, ki = ro_b[bucket], widths[bucket]  # each centre's block shape
-    row0 = _exclusive_cumsum(per * ro_b)[bucket] + rank * ro  # each centre's first flat row, column, entry
-    col0 = _exclusive_cumsum(per * widths)[bucket] + rank * ki
-    entry0 = _exclusive_cumsum(per * ro_b * widths)[bucket] + rank * ro * ki
+    rank.index_copy_(0, order, torch.arange(n, **long) - _at(_exclusive_cumsum(per), _at(bucket, order)))
+    ro, ki = _at(ro_b, bucket), _at(widths, bucket)  # each centre's block shape
+    row0 = _at(_exclusive_cumsum(per * ro_b), bucket) + rank * ro  # each centre's first flat row, column, entry
+    col0 = _at(_exclusive_cumsum(per * widths), bucket) + rank * ki
+    entry0 = _at(_exclusive_cumsum(per * ro_b * widths), bucket) + rank * ro * ki
     shapes = tuple(zip(per.tolist(), ro_b.tolist(), widths.tolist()))
     num_rows = sum(b * r for b, r, _ in shapes)
     num_cols = sum(b * k for b, _, k in shapes)
     row_edge, col_edge, col_triplet = (torch.zeros(w, **long) for w in (num_rows, num_cols, num_cols))
-    row = row0[rcentre] + rslot
-    row_edge[row] = rows
-    col = col0[ccentre] + cslot
-    col_edge[col] = cols
-    col_triplet[col] = first
+    row = _at(row0, rcentre) + rslot
+    row_edge.index_copy_(0, row, rows)
+    col = _at(col0, ccentre) + cslot
+    col_edge.index_copy_(0, col, cols)
+    col_triplet.index_copy_(0, col, first)
     mask = torch.zeros(sum(b * r * k for b, r, k in shapes), dtype=torch.bool, device=rows.device)
-    tc = rcentre[rinv]  # each triplet's centre
-    mask[entry0[tc] + rslot[rinv] * ki[tc] + cslot[cinv]] = True
+    tc = _at(rcentre, rinv)  # each triplet's centre
+    mask.index_fill_(0, _at(entry0, tc) + _at(rslot, rinv) * _at(ki, tc) + _at(cslot, cinv), True)
     edge_row = torch.full((g.num_local_edges,), num_rows, **long)
-    edge_row[rows] = row
+    edge_row.index_copy_(0, rows, row)
     masks = [m.view(shape) for m, shape in zip(mask.split([b * r * k for b, r, k in shapes]), shapes)]
     return TripletBlocks(row_edge, col_edge, col_triplet, mask, edge_row, masks)
 
