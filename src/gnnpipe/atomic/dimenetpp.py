@@ -389,19 +389,19 @@ class _TripletSum(torch.autograd.Function):
         rows[-1] = 0  # the row of edges that hold no triplet
         for (gb, ro, ki), a, r0, r1, c0, c1 in _bucket_slices(tb, ang):
             torch.bmm(a, mc[c0:c1].view(gb, ki * s, i), out=rows[r0:r1].view(gb, ro, i))
-        ctx.save_for_backward(m, c, rad)
-        ctx.ang, ctx.tb, ctx.num_edges = ang, tb, m_all.shape[0]
+        ctx.save_for_backward(m, c, rad, *ang)  # what autograd kept op by op (the saved-memory hooks count them)
+        ctx.tb, ctx.num_edges = tb, m_all.shape[0]
         return rows.index_select(0, tb.edge_row)  # (E_loc, I)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
-        m, c, rad = ctx.saved_tensors
+        m, c, rad, *ang = ctx.saved_tensors
         tb = ctx.tb
         s, k, i = c.shape
         grows = grad.new_zeros(tb.count("rows") + 1, i).index_add_(0, tb.edge_row, grad)
         gmc = grad.new_empty(k, s, i)  # d/d(mc): A^T times each bucket's rows
-        for (gb, ro, ki), a, r0, r1, c0, c1 in _bucket_slices(tb, ctx.ang):
+        for (gb, ro, ki), a, r0, r1, c0, c1 in _bucket_slices(tb, ang):
             torch.bmm(a.transpose(1, 2), grows[r0:r1].view(gb, ro, i), out=gmc[c0:c1].view(gb, ki * s, i))
         gw = None
         if ctx.needs_input_grad[1]:  # d/dw = rad_l^T (gmc_l ⊙ m), per l
