@@ -33,7 +33,11 @@ dataset has no forces or ``force_weight`` is 0; PyG's: ``DimeNetPlusPlus`` and `
 small molecules: ASE's g2 set (``ase.collections.g2``, its 120 molecules of 3 atoms or more; no
 periodic images, so PyG's geometry is ours as it is) labelled with Lennard-Jones energies alone and
 read as a user's file of energies would be (``data.read_structures``: no forces), in batches of 32
-molecules (3 batches, cutoff 5 Å), each timed step on the next batch, both models on the same batches:
+molecules (3 batches, cutoff 5 Å), each timed step on the next batch, both models on the same batches.
+There PyG's ``triplets`` computes the triplets from the edges in every forward, as PyG's own does
+(:func:`pyg_triplets`: its algorithm, its torch_sparse row selection in plain torch ops), as ours
+builds its triplet blocks from the batch's triplet lists in every forward (both about 0.9 ms a step):
+
 
     python benchmarks/bench_dimenet_pyg.py --energy-only [--out results/bench/dimenet_pyg_energy.json]
 
@@ -164,20 +168,43 @@ def _pyg_radius_graph(pos, r, batch, max_num_neighbors):
 
 @torch.compiler.disable
 def _pyg_triplets(edge_index, num_nodes):
-    return _PYG_BATCH["triplets"]
+    if "triplets" in _PYG_BATCH:
+        return _PYG_BATCH["triplets"]
+    return pyg_triplets(edge_index, num_nodes)
+
+
+def pyg_triplets(edge_index, num_nodes):
+    """PyG's ``triplets``, computed from ``edge_index`` as PyG's is inside every forward: its algorithm
+    (the edges into each atom as a CSR adjacency sorted by source, each edge ``j -> i`` paired with the
+    edges into j, ``k == i`` dropped) with its ``SparseTensor`` row selection written in plain torch
+    ops (a sort, CSR offsets, ``repeat_interleave``, gathers; torch_sparse is not installed here).
+    For edge sets without duplicates or periodic images (molecules): PyG's ``triplets`` would merge
+    the first and drop every ``k == i`` of the second."""
+    row, col = edge_index  # j -> i
+    order = torch.argsort(col * num_nodes + row)  # SparseTensor(row=col, col=row)'s entries, sorted
+    count = torch.bincount(col, minlength=num_nodes)
+    start = torch.cumsum(count, 0) - count  # its CSR row pointer
+    per_edge = count[row]  # adj_t[row]: the edges into j, for each edge j -> i
+    ji = torch.arange(row.numel()).repeat_interleave(per_edge)
+    kj = order[start[row][ji] + torch.arange(ji.numel()) - (torch.cumsum(per_edge, 0) - per_edge)[ji]]
+    idx_i, idx_j, idx_k = col[ji], row[ji], row[kj]
+    mask = idx_i != idx_k  # Remove i == k triplets.
+    return col, row, idx_i[mask], idx_j[mask], idx_k[mask], kj[mask], ji[mask]
 
 
 @contextlib.contextmanager
-def pyg_graph(b: dict):
+def pyg_graph(b: dict, compute_triplets: bool = False):
     """PyG's compiled-only ``radius_graph`` and ``triplets`` return ``b``'s edges and triplets meanwhile
     (the same two functions for every batch, so that a ``torch.compile``'d PyG model is not recompiled
-    for each: they only read ``_PYG_BATCH``)."""
+    for each: they only read ``_PYG_BATCH``). ``compute_triplets``: ``triplets`` computes them from the
+    edges in every forward instead, as PyG's does (:func:`pyg_triplets`; molecules only)."""
     import torch_geometric.nn.models.dimenet as pyg
 
     src, dst = torch.as_tensor(b["edge_src"]), torch.as_tensor(b["edge_dst"])
     kj, ji = torch.as_tensor(b["idx_kj"]), torch.as_tensor(b["idx_ji"])
-    _PYG_BATCH.update(edge_index=torch.stack([src, dst]),  # and i, j, idx_i, idx_j, idx_k, idx_kj, idx_ji:
-                      triplets=(dst, src, dst[ji], src[ji], src[kj], kj, ji))
+    _PYG_BATCH.update(edge_index=torch.stack([src, dst]))
+    if not compute_triplets:  # i, j, idx_i, idx_j, idx_k, idx_kj, idx_ji:
+        _PYG_BATCH.update(triplets=(dst, src, dst[ji], src[ji], src[kj], kj, ji))
     saved = pyg.radius_graph, pyg.triplets
     pyg.radius_graph, pyg.triplets = _pyg_radius_graph, _pyg_triplets
     try:
@@ -228,7 +255,7 @@ def _energy_steps(ours, ref, batches: list, dtype):
     def step_ref():
         i = next_batch("pyg")
         b, g = batches[i], graphs[i]
-        with pyg_graph(b):
+        with pyg_graph(b, compute_triplets=True):
             e = ref(g.z, g.pos, g.system).squeeze(-1)
         e.pow(2).sum().backward()
         return (e.detach(),)

@@ -231,11 +231,17 @@ class TripletBlocks:
         return sum(self.sizes(part))
 
 
+def _at(x: Tensor, idx: Tensor) -> Tensor:
+    """``x[idx]`` for a 1-D ``idx``: ``index_select`` (advanced indexing costs several times more a call
+    on the index arrays here, about 30 of them a build)."""
+    return x.index_select(0, idx)
+
+
 def _distinct(idx: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """The distinct values of ``idx`` (in [0, n)) in increasing order, and each entry's position
     among them: a presence mask and its prefix sum, linear in ``len(idx)`` (no sort)."""
     present = torch.zeros(n, dtype=torch.bool, device=idx.device).index_fill_(0, idx, True)
-    return present.nonzero().squeeze(1), (torch.cumsum(present, 0) - 1)[idx]
+    return present.nonzero().squeeze(1), _at(torch.cumsum(present, 0) - 1, idx)
 
 
 def _slots(centre: Tensor, num_centres: int) -> tuple[Tensor, Tensor]:
@@ -243,7 +249,8 @@ def _slots(centre: Tensor, num_centres: int) -> tuple[Tensor, Tensor]:
     counts = torch.bincount(centre, minlength=num_centres)
     order = torch.argsort(centre, stable=True)
     slot = torch.empty_like(centre)
-    slot[order] = torch.arange(len(centre), device=centre.device) - (torch.cumsum(counts, 0) - counts)[centre[order]]
+    slot.index_copy_(0, order, torch.arange(len(centre), device=centre.device)
+                     - _at(_exclusive_cumsum(counts), _at(centre, order)))
     return slot, counts
 
 
@@ -263,47 +270,47 @@ def triplet_blocks(g: AtomGraph, single: bool = False) -> TripletBlocks:
     """The :class:`TripletBlocks` of ``g``'s local triplets: index work linear in T_loc, sorts over edges only.
     ``single``: one bucket, every block as wide and as tall as the largest (``torch.compile`` traces one
     layout whatever the batch: a bucket count would be a constant of the compiled code)."""
-    if not torch.equal(g.edge_src[g.idx_ji], g.kj_dst):
+    if not torch.equal(_at(g.edge_src, g.idx_ji), g.kj_dst):
         raise ValueError("a triplet k -> j -> i must have its output edge ji start where its input edge kj ends")
     t = g.num_local_triplets
     rows, rinv = _distinct(g.idx_ji, g.num_local_edges)  # output edges ji, the rows
     cols, cinv = _distinct(g.idx_kj, g.num_edges)  # input edges kj, the columns
     long = dict(dtype=torch.long, device=rows.device)
     first = torch.full((len(cols),), t, **long).scatter_reduce_(0, cinv, torch.arange(t, **long), "amin")
-    centres, rcentre = _distinct(g.edge_src[rows], g.num_atoms)  # the atoms j, each row's
+    centres, rcentre = _distinct(_at(g.edge_src, rows), g.num_atoms)  # the atoms j, each row's
     atom_centre = torch.full((g.num_atoms,), -1, **long)
-    atom_centre[centres] = torch.arange(len(centres), **long)
-    ccentre = atom_centre[g.kj_dst[first]]  # each column's: the atom its edge ends at
+    atom_centre.index_copy_(0, centres, torch.arange(len(centres), **long))
+    ccentre = _at(atom_centre, _at(g.kj_dst, first))  # each column's: the atom its edge ends at
     n = len(centres)
     rslot, rcount = _slots(rcentre, n)
     cslot, ccount = _slots(ccentre, n)
     ki = torch.full_like(ccount, int(ccount.max()) if n else 0) if single else _block_width(ccount)  # padded columns
     order = torch.argsort(ki, stable=True)
-    widths, per = torch.unique_consecutive(ki[order], return_counts=True)
+    widths, per = torch.unique_consecutive(_at(ki, order), return_counts=True)
     bucket = torch.empty(n, **long)
-    bucket[order] = torch.repeat_interleave(torch.arange(len(widths), **long), per)
+    bucket.index_copy_(0, order, torch.repeat_interleave(torch.arange(len(widths), **long), per))
     ro_b = torch.zeros(len(widths), **long).scatter_reduce_(0, bucket, rcount, "amax")
     ro_b = ro_b if single else _block_width(ro_b)
     rank = torch.empty(n, **long)  # a centre's place in its bucket
-    rank[order] = torch.arange(n, **long) - _exclusive_cumsum(per)[bucket[order]]
-    ro, ki = ro_b[bucket], widths[bucket]  # each centre's block shape
-    row0 = _exclusive_cumsum(per * ro_b)[bucket] + rank * ro  # each centre's first flat row, column, entry
-    col0 = _exclusive_cumsum(per * widths)[bucket] + rank * ki
-    entry0 = _exclusive_cumsum(per * ro_b * widths)[bucket] + rank * ro * ki
+    rank.index_copy_(0, order, torch.arange(n, **long) - _at(_exclusive_cumsum(per), _at(bucket, order)))
+    ro, ki = _at(ro_b, bucket), _at(widths, bucket)  # each centre's block shape
+    row0 = _at(_exclusive_cumsum(per * ro_b), bucket) + rank * ro  # each centre's first flat row, column, entry
+    col0 = _at(_exclusive_cumsum(per * widths), bucket) + rank * ki
+    entry0 = _at(_exclusive_cumsum(per * ro_b * widths), bucket) + rank * ro * ki
     shapes = tuple(zip(per.tolist(), ro_b.tolist(), widths.tolist()))
     num_rows = sum(b * r for b, r, _ in shapes)
     num_cols = sum(b * k for b, _, k in shapes)
     row_edge, col_edge, col_triplet = (torch.zeros(w, **long) for w in (num_rows, num_cols, num_cols))
-    row = row0[rcentre] + rslot
-    row_edge[row] = rows
-    col = col0[ccentre] + cslot
-    col_edge[col] = cols
-    col_triplet[col] = first
+    row = _at(row0, rcentre) + rslot
+    row_edge.index_copy_(0, row, rows)
+    col = _at(col0, ccentre) + cslot
+    col_edge.index_copy_(0, col, cols)
+    col_triplet.index_copy_(0, col, first)
     mask = torch.zeros(sum(b * r * k for b, r, k in shapes), dtype=torch.bool, device=rows.device)
-    tc = rcentre[rinv]  # each triplet's centre
-    mask[entry0[tc] + rslot[rinv] * ki[tc] + cslot[cinv]] = True
+    tc = _at(rcentre, rinv)  # each triplet's centre
+    mask.index_fill_(0, _at(entry0, tc) + _at(rslot, rinv) * _at(ki, tc) + _at(cslot, cinv), True)
     edge_row = torch.full((g.num_local_edges,), num_rows, **long)
-    edge_row[rows] = row
+    edge_row.index_copy_(0, rows, row)
     masks = [m.view(shape) for m, shape in zip(mask.split([b * r * k for b, r, k in shapes]), shapes)]
     return TripletBlocks(row_edge, col_edge, col_triplet, mask, edge_row, masks)
 
@@ -350,6 +357,77 @@ class _SiLUGrad(torch.autograd.Function):
 
 def silu(x: Tensor) -> Tensor:
     return _SiLU.apply(x)
+
+
+def _triplet_sum_graph(m_all: Tensor, w: Tensor, rad: Tensor, ang: list, tb: TripletBlocks) -> Tensor:
+    """:func:`triplet_sum` as autograd records it op by op (differentiable twice: gradient forces)."""
+    s = rad.shape[0]
+    m = m_all.index_select(0, tb.col_edge)  # (ΣG·Ki, I)
+    mc = (torch.bmm(rad, w) * m).transpose(0, 1).contiguous()  # (ΣG·Ki, S, I)
+    out = [torch.bmm(a_, mc_.view(gb, ki * s, -1)).flatten(0, 1)  # (G·Ro, I)
+           for (gb, _, ki), a_, mc_ in zip(tb.shapes, ang, mc.split(tb.sizes("columns")))]
+    if not out:  # no local triplet: the gathered messages stay in the graph (gather_edges' backward is collective)
+        out = [mc.reshape(0, mc.shape[-1])]
+    return torch.cat([*out, m.new_zeros(1, m.shape[-1])]).index_select(0, tb.edge_row)  # (E_loc, I)
+
+
+class _TripletSum(torch.autograd.Function):
+    """:func:`triplet_sum` as one node, for a geometry that needs no gradient (energy-only steps, the
+    direct force head): the same products, but each result written once into a buffer of its final
+    layout (the (ΣG·Ki, S, I) messages, the rows of every bucket) rather than made and then copied,
+    transposed or concatenated, and the backward's three (S, ΣG·Ki, I) passes are two. Not
+    differentiable twice (``once_differentiable``): gradient forces take :func:`_triplet_sum_graph`."""
+
+    @staticmethod
+    def forward(ctx, m_all: Tensor, w: Tensor, rad: Tensor, ang: list, tb: TripletBlocks) -> Tensor:
+        s, k, _ = rad.shape
+        i = w.shape[-1]
+        m = m_all.index_select(0, tb.col_edge)  # (ΣG·Ki, I)
+        c = torch.bmm(rad, w)  # (S, ΣG·Ki, I)
+        mc = torch.mul(c.transpose(0, 1), m.unsqueeze(1), out=m.new_empty(k, s, i))  # (ΣG·Ki, S, I)
+        rows = m.new_empty(tb.count("rows") + 1, i)
+        rows[-1] = 0  # the row of edges that hold no triplet
+        for (gb, ro, ki), a, r0, r1, c0, c1 in _bucket_slices(tb, ang):
+            torch.bmm(a, mc[c0:c1].view(gb, ki * s, i), out=rows[r0:r1].view(gb, ro, i))
+        ctx.save_for_backward(m, c, rad, *ang)  # what autograd kept op by op (the saved-memory hooks count them)
+        ctx.tb, ctx.num_edges = tb, m_all.shape[0]
+        return rows.index_select(0, tb.edge_row)  # (E_loc, I)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        m, c, rad, *ang = ctx.saved_tensors
+        tb = ctx.tb
+        s, k, i = c.shape
+        grows = grad.new_zeros(tb.count("rows") + 1, i).index_add_(0, tb.edge_row, grad)
+        gmc = grad.new_empty(k, s, i)  # d/d(mc): A^T times each bucket's rows
+        for (gb, ro, ki), a, r0, r1, c0, c1 in _bucket_slices(tb, ang):
+            torch.bmm(a.transpose(1, 2), grows[r0:r1].view(gb, ro, i), out=gmc[c0:c1].view(gb, ki * s, i))
+        gw = None
+        if ctx.needs_input_grad[1]:  # d/dw = rad_l^T (gmc_l ⊙ m), per l
+            gw = torch.bmm(rad.transpose(1, 2), torch.mul(gmc.transpose(0, 1), m, out=grad.new_empty(s, k, i)))
+        gm = gmc.mul_(c.transpose(0, 1)).sum(1)  # d/dm = Σ_l gmc_l ⊙ c_l
+        gm_all = grad.new_zeros(ctx.num_edges, i).index_add_(0, tb.col_edge, gm)
+        return gm_all, gw, None, None, None
+
+
+def _bucket_slices(tb: TripletBlocks, ang: list):
+    """Per bucket: its shape (G, Ro, Ki), its angular block and its [first, last) flat row and column."""
+    r0 = c0 = 0
+    for (gb, ro, ki), a in zip(tb.shapes, ang):
+        yield (gb, ro, ki), a, r0, r0 + gb * ro, c0, c0 + gb * ki
+        r0, c0 = r0 + gb * ro, c0 + gb * ki
+
+
+def triplet_sum(m_all: Tensor, w: Tensor, rad: Tensor, ang: list, tb: TripletBlocks) -> Tensor:
+    """(E_loc, I): ``Σ_{kj, l} Y_l^0(angle) · (m_all[kj] ⊙ (W_l^T rad[kj, l]))`` into each output edge ji
+    (the module docstring), over ``tb``'s buckets. ``m_all`` (E, I) the gathered messages, ``w`` (S, R, I),
+    ``rad`` (S, ΣG·Ki, R) and ``ang`` per bucket (G, Ro, Ki·S) as ``InteractionPPBlock.forward`` gets them.
+    One autograd node (:class:`_TripletSum`) unless the bases need a gradient (gradient forces: the
+    geometry's) or ``torch.compile`` traces it (its out= products are not traced)."""
+    if rad.requires_grad or any(a.requires_grad for a in ang) or torch.compiler.is_compiling():
+        return _triplet_sum_graph(m_all, w, rad, ang, tb)
+    return _TripletSum.apply(m_all, w, rad, ang, tb)
 
 
 def _geometry_requires_grad(g: AtomGraph) -> bool:
@@ -447,13 +525,7 @@ class InteractionPPBlock(nn.Module):
         # per input edge, and the sum over (kj, l) is one matmul per centre: no (T, I) tensor at all
         s, _, r = rad.shape
         w = self.lin_sbf1.weight.view(-1, s, r).permute(1, 2, 0) @ self.lin_sbf2.weight.T  # (S, R, I): per l
-        m = g.gather_edges(x_kj).index_select(0, tb.col_edge)  # (ΣG·Ki, I)
-        mc = (torch.bmm(rad, w) * m).transpose(0, 1).contiguous()  # (ΣG·Ki, S, I)
-        out = [torch.bmm(a_, mc_.view(gb, ki * s, -1)).flatten(0, 1)  # (G·Ro, I)
-               for (gb, _, ki), a_, mc_ in zip(tb.shapes, ang, mc.split(tb.sizes("columns")))]
-        if not out:  # no local triplet: the gathered messages stay in the graph (gather_edges' backward is collective)
-            out = [mc.reshape(0, mc.shape[-1])]
-        x_kj = torch.cat([*out, x_kj.new_zeros(1, x_kj.shape[-1])]).index_select(0, tb.edge_row)  # (E_loc, I)
+        x_kj = triplet_sum(g.gather_edges(x_kj), w, rad, ang, tb)  # (E_loc, I)
         h = x_ji + act(self.lin_up(x_kj))
         for layer in self.layers_before_skip:
             h = layer(h, act)
