@@ -205,16 +205,21 @@ def plan_assignment_args(wildcards, input) -> str:
     return " ".join(f"--assignment {q}" for q in quoted)
 
 
-def calibration_inputs(wildcards) -> dict:
-    """The run.yaml calibration fits to, the run records of every run of that dataset and model
-    with its dtype and one thread a worker (their train jobs timed their layers: calibration fits
-    those instead of timing its own samples), and, when it numbers nodes for locality, the order
-    (rule locality)."""
+def calibration_records(wildcards) -> tuple:
+    """(the run calibration fits to, {run id: run} of every run of that dataset and model with its
+    dtype and one thread a worker: their train jobs timed their layers, the records calibration fits)."""
     run = RUNS[CALIBRATION_RUNS[(wildcards.dataset, wildcards.model)]]
+    return run, {rid: r for rid, r in RUNS.items() if (r.dataset_name, r.model) == (run.dataset_name, run.model)
+                 and r.training.dtype == run.training.dtype and r.training.threads_per_worker == 1}
+
+
+def calibration_inputs(wildcards) -> dict:
+    """The run.yaml calibration fits to, the run records of :func:`calibration_records` (calibration
+    fits those instead of timing its own samples), and, when it numbers nodes for locality, the order
+    (rule locality)."""
+    run, records = calibration_records(wildcards)
     inputs = {"run_config": f"{RESULTS}/runs/{run.run_id}/run.yaml",
-              "records": [f"{RESULTS}/runs/{rid}/metrics.json" for rid, r in RUNS.items()
-                          if (r.dataset_name, r.model) == (run.dataset_name, run.model)
-                          and r.training.dtype == run.training.dtype and r.training.threads_per_worker == 1]}
+              "records": [f"{RESULTS}/runs/{rid}/metrics.json" for rid in records]}
     if run.locality_path:
         inputs["locality"] = run.locality_path
     return inputs
@@ -222,14 +227,13 @@ def calibration_inputs(wildcards) -> dict:
 
 def calibration_threads(wildcards) -> int:
     """1 where calibration fits the train jobs' own timings and times nothing (a one-process run
-    and a parallel run of the dataset and model recorded their layers, one thread a worker, on the
-    CPU clock: planning.calibrate.calibrate_run); the whole machine where it times samples itself
-    (a job beside it would share the caches and memory bandwidth it is timing)."""
-    run = RUNS[CALIBRATION_RUNS[(wildcards.dataset, wildcards.model)]]
-    peers = [r for rid, r in RUNS.items() if (r.dataset_name, r.model) == (run.dataset_name, run.model)
-             and r.training.dtype == run.training.dtype and r.training.threads_per_worker == 1]
+    and a parallel run among :func:`calibration_records`, on the CPU clock:
+    planning.calibrate.calibrate_run); the whole machine where it times samples itself (a job
+    beside it would share the caches and memory bandwidth it is timing)."""
+    run, records = calibration_records(wildcards)
     from_records = (run.training.threads_per_worker == 1 and run.model.kind != "mlp"
-                    and any(r.mode == "single" for r in peers) and any(r.workers > 1 for r in peers))
+                    and any(r.mode == "single" for r in records.values())
+                    and any(r.workers > 1 for r in records.values()))
     return 1 if from_records else whole_machine()
 
 
