@@ -117,11 +117,8 @@ class GNNPipeCalculator(Calculator):
         """From a run directory (``results/runs/<id>``: its finished ``model.pt``) or a model file."""
         return cls(path, device=device, workers=workers, **kwargs)
 
-    @classmethod
-    def from_file(cls, path: Union[str, Path], device: str = "cpu", workers: int = 1, **kwargs) -> "GNNPipeCalculator":
-        """From a model file (``gnnpipe import-model``'s ``--out``, a run's ``model.pt``): ``from_run``'s
-        other name, for a file that belongs to no run directory."""
-        return cls(path, device=device, workers=workers, **kwargs)
+    #: the same, named for a model file that belongs to no run directory (``gnnpipe import-model``'s ``--out``)
+    from_file = from_run
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
         super().calculate(atoms, properties, system_changes)
