@@ -248,11 +248,6 @@ def trainable_keys(kind: str, keys) -> list[str]:
             and ".seq_energy." not in k]
 
 
-def unknown_keys(unknown: list, model: str, where: str) -> GnnPipeError:
-    return GnnPipeError(f"{where}: {len(unknown)} state_dict key(s) match no parameter of the project's {model}: "
-                        f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
-
-
 def missing_keys(missing: list, kind: str, where: str) -> GnnPipeError:
     return GnnPipeError(f"{where}: {len(missing)} parameter(s) of the project's {kind} have no weights in the "
                         f"checkpoint: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
@@ -265,7 +260,9 @@ def check_names(sd: dict, target: dict, kind: str, where: str) -> None:
     names = {k: gemnet_key(k) for k in sd if k not in GEMNET_OFFSETS} if kind == "gemnet_t" else {k: k for k in sd}
     unknown = [k for k, name in names.items() if name not in target]
     if unknown:
-        raise unknown_keys(unknown, "GemNet" if kind == "gemnet_t" else "DimeNet++", where)
+        model = "GemNet" if kind == "gemnet_t" else "DimeNet++"
+        raise GnnPipeError(f"{where}: {len(unknown)} state_dict key(s) match no parameter of the project's {model}: "
+                           f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
     have = set(names.values())
     missing = [k for k in target if k not in have and not k.endswith("scale_factor")]
     if missing:
@@ -330,10 +327,10 @@ def gaussian_centres(t: torch.Tensor) -> str:
     return "float32" if t.dtype != torch.float64 or torch.equal(t, rounded.to(t.dtype)) else "float64"
 
 
-def map_gemnet(sd: dict, target: dict, num_radial: int, where: str) -> tuple[dict, set, str]:
-    """fairchem GemNet tensors -> the project's state dict; the scale-factor keys it filled; the
-    precision of its Gaussians' centres (:func:`gaussian_centres`)."""
-    out, origin, unknown, centres = {}, {}, [], set()
+def map_gemnet(sd: dict, num_radial: int, where: str) -> tuple[dict, set, str]:
+    """fairchem GemNet tensors (every name one of the model's: :func:`check_names`) -> the project's state
+    dict; the scale-factor keys it filled; the precision of its Gaussians' centres (:func:`gaussian_centres`)."""
+    out, origin, centres = {}, {}, set()
     for key, t in sd.items():
         if key in GEMNET_OFFSETS:
             want = torch.linspace(0, 1, num_radial, dtype=torch.float64)
@@ -343,9 +340,6 @@ def map_gemnet(sd: dict, target: dict, num_radial: int, where: str) -> tuple[dic
             centres.add(gaussian_centres(t))
             continue
         name = gemnet_key(key)
-        if name not in target:
-            unknown.append(key)
-            continue
         if name == "atom_emb.weight":  # fairchem's row z - 1 is our row z
             t = torch.cat([t.new_zeros(1, t.shape[1]), t])
         elif name.endswith("scale_factor") and float(t) == 0.0:
@@ -356,8 +350,6 @@ def map_gemnet(sd: dict, target: dict, num_radial: int, where: str) -> tuple[dic
                                    "differ here; the checkpoint was edited")
             continue
         out[name], origin[name] = t, key
-    if unknown:
-        raise unknown_keys(unknown, "GemNet", where)
     if len(centres) > 1:
         raise GnnPipeError(f"{where}: {' and '.join(GEMNET_OFFSETS)} hold the Gaussians' centres in float32 and "
                            "float64; the checkpoint was edited")
@@ -476,7 +468,7 @@ def import_checkpoint(path, config: Optional[str] = None, scale_file: Optional[s
     used_ema = apply_ema(state.get("ema"), sd, kind, where)
     ignored, unfitted = [], []
     if kind == "gemnet_t":
-        out, in_sd, centres = map_gemnet(sd, target, cfg.num_radial, where)
+        out, in_sd, centres = map_gemnet(sd, cfg.num_radial, where)
         cfg = dataclasses.replace(cfg, gaussian_centres=centres)
         given = state.get("scale_dict") or {}
         sources = [("the checkpoint's scale_dict", {str(k): _value(v) for k, v in given.items()})]
