@@ -487,7 +487,7 @@ class ResidualLayer(nn.Module):
             nn.init.zeros_(lin.bias)
 
     def forward(self, x: Tensor, act=silu) -> Tensor:
-        return x + act(self.lin2(act(self.lin1(x))))
+        return act(self.lin2(act(self.lin1(x)))).add_(x)  # into act's output: no fresh (E, H) buffer
 
 
 class InteractionPPBlock(nn.Module):
@@ -526,10 +526,11 @@ class InteractionPPBlock(nn.Module):
         s, _, r = rad.shape
         w = self.lin_sbf1.weight.view(-1, s, r).permute(1, 2, 0) @ self.lin_sbf2.weight.T  # (S, R, I): per l
         x_kj = triplet_sum(g.gather_edges(x_kj), w, rad, ang, tb)  # (E_loc, I)
-        h = x_ji + act(self.lin_up(x_kj))
+        # the sums go into act's outputs (neither silu keeps its output for backward): no fresh (E, H) buffer
+        h = act(self.lin_up(x_kj)).add_(x_ji)
         for layer in self.layers_before_skip:
             h = layer(h, act)
-        h = act(self.lin(h)) + x
+        h = act(self.lin(h)).add_(x)
         for layer in self.layers_after_skip:
             h = layer(h, act)
         return h
