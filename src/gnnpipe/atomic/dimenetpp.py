@@ -404,8 +404,8 @@ class _TripletSum(torch.autograd.Function):
         for (gb, ro, ki), a, r0, r1, c0, c1 in _bucket_slices(tb, ang):
             torch.bmm(a.transpose(1, 2), grows[r0:r1].view(gb, ro, i), out=gmc[c0:c1].view(gb, ki * s, i))
         gw = None
-        if ctx.needs_input_grad[1]:  # d/dw = rad_l^T (gmc_l ⊙ m), per l
-            gw = torch.bmm(rad.transpose(1, 2), torch.mul(gmc.transpose(0, 1), m, out=grad.new_empty(s, k, i)))
+        if ctx.needs_input_grad[1]:  # d/dw = rad_l^T (gmc_l ⊙ m), per l: the product in gmc's layout, read per l
+            gw = torch.bmm(rad.transpose(1, 2), torch.mul(gmc, m.unsqueeze(1)).transpose(0, 1))
         gm = gmc.mul_(c.transpose(0, 1)).sum(1)  # d/dm = Σ_l gmc_l ⊙ c_l
         gm_all = grad.new_zeros(ctx.num_edges, i).index_add_(0, tb.col_edge, gm)
         return gm_all, gw, None, None, None
