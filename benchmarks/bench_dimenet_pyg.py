@@ -86,7 +86,8 @@ SMOKE = {"smoke": (dict(preset="small", num_spherical=3, num_radial=3), 2, 1)}
 CUTOFF, MAX_NEIGHBORS = 5.0, 24
 #: energy-only: name -> (model, molecules per batch, timed steps per model by default); "default" is
 #: PyG's DimeNetPlusPlus defaults (hidden 128, 4 blocks: the published QM9 model)
-ENERGY_SIZES = {"small": (dict(preset="small"), 32, 40), "default": (dict(preset="default"), 32, 20)}
+#: (enough rounds that the paired ratio's 95 % interval is about ± 0.01 on a quiet machine)
+ENERGY_SIZES = {"small": (dict(preset="small"), 32, 200), "default": (dict(preset="default"), 32, 100)}
 ENERGY_SMOKE = {"smoke-energy-only": (dict(preset="small", num_spherical=3, num_radial=3), 4, 1)}
 
 
@@ -456,8 +457,18 @@ def interleaved(steps: dict, repeats: int, warmup: int) -> tuple[dict, dict]:
 
 def _ratios(t: dict) -> dict:
     med = {k: statistics.median(v) for k, v in t.items()}
-    return {"ratio": med["ours"] / med["pyg"], "median_s": med,
-            "paired_ratio_median": statistics.median(a / p for a, p in zip(t["ours"], t["pyg"]))}
+    paired = [a / p for a, p in zip(t["ours"], t["pyg"])]
+    return {"ratio": med["ours"] / med["pyg"], "median_s": med, "paired_ratio_median": statistics.median(paired),
+            "paired_ratio_ci95": bootstrap_ci(paired)}
+
+
+def bootstrap_ci(x: list, draws: int = 2000, seed: int = 0) -> list:
+    """A 95 % interval of the median of ``x`` (percentile bootstrap over the rounds). It says how well
+    the rounds pin the ratio down under this run's conditions, not how far a later run may move (the
+    machine's load moves both models' times between runs)."""
+    rng = np.random.default_rng(seed)
+    meds = np.sort(np.median(rng.choice(np.asarray(x), size=(draws, len(x))), axis=1))
+    return [float(meds[int(0.025 * draws)]), float(meds[int(0.975 * draws) - 1])]
 
 
 def main(argv=None) -> int:
@@ -465,7 +476,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results/bench/dimenet_pyg.json")
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=[*SIZES, *SMOKE])
     ap.add_argument("--repeats", type=int, default=None,
-                    help="timed steps per model and size (default: small 40, h256 10; --quick 5)")
+                    help="timed steps per model and size (default: small 40, h256 10; energy-only small 200, "
+                         "default 100; --quick 5)")
     ap.add_argument("--quick", action="store_true", help="the small size only, 5 repeats")
     ap.add_argument("--compile", action="store_true",
                     help="with --energy-only: also both models torch.compile'd (ours: the compile key)")
@@ -501,7 +513,8 @@ def main(argv=None) -> int:
 def _summary(name: str, res: dict) -> str:
     """One line of a size's result (either mode)."""
     times = (f"ours/PyG time {res['time_ratio']:.3f} (CPU, medians {res['cpu']['median_s']['ours'] * 1e3:.1f} / "
-             f"{res['cpu']['median_s']['pyg'] * 1e3:.1f} ms; paired {res['cpu']['paired_ratio_median']:.3f}; wall "
+             f"{res['cpu']['median_s']['pyg'] * 1e3:.1f} ms; paired {res['cpu']['paired_ratio_median']:.3f}, 95 % "
+             f"{res['cpu']['paired_ratio_ci95'][0]:.3f}-{res['cpu']['paired_ratio_ci95'][1]:.3f}; wall "
              f"{res['wall']['ratio']:.3f})")
     if "batches" in res:  # energy-only
         sp = res["products_split"]
