@@ -156,8 +156,8 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
     ================  ===================================================  ==============================
     rows              gradient forces (double backward)                    direct forces
     ================  ===================================================  ==============================
-    local edge        K(22H + 8nH + 5I) + 12H + 7R + 33                    K(11H + 4nH + 2I) + 8H
-                                                                           + (2L+1)O + 2R + 9
+    local edge        K(21H + 8nH + 5I) + 11H + 7R + 33                    K(10H + 4nH + 2I) + 7H
+                                                                           + (2L+1)O + 2R + 6
     block row         K·I + 3                                              0
     block column      K(4S+1)I + (3S+17)SR - 8R + 35                       K(S+1)I + SR
     block entry       4S - 5 (S >= 3; 2S at S = 2)                         S
@@ -179,12 +179,15 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
     per l), with no (·, S, B) tensor, and the edges' basis by one (W_rbf2 W_rbf1), with no (E, B) one:
     per block, the block-column rows lost ``2SB`` (gradient) and ``SB`` (direct), the local edges
     ``2B`` and gained ``I`` (gradient: the gathers' double backward) or lost ``B`` (direct); the
-    changes measured the same way, against the code before, at 8-12 sizes per head.
+    changes measured the same way, against the code before, at 8-12 sizes per head. Since the edges ->
+    atoms sum keeps its index alone (``batch.sum_rows``), each output block's edge product keeps one
+    (E, H) factor less: the local edges lost ``(K+1)H`` (both heads) and ``3`` (direct), measured the
+    same way (the estimate had run 2.5 % over on the edges).
     Not counted: index arrays (the graph's 4 int64 per triplet, the blocks' bool mask per entry)
     and parameter-sized copies (transposed weights, W_sbf2 W_sbf1 per order), < 1 % here.
 
     The direct step keeps about half the gradient step's memory (0.48 at the default sizes on the
-    slabs; the old per-triplet estimate took a third). An estimate for sizing (tests: each part within 15 % of a measured step of each
+    slabs; the old per-triplet estimate took a third). An estimate for sizing (tests: each part within 1 % of a measured step of each
     head, at a size not used above), not an allocator trace: transient tensors (a backward's
     gradient buffers) come on top.
     """
@@ -198,13 +201,13 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
     columns = COLUMNS_PER_EDGE * e_loc if columns is None else columns
     entries = ENTRIES_PER_TRIPLET * t_loc if entries is None else entries
     if cfg.force_head == "gradient":
-        per_edge = k * (22 * h + 8 * res * h + 5 * i) + 12 * h + 7 * r + 33
+        per_edge = k * (21 * h + 8 * res * h + 5 * i) + 11 * h + 7 * r + 33
         per_row = k * i + 3
         per_column = k * (4 * s + 1) * i + (3 * s + 17) * s * r - 8 * r + 35
         per_entry = max(4 * s - 5, 2 * s)
         per_atom = (k + 1) * (h + (4 * lo + 2) * o) + 5
     else:
-        per_edge = k * (11 * h + 4 * res * h + 2 * i) + 8 * h + (2 * lo + 1) * o + 2 * r + 9
+        per_edge = k * (10 * h + 4 * res * h + 2 * i) + 7 * h + (2 * lo + 1) * o + 2 * r + 6
         per_row = 0
         per_column = k * (s + 1) * i + s * r
         per_entry = s
@@ -225,8 +228,10 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
 #: DimeNet++ small, float32, cutoff 3 Å, in the domains layout (benchmarks/results/domains_weak_md.json
 #: and domains_weak_large.json: 16,384 and 27,436 own atoms at P = 1, 2, 4), fitted by least squares:
 #: the estimate is within 9 % of each (0.91-1.03; it underestimates the smaller views). Before #34's
-#: edges -> atoms sum (638eb4c) lowered the peaks, 0.63 (domains_weak.json, domains_strong.json).
-INFERENCE_FRACTION = 0.52
+#: edges -> atoms sum (638eb4c) lowered the peaks, 0.63 (domains_weak.json, domains_strong.json); 0.52
+#: against the estimate before its local-edge coefficients lost the (K+1)H that sum no longer keeps
+#: (the same peaks: 0.52 × 1.019 at those sizes).
+INFERENCE_FRACTION = 0.53
 
 
 def inference_memory(cfg, atoms: int, edges: int, triplets: int, halo_edges: int, dtype_bytes: int = 4) -> dict:
