@@ -180,9 +180,10 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
     per block, the block-column rows lost ``2SB`` (gradient) and ``SB`` (direct), the local edges
     ``2B`` and gained ``I`` (gradient: the gathers' double backward) or lost ``B`` (direct); the
     changes measured the same way, against the code before, at 8-12 sizes per head. Since the edges ->
-    atoms sum keeps its index alone (``batch.sum_rows``), each output block's edge product keeps one
-    (E, H) factor less: the local edges lost ``(K+1)H`` (both heads) and ``3`` (direct), measured the
-    same way (the estimate had run 2.5 % over on the edges).
+    atoms sum keeps its index alone (``batch.sum_rows``; autograd's ``index_add`` kept the summed rows),
+    what each output block sums, (E, H), and the direct head's force vectors, (E, 3), are not kept:
+    the local edges lost ``(K+1)H`` (both heads) and ``3`` (direct), measured the same way (the
+    estimate had run 2.5 % over on the edges).
     Not counted: index arrays (the graph's 4 int64 per triplet, the blocks' bool mask per entry)
     and parameter-sized copies (transposed weights, W_sbf2 W_sbf1 per order), < 1 % here.
 
@@ -229,7 +230,7 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
 #: and domains_weak_large.json: 16,384 and 27,436 own atoms at P = 1, 2, 4), fitted by least squares:
 #: the estimate is within 9 % of each (0.91-1.03; it underestimates the smaller views). Before #34's
 #: edges -> atoms sum (638eb4c) lowered the peaks, 0.63 (domains_weak.json, domains_strong.json); 0.52
-#: against the estimate before its local-edge coefficients lost the (K+1)H that sum no longer keeps
+#: against the estimate before its local-edge coefficients lost the (K+1)H rows that sum no longer keeps
 #: (the same peaks: 0.52 × 1.019 at those sizes).
 INFERENCE_FRACTION = 0.53
 
