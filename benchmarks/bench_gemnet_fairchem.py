@@ -30,6 +30,13 @@ each step's CPU time (``time.process_time``: one thread, what the step computes,
 machine kept it waiting), wall-clock medians too; the ratio is what to read. Memory kept for
 backward: bytes of the distinct storages autograd saves during the step (``saved_tensors_hooks``),
 parameters excluded (bench_dimenet_pyg's measure).
+
+The floor under either step (``big_products``): the step's dense products of the dominant shape, edge
+rows by the edge width by the edge width (forward and input-gradient ``(E, Ed) @ (Ed, Ed)``, weight
+gradient ``(Ed, E) @ (E, Ed)``), counted in one profiled step of each model, each at this core's best
+time for that product alone (best of 20, operands warm): what those products cost if nothing else ran
+and every one ran as fast as it can here. ``floor_over_fairchem`` is ours over fairchem's median step:
+no eager step of ours can be a smaller fraction of fairchem's than that, whatever else is made faster.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
 import types
 from pathlib import Path
 
@@ -196,12 +204,52 @@ def measure(spec: dict, structure: str, repeats: int, fairchem_src: str | None, 
            "parameters": sum(p.numel() for p in ours.parameters()), "saved_bytes": mem, "cpu_median_s": med,
            "wall_median_s": {k: statistics.median(v) for k, v in wall.items()},
            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "step_cpu_s": cpu, "step_wall_s": wall}
+    res["big_products"] = big_products(steps, res["edges"], cfg.emb_size_edge)
     if fairchem_src:
+        res["big_products"]["floor_over_fairchem"] = res["big_products"]["ours"]["floor_s"] / med["fairchem"]
         res["time_ratio"] = med["ours"] / med["fairchem"]
         res["wall_ratio"] = res["wall_median_s"]["ours"] / res["wall_median_s"]["fairchem"]
         res["paired_ratio_median"] = statistics.median(a / f for a, f in zip(cpu["ours"], cpu["fairchem"]))
         res["saved_bytes_ratio"] = mem["ours"] / mem["fairchem"]
     return res
+
+
+def big_products(steps: dict, rows: int, width: int, repeats: int = 20) -> dict:
+    """Each model's count of ``(rows, width) @ (width, width)`` and ``(width, rows) @ (rows, width)``
+    products in one profiled step (``steps``: name -> (step, model)) and their floor: the count times
+    this core's best time for that product alone (the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, g, w = torch.randn(rows, width), torch.randn(rows, width), torch.randn(width, width)
+
+    def best(f) -> float:
+        f()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    rows_by_width = min(best(lambda: x @ w.t()), best(lambda: g @ w))  # forward, input gradient
+    weight_grad = best(lambda: g.t() @ x)
+    flops = 2 * rows * width * width
+    out = {"shape": [rows, width, width], "best_s": {"rows_by_width": rows_by_width, "weight_gradient": weight_grad},
+           "best_gflops_per_s": {"rows_by_width": flops / rows_by_width / 1e9, "weight_gradient": flops / weight_grad / 1e9}}
+    for name, (step, model) in steps.items():
+        model.zero_grad(set_to_none=True)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            step()
+        n = {"rows_by_width": 0, "weight_gradient": 0}
+        for e in prof.events():
+            shapes = e.input_shapes[:2] if e.name == "aten::mm" else e.input_shapes[1:3] if e.name == "aten::addmm" else []
+            if shapes == [[rows, width], [width, width]]:
+                n["rows_by_width"] += 1
+            elif shapes == [[width, rows], [rows, width]]:
+                n["weight_gradient"] += 1
+        out[name] = {"count": n, "flops": flops * sum(n.values()),
+                     "floor_s": n["rows_by_width"] * rows_by_width + n["weight_gradient"] * weight_grad}
+    return out
 
 
 def _summary(name: str, r: dict) -> str:
@@ -211,6 +259,12 @@ def _summary(name: str, r: dict) -> str:
         line += (f"; fairchem {r['cpu_median_s']['fairchem'] * 1e3:.1f} ms, {r['saved_bytes']['fairchem'] / 2**20:.1f} "
                  f"MiB; ours/fairchem time {r['time_ratio']:.3f} (paired {r['paired_ratio_median']:.3f}, wall "
                  f"{r['wall_ratio']:.3f}), saved {r['saved_bytes_ratio']:.3f}")
+    bp = r["big_products"]
+    line += (f"; {'/'.join(str(sum(bp[k]['count'].values())) for k in r['cpu_median_s'])} products of "
+             f"{bp['shape']} at this core's best ({bp['best_gflops_per_s']['rows_by_width']:.0f} / "
+             f"{bp['best_gflops_per_s']['weight_gradient']:.0f} GFLOP/s): ours {bp['ours']['floor_s'] * 1e3:.0f} ms")
+    if "floor_over_fairchem" in bp:
+        line += f" = {bp['floor_over_fairchem']:.3f} of fairchem's step"
     return line + f"; load {r['loadavg_after'][0]:.2f}"
 
 
