@@ -592,3 +592,49 @@ def test_gemnet_sharded_matches_unsharded(ways, replicas):
         want = step_bytes(cfg, [len(b["edge_src"]) for b in batches], [len(b["z"]) for b in batches],
                           [b["num_systems"] for b in batches], ways, 8, count_parameters(cfg))
         assert sum(r[f"{head}_sent"] for r in res) == want, head
+
+
+@pytest.mark.parametrize("head", ["gradient", "direct"])
+def test_float32_products_by_onednn_agree_with_mkls(head, monkeypatch):
+    """#34 (time): in float32 on CPU the Dense nodes' large products (activation rows times a weight:
+    forward and input gradient) are oneDNN's (``gemnet_layers._mm``), not MKL's. A step of each head at
+    128-wide embeddings on ~700 edges (products above ``_ONEDNN_MIN_MACS``) agrees with the same step
+    by ``addmm`` to float32 rounding — energies, forces and every parameter gradient — and oneDNN did
+    run; a product autograd records (a differentiable backward) stays ``addmm``, with its graph."""
+    from gnnpipe.atomic import gemnet_layers as gl
+
+    from gnnpipe.models import ops
+
+    if not ops.ONEDNN:
+        pytest.skip("this torch has no oneDNN linear: _mm is addmm alone")
+    cfg = dataclasses.replace(TINY, emb_size_atom=128, emb_size_edge=128, emb_size_trip=16, force_head=head)
+    b = _batch(4, dimers=320)
+    torch.manual_seed(0)
+    model = GemNetT(cfg)
+    with torch.no_grad():  # the zero-initialised output layers would make every other gradient 0
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    g = single_graph(b, torch.float32)
+    calls = []
+    onednn = ops.onednn_linear
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return onednn(*args)
+
+    monkeypatch.setattr(ops, "onednn_linear", counted)
+
+    def step(on: bool):
+        monkeypatch.setattr(ops, "ONEDNN", on)
+        model.zero_grad(set_to_none=True)
+        out = model(g)
+        (out["energy"].pow(2).sum() + out["forces"].pow(2).sum()).backward()
+        return [out["energy"].detach(), out["forces"].detach()] + [p.grad.clone() for p in model.parameters()]
+
+    by_mkl, by_onednn = step(False), step(True)
+    assert calls and all(s[0] * s[1] >= gl._ONEDNN_MIN_MACS // 128 for s in calls)
+    worst = max(float((a - c).abs().max() / c.abs().max().clamp_min(1e-30)) for a, c in zip(by_onednn, by_mkl))
+    assert worst < 1e-4, worst
+    a = torch.randn(700, 128, requires_grad=True)
+    y = gl._mm(a, torch.randn(128, 128), 0.5)
+    assert y.grad_fn is not None and torch.autograd.grad(y.sum(), a)[0].shape == a.shape

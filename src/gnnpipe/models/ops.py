@@ -245,13 +245,14 @@ def cached_op(block: Block, key: str, dtype: torch.dtype, csr: CSR,
 
 
 # --------------------------------------------------------------------------- dense maps
-def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ weight.T + bias`` by oneDNN (float32 CPU; needs :data:`ONEDNN`); not differentiable."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _has_onednn_linear() -> bool:
+def _hasonednn_linear() -> bool:
     try:
-        y = _onednn_linear(torch.ones(3, 2), torch.ones(4, 2), torch.zeros(4))
+        y = onednn_linear(torch.ones(3, 2), torch.ones(4, 2), torch.zeros(4))
     except (RuntimeError, AttributeError, NotImplementedError, TypeError):
         return False
     return bool(torch.equal(y, torch.full((3, 4), 2.0)))
@@ -259,7 +260,7 @@ def _has_onednn_linear() -> bool:
 
 #: Whether :func:`linear` may run float32 CPU products on oneDNN (``torch.ops.mkldnn``, present in
 #: x86 builds of torch); tests and benchmarks may turn it off.
-ONEDNN = _has_onednn_linear()
+ONEDNN = _hasonednn_linear()
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -271,13 +272,13 @@ class _OneDNNLinear(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _onednn_linear(x, weight.detach(), None if bias is None else bias.detach())
+        return onednn_linear(x, weight.detach(), None if bias is None else bias.detach())
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
         grad = grad.contiguous()
-        gx = _onednn_linear(grad, weight.t().contiguous(), None) if ctx.needs_input_grad[0] else None
+        gx = onednn_linear(grad, weight.t().contiguous(), None) if ctx.needs_input_grad[0] else None
         gw = grad.t() @ x if ctx.needs_input_grad[1] else None
         gb = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
