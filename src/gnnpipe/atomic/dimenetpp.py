@@ -554,8 +554,25 @@ class OutputPPBlock(nn.Module):
             nn.init.zeros_(self.lin.weight)  # PyG's DimeNet++ default output_initializer="zeros"
 
     def mlp(self, x: Tensor, act=silu) -> Tensor:
-        x = self.lin_up(x)
-        for lin in self.lins:
+        """``lin(act(lins[-1](... act(lins[0](lin_up(x))))))``. ``lin_up`` has no activation, so where the rows
+        outnumber its inputs (H) it and the layer after it are applied as one: ``W_1 W_up`` (O × H; bias
+        ``b_1 + W_1 b_up``), built per call from the two parameters (state dict and gradients stay theirs).
+        That is rows·O·O multiply-adds fewer forward and twice that backward, for O·O·H on the weights'
+        side: 2 % of the products of an energy-only step at PyG's default sizes on 32 molecules (210 atom
+        rows), and most of the direct force head's edge MLP (rows: edges). The same function, not the same
+        rounding."""
+        nxt = self.lins[0] if len(self.lins) else self.lin
+        if x.shape[0] > x.shape[-1]:
+            b = nxt.bias
+            if self.lin_up.bias is not None:
+                b = torch.mv(nxt.weight, self.lin_up.bias) if b is None else torch.addmv(b, nxt.weight, self.lin_up.bias)
+            x = F.linear(x, nxt.weight @ self.lin_up.weight, b)
+        else:
+            x = nxt(self.lin_up(x))
+        if not len(self.lins):
+            return x
+        x = act(x)
+        for lin in self.lins[1:]:
             x = act(lin(x))
         return self.lin(x)
 

@@ -164,6 +164,10 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
     own atom          (K+1)(H + (4L+2)O) + 5                               (K+1)(H + (2L+1)O) + 4
     ================  ===================================================  ==============================
 
+    Where an output MLP has more rows than H (own atoms; the direct head's local edges) its first two
+    products are one (``OutputPPBlock.mlp``) and the output of ``lin_up`` is not kept: 2O (gradient) or
+    O (direct) less per such row and block (measured the same way, at 3 sizes per head).
+
     A direct step keeps what its ops save (a Linear its input, an activation its input, a
     product both factors: a residual layer 4H, an output MLP layer 2O; the force head's edge MLP
     ``(2L+1)O``); the gradient step's double backward also keeps the graph of the force pass,
@@ -201,18 +205,21 @@ def memory_per_worker(cfg, atoms: int, edges: int, triplets: int, ways: int, dty
     rows = ROWS_PER_EDGE * e_loc if rows is None else rows
     columns = COLUMNS_PER_EDGE * e_loc if columns is None else columns
     entries = ENTRIES_PER_TRIPLET * t_loc if entries is None else entries
+    # an output MLP over more rows than H applies lin_up and the next layer as one (OutputPPBlock.mlp):
+    # lin_up's output is not kept (O a row; the gradient step's double backward 2O)
+    atoms_fused, edges_fused = n_own > h, e_loc > h
     if cfg.force_head == "gradient":
         per_edge = k * (21 * h + 8 * res * h + 5 * i) + 11 * h + 7 * r + 33
         per_row = k * i + 3
         per_column = k * (4 * s + 1) * i + (3 * s + 17) * s * r - 8 * r + 35
         per_entry = max(4 * s - 5, 2 * s)
-        per_atom = (k + 1) * (h + (4 * lo + 2) * o) + 5
+        per_atom = (k + 1) * (h + (4 * lo + 2 - 2 * atoms_fused) * o) + 5
     else:
-        per_edge = k * (10 * h + 4 * res * h + 2 * i) + 7 * h + (2 * lo + 1) * o + 2 * r + 6
+        per_edge = k * (10 * h + 4 * res * h + 2 * i) + 7 * h + (2 * lo + 1 - edges_fused) * o + 2 * r + 6
         per_row = 0
         per_column = k * (s + 1) * i + s * r
         per_entry = s
-        per_atom = (k + 1) * (h + (2 * lo + 1) * o) + 4
+        per_atom = (k + 1) * (h + (2 * lo + 1 - atoms_fused) * o) + 4
     out = {"parameters": 4 * count_parameters(cfg) * b,
            "edge": int((per_edge * e_loc + per_row * rows) * b),
            "column": int(per_column * columns * b),
