@@ -34,8 +34,9 @@ parameters excluded (bench_dimenet_pyg's measure).
 The floor under either step (``big_products``): the step's dense products of the dominant shape, edge
 rows by the edge width by the edge width (forward and input-gradient ``(E, Ed) @ (Ed, Ed)``, weight
 gradient ``(Ed, E) @ (E, Ed)``), counted in one profiled step of each model, each at this core's best
-time for that product alone (best of 20, operands warm): what those products cost if nothing else ran
-and every one ran as fast as it can here. ``floor_over_fairchem`` is ours over fairchem's median step:
+time for that product alone (best of 20, operands warm), by the library that ran it in the step (MKL,
+or oneDNN for our float32 Denses' forward and input-gradient products): what those products cost if
+nothing else ran and every one ran as fast as it can here. ``floor_over_fairchem`` is ours over fairchem's median step:
 no eager step of ours can be a smaller fraction of fairchem's than that, whatever else is made faster.
 """
 
@@ -54,12 +55,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_dimenet_pyg import interleaved, saved_bytes
+from bench_dimenet_pyg import bootstrap_ci, interleaved, saved_bytes
 from gnnpipe.atomic import neighbors as nb
 from gnnpipe.atomic.fairchem import GEMNET_SIZES, import_checkpoint
 from gnnpipe.atomic.gemnet import GemNetT, GemNetTConfig, preset
 from gnnpipe.atomic.parallel import single_graph
 from gnnpipe.io import write_json
+from gnnpipe.models import ops
 from machine import machine_record
 from smoke import parse_args
 
@@ -68,8 +70,8 @@ CUTOFF, MAX_NEIGHBORS = 6.0, 50
 SIZES = {
     "small-T": (dict(preset="small"), "slab", 20),
     "small-dT": (dict(preset="small", force_head="direct"), "slab", 20),
-    "default-T": (dict(preset="default", force_head="gradient"), "bulk", 6),
-    "default-dT": (dict(preset="default"), "bulk", 6),
+    "default-T": (dict(preset="default", force_head="gradient"), "bulk", 12),
+    "default-dT": (dict(preset="default"), "bulk", 12),
 }
 SMOKE = {"smoke": (dict(preset="small", num_spherical=3, num_radial=4, num_blocks=1, emb_size_edge=8,
                         emb_size_atom=8), "tiny", 1)}
@@ -209,7 +211,8 @@ def measure(spec: dict, structure: str, repeats: int, fairchem_src: str | None, 
         res["big_products"]["floor_over_fairchem"] = res["big_products"]["ours"]["floor_s"] / med["fairchem"]
         res["time_ratio"] = med["ours"] / med["fairchem"]
         res["wall_ratio"] = res["wall_median_s"]["ours"] / res["wall_median_s"]["fairchem"]
-        res["paired_ratio_median"] = statistics.median(a / f for a, f in zip(cpu["ours"], cpu["fairchem"]))
+        paired = [a / f for a, f in zip(cpu["ours"], cpu["fairchem"])]
+        res["paired_ratio_median"], res["paired_ratio_ci95"] = statistics.median(paired), bootstrap_ci(paired)
         res["saved_bytes_ratio"] = mem["ours"] / mem["fairchem"]
     return res
 
@@ -217,7 +220,9 @@ def measure(spec: dict, structure: str, repeats: int, fairchem_src: str | None, 
 def big_products(steps: dict, rows: int, width: int, repeats: int = 20) -> dict:
     """Each model's count of ``(rows, width) @ (width, width)`` and ``(width, rows) @ (rows, width)``
     products in one profiled step (``steps``: name -> (step, model)) and their floor: the count times
-    this core's best time for that product alone (the module docstring)."""
+    this core's best time for that product alone (the module docstring), by the library that ran it in
+    the step (MKL's ``mm``/``addmm``, or oneDNN's ``mkldnn::_linear_pointwise``: our float32 Denses'
+    forward and input-gradient products, ``gemnet_layers._mm``)."""
     from torch.profiler import ProfilerActivity, profile
 
     x, g, w = torch.randn(rows, width), torch.randn(rows, width), torch.randn(width, width)
@@ -231,24 +236,29 @@ def big_products(steps: dict, rows: int, width: int, repeats: int = 20) -> dict:
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    rows_by_width = min(best(lambda: x @ w.t()), best(lambda: g @ w))  # forward, input gradient
-    weight_grad = best(lambda: g.t() @ x)
+    times = {"rows_by_width": min(best(lambda: x @ w.t()), best(lambda: g @ w)),  # forward, input gradient
+             "weight_gradient": best(lambda: g.t() @ x)}
+    if ops.ONEDNN:
+        times["rows_by_width_onednn"] = min(best(lambda: ops.onednn_linear(x, w, None)),
+                                            best(lambda: ops.onednn_linear(g, w.t(), None)))
     flops = 2 * rows * width * width
-    out = {"shape": [rows, width, width], "best_s": {"rows_by_width": rows_by_width, "weight_gradient": weight_grad},
-           "best_gflops_per_s": {"rows_by_width": flops / rows_by_width / 1e9, "weight_gradient": flops / weight_grad / 1e9}}
+    out = {"shape": [rows, width, width], "best_s": times,
+           "best_gflops_per_s": {k: flops / t / 1e9 for k, t in times.items()}}
     for name, (step, model) in steps.items():
         model.zero_grad(set_to_none=True)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             step()
-        n = {"rows_by_width": 0, "weight_gradient": 0}
+        n = dict.fromkeys(times, 0)
         for e in prof.events():
-            shapes = e.input_shapes[:2] if e.name == "aten::mm" else e.input_shapes[1:3] if e.name == "aten::addmm" else []
-            if shapes == [[rows, width], [width, width]]:
+            shapes = (e.input_shapes[:2] if e.name in ("aten::mm", "mkldnn::_linear_pointwise")
+                      else e.input_shapes[1:3] if e.name == "aten::addmm" else [])
+            if e.name == "mkldnn::_linear_pointwise":
+                n["rows_by_width_onednn"] += shapes == [[rows, width], [width, width]]
+            elif shapes == [[rows, width], [width, width]]:
                 n["rows_by_width"] += 1
             elif shapes == [[width, rows], [rows, width]]:
                 n["weight_gradient"] += 1
-        out[name] = {"count": n, "flops": flops * sum(n.values()),
-                     "floor_s": n["rows_by_width"] * rows_by_width + n["weight_gradient"] * weight_grad}
+        out[name] = {"count": n, "flops": flops * sum(n.values()), "floor_s": sum(n[k] * times[k] for k in n)}
     return out
 
 
@@ -257,12 +267,13 @@ def _summary(name: str, r: dict) -> str:
             f"{r['cpu_median_s']['ours'] * 1e3:.1f} ms CPU, saved {r['saved_bytes']['ours'] / 2**20:.1f} MiB")
     if "time_ratio" in r:
         line += (f"; fairchem {r['cpu_median_s']['fairchem'] * 1e3:.1f} ms, {r['saved_bytes']['fairchem'] / 2**20:.1f} "
-                 f"MiB; ours/fairchem time {r['time_ratio']:.3f} (paired {r['paired_ratio_median']:.3f}, wall "
+                 f"MiB; ours/fairchem time {r['time_ratio']:.3f} (paired {r['paired_ratio_median']:.3f}, 95 % "
+                 f"{'-'.join(f'{v:.3f}' for v in r['paired_ratio_ci95'])}, wall "
                  f"{r['wall_ratio']:.3f}), saved {r['saved_bytes_ratio']:.3f}")
     bp = r["big_products"]
     line += (f"; {'/'.join(str(sum(bp[k]['count'].values())) for k in r['cpu_median_s'])} products of "
-             f"{bp['shape']} at this core's best ({bp['best_gflops_per_s']['rows_by_width']:.0f} / "
-             f"{bp['best_gflops_per_s']['weight_gradient']:.0f} GFLOP/s): ours {bp['ours']['floor_s'] * 1e3:.0f} ms")
+             f"{bp['shape']} at this core's best ({' / '.join(f'{v:.0f}' for v in bp['best_gflops_per_s'].values())} "
+             f"GFLOP/s): ours {bp['ours']['floor_s'] * 1e3:.0f} ms")
     if "floor_over_fairchem" in bp:
         line += f" = {bp['floor_over_fairchem']:.3f} of fairchem's step"
     return line + f"; load {r['loadavg_after'][0]:.2f}"
@@ -272,7 +283,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/bench/gemnet_fairchem.json")
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=[*SIZES, *SMOKE])
-    ap.add_argument("--repeats", type=int, default=None, help="timed steps per model (default: small 20, default 6)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed steps per model (default: small 20, default 12)")
     ap.add_argument("--quick", action="store_true", help="the small sizes only, 5 repeats")
     ap.add_argument("--fairchem-src", default=None,
                     help="a scratch checkout of fairchem-core's src (commit 05b9595a): measure its model too")
