@@ -602,7 +602,6 @@ def test_float32_products_by_onednn_agree_with_mkls(head, monkeypatch):
     by ``addmm`` to float32 rounding — energies, forces and every parameter gradient — and oneDNN did
     run; a product autograd records (a differentiable backward) stays ``addmm``, with its graph."""
     from gnnpipe.atomic import gemnet_layers as gl
-
     from gnnpipe.models import ops
 
     if not ops.ONEDNN:

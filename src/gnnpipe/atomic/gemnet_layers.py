@@ -61,12 +61,11 @@ _ONEDNN_MIN_MACS = 1 << 23
 
 
 def _by_onednn(a: Tensor, b: Tensor) -> bool:
-    """Whether ``a b`` goes to oneDNN (``ops.onednn_linear``, where ``ops.ONEDNN``): float32 on CPU, ``a``
-    row-major (activation rows: oneDNN was slower than MKL with a transposed ``a``, the weight gradients'
-    ``g^T x``), large, and not recorded by autograd (that op has no derivative; a differentiable backward
-    under ``create_graph`` takes addmm)."""
-    return (ops.ONEDNN and a.dtype == torch.float32 and b.dtype == torch.float32
-            and a.device.type == "cpu" and a.dim() == 2 and a.is_contiguous()
+    """Whether ``a b`` goes to oneDNN (``ops.onednn_linear``): where ``ops.by_onednn`` allows it (float32
+    rows on CPU), ``a`` row-major (activation rows: oneDNN was slower than MKL with a transposed ``a``, the
+    weight gradients' ``g^T x``), large, and not recorded by autograd (that op has no derivative; a
+    differentiable backward under ``create_graph`` takes addmm)."""
+    return (ops.by_onednn(a, b) and a.is_contiguous()
             and a.shape[0] * a.shape[1] * b.shape[1] >= _ONEDNN_MIN_MACS
             and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)))
 

@@ -250,7 +250,7 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _hasonednn_linear() -> bool:
+def _has_onednn_linear() -> bool:
     try:
         y = onednn_linear(torch.ones(3, 2), torch.ones(4, 2), torch.zeros(4))
     except (RuntimeError, AttributeError, NotImplementedError, TypeError):
@@ -260,7 +260,12 @@ def _hasonednn_linear() -> bool:
 
 #: Whether :func:`linear` may run float32 CPU products on oneDNN (``torch.ops.mkldnn``, present in
 #: x86 builds of torch); tests and benchmarks may turn it off.
-ONEDNN = _hasonednn_linear()
+ONEDNN = _has_onednn_linear()
+
+
+def by_onednn(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``x``'s product with ``weight`` may run on oneDNN: :data:`ONEDNN`, float32 rows on CPU."""
+    return ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and weight.dtype == x.dtype
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -293,7 +298,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     Exact float32 products either way (only the order of the sums differs); float64, CUDA and
     other devices take ``F.linear``.
     """
-    if ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and weight.dtype == x.dtype:
+    if by_onednn(x, weight):
         return _OneDNNLinear.apply(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)
 
