@@ -96,7 +96,8 @@ CUTOFF, MAX_NEIGHBORS = 5.0, 24
 #: average; QM9's are 18) (enough rounds that the paired ratio's 95 % interval is about ± 0.01 on a quiet
 #: machine)
 ENERGY_SIZES = {"small": (dict(preset="small"), 32, 200, 3), "default": (dict(preset="default"), 32, 100, 3),
-                "default-6plus": (dict(preset="default"), 32, 100, 6), "default-8plus": (dict(preset="default"), 32, 100, 8)}
+                "default-6plus": (dict(preset="default"), 32, 100, 6),
+                "default-8plus": (dict(preset="default"), 32, 100, 8)}
 ENERGY_SMOKE = {"smoke-energy-only": (dict(preset="small", num_spherical=3, num_radial=3), 4, 1, 3)}
 
 
@@ -331,8 +332,9 @@ def energy_ratio(spec: dict, batch_size: int, repeats: int = 20, warmup: int = 2
                  compile: bool = False, min_atoms: int = 3) -> dict:
     """Ours/PyG time of energy-only training steps (medians of interleaved steps, each on the next batch
     of :func:`molecule_batches`: molecules of ``min_atoms`` or more) for the model ``spec``, after checking
-    energies and every parameter gradient agree (float64). Call it under ``torch.set_num_threads(1)``. ``compile``: also both models
-    ``torch.compile``'d (:func:`compiled_steps`), timed in the same interleaved rounds."""
+    energies and every parameter gradient agree (float64). Call it under ``torch.set_num_threads(1)``.
+    ``compile``: also both models ``torch.compile``'d (:func:`compiled_steps`), timed in the same
+    interleaved rounds."""
     cfg = _config(spec)
     batches = molecule_batches(batch_size, cfg.cutoff, min_atoms)
     ours, ref = _models(cfg, cls=DimeNetPPModel)
@@ -358,7 +360,8 @@ def energy_ratio(spec: dict, batch_size: int, repeats: int = 20, warmup: int = 2
     rows = statistics.median(len(b["edge_src"]) for b in batches)
     peak = gemm_rate(int(rows), cfg.hidden_channels, dtype)
     size = lambda key: [int(len(b[key])) for b in batches]  # noqa: E731
-    return {"molecules": batch_size * len(batches), "min_atoms": min_atoms, "batch_size": batch_size, "batches": len(batches),
+    return {"molecules": batch_size * len(batches), "min_atoms": min_atoms, "batch_size": batch_size,
+            "batches": len(batches),
             "atoms_per_batch": size("z"), "edges_per_batch": size("edge_src"), "triplets_per_batch": size("idx_kj"),
             "model": vars(cfg), "parameters": sum(p.numel() for p in ours.parameters()), "repeats": repeats,
             "time_ratio": c["ratio"], "cpu": c, "wall": w, "products_split": split,
