@@ -268,7 +268,9 @@ class _ResidualSiLU(torch.autograd.Function):
     the rows (two SiLU derivatives, the inner activation recomputed, the skip connection's gradient added)
     where the plain ops and ``_SiLULinear`` run 8. Forward and (one backward) backward write their rows into buffers they
     made and have read (2 and 2 (rows, units) allocations, not 4 and 5): fresh buffers cost page faults
-    and cache misses that showed as ~2 % of a GemNet-dT step. Same values up to rounding; under
+    and cache misses that showed as ~2 % of a GemNet-dT step. That holds where ``_mm`` is ``addmm``; where
+    it is oneDNN's (large float32 products on CPU) the products come back in fresh tensors, which measured
+    faster than MKL into the reused buffers (a default-dT step 0.99). Same values up to rounding; under
     ``create_graph`` its backward rebuilds z1 and z2 by differentiable torch ops, so a second
     derivative is right too (at two GEMMs more)."""
 
@@ -293,10 +295,10 @@ class _ResidualSiLU(torch.autograd.Function):
         if not torch.is_grad_enabled() and need_x and need_w1 and need_w2:  # the usual case, in two row buffers
             a1 = torch.nn.functional.silu(z1)
             d_w2 = _mm(h2.t(), a1, k)
-            d_z1 = _mm(h2, w2, k, out=a1)  # a1 read: its buffer takes h2 W2 k, then d_z1 in place
+            d_z1 = _mm(h2, w2, k, out=a1)  # a1 read: its buffer takes h2 W2 k (addmm), then d_z1 in place
             torch.ops.aten.silu_backward.grad_input(d_z1, z1, grad_input=d_z1)
             d_w1 = d_z1.t() @ x
-            return _mm(d_z1, w1, out=h2).add_(g, alpha=INV_SQRT2), d_w1, d_w2  # h2 read: d_x in its buffer
+            return _mm(d_z1, w1, out=h2).add_(g, alpha=INV_SQRT2), d_w1, d_w2  # h2 read: d_x in its buffer (addmm)
         d_w2 = (h2.t() @ torch.nn.functional.silu(z1)) * k if need_w2 else None
         d_x = d_w1 = None
         if need_x or need_w1:
